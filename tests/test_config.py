@@ -1,0 +1,57 @@
+"""DiffKVConfig validation and presets."""
+import dataclasses
+
+import pytest
+
+from trtllm_diffkv.config import PRESETS, DiffKVConfig, TierConfig, get_preset
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("alpha_high", -1.0, "alpha_high"), ("alpha_high", float("nan"), "alpha_high"),
+    ("alpha_low", 2.0, "alpha_low"),  # above alpha_high (1.0)
+    ("recent_window_tokens", -1, "recent_window_tokens"), ("recent_window_tokens", 3.5, "recent_window_tokens"),
+    ("prompt_score_window_tokens", 0, "prompt_score_window_tokens"),
+    ("prompt_threshold_base", "median", "prompt_threshold_base"),
+    ("high", TierConfig(2, 2), "high tier"),  # high below low (K4V2)
+])
+def test_invalid_fields_name_field_and_range(field, value, words):
+    with pytest.raises(ValueError, match=words):
+        DiffKVConfig(**{field: value})
+
+
+def test_range_is_stated():
+    with pytest.raises(ValueError, match=r"allowed range: \[0\.0, 1000\.0\]"):
+        DiffKVConfig(alpha_high=1e9)
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DiffKVConfig().alpha_high = 2.0
+
+
+def test_tier_defaults_follow_authors_groups():
+    assert (TierConfig(8, 4).key_groups, TierConfig(8, 4).value_groups) == (1, 2)
+    assert (TierConfig(4, 2).key_groups, TierConfig(4, 2).value_groups) == (2, 4)
+    # K8V4 at head_dim 128: 128 + 4 + 64 + 8 bytes; K4V2: 64 + 8 + 32 + 16 bytes
+    assert TierConfig(8, 4).token_bytes(128) == 204 and TierConfig(4, 2).token_bytes(128) == 120
+    assert TierConfig(16, 16).token_bytes(64) == 256
+
+
+def test_presets():
+    assert {"default", "fp16", "llama3-8b", "llama3-70b", "qwen2.5-7b", "qwen2.5-32b", "qwq-32b"} <= PRESETS.keys()
+    assert (get_preset("llama3-8b").alpha_low, get_preset("llama3-8b").alpha_high) == (0.02, 1.0)
+    assert get_preset("qwen2.5-7b").alpha_low == get_preset("qwen2.5-7b").alpha_high == 0.04
+    assert not get_preset("fp16").compress
+    with pytest.raises(ValueError, match="known presets"):
+        get_preset("llama9")
+
+
+def test_validate_for_model_refuses_at_configuration_time():
+    cfg = DiffKVConfig()
+    for head_dim in (64, 80, 96, 128, 256):
+        cfg.validate_for_model(head_dim, 28, 4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        cfg.validate_for_model(128, 30, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        cfg.validate_for_model(100, 8, 8)
+    get_preset("fp16").validate_for_model(100, 8, 8)  # no packed format needed without compression

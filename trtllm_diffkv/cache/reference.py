@@ -1,0 +1,294 @@
+"""Reference DiffKV KV cache for one request (exact, slow, not paged).
+
+Storage is indexed by token position: every layer keeps, per KV head, the
+dequantized key and value of every kept token at its current tier, the tier
+code of every position (high, low or pruned) and the accumulated attention
+score. Pruned positions are masked out of attention and cost no bytes in the
+memory accounting, which counts exactly what the packed formats
+(:mod:`trtllm_diffkv.quant`) plus the per-token score and position take.
+The paged, memory-saving layout is :mod:`trtllm_diffkv.memory`; this class is
+the oracle its kernels are compared with.
+
+Step protocol (the :class:`~trtllm_diffkv.model.attention_api.AttentionBackend`
+contract, one request): the first ``forward`` of each layer is the prefill
+(all prompt tokens), each later one a single decode token.
+
+Prefill (paper section 4.2): causal attention over the full-precision prompt
+keys and values, then the last ``prompt_score_window_tokens`` queries score
+the prompt tokens and every token is stored at its tier.
+
+Decode: the new token is written at high precision and joins the recent
+window; attention reads every kept token; its probabilities (max over each KV
+head's query heads) are added to the scores; then the token leaving the
+window is tiered and a victim re-checked (:func:`trtllm_diffkv.policy.decode_step`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import policy
+from ..config import DiffKVConfig, TierConfig
+from ..policy import TIER_HIGH, TIER_LOW, TIER_PRUNED
+from ..quant import check_finite, fake_quantize
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Memory and tier statistics of a cache, summed over layers and KV heads.
+
+    Attributes:
+        seq_len_tokens: tokens processed (prompt + generated so far).
+        high_tokens, low_tokens, pruned_tokens: (layer, KV head, token)
+            triples in each tier; the recent window counts as high.
+        kv_cache_bytes: bytes the packed cache takes (codes, fp16 scale/zero,
+            fp32 score and int32 position per kept token; no metadata for the
+            uncompressed ``fp16`` preset).
+        fp16_kv_cache_bytes: an FP16 cache of the same tokens: 2 bytes x
+            head_dim x 2 (K and V) per token per KV head per layer.
+    """
+
+    seq_len_tokens: int
+    high_tokens: int
+    low_tokens: int
+    pruned_tokens: int
+    kv_cache_bytes: int
+    fp16_kv_cache_bytes: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.high_tokens + self.low_tokens + self.pruned_tokens
+
+    @property
+    def kv_memory_fraction(self) -> float:
+        """KV memory as a fraction of FP16 (paper: 0.19-0.37)."""
+        return self.kv_cache_bytes / self.fp16_kv_cache_bytes if self.fp16_kv_cache_bytes else 0.0
+
+    def fraction(self, tier: str) -> float:
+        """Fraction of tokens in ``tier`` ("high", "low", "pruned")."""
+        count = {"high": self.high_tokens, "low": self.low_tokens, "pruned": self.pruned_tokens}[tier]
+        return count / self.total_tokens if self.total_tokens else 0.0
+
+
+class DiffKVReferenceCache:
+    """Exact DiffKV cache of one request, usable as the model's attention backend.
+
+    Args:
+        config: the DiffKV policy; ``config.compress == False`` keeps every
+            token unquantized (the ``fp16`` preset).
+        num_layers, num_heads, num_kv_heads, head_dim: model shape.
+        max_seq_len_tokens: capacity (prompt + new tokens).
+        device: where tensors live.
+
+    Raises:
+        ValueError: configuration the model cannot run (see
+            :meth:`DiffKVConfig.validate_for_model`), a prompt longer than the
+            capacity, or a non-finite key/value (naming layer and KV head).
+    """
+
+    def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, max_seq_len_tokens: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        config.validate_for_model(head_dim, num_heads, num_kv_heads)
+        self.config = config
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
+        self.max_seq_len_tokens = max_seq_len_tokens
+        store_dtype = torch.float32 if config.compress else dtype
+        shape = (num_layers, num_kv_heads, max_seq_len_tokens, head_dim)
+        self.keys = torch.zeros(shape, dtype=store_dtype, device=device)
+        self.values = torch.zeros(shape, dtype=store_dtype, device=device)
+        self.tiers = torch.full(shape[:3], TIER_PRUNED, dtype=torch.int8, device=device)
+        self.scores = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+        # Per-(layer, KV head) key channel offset subtracted before quantization (config.center_keys).
+        self.key_offsets = torch.zeros((num_layers, num_kv_heads, head_dim), dtype=torch.float32, device=device)
+        self.prompt_len = 0
+        self.seq_len = 0  # tokens fully processed by every layer
+        self._layer_seq_len = [0] * num_layers
+
+    # ----------------------------------------------------------------- storage
+    def _quantized_keys(self, layer_idx: int, k: torch.Tensor, tier: TierConfig) -> torch.Tensor:
+        """Reconstructed keys ``[num_kv_heads, n, head_dim]`` fp32 after quantization at ``tier``.
+
+        Keys are quantized relative to the layer's per-head channel offset,
+        which is added back (``config.center_keys``).
+        """
+        offset = self.key_offsets[layer_idx][:, None, :]
+        q = fake_quantize(k.float() - offset, tier.key_bits, tier.key_groups, what="key", layer_idx=layer_idx)
+        return q + offset
+
+    def _quantized_values(self, layer_idx: int, v: torch.Tensor, tier: TierConfig) -> torch.Tensor:
+        return fake_quantize(v, tier.value_bits, tier.value_groups, what="value", layer_idx=layer_idx)
+
+    def _store_tiered(self, layer_idx: int, n: int, k: torch.Tensor, v: torch.Tensor, tiers: torch.Tensor) -> None:
+        """Store positions ``0..n-1`` with per-(head, token) tiers ``int8 [num_kv_heads, n]``."""
+        high, low = self.config.high, self.config.low
+        is_high = (tiers == TIER_HIGH)[..., None]
+        keep = (tiers != TIER_PRUNED)[..., None]
+        keys = torch.where(is_high, self._quantized_keys(layer_idx, k, high), self._quantized_keys(layer_idx, k, low))
+        values = torch.where(is_high, self._quantized_values(layer_idx, v, high), self._quantized_values(layer_idx, v, low))
+        self.keys[layer_idx, :, :n] = keys * keep
+        self.values[layer_idx, :, :n] = values * keep
+        self.tiers[layer_idx, :, :n] = tiers
+
+    def _requantize(self, layer_idx: int, heads: torch.Tensor, pos: torch.Tensor, tier: int) -> None:
+        """Move tokens ``(heads[i], pos[i])`` to ``tier``: re-quantize from the dequantized values, or prune."""
+        if heads.numel() == 0:
+            return
+        self.tiers[layer_idx, heads, pos] = tier
+        if tier == TIER_PRUNED:
+            self.keys[layer_idx, heads, pos] = 0
+            self.values[layer_idx, heads, pos] = 0
+            return
+        fmt = self.config.high if tier == TIER_HIGH else self.config.low
+        offset = self.key_offsets[layer_idx, heads]  # [n, head_dim]
+        k = (self.keys[layer_idx, heads, pos] - offset)[:, None]  # [n, 1, head_dim]: one row per (head, token)
+        v = self.values[layer_idx, heads, pos][:, None]
+        k_hat = fake_quantize(k, fmt.key_bits, fmt.key_groups, what="key", layer_idx=layer_idx)[:, 0] + offset
+        self.keys[layer_idx, heads, pos] = k_hat
+        self.values[layer_idx, heads, pos] = self._quantized_values(layer_idx, v, fmt)[:, 0]
+
+    # --------------------------------------------------------------- attention
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention backend entry point; shapes as in ``AttentionBackend.forward``."""
+        start = self._layer_seq_len[layer_idx]
+        n = q.shape[0]
+        if start + n > self.max_seq_len_tokens:
+            raise ValueError(f"sequence of {start + n} tokens exceeds the cache capacity {self.max_seq_len_tokens}")
+        if start == 0:
+            out = self._prefill(layer_idx, q, k, v)
+        elif n == 1:
+            out = self._decode(layer_idx, q, k, v)
+        else:
+            raise ValueError("the reference cache takes the whole prompt at once, then one token per step")
+        self._layer_seq_len[layer_idx] = start + n
+        if layer_idx == self.num_layers - 1:
+            self.seq_len = start + n
+        return out
+
+    def _prefill(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        if n == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        self.prompt_len = n
+        cfg = self.config
+        group = self.num_heads // self.num_kv_heads
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, n, head_dim]
+        check_finite(kh, "key", layer_idx)
+        check_finite(vh, "value", layer_idx)
+        qh = q.transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0), is_causal=True)
+        if not cfg.compress:
+            self.keys[layer_idx, :, :n] = kh.to(self.keys.dtype)
+            self.values[layer_idx, :, :n] = vh.to(self.values.dtype)
+            self.tiers[layer_idx, :, :n] = TIER_HIGH
+            return out.transpose(0, 1)
+        if cfg.center_keys:
+            self.key_offsets[layer_idx] = kh.float().mean(1).to(torch.float16).float()
+        num_scoring = min(cfg.prompt_score_window_tokens, n)
+        probs = _causal_probs(qh[:, n - num_scoring:].float(), kh.float(), group, n - num_scoring)
+        scores = policy.prompt_score_sums(probs, self.num_kv_heads)
+        self.scores[layer_idx, :, :n] = scores
+        tiers = policy.prompt_tiers(scores, cfg.alpha_high, cfg.alpha_low, cfg.recent_window_tokens,
+                                    cfg.prompt_score_window_tokens, cfg.prompt_threshold_base)
+        self._store_tiered(layer_idx, n, kh, vh, tiers)
+        return out.transpose(0, 1)
+
+    def _decode(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        pos = self._layer_seq_len[layer_idx]
+        seq_len = pos + 1
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, 1, head_dim]
+        if cfg.compress:
+            self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high)[:, 0]
+            self.values[layer_idx, :, pos] = self._quantized_values(layer_idx, vh, cfg.high)[:, 0]
+        else:
+            check_finite(kh, "key", layer_idx)
+            check_finite(vh, "value", layer_idx)
+            self.keys[layer_idx, :, pos] = kh[:, 0].to(self.keys.dtype)
+            self.values[layer_idx, :, pos] = vh[:, 0].to(self.values.dtype)
+        self.tiers[layer_idx, :, pos] = TIER_HIGH
+        keys, values = self.keys[layer_idx, :, :seq_len], self.values[layer_idx, :, :seq_len]
+        kept = self.tiers[layer_idx, :, :seq_len] != TIER_PRUNED
+        out, probs = attend_kept(q[0], keys, values, kept)
+        if not cfg.compress:
+            return out[None].to(q.dtype)
+        self.scores[layer_idx, :, :seq_len] += policy.merge_query_heads(probs, self.num_kv_heads)
+        self._compact(layer_idx, seq_len)
+        return out[None].to(q.dtype)
+
+    def _compact(self, layer_idx: int, seq_len: int) -> None:
+        """Tier the token leaving the recent window and re-check a victim (generation phase)."""
+        cfg = self.config
+        cand = seq_len - cfg.recent_window_tokens - 1
+        if cand < 0:
+            return  # everything still fits in the recent window
+        positions = torch.arange(cand + 1, device=self.scores.device)
+        counts = policy.query_counts(positions, self.prompt_len, seq_len, cfg.prompt_score_window_tokens)
+        importance = self.scores[layer_idx, :, :cand + 1] / counts
+        decision = policy.decode_step(self.tiers[layer_idx, :, :cand + 1], importance, seq_len,
+                                      cfg.alpha_high, cfg.alpha_low)
+        heads = torch.arange(self.num_kv_heads, device=self.scores.device)
+        cand_pos = torch.full_like(heads, cand)
+        for tier in (TIER_LOW, TIER_PRUNED):
+            sel = decision.candidate_tier == tier
+            self._requantize(layer_idx, heads[sel], cand_pos[sel], tier)
+        has_victim = decision.victim_pos >= 0
+        for tier in (TIER_LOW, TIER_PRUNED):
+            sel = has_victim & (decision.victim_tier == tier)
+            sel &= self.tiers[layer_idx, heads, decision.victim_pos.clamp(min=0)] != tier
+            self._requantize(layer_idx, heads[sel], decision.victim_pos[sel], tier)
+
+    # ------------------------------------------------------------------ report
+    def stats(self) -> CacheStats:
+        """Tier counts and packed bytes over all layers and KV heads, at ``seq_len``."""
+        n = self.seq_len
+        tiers = self.tiers[:, :, :n]
+        high = int((tiers == TIER_HIGH).sum())
+        low = int((tiers == TIER_LOW).sum())
+        pruned = tiers.numel() - high - low
+        fp16_bytes = tiers.numel() * 2 * self.head_dim * 2
+        if self.config.compress:
+            used = high * self.config.token_bytes("high", self.head_dim) + low * self.config.token_bytes("low", self.head_dim)
+            if self.config.center_keys and n:  # one fp16 offset vector per (layer, KV head)
+                used += self.num_layers * self.num_kv_heads * self.head_dim * 2
+        else:
+            used = fp16_bytes
+        return CacheStats(n, high, low, pruned, used, fp16_bytes)
+
+
+def _causal_probs(q: torch.Tensor, k: torch.Tensor, group: int, first_query_pos: int) -> torch.Tensor:
+    """Softmax probabilities of queries ``[num_heads, m, head_dim]`` at positions
+    ``first_query_pos..`` over keys ``[num_kv_heads, n, head_dim]``, causal, fp32.
+
+    Returns ``[num_heads, m, n]`` with exact zeros where masked.
+    """
+    n = k.shape[1]
+    logits = q @ k.repeat_interleave(group, 0).transpose(1, 2) / math.sqrt(q.shape[-1])
+    qpos = torch.arange(first_query_pos, first_query_pos + q.shape[1], device=q.device)[:, None]
+    mask = torch.arange(n, device=q.device)[None, :] > qpos
+    return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
+
+
+def attend_kept(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense fp32 decode attention over each KV head's kept tokens (the reference for kernels).
+
+    Args:
+        q: ``[num_heads, head_dim]`` one query per head.
+        keys, values: ``[num_kv_heads, seq_len, head_dim]`` (dequantized).
+        kept: ``bool [num_kv_heads, seq_len]``; masked tokens never enter the
+            softmax. A head must keep at least one token.
+
+    Returns:
+        ``(out [num_heads, head_dim] fp32, probs [num_heads, seq_len] fp32)``.
+    """
+    num_heads, head_dim = q.shape
+    group = num_heads // keys.shape[0]
+    qg = q.float().reshape(keys.shape[0], group, head_dim)
+    logits = torch.einsum("hgd,hnd->hgn", qg, keys.float()) / math.sqrt(head_dim)
+    logits = logits.masked_fill(~kept[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("hgn,hnd->hgd", probs, values.float())
+    return out.reshape(num_heads, head_dim), probs.reshape(num_heads, -1)

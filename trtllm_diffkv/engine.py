@@ -1,0 +1,160 @@
+"""Reference generation loop: one request at a time, greedy, DiffKV cache.
+
+This is the exact path every faster one (paged cache, Triton kernels,
+in-flight batching) is checked against. Errors of one request are caught and
+reported in its :class:`GenerationResult`; the others go on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache import DiffKVReferenceCache
+from .config import DiffKVConfig
+
+
+@dataclass
+class GenerationResult:
+    """Outcome of one request.
+
+    Attributes:
+        text: decoded generated text (special tokens removed).
+        token_ids: generated token ids.
+        prompt_tokens, generated_tokens: counts.
+        finish_reason: "stop" (end-of-sequence token), "length" or "error".
+        kv_memory_fraction: packed KV bytes / FP16 KV bytes at the end.
+        high_fraction, low_fraction, pruned_fraction: share of (layer, KV
+            head, token) triples in each tier at the end; they sum to 1.
+        kv_cache_bytes, fp16_kv_cache_bytes: the two byte counts.
+        prefill_tokens_per_s: prompt tokens / prefill wall time.
+        decode_tokens_per_s: decode steps / decode wall time (0 if none ran).
+        error: the message when ``finish_reason == "error"``.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finish_reason: str = "length"
+    kv_memory_fraction: float = 0.0
+    high_fraction: float = 0.0
+    low_fraction: float = 0.0
+    pruned_fraction: float = 0.0
+    kv_cache_bytes: int = 0
+    fp16_kv_cache_bytes: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    error: str | None = None
+
+    def to_json_dict(self) -> dict:
+        """JSON-ready dict (the CLI's ``--json`` line)."""
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ReferenceGenerator:
+    """Greedy generation with a :class:`DiffKVReferenceCache` per request.
+
+    Args:
+        model: a model with ``forward(input_ids, positions, backend, logits_indices)``
+            (see :mod:`trtllm_diffkv.model.llama`).
+        tokenizer: a transformers tokenizer (for chat template, decode, EOS).
+        model_config: the model's shape (num_layers, num_heads, num_kv_heads,
+            head_dim, max_position_embeddings).
+        kv_config: the DiffKV policy.
+
+    Raises:
+        ValueError: ``kv_config`` cannot run this model (checked here, at
+            configuration time).
+    """
+
+    def __init__(self, model, tokenizer, model_config, kv_config: DiffKVConfig):
+        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        self.model, self.tokenizer, self.model_config, self.kv_config = model, tokenizer, model_config, kv_config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.stop_token_ids = {eos} if eos is not None else set()
+
+    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
+        """Token ids of ``prompt``, wrapped in the tokenizer's chat template if it has one."""
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def generate(self, prompt: str, max_new_tokens: int, chat_template: bool = True) -> GenerationResult:
+        """Encode and generate; errors come back in the result, never raised."""
+        try:
+            if not prompt:
+                raise ValueError("empty prompt: at least one token is needed")
+            ids = self.encode(prompt, chat_template)
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
+            return GenerationResult(finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+        return self.generate_ids(ids, max_new_tokens)
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+        """Greedy generation from token ids; errors come back in the result."""
+        try:
+            return self._generate(prompt_ids, max_new_tokens)
+        except (ValueError, RuntimeError) as exc:
+            return GenerationResult(prompt_tokens=len(prompt_ids), finish_reason="error",
+                                    error=f"{type(exc).__name__}: {exc}")
+
+    def new_cache(self, max_seq_len_tokens: int) -> DiffKVReferenceCache:
+        """An empty cache for one request of up to ``max_seq_len_tokens`` tokens."""
+        mc = self.model_config
+        return DiffKVReferenceCache(self.kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                    max_seq_len_tokens, self.device, self.dtype)
+
+    def _generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+        prompt_len = len(prompt_ids)
+        if prompt_len == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        limit = self.model_config.max_position_embeddings
+        if prompt_len + max_new_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's {limit} positions")
+        cache = self.new_cache(prompt_len + max_new_tokens)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            _sync(self.device)
+            t0 = time.perf_counter()
+            logits = self.model(ids, torch.arange(prompt_len, device=self.device), cache,
+                                logits_indices=torch.tensor([prompt_len - 1], device=self.device))
+            token = int(logits[-1].argmax())
+            _sync(self.device)
+            t1 = time.perf_counter()
+            out = [token]
+            finish = "stop" if token in self.stop_token_ids else "length"
+            while finish == "length" and len(out) < max_new_tokens:
+                pos = prompt_len + len(out) - 1
+                logits = self.model(torch.tensor([token], device=self.device),
+                                    torch.tensor([pos], device=self.device), cache)
+                token = int(logits[-1].argmax())
+                out.append(token)
+                if token in self.stop_token_ids:
+                    finish = "stop"
+            _sync(self.device)
+            t2 = time.perf_counter()
+        stats = cache.stats()
+        decode_steps = len(out) - 1
+        text_ids = [t for t in out if t not in self.stop_token_ids]
+        return GenerationResult(
+            text=self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else "",
+            token_ids=out, prompt_tokens=prompt_len, generated_tokens=len(out), finish_reason=finish,
+            kv_memory_fraction=stats.kv_memory_fraction, high_fraction=stats.fraction("high"),
+            low_fraction=stats.fraction("low"), pruned_fraction=stats.fraction("pruned"),
+            kv_cache_bytes=stats.kv_cache_bytes, fp16_kv_cache_bytes=stats.fp16_kv_cache_bytes,
+            prefill_tokens_per_s=prompt_len / max(t1 - t0, 1e-9),
+            decode_tokens_per_s=decode_steps / (t2 - t1) if decode_steps else 0.0,
+        )

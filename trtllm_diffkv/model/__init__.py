@@ -1,0 +1,14 @@
+"""Model side: the Llama-family decoder, its loader and the attention contract."""
+from .attention_api import AttentionBackend, DenseCausalAttention
+from .llama import LlamaForCausalLM, ModelConfig
+from .loader import default_model_path, load_model, resolve_model_path
+
+__all__ = [
+    "AttentionBackend",
+    "DenseCausalAttention",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "default_model_path",
+    "load_model",
+    "resolve_model_path",
+]

@@ -1,0 +1,562 @@
+"""Llama-family decoder in plain PyTorch: Llama 2/3, Mistral, Qwen2/2.5, SmolLM2.
+
+One readable file in the spirit of gpt-fast. The model owns weights only; it
+never stores keys or values. Each decoder layer projects q/k/v, applies RoPE
+at the tokens' absolute positions and hands them to
+:meth:`AttentionBackend.forward` (``attention_api.py``), which returns the
+attention output.
+
+Token layout ("packed"): the new tokens of one step, all requests
+concatenated: ``input_ids`` and ``positions`` are ``[num_tokens]``; hidden
+states are ``[num_tokens, hidden_size]``; q is ``[num_tokens, num_heads,
+head_dim]``, k and v are ``[num_tokens, num_kv_heads, head_dim]``.
+
+Numerics follow Hugging Face ``transformers`` (the parity reference): RoPE
+angles and RMSNorm statistics in fp32, everything else in the model dtype,
+rotate-half RoPE layout (HF weight layout, not Meta's interleaved one).
+
+Weight names equal the Hugging Face Llama names
+(``model.layers.N.self_attn.q_proj.weight``, ...), so a checkpoint's tensors
+load by name.
+
+Supported architectures (:data:`SUPPORTED_ARCHITECTURES`):
+
+* ``LlamaForCausalLM``: Llama 2, Llama 3/3.1/3.2 (``rope_type`` ``"llama3"``),
+  SmolLM2 (tied embeddings). ``attention_bias`` / ``mlp_bias`` are refused.
+* ``MistralForCausalLM``: no sliding-window attention. A config with
+  ``sliding_window`` set loads (attention is exactly causal while every
+  position is below the window), but :meth:`LlamaForCausalLM.forward` raises
+  ``ValueError`` for any position ``>= sliding_window``; executors can check
+  requests host-side against :attr:`ModelConfig.max_supported_positions`.
+* ``Qwen2ForCausalLM``: Qwen2 / Qwen2.5 (bias on q/k/v projections). Sliding
+  window (``use_sliding_window``) is handled as for Mistral.
+
+RoPE scaling: ``rope_type`` ``"default"`` (or none), ``"linear"``, ``"llama3"``;
+anything else raises ``ValueError`` naming it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention_api import AttentionBackend
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""HF ``architectures`` names this module runs."""
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+"""RoPE variants :func:`rope_inv_freq` computes."""
+
+_MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Frozen, validated description of a Llama-family decoder.
+
+    Attributes:
+        vocab_size: number of token ids.
+        hidden_size: residual stream width.
+        intermediate_size: SwiGLU MLP inner width.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (GQA; ``num_heads % num_kv_heads == 0``).
+        head_dim: per-head width (may differ from ``hidden_size // num_heads``).
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        rope_scaling: ``None`` (plain RoPE) or a dict with ``"rope_type"``
+            ``"linear"`` (key ``factor``) or ``"llama3"`` (keys ``factor``,
+            ``low_freq_factor``, ``high_freq_factor``,
+            ``original_max_position_embeddings``). Not hashed.
+        max_position_embeddings: trained context length (informational; not enforced).
+        tie_word_embeddings: ``lm_head`` shares ``embed_tokens``' weight.
+        qkv_bias: q/k/v projections carry a bias (Qwen2).
+        architecture: one of :data:`SUPPORTED_ARCHITECTURES`.
+        sliding_window: Mistral/Qwen2 sliding window in tokens, or ``None``.
+            Not implemented: positions ``>= sliding_window`` are refused.
+
+    Raises:
+        ValueError: unsupported architecture or RoPE type, non-positive sizes,
+            ``num_heads`` not a multiple of ``num_kv_heads``, odd ``head_dim``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {list(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be positive or None")
+        object.__setattr__(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings))
+
+    @property
+    def rope_type(self) -> str:
+        """``"default"``, ``"linear"`` or ``"llama3"``."""
+        return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
+
+    @property
+    def max_supported_positions(self) -> int | None:
+        """Exclusive bound on positions this implementation computes exactly.
+
+        ``sliding_window`` for sliding-window configs (attention differs from
+        plain causal beyond it), else ``None`` (no bound; RoPE extrapolates as
+        in the reference).
+        """
+        return self.sliding_window
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+        """Parse a Hugging Face ``config.json`` dict.
+
+        Accepts both the transformers<5 layout (top-level ``rope_theta`` and
+        ``rope_scaling``) and the transformers>=5 layout (``rope_parameters``
+        holding ``rope_theta`` and ``rope_type``). The architecture comes from
+        ``architectures[0]``, else from ``model_type``.
+
+        Raises:
+            ValueError: unsupported architecture (naming it and the supported
+                list), unsupported RoPE type, ``hidden_act`` other than silu,
+                Llama ``attention_bias``/``mlp_bias``, partial rotary, missing
+                required keys.
+        """
+        architecture = _architecture_of(hf)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+        if architecture == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+            raise ValueError("Llama attention_bias/mlp_bias=True (bias on o_proj / MLP) is not supported")
+        try:
+            num_heads = hf["num_attention_heads"]
+            hidden_size = hf["hidden_size"]
+            rope_theta, rope_scaling = _rope_params_of(hf)
+            return cls(
+                vocab_size=hf["vocab_size"],
+                hidden_size=hidden_size,
+                intermediate_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"],
+                num_heads=num_heads,
+                num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+                head_dim=hf.get("head_dim") or hidden_size // num_heads,
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=hf.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=architecture == "Qwen2ForCausalLM",
+                architecture=architecture,
+                sliding_window=_sliding_window_of(hf, architecture),
+            )
+        except KeyError as e:
+            raise ValueError(f"config is missing required key {e.args[0]!r}") from None
+
+
+def _architecture_of(hf: Mapping[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        arch = archs[0]
+    elif hf.get("model_type") in _MODEL_TYPE_TO_ARCHITECTURE:
+        arch = _MODEL_TYPE_TO_ARCHITECTURE[hf["model_type"]]
+    else:
+        arch = f"<model_type {hf.get('model_type')!r}>"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope_params_of(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config layout."""
+    params = dict(hf.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    scaling = dict(hf.get("rope_scaling") or {}) or params
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)
+    return float(theta), scaling or None
+
+
+def _sliding_window_of(hf: Mapping[str, Any], architecture: str) -> int | None:
+    window = hf.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        return window
+    if architecture == "Qwen2ForCausalLM":
+        layer_types = hf.get("layer_types") or []
+        if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
+            return window
+    return None
+
+
+def _normalize_rope_scaling(scaling: Mapping | None, max_position_embeddings: int) -> dict | None:
+    """Validate and canonicalize ``rope_scaling``; ``None`` for plain RoPE."""
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    if "factor" not in scaling:
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs 'factor'")
+    if rope_type == "llama3":
+        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling of type 'llama3' is missing {missing}")
+    return {"rope_type": rope_type, **scaling}
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies, ``[head_dim // 2]`` fp32.
+
+    ``theta ** (-2i / head_dim)``, then scaled per ``config.rope_type``:
+    ``"linear"`` divides by ``factor``; ``"llama3"`` divides the low
+    frequencies by ``factor`` and interpolates the middle band (Llama 3.1
+    reference; transformers ``_compute_llama3_parameters``).
+    """
+    dim = config.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponent)
+    s = config.rope_scaling
+    if config.rope_type == "linear":
+        return inv_freq / s["factor"]
+    if config.rope_type == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_context = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given absolute positions.
+
+    Holds ``inv_freq`` (``[head_dim // 2]`` fp32, a non-persistent buffer).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Computed on CPU, then moved to the default device: on the meta device
+        # the math would pull in torch's slow decomposition machinery.
+        default_device = torch.empty(0).device
+        self.register_buffer("inv_freq", rope_inv_freq(config, "cpu").to(default_device), persistent=False)
+
+    def reset_inv_freq(self, device: torch.device | str) -> None:
+        """Recompute ``inv_freq`` on ``device`` (after building on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config, device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[num_tokens]`` int64 -> (cos, sin), each ``[num_tokens, head_dim]`` in ``dtype``.
+
+        Angles are computed in fp32, then cast (as transformers does).
+        """
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by (cos, sin) ``[num_tokens, head_dim]``."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; statistics in fp32, output in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[num_tokens, dim]`` -> same shape and dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v projections, RoPE, backend attention, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        hidden, bias = config.hidden_size, config.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
+        n = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = backend.forward(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF prefix ``model.``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # Explicit storage skips nn.Embedding's normal_ init (slow on the meta device).
+        embed = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embed)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+# --------------------------------------------------------------------------- causal LM
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over packed tokens; KV storage lives in the backend.
+
+    Parameters have HF names and are uninitialized after ``__init__`` (weights
+    come from a checkpoint); ``model.to(dtype)`` / ``model.to(device)`` work
+    as for any module (``inv_freq`` stays fp32). Build from a checkpoint with
+    :func:`trtllm_diffkv.model.loader.load_model` or :meth:`from_weights`.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _apply(self, fn, recurse=True):
+        # Keep the RoPE table fp32 across ``.to(dtype)`` / ``.half()``.
+        inv_freq = self.model.rotary_emb.inv_freq
+        out = super()._apply(fn, recurse)
+        self.model.rotary_emb.inv_freq = inv_freq.to(device=self.model.embed_tokens.weight.device)
+        return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights (the activations' dtype)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one step over packed tokens.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64 token ids, all requests concatenated.
+            positions: ``[num_tokens]`` int64 absolute position of each token
+                within its request (0-based), same device.
+            backend: attention for the step; ``backend.forward(layer_idx, q, k, v)``
+                is called once per layer, layers in order, with q
+                ``[num_tokens, num_heads, head_dim]`` and k/v
+                ``[num_tokens, num_kv_heads, head_dim]`` (q/k after RoPE, model dtype).
+            logits_indices: optional ``[num_selected]`` int64 indices into the
+                ``num_tokens`` axis (e.g. each request's last token); ``None``
+                computes logits for every token.
+
+        Returns:
+            ``[num_tokens or num_selected, vocab_size]`` float32 logits.
+
+        Raises:
+            ValueError: ``input_ids``/``positions`` not 1-D of equal length, or
+                (sliding-window configs only; costs a host sync) a position
+                ``>= config.sliding_window``.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both be [num_tokens]"
+            )
+        self._check_sliding_window(positions)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, backend)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def _check_sliding_window(self, positions: torch.Tensor) -> None:
+        window = self.config.sliding_window
+        if window is None or positions.numel() == 0:
+            return
+        max_position = int(positions.max())
+        if max_position >= window:
+            raise ValueError(
+                f"position {max_position} reaches sliding_window={window}; sliding-window attention is not "
+                f"implemented, so this model is exact only for positions < {window}"
+            )
+
+    # ----------------------------------------------------------------- weights
+
+    def expected_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensor names and shapes a checkpoint must provide (HF names).
+
+        ``lm_head.weight`` is omitted when embeddings are tied.
+        """
+        shapes = {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            shapes.pop("lm_head.weight")
+        return shapes
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> "LlamaForCausalLM":
+        """Build a model around ready tensors without allocating random weights.
+
+        Args:
+            config: the model description.
+            weights: HF-named tensors, all on one device in one float dtype
+                (they are used as-is, not copied). With tied embeddings an
+                extra ``lm_head.weight`` is ignored.
+
+        Returns:
+            The model in eval mode with ``requires_grad`` off, on the weights'
+            device and dtype.
+
+        Raises:
+            ValueError: a missing, unexpected or mis-shaped tensor, naming it;
+                tensors on several devices/dtypes or of a non-float dtype.
+        """
+        placements = {(t.device, t.dtype) for t in weights.values()}
+        if len(placements) > 1 or any(not dtype.is_floating_point for _, dtype in placements):
+            raise ValueError(f"weights must share one device and one float dtype; got {sorted(map(str, placements))}")
+        with torch.device("meta"):
+            model = cls(config)
+        expected = model.expected_weight_shapes()
+        weights = dict(weights)
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        check_weight_names_and_shapes(expected, {k: tuple(v.shape) for k, v in weights.items()})
+        model.load_state_dict(weights, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.model.rotary_emb.reset_inv_freq(model.device)
+        return model.eval().requires_grad_(False)
+
+
+def check_weight_names_and_shapes(
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[int, ...]],
+    where: Mapping[str, str] | None = None,
+) -> None:
+    """Compare a checkpoint's tensor names/shapes with the model's.
+
+    Args:
+        expected: name -> shape the model needs.
+        found: name -> shape the checkpoint holds.
+        where: optional name -> file, quoted in errors.
+
+    Raises:
+        ValueError: the first missing, unexpected or mis-shaped tensor (all
+            missing/unexpected names are listed, up to 10).
+    """
+    where = where or {}
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {missing[:10]}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        files = sorted({where[n] for n in unexpected if n in where})
+        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {unexpected[:10]}"
+                         + (f" in {files}" if files else ""))
+    for name, shape in expected.items():
+        if tuple(found[name]) != tuple(shape):
+            at = f" in {where[name]}" if name in where else ""
+            raise ValueError(f"tensor {name!r}{at} has shape {tuple(found[name])}, expected {tuple(shape)}")

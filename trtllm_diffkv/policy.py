@@ -1,0 +1,196 @@
+"""DiffKV token policy: scores in, tier decisions out. Pure functions.
+
+Rules (paper section 4.2; ``DiffKV.md`` "Policy details"):
+
+* Importance of a token = mean attention probability it received from the
+  queries that scored it. For GQA the query heads of one KV head are merged by
+  max, per query, before accumulation (edge case 10).
+* Prompt phase: only the last ``prompt_score_window_tokens`` queries score
+  (the authors' implementation); token ``p`` (0-based) is compared with
+  ``alpha / (p + 1)``. The last ``recent_window_tokens`` prompt tokens stay high.
+* Generation phase: every step's query adds its probability to every kept
+  token's score; the token that leaves the recent window (the candidate) is
+  compared with ``alpha / N`` (N: current sequence length), then the least
+  important token of the tier it joined (the victim) is re-checked: it stays,
+  is demoted (high -> low) or pruned. At most one token per tier per head
+  changes tier per step.
+
+Tier codes are small integers shared by every layer of the system (cache,
+page manager, kernels): :data:`TIER_PRUNED`, :data:`TIER_HIGH`, :data:`TIER_LOW`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TIER_PRUNED = 0
+TIER_HIGH = 1
+TIER_LOW = 2
+
+
+def merge_query_heads(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Merge the query heads of each KV head by max (GQA/MHA rule, edge case 10).
+
+    Args:
+        probs: ``[num_heads, ...]`` attention probabilities, query head first;
+            query head ``h`` belongs to KV head ``h // (num_heads // num_kv_heads)``.
+        num_kv_heads: KV heads; must divide ``num_heads``.
+
+    Returns:
+        ``[num_kv_heads, ...]``, the max over each group's query heads.
+
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``.
+    """
+    num_heads = probs.shape[0]
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    return probs.reshape(num_kv_heads, num_heads // num_kv_heads, *probs.shape[1:]).amax(1)
+
+
+def prompt_score_sums(last_query_probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Accumulated prompt scores from the last prompt queries.
+
+    Args:
+        last_query_probs: ``float32 [num_heads, num_scoring_queries, prompt_len]``
+            causal attention probabilities of the last ``num_scoring_queries``
+            prompt queries (zeros where masked).
+        num_kv_heads: KV heads.
+
+    Returns:
+        ``float32 [num_kv_heads, prompt_len]``: per KV head, the sum over the
+        scoring queries of the group-max probability each token received.
+    """
+    return merge_query_heads(last_query_probs.float(), num_kv_heads).sum(1)
+
+
+def query_counts(positions: torch.Tensor, prompt_len: int, seq_len: int, prompt_score_window_tokens: int) -> torch.Tensor:
+    """How many queries have added to each token's score.
+
+    A prompt token ``p`` was scored by the last ``min(prompt_len - p, S)``
+    prompt queries (S = ``prompt_score_window_tokens``); every generation-phase
+    query ``q`` (``prompt_len <= q < seq_len``) scores every token ``p <= q``.
+
+    Args:
+        positions: ``int64 [...]`` 0-based token positions, all ``< seq_len``.
+        prompt_len: tokens in the prompt.
+        seq_len: tokens processed so far (prompt + generated, including the
+            current step's token).
+        prompt_score_window_tokens: S.
+
+    Returns:
+        ``float32 [...]``, at least 1 for every valid position.
+    """
+    p = positions.long()
+    from_prompt = torch.where(p < prompt_len, (prompt_len - p).clamp(max=prompt_score_window_tokens), 0)
+    from_decode = (seq_len - torch.clamp(p, min=prompt_len)).clamp(min=0)
+    return (from_prompt + from_decode).float()
+
+
+def classify(importance: torch.Tensor, alpha_high: float, alpha_low: float, length: torch.Tensor | float) -> torch.Tensor:
+    """Tier of each token by threshold: > alpha_high/length high, >= alpha_low/length low, else pruned.
+
+    Args:
+        importance: ``float32 [...]`` mean attention received.
+        length: the N of ``alpha / N``: a scalar, or a tensor broadcastable to ``importance``.
+
+    Returns:
+        ``int8 [...]`` tier codes.
+    """
+    high = importance > alpha_high / length
+    low = importance >= alpha_low / length
+    tier = torch.full(importance.shape, TIER_PRUNED, dtype=torch.int8, device=importance.device)
+    tier[low] = TIER_LOW
+    tier[high] = TIER_HIGH
+    return tier
+
+
+def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
+                 recent_window_tokens: int, prompt_score_window_tokens: int,
+                 threshold_base: str = "position") -> torch.Tensor:
+    """Prompt-phase tiers (paper section 4.2, "prompt phase").
+
+    Args:
+        score_sums: ``float32 [num_kv_heads, prompt_len]`` from :func:`prompt_score_sums`.
+        alpha_high, alpha_low: threshold multipliers.
+        recent_window_tokens: the last W prompt tokens are always high.
+        prompt_score_window_tokens: queries that scored (for the mean).
+        threshold_base: ``"position"``: token ``p`` is compared with
+            ``alpha / (p + 1)`` (the paper's ``alpha / i``); ``"prompt_len"``:
+            with ``alpha / prompt_len``, the uniform share of the scoring
+            queries, as the generation phase does with ``alpha / N``.
+
+    Raises:
+        ValueError: unknown ``threshold_base``.
+
+    Returns:
+        ``int8 [num_kv_heads, prompt_len]`` tier codes.
+    """
+    prompt_len = score_sums.shape[-1]
+    positions = torch.arange(prompt_len, device=score_sums.device)
+    counts = query_counts(positions, prompt_len, prompt_len, prompt_score_window_tokens)
+    if threshold_base == "position":
+        length = (positions + 1).float()
+    elif threshold_base == "prompt_len":
+        length = float(prompt_len)
+    else:
+        raise ValueError(f"threshold_base={threshold_base!r}; allowed: 'position', 'prompt_len'")
+    tier = classify(score_sums / counts, alpha_high, alpha_low, length)
+    tier[:, max(prompt_len - recent_window_tokens, 0):] = TIER_HIGH
+    return tier
+
+
+@dataclass(frozen=True)
+class DecodeDecision:
+    """What one generation step does to one layer's tiers.
+
+    Attributes:
+        candidate_tier: ``int8 [num_kv_heads]`` new tier of the token leaving
+            the recent window (at position ``candidate_pos``).
+        victim_pos: ``int64 [num_kv_heads]`` position of the re-checked least
+            important token of the tier the candidate joined; -1 when none.
+        victim_tier: ``int8 [num_kv_heads]`` its new tier (unchanged = stays).
+    """
+
+    candidate_tier: torch.Tensor
+    victim_pos: torch.Tensor
+    victim_tier: torch.Tensor
+
+
+def decode_step(tiers: torch.Tensor, importance: torch.Tensor, seq_len: int,
+                alpha_high: float, alpha_low: float) -> DecodeDecision:
+    """Generation-phase decision for the token leaving the recent window.
+
+    Args:
+        tiers: ``int8 [num_kv_heads, candidate_pos + 1]`` current tiers of every
+            token outside the recent window; the last column is the candidate
+            (still marked high, as every window token is).
+        importance: ``float32`` same shape, mean attention received so far.
+        seq_len: N, the current sequence length (thresholds ``alpha / N``).
+        alpha_high, alpha_low: threshold multipliers.
+
+    Returns:
+        :class:`DecodeDecision`. Applying it changes the high and the low
+        count of each head by at most one.
+    """
+    imp_c = importance[:, -1]
+    cand = classify(imp_c, alpha_high, alpha_low, float(seq_len))
+    after = tiers.clone()
+    after[:, -1] = cand
+    num_kv_heads = tiers.shape[0]
+    victim_pos = torch.full((num_kv_heads,), -1, dtype=torch.long, device=tiers.device)
+    victim_tier = torch.full((num_kv_heads,), TIER_PRUNED, dtype=torch.int8, device=tiers.device)
+    for joined in (TIER_HIGH, TIER_LOW):
+        heads = cand == joined
+        if not bool(heads.any()):
+            continue
+        masked = torch.where(after == joined, importance, torch.full_like(importance, float("inf")))
+        pos = masked.argmin(-1)
+        imp_v = importance.gather(-1, pos[:, None])[:, 0]
+        new = classify(imp_v, alpha_high, alpha_low, float(seq_len))
+        if joined == TIER_LOW:  # a low victim is never promoted
+            new = torch.where(new == TIER_HIGH, torch.full_like(new, TIER_LOW), new)
+        victim_pos = torch.where(heads, pos, victim_pos)
+        victim_tier = torch.where(heads, new, victim_tier)
+    return DecodeDecision(cand, victim_pos, victim_tier)
