@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device run for the page manager (issue 3): the GPU tests, then the benchmark.
-# Usage (on the GPU machine, repository root): bash build_scripts/gpu_page_manager.sh
+# Device run: every GPU test (page manager, reference path, model), then the page-manager benchmark.
+# Usage (on the GPU machine, repository root): bash build_scripts/gpu_check.sh
 # Writes gpu_info.txt, gpu_tests.log, bench.log and page_manager.json under $OUT (default: a temp dir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     2>&1 | tee -a "$OUT/gpu_info.txt"
 rc=0
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_page_*.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/test_model_llama.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 python3 benchmarks/bench_page_manager.py --out "$OUT/page_manager.json" 2>&1 | tee "$OUT/bench.log" || rc=1
 echo "results in $OUT (exit $rc)"
 exit $rc
