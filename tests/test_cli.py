@@ -53,3 +53,43 @@ def test_generate_json_on_default_model(default_model, long_prompt, tmp_path):
     assert short_row["error"] is None and short_row["text"].strip()
     # a short prompt fits in the recent window: nothing is compressed but quantization
     assert short_row["pruned_fraction"] == 0.0 and short_row["low_fraction"] == 0.0
+
+
+def test_read_prompts_counts_every_line_and_keeps_unicode_separators(tmp_path):
+    f = tmp_path / "p.jsonl"
+    body = '\ufeff{"prompt": "a\u2028b"}\n\n{"text": 1}\nnot json\n'
+    f.write_text(body, encoding="utf-8")
+    prompts = read_prompts(f)
+    assert prompts[0] == "a\u2028b"
+    assert "line 3" in str(prompts[1]) and "line 4" in str(prompts[2])
+
+
+def test_read_prompts_refuses_empty_and_non_utf8(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no prompts"):
+        read_prompts(empty)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        read_prompts(latin)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--device", "meta"], "only cpu and cuda"),
+    (["--kv-config", "fp16", "--alpha-high", "5"], "no effect"),
+    (["--prompts-file", "/"], "trtllm-diffkv: error"),
+])
+def test_bad_setup_is_a_clean_usage_error(args, words):
+    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--model", "/nonexistent", *args],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_empty_prompt_argument_is_an_error_not_the_default_prompt(default_model):
+    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--prompt", "", "--json",
+                          "--max-new-tokens", "2", "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stderr
+    row = json.loads(run.stdout)
+    assert "empty prompt" in row["error"] and row["generated_tokens"] == 0

