@@ -44,3 +44,16 @@ def humaneval_prompts(first: int, count: int) -> list[str]:
 def long_prompt() -> str:
     """A ~600-token real prompt (HumanEval problems 0-3)."""
     return "Complete the last function.\n\n" + humaneval_prompts(0, 1)[0]
+
+
+def tiny_llama(seed: int = 0):
+    """A random 3-layer Llama (8 query / 2 KV heads, head_dim 64, vocab 512), fp32, CPU."""
+    from trtllm_diffkv.model import LlamaForCausalLM, ModelConfig
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=8,
+                      num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
+    g = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    weights = {name: torch.randn(shape, generator=g) * (0.02 if len(shape) > 1 else 0.0) + (len(shape) == 1)
+               for name, shape in model.expected_weight_shapes().items()}
+    return LlamaForCausalLM.from_weights(cfg, weights)

@@ -242,12 +242,10 @@ def test_edge_case_4_lengths_around_page_capacities(prompt_len):
 
 def test_bad_requests_fail_alone_in_the_generator():
     """Out-of-vocabulary ids, bad max_new_tokens, blank prompts come back as errors; the next request runs."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "gpu"))
-    from test_reference_gpu import _tiny_model
+    from conftest import tiny_llama
     from trtllm_diffkv.engine import ReferenceGenerator
 
-    model = _tiny_model()
+    model = tiny_llama()
     gen = ReferenceGenerator(model, None, model.config, DiffKVConfig(recent_window_tokens=4))
     for ids, n in (([512], 2), ([-1], 2), ([3, 4], 0), ([3, 4], 2.5), ([], 3)):
         result = gen.generate_ids(ids, n)

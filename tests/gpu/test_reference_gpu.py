@@ -4,25 +4,15 @@ import torch
 
 from trtllm_diffkv.config import get_preset
 from trtllm_diffkv.engine import ReferenceGenerator
-from trtllm_diffkv.model import LlamaForCausalLM, ModelConfig
+from conftest import tiny_llama
 
 pytestmark = pytest.mark.gpu
 
 
-def _tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=8,
-                      num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
-    g = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    weights = {name: torch.randn(shape, generator=g) * (0.02 if len(shape) > 1 else 0.0) + (len(shape) == 1)
-               for name, shape in model.expected_weight_shapes().items()}
-    return LlamaForCausalLM.from_weights(cfg, weights)
-
-
 @pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16"])
 def test_teacher_forced_logits_gpu_equal_cpu(preset):
-    cpu_model = _tiny_model()
-    gpu_model = _tiny_model().cuda()
+    cpu_model = tiny_llama()
+    gpu_model = tiny_llama().cuda()
     prompt = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     steps = torch.randint(0, 512, (80,), generator=torch.Generator().manual_seed(2)).tolist()
     results = []
