@@ -4,7 +4,7 @@ import torch
 
 from trtllm_diffkv.config import DiffKVConfig, TierConfig
 from trtllm_diffkv.memory import CpuPageManager, PageFormat, PageStatus, SlotState
-from trtllm_diffkv.memory.testing import Lockstep, random_calls, simulate_serving
+from trtllm_diffkv.memory.testing import Lockstep, duplicate_slot_calls, random_calls, simulate_serving
 
 FMT = PageFormat.for_config(DiffKVConfig(), 128)  # 32 high / 52 low tokens per page
 L, H = 1, 2
@@ -168,6 +168,19 @@ def test_invalid_calls_raise_value_error_and_change_nothing(call, match):
     with pytest.raises(ValueError, match=match):
         call(m)
     assert not before.diff(m.snapshot())
+
+
+def test_duplicate_slots_raise_in_every_call_and_change_nothing():
+    assert duplicate_slot_calls(manager(num_pages=60, max_slots=6)) == 8
+    m = manager(num_pages=40)
+    m.reserve_prompt([2], [5])
+    m.read_status()
+    before = m.snapshot()
+    with pytest.raises(ValueError, match="distinct"):
+        m.release([2, 2])
+    assert not before.diff(m.snapshot())
+    m.release([2])
+    assert m.read_status() == (PageStatus.OK, 40)
 
 
 def test_constructor_rejects_bad_sizes():

@@ -16,6 +16,7 @@ POINTER_TYPES = {
     "b_ptr": "*i32", "dh_ptr": "*i8", "dl_ptr": "*i8", "state_ptr": "*i32", "pages_ptr": "*i32",
     "tokens_ptr": "*i32", "table_ptr": "*i32", "ring_ptr": "*i32", "block_sum_ptr": "*i64",
     "block_flag_ptr": "*i32", "block_off_ptr": "*i64", "ctrl_ptr": "*i64", "ring_state_ptr": "*i64",
+    "claim_ptr": "*i32",
 }
 
 CASES = [

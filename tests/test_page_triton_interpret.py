@@ -34,7 +34,7 @@ def main() -> None:
 
     from trtllm_diffkv.config import DiffKVConfig, TierConfig
     from trtllm_diffkv.memory import CpuPageManager, PageFormat, PageStatus
-    from trtllm_diffkv.memory.testing import Lockstep, long_row_calls, random_calls, simulate_serving
+    from trtllm_diffkv.memory.testing import Lockstep, duplicate_slot_calls, long_row_calls, random_calls, simulate_serving
     from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
 
     # tiny launch shapes: several blocks per call, several scan and row chunks, on small problems
@@ -82,6 +82,18 @@ def main() -> None:
         assert m.read_status().status == PageStatus.INVALID
         before.status = 0
         assert not before.diff(m.snapshot())
+    # duplicate slot ids: INVALID and no change, the copies in one block, in two, or past the scan launch
+    for launch in (small, dict(device="cpu")):
+        duplicate_slot_calls(TritonPageManager(fmt, 60, 6, 1, 2, 200, **launch))
+    duplicate_slot_calls(TritonPageManager(fmt, 60, 6, 1, 2, 200, device="cpu", validate=True))  # ValueError
+    m = TritonPageManager(fmt, 40, 3, 1, 2, 200, device="cpu")  # QA's case: pages entered the ring twice
+    m.reserve_prompt(torch.tensor([2]), torch.tensor([5]))
+    m.release(torch.tensor([2, 2]))
+    assert m.read_status() == (PageStatus.INVALID, 36)
+    m.release(torch.tensor([2]))
+    assert m.read_status() == (PageStatus.OK, 40)
+    m.check_invariants()
+    print("duplicates refused")
     checked = TritonPageManager(fmt, 40, 3, 1, 2, 200, device="cpu", validate=True)
     try:
         checked.append_decode(torch.tensor([2]), z, z)

@@ -8,7 +8,7 @@ import torch
 
 from trtllm_diffkv.config import DiffKVConfig, TierConfig
 from trtllm_diffkv.memory import CpuPageManager, PageFormat, PageStatus
-from trtllm_diffkv.memory.testing import Lockstep, long_row_calls, random_calls, simulate_serving
+from trtllm_diffkv.memory.testing import Lockstep, duplicate_slot_calls, long_row_calls, random_calls, simulate_serving
 
 pytestmark = pytest.mark.gpu
 
@@ -110,3 +110,13 @@ def test_invalid_values_flagged_on_device_without_change():
     gpu.commit_prompt(torch.tensor([0], device="cuda"), z + 1000, z)  # more than reserved
     assert gpu.read_status().status == PageStatus.INVALID
     assert not before.diff(gpu.snapshot())
+
+
+@pytest.mark.parametrize("launch", [{}, dict(row_block=4, decode_block=8, scan_chunk=2)])
+def test_duplicate_slots_flagged_on_device_without_change(launch):
+    """A slot listed twice: INVALID, nothing changes (device claim counters, reset by each call)."""
+    from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
+
+    gpu = TritonPageManager(FMT, 60, 6, 1, 2, 200, device="cuda", **launch)
+    duplicate_slot_calls(gpu)
+    assert not gpu._claim.any()

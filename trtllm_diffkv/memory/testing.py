@@ -13,6 +13,8 @@
   out of pages at times; the scheduler then preempts, as the paper's does.
 * :func:`random_calls` fires random valid calls, including ones that run out
   of pages or overflow a row.
+* :func:`duplicate_slot_calls` lists a slot twice in every kind of call and
+  checks that each is refused without any change.
 
 All randomness comes from one seeded ``random.Random``.
 """
@@ -307,3 +309,65 @@ def long_row_calls(driver: Lockstep, seed: int, rounds: int = 3) -> None:
             deltas = torch.randint(0, 2, (2, 4, *shape), generator=gen).to(torch.int8)
             driver.call("append_decode", slots, deltas[0], deltas[1])
         driver.call("release", slots)
+
+
+def duplicate_slot_calls(manager: PageManager) -> int:
+    """Every mutating call with a slot listed twice (copies adjacent and apart) is refused and changes nothing.
+
+    A manager that checks on the host (:class:`~.page_manager.CpuPageManager`,
+    ``validate=True``) must raise ``ValueError`` ("distinct"); one that checks
+    on the device must set status ``INVALID``. Afterwards the same calls
+    without the copies succeed and the pool comes back whole, so nothing a
+    refused call touched (such as a device-side claim counter) lingers. Needs
+    a fresh manager with ``max_slots >= 6``, room for 4 prompts of 40 tokens
+    and rows of 4 pages. Returns the number of refused calls.
+
+    Raises:
+        AssertionError: a call was not refused, or it changed the state.
+    """
+    m, dev = manager, manager.device
+    assert m.max_slots >= 6 and m.free_pages() == m.num_pages
+
+    def ids(*values):
+        return torch.tensor(values, device=dev)
+
+    def heads(n: int, value: int):
+        return torch.full((n, m.num_layers, m.num_kv_heads), value, device=dev)
+
+    full_page = m.high_tokens_per_page
+    m.reserve_prompt(ids(0, 1, 2, 3), ids(40, 40, 40, 40))
+    m.commit_prompt(ids(0, 1), heads(2, full_page), heads(2, 0))  # a high page exactly full: +1 takes a page
+    assert m.read_status().status == PageStatus.OK  # slots 0, 1 active; 2, 3 reserved; 4, 5 free
+    calls = [
+        ("reserve_prompt", ids(4, 5, 4), ids(5, 5, 5)),
+        ("reserve_prompt", ids(5, 5), ids(5, 5)),
+        ("commit_prompt", ids(2, 3, 2), heads(3, 1), heads(3, 1)),
+        ("append_decode", ids(0, 1, 0), heads(3, 1), heads(3, 1)),
+        ("append_decode", ids(1, 1), heads(2, 0), heads(2, 0)),
+        ("release", ids(0, 1, 2, 3, 4, 0)),
+        ("release", ids(2, 2)),
+        ("release", ids(5, 5)),
+    ]
+    for name, *args in calls:
+        before = m.snapshot()
+        label = f"{name}{tuple(args[0].tolist())}"
+        if m._validate_values:
+            try:
+                getattr(m, name)(*args)
+            except ValueError as exc:
+                assert "distinct" in str(exc), f"{label}: {exc}"
+            else:
+                raise AssertionError(f"{label} did not raise")
+        else:
+            getattr(m, name)(*args)
+            status = m.read_status()
+            assert status == (PageStatus.INVALID, before.free_pages), f"{label}: {status}"
+        diff = before.diff(m.snapshot())
+        assert not diff, f"{label} changed {diff}"
+    m.append_decode(ids(0, 1), heads(2, 1), heads(2, 1))
+    m.commit_prompt(ids(2, 3), heads(2, 1), heads(2, 1))
+    m.release(ids(5, 1, 2, 3, 4, 0))
+    status = m.read_status()
+    assert status == (PageStatus.OK, m.num_pages), f"valid calls after the refused ones: {status}"
+    m.check_invariants()
+    return len(calls)

@@ -8,7 +8,9 @@ with no host synchronization and no Python loop over requests, layers or heads:
 1. ``_count_kernel`` (grid: one program per block of items): each item (one
    row of one listed slot) states how many pages it takes (reserve, decode) or
    gives back (commit, release) and flags invalid input or row overflow; the
-   program writes its block's sum and flags.
+   program writes its block's sum and flags. A slot listed twice is invalid:
+   each slot's first row claims it with an atomic increment of ``claim[slot]``
+   and a row that finds the counter already raised flags the call.
 2. ``_scan_kernel`` (one program): exclusive prefix sum over the block sums,
    the total checked against the free count (allocation) and the flags; then
    either commits by moving the ring's start (allocate) or end (reclaim)
@@ -21,7 +23,8 @@ with no host synchronization and no Python loop over requests, layers or heads:
    adds the in-block exclusive prefix sum to its block's offset, and so owns
    the disjoint ring slice ``[base + offset, base + offset + count)`` (mod
    ``num_pages``): it copies page ids between that slice and its table row
-   and updates its counters.
+   and updates its counters. Whether or not ``go``, it zeroes the ``claim``
+   counters step 1 raised, so they are all zero between calls.
 
 The one device-to-host read of a step is :meth:`TritonPageManager.read_status`
 (24 bytes: ring start, ring end, status bits), called by the executor once per
@@ -32,10 +35,10 @@ count measured after each step"). With admission within that count (prompt:
 :meth:`reserve_pages_needed`, decode: :meth:`worst_case_decode_pages`), no call
 can run out of pages, so the read need not block the step that issued it.
 
-Argument values are checked on the device (status bit ``INVALID``, nothing
-changes) except that duplicate slot ids are not detected there; with
-``validate=True`` every check of the CPU implementation runs on host copies
-first and raises ``ValueError`` (costs synchronizations; for tests/debugging).
+Argument values, distinct slot ids included, are checked on the device
+(status bit ``INVALID``, nothing changes); with ``validate=True`` every check
+of the CPU implementation runs on host copies first and raises ``ValueError``
+(costs synchronizations; for tests/debugging).
 
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (``device="cpu"``) for CI.
 """
@@ -65,6 +68,19 @@ def _items(pid, slots_ptr, n_items, G, S, BLOCK: tl.constexpr):
     slot_ok = (slot >= 0) & (slot < S)
     row = tl.where(slot_ok, slot, 0) * G + (items % G)
     return items, mask, slot_idx, slot, slot_ok, row
+
+
+@triton.jit
+def _splat(flag, like):
+    """Scalar bool ``flag`` as a bool tensor shaped like ``like`` (Triton 3.9's interpreter
+    mistypes ``tensor & scalar`` masks, 'mask has unsupported dtype')."""
+    return (tl.zeros_like(like).to(tl.int32) + flag.to(tl.int32)) != 0
+
+
+@triton.jit
+def _claims(items, mask, slot_ok, G):
+    """Items whose slot they claim (or unclaim): the first row of each listed in-range slot."""
+    return mask & slot_ok & (items % G == 0)
 
 
 @triton.jit
@@ -126,14 +142,16 @@ def _decode_counts(items, mask, slot, slot_ok, row, dh_ptr, dl_ptr, state_ptr, p
 @triton.jit
 def _count_kernel(
     slots_ptr, a_ptr, b_ptr, state_ptr, pages_ptr, tokens_ptr, block_sum_ptr, block_flag_ptr, ring_state_ptr, ctrl_ptr,
-    n_items, G, S, R, P_HIGH, P_LOW, P_MIN,
+    claim_ptr, n_items, G, S, R, P_HIGH, P_LOW, P_MIN,
     OP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Step 1: per-block page counts (taken or given back) and status flags; program 0 copies the ring state."""
     pid = tl.program_id(0)
     r = tl.arange(0, 4)
-    tl.store(ctrl_ptr + 2 + r, tl.load(ring_state_ptr + r, mask=r < 3, other=0), mask=(r < 3) & (pid == 0))
+    tl.store(ctrl_ptr + 2 + r, tl.load(ring_state_ptr + r, mask=r < 3, other=0), mask=(r < 3) & _splat(pid == 0, r))
     items, mask, slot_idx, slot, slot_ok, row = _items(pid, slots_ptr, n_items, G, S, BLOCK)
+    claims = _claims(items, mask, slot_ok, G)
+    duplicate = claims & (tl.atomic_add(claim_ptr + slot, 1, mask=claims) != 0)  # slot listed before
     full = mask & False
     if OP == 0:
         count, invalid, full = _reserve_counts(items, mask, slot_idx, slot, slot_ok, a_ptr, state_ptr, R, P_MIN, True)
@@ -148,6 +166,7 @@ def _count_kernel(
         ok = mask & slot_ok
         count = (tl.load(pages_ptr + row * 2, mask=ok, other=0) + tl.load(pages_ptr + row * 2 + 1, mask=ok, other=0)).to(tl.int64)
         invalid = mask & ~slot_ok
+    invalid = invalid | duplicate
     count = tl.where(invalid, 0, count)  # an invalid call commits nothing; keep its total meaningful
     flags = tl.max(invalid.to(tl.int32), 0) * 4 + tl.max(full.to(tl.int32), 0) * 2
     tl.store(block_sum_ptr + pid, tl.sum(count, 0))
@@ -220,10 +239,17 @@ def _slice(count, mask, pid, block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_
         go = tl.load(ctrl_ptr) != 0
         base = tl.load(ctrl_ptr + 1)
         prefix = tl.load(block_off_ptr + pid)
-    mask = mask & go
+    mask = mask & _splat(go, mask)
     count = tl.where(mask, count, 0)
     offset = prefix + tl.cumsum(count, 0) - count
     return offset, base, mask, count
+
+
+@triton.jit
+def _unclaim(claim_ptr, items, mask, slot, slot_ok, G):
+    """Step 3, go or not: zero the claim counters step 1 raised (no program of step 3 reads them)."""
+    claims = _claims(items, mask, slot_ok, G)
+    tl.store(claim_ptr + slot, tl.zeros_like(slot).to(tl.int32), mask=claims)
 
 
 @triton.jit
@@ -238,13 +264,14 @@ def _finish_rows(mask, row, slot, items, pages_ptr, tokens_ptr, state_ptr, nh, n
 @triton.jit
 def _reserve_apply_kernel(
     slots_ptr, prompt_ptr, state_ptr, pages_ptr, tokens_ptr, table_ptr, ring_ptr,
-    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr,
+    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr, claim_ptr,
     n_items, num_blocks, G, S, R, P_MIN, num_pages,
     BLOCK: tl.constexpr, RCHUNK: tl.constexpr, FUSED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Step 3, prompt reservation: table positions [0, count) take ring slice ids."""
     pid = tl.program_id(0)
     items, mask, slot_idx, slot, slot_ok, row = _items(pid, slots_ptr, n_items, G, S, BLOCK)
+    _unclaim(claim_ptr, items, mask, slot, slot_ok, G)
     count, _inv, _full = _reserve_counts(items, mask, slot_idx, slot, slot_ok, prompt_ptr, state_ptr, R, P_MIN, False)
     offset, base, mask, count = _slice(count, mask, pid, block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr,
                                        ring_state_ptr, num_blocks, FUSED, True, CHUNK)
@@ -261,13 +288,14 @@ def _reserve_apply_kernel(
 @triton.jit
 def _commit_apply_kernel(
     slots_ptr, high_ptr, low_ptr, state_ptr, pages_ptr, tokens_ptr, table_ptr, ring_ptr,
-    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr,
+    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr, claim_ptr,
     n_items, num_blocks, G, S, R, P_HIGH, P_LOW, num_pages,
     BLOCK: tl.constexpr, RCHUNK: tl.constexpr, FUSED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Step 3, prompt commit: surplus [kh, C-kl) to the ring, [C-kl, C) shifted to [R-kl, R), rest -1."""
     pid = tl.program_id(0)
     items, mask, slot_idx, slot, slot_ok, row = _items(pid, slots_ptr, n_items, G, S, BLOCK)
+    _unclaim(claim_ptr, items, mask, slot, slot_ok, G)
     h, l, kh, kl, reserved, surplus, _inv = _commit_counts(
         items, mask, slot, slot_ok, row, high_ptr, low_ptr, state_ptr, pages_ptr, P_HIGH, P_LOW, False)
     offset, base, mask, surplus = _slice(surplus, mask, pid, block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr,
@@ -300,13 +328,14 @@ def _commit_apply_kernel(
 @triton.jit
 def _decode_apply_kernel(
     slots_ptr, dh_ptr, dl_ptr, state_ptr, pages_ptr, tokens_ptr, table_ptr, ring_ptr,
-    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr,
+    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr, claim_ptr,
     n_items, num_blocks, G, S, R, P_HIGH, P_LOW, num_pages,
     BLOCK: tl.constexpr, FUSED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Step 3, decode: a high page at position nh, a low page at R-1-nl, counters updated."""
     pid = tl.program_id(0)
     items, mask, slot_idx, slot, slot_ok, row = _items(pid, slots_ptr, n_items, G, S, BLOCK)
+    _unclaim(claim_ptr, items, mask, slot, slot_ok, G)
     h, l, nh, nl, need_h, need_l, _inv, _full = _decode_counts(
         items, mask, slot, slot_ok, row, dh_ptr, dl_ptr, state_ptr, pages_ptr, tokens_ptr, R, P_HIGH, P_LOW, False)
     offset, base, mask, _count = _slice(need_h + need_l, mask, pid, block_sum_ptr, block_flag_ptr, block_off_ptr,
@@ -323,13 +352,14 @@ def _decode_apply_kernel(
 @triton.jit
 def _release_apply_kernel(
     slots_ptr, state_ptr, pages_ptr, tokens_ptr, table_ptr, ring_ptr,
-    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr,
+    block_sum_ptr, block_flag_ptr, block_off_ptr, ctrl_ptr, ring_state_ptr, claim_ptr,
     n_items, num_blocks, G, S, R, num_pages,
     BLOCK: tl.constexpr, RCHUNK: tl.constexpr, FUSED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Step 3, release: high pages then low pages (token order) to the ring; row cleared."""
     pid = tl.program_id(0)
     items, mask, slot_idx, slot, slot_ok, row = _items(pid, slots_ptr, n_items, G, S, BLOCK)
+    _unclaim(claim_ptr, items, mask, slot, slot_ok, G)
     ok = mask & slot_ok
     nh = tl.load(pages_ptr + row * 2, mask=ok, other=0).to(tl.int64)
     nl = tl.load(pages_ptr + row * 2 + 1, mask=ok, other=0).to(tl.int64)
@@ -374,7 +404,8 @@ class TritonPageManager(PageManager):
     Device state (all allocated once here): ``ring`` int32 ``[num_pages]``;
     ``ring_state`` int64 ``[3]`` = (start, end, status bits); ``page_table`` int32
     ``[max_slots * rows_per_slot, max_pages_per_row]``; ``pages`` and ``tokens``
-    int32 ``[rows, 2]``; ``slot_state`` int32 ``[max_slots]``; plus scan scratch.
+    int32 ``[rows, 2]``; ``slot_state`` int32 ``[max_slots]``; plus scan scratch and
+    ``claim`` int32 ``[max_slots]`` (duplicate-slot detection, all zero between calls).
     No call allocates device memory, so calls can be captured in a CUDA graph
     when their inputs are fixed device tensors.
     """
@@ -416,6 +447,7 @@ class TritonPageManager(PageManager):
         self._block_flag = torch.zeros(max_blocks, dtype=torch.int32, **dev)
         self._block_off = torch.zeros(max_blocks, dtype=torch.int64, **dev)
         self._ctrl = torch.zeros(8, dtype=torch.int64, **dev)  # go, base, copy of (start, end, status)
+        self._claim = torch.zeros(max_slots, dtype=torch.int32, **dev)  # times listed in this call; 0 between calls
 
     # ----------------------------------------------------------- launches
     def _launch(self, op: int, apply_kernel, slots, inputs: tuple, op_ints: tuple, block: int, alloc: bool,
@@ -426,7 +458,7 @@ class TritonPageManager(PageManager):
         a, b = (inputs + (slots, slots))[:2]
         _count_kernel[(num_blocks,)](
             slots, a, b, self.slot_state, self.pages, self.tokens, self._block_sum, self._block_flag,
-            self.ring_state, self._ctrl, n_items, self.rows_per_slot, self.max_slots, self.max_pages_per_row,
+            self.ring_state, self._ctrl, self._claim, n_items, self.rows_per_slot, self.max_slots, self.max_pages_per_row,
             self.high_tokens_per_page, self.low_tokens_per_page, self.page_format.min_tokens_per_page,
             OP=op, BLOCK=block,
         )
@@ -438,7 +470,7 @@ class TritonPageManager(PageManager):
             )
         apply_kernel[(num_blocks,)](
             slots, *inputs, self.slot_state, self.pages, self.tokens, self.page_table, self.ring,
-            self._block_sum, self._block_flag, self._block_off, self._ctrl, self.ring_state,
+            self._block_sum, self._block_flag, self._block_off, self._ctrl, self.ring_state, self._claim,
             n_items, num_blocks, self.rows_per_slot, self.max_slots, self.max_pages_per_row, *op_ints, self.num_pages,
             BLOCK=block, FUSED=fused, CHUNK=self.scan_chunk, **constexprs,
         )
@@ -494,3 +526,4 @@ class TritonPageManager(PageManager):
         self.pages.copy_(snapshot.pages.reshape(-1, 2))
         self.tokens.copy_(snapshot.tokens.reshape(-1, 2))
         self.slot_state.copy_(snapshot.slot_state)
+        self._claim.zero_()
