@@ -46,12 +46,14 @@ def drive(cfg, num_heads, num_kv_heads, head_dim, prompt_len, steps, seed=0, spi
 
 
 def reference_step(cache, before, q_t):
-    """Dense attention over the state the step read: previous tokens as they were, plus the new one."""
-    keys, values, tiers = before
-    t = keys.shape[1]
-    keys = torch.cat([keys, cache.keys[0, :, t:t + 1]], 1)
-    values = torch.cat([values, cache.values[0, :, t:t + 1]], 1)
-    kept = torch.cat([tiers != TIER_PRUNED, torch.ones(tiers.shape[0], 1, dtype=torch.bool)], 1)
+    """Dense attention over the state the step read: the tokens as the step's decision left them, plus the new one.
+
+    The decision (tiering the token leaving the window) runs before the step's attention and
+    nothing changes the stored tokens after it, so the state after the step is what it read.
+    """
+    t = before[0].shape[1]
+    keys, values = cache.keys[0, :, :t + 1], cache.values[0, :, :t + 1]
+    kept = cache.tiers[0, :, :t + 1] != TIER_PRUNED
     return dense_attention(q_t, keys, values, kept)
 
 
@@ -76,10 +78,10 @@ def test_prune_everything_outside_window_equals_window_attention():
         if i == 0:
             continue
         t = prompt_len - 1 + i
-        lo = t - window  # the token about to leave the window is still read this step
+        lo = t - window + 1  # the token leaving the window was pruned before this step's attention
         ref = dense_attention(q[t], k[lo:t + 1].transpose(0, 1), v[lo:t + 1].transpose(0, 1))
         torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-5)
-        assert int((cache.tiers[0, :, :lo + 1] != TIER_PRUNED).sum()) == 0
+        assert int((cache.tiers[0, :, :lo] != TIER_PRUNED).sum()) == 0
 
 
 def test_scores_are_group_max_probabilities_accumulated():
@@ -89,12 +91,18 @@ def test_scores_are_group_max_probabilities_accumulated():
     *_, (cache, _, (q, k, v), _) = drive(cfg, num_heads, num_kv_heads, 64, prompt_len, steps)
     total = prompt_len + steps
     expected = torch.zeros(num_kv_heads, total, dtype=torch.float64)
+    prompt_sums = torch.zeros(num_heads, total, dtype=torch.float64)
     for t in range(total):
         if t < prompt_len - 5:
             continue  # only the last 5 prompt queries score
         for kv in range(num_kv_heads):
             logits = k[:t + 1, kv].double() @ q[t, kv * 2:kv * 2 + 2].double().T / 8.0
-            expected[kv, :t + 1] += torch.softmax(logits, 0).max(1).values
+            probs = torch.softmax(logits, 0)  # [t + 1, 2 query heads]
+            if t < prompt_len:  # prompt: per query head summed over the scoring queries, max taken after
+                prompt_sums[kv * 2:kv * 2 + 2, :t + 1] += probs.T
+            else:  # decode: one query per step, max over the group's query heads
+                expected[kv, :t + 1] += probs.max(1).values
+    expected += prompt_sums.reshape(num_kv_heads, 2, total).amax(1)
     torch.testing.assert_close(cache.scores[0].double(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -112,7 +120,7 @@ def test_edge_case_7_head_dims_and_groups_match_reference(head_dim, num_heads, n
 
 def test_stored_tokens_within_tier_tolerance_and_window_untouched():
     window = 16
-    cfg = DiffKVConfig(recent_window_tokens=window, alpha_high=1.0, alpha_low=0.1)
+    cfg = DiffKVConfig(recent_window_tokens=window, alpha_high=1.0, alpha_low=0.3)
     prompt_len, steps = 70, 40
     for i, (cache, before, (q, k, v), _) in enumerate(drive(cfg, 8, 2, 128, prompt_len, steps)):
         t = prompt_len - 1 + i  # last position written

@@ -8,8 +8,8 @@ policy (paper section 4; ``shared/reference/DiffKV.md``, "Policy details"):
   precision (K4V2);
 * ``alpha_high`` / ``alpha_low``: a token whose importance exceeds
   ``alpha_high / N`` stays high precision, one in ``[alpha_low/N, alpha_high/N]``
-  goes to the low tier, the rest are pruned (N: the current sequence length in
-  the generation phase, the token's 1-based position in the prompt phase);
+  goes to the low tier, the rest are pruned (N: the sequence length in the
+  generation phase, the prompt length in the prompt phase);
 * ``recent_window_tokens``: the newest tokens are always kept at high precision;
 * ``prompt_score_window_tokens``: only the last queries of the prompt score the
   prompt tokens, as the authors' implementation does.
@@ -147,13 +147,13 @@ class DiffKVConfig:
         prompt_score_window_tokens: how many of the last prompt queries score
             the prompt tokens, in [1, 65536] (authors' implementation: 64).
         prompt_threshold_base: what N is in the prompt phase's ``alpha / N``:
-            ``"position"`` (the paper's ``alpha / i``: token ``p`` against
-            ``alpha / (p + 1)``) or ``"prompt_len"`` (``alpha / prompt_len``,
-            the uniform share of the scoring queries, like the generation
-            phase). On SmolLM2-135M, ``"position"`` sends early prompt tokens
+            ``"prompt_len"`` (default, every preset: ``alpha / prompt_len``, as
+            the authors' released kernels do and on which the paper's
+            thresholds were calibrated) or ``"position"`` (the paper text's
+            ``alpha / i``: token ``p`` against ``alpha / (p + 1)``; kept as an
+            option). On SmolLM2-135M, ``"position"`` sends early prompt tokens
             to the low tier and breaks greedy agreement on half the
-            calibration prompts where ``"prompt_len"`` keeps all of them at
-            the same memory (docs/CALIBRATION.md).
+            calibration prompts (docs/CALIBRATION.md).
         center_keys: quantize keys after subtracting a per-(request, layer,
             KV head) channel offset (the prompt keys' per-channel mean, fp16).
             Not in the paper: softmax is invariant to adding one vector to
@@ -174,7 +174,7 @@ class DiffKVConfig:
     alpha_low: float = 0.02
     recent_window_tokens: int = 64
     prompt_score_window_tokens: int = 64
-    prompt_threshold_base: str = "position"
+    prompt_threshold_base: str = "prompt_len"
     center_keys: bool = True
     compress: bool = True
     name: str = "custom"
@@ -250,7 +250,7 @@ PRESETS: dict[str, DiffKVConfig] = {
 }
 # Calibrated on the default model (SmolLM2-135M-Instruct) with examples/calibrate_thresholds.py over
 # HumanEval problems 100-123 (docs/CALIBRATION.md): pruning at any alpha_low > 0 broke greedy agreement.
-PRESETS["smollm2-135m"] = _preset("smollm2-135m", alpha_low=0.0, alpha_high=1.0, prompt_threshold_base="prompt_len")
+PRESETS["smollm2-135m"] = _preset("smollm2-135m", alpha_low=0.0, alpha_high=1.0)
 PRESETS["default"] = PRESETS["smollm2-135m"].replace(name="default")
 
 

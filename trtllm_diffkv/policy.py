@@ -1,19 +1,28 @@
 """DiffKV token policy: scores in, tier decisions out. Pure functions.
 
-Rules (paper section 4.2; ``DiffKV.md`` "Policy details"):
+Rules (paper section 4.2; ``DiffKV.md`` "Policy details"). Where the paper text
+and the authors' released code differ, these follow the code, on which the
+paper's thresholds were calibrated (README, "How the rules are implemented"):
 
 * Importance of a token = mean attention probability it received from the
-  queries that scored it. For GQA the query heads of one KV head are merged by
-  max, per query, before accumulation (edge case 10).
-* Prompt phase: only the last ``prompt_score_window_tokens`` queries score
-  (the authors' implementation); token ``p`` (0-based) is compared with
-  ``alpha / (p + 1)``. The last ``recent_window_tokens`` prompt tokens stay high.
-* Generation phase: every step's query adds its probability to every kept
-  token's score; the token that leaves the recent window (the candidate) is
-  compared with ``alpha / N`` (N: current sequence length), then the least
-  important token of the tier it joined (the victim) is re-checked: it stays,
-  is demoted (high -> low) or pruned. At most one token per tier per head
-  changes tier per step.
+  queries that scored it.
+* Prompt phase: only the last ``prompt_score_window_tokens`` (S) queries score.
+  Per query head, the probabilities a token receives are summed over those
+  queries; the KV head takes the max of the sums over its query heads
+  (:func:`prompt_score_sums`). Token ``p`` (0-based) has importance
+  ``sum / min(prompt_len - p, S)`` and is compared with ``alpha / prompt_len``
+  (the code's rule; ``threshold_base="position"`` gives the paper text's
+  ``alpha / (p + 1)``). The last ``recent_window_tokens`` prompt tokens stay high.
+* Generation phase, the step that writes position ``pos``: the decision comes
+  first, from the scores accumulated through the previous step: the token
+  leaving the recent window (the candidate, position ``pos - W``) is compared
+  with ``alpha / N``, ``N = pos`` (the tokens those scores cover), then the
+  least important token of the tier it joined (the victim) is re-checked: it
+  stays, is demoted (high -> low) or pruned (:func:`decode_step`). Then the new
+  token is written at high precision, attention runs, and each KV head adds
+  the max over its query heads of this step's probability to every kept
+  token's score (:func:`merge_query_heads`). Each step changes a head's high
+  and low token counts by 0 or +1 each.
 
 Tier codes are small integers shared by every layer of the system (cache,
 page manager, kernels): :data:`TIER_PRUNED`, :data:`TIER_HIGH`, :data:`TIER_LOW`.
@@ -50,7 +59,13 @@ def merge_query_heads(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def prompt_score_sums(last_query_probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Accumulated prompt scores from the last prompt queries.
+    """Accumulated prompt scores from the last prompt queries (the authors' GQA merge).
+
+    Per query head the probabilities each token receives are summed over the
+    scoring queries; each KV head then takes the max of those sums over its
+    query heads (``DiffKV.md``, "Where the authors' code and the paper text
+    differ"). Taking the max per query first and summing after gives larger
+    scores; that order is not used.
 
     Args:
         last_query_probs: ``float32 [num_heads, num_scoring_queries, prompt_len]``
@@ -59,10 +74,13 @@ def prompt_score_sums(last_query_probs: torch.Tensor, num_kv_heads: int) -> torc
         num_kv_heads: KV heads.
 
     Returns:
-        ``float32 [num_kv_heads, prompt_len]``: per KV head, the sum over the
-        scoring queries of the group-max probability each token received.
+        ``float32 [num_kv_heads, prompt_len]``: per KV head, the max over its
+        query heads of the per-head sum over the scoring queries.
+
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``.
     """
-    return merge_query_heads(last_query_probs.float(), num_kv_heads).sum(1)
+    return merge_query_heads(last_query_probs.float().sum(1), num_kv_heads)
 
 
 def query_counts(positions: torch.Tensor, prompt_len: int, seq_len: int, prompt_score_window_tokens: int) -> torch.Tensor:
@@ -75,8 +93,9 @@ def query_counts(positions: torch.Tensor, prompt_len: int, seq_len: int, prompt_
     Args:
         positions: ``int64 [...]`` 0-based token positions, all ``< seq_len``.
         prompt_len: tokens in the prompt.
-        seq_len: tokens processed so far (prompt + generated, including the
-            current step's token).
+        seq_len: tokens whose queries have scored so far (prompt + generated).
+            At the decision of the step that writes position ``pos`` this is
+            ``pos``: the new token's query has not run yet.
         prompt_score_window_tokens: S.
 
     Returns:
@@ -108,7 +127,7 @@ def classify(importance: torch.Tensor, alpha_high: float, alpha_low: float, leng
 
 def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
                  recent_window_tokens: int, prompt_score_window_tokens: int,
-                 threshold_base: str = "position") -> torch.Tensor:
+                 threshold_base: str = "prompt_len") -> torch.Tensor:
     """Prompt-phase tiers (paper section 4.2, "prompt phase").
 
     Args:
@@ -116,10 +135,9 @@ def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
         alpha_high, alpha_low: threshold multipliers.
         recent_window_tokens: the last W prompt tokens are always high.
         prompt_score_window_tokens: queries that scored (for the mean).
-        threshold_base: ``"position"``: token ``p`` is compared with
-            ``alpha / (p + 1)`` (the paper's ``alpha / i``); ``"prompt_len"``:
-            with ``alpha / prompt_len``, the uniform share of the scoring
-            queries, as the generation phase does with ``alpha / N``.
+        threshold_base: ``"prompt_len"`` (default, the authors' code): every
+            token is compared with ``alpha / prompt_len``; ``"position"``: token
+            ``p`` with ``alpha / (p + 1)`` (the paper text's ``alpha / i``).
 
     Raises:
         ValueError: unknown ``threshold_base``.
@@ -158,16 +176,34 @@ class DecodeDecision:
     victim_tier: torch.Tensor
 
 
+def decode_candidate_pos(pos: int, recent_window_tokens: int) -> int:
+    """Position of the token that leaves the recent window at the step writing ``pos``.
+
+    After the step the window holds the newest ``W`` tokens ``pos - W + 1 ..
+    pos``, so the candidate is ``pos - W``; negative means none yet. A new token
+    is always written at high precision and can only be tiered once a query
+    has scored it, so ``W = 0`` behaves as ``W = 1`` here (candidate
+    ``pos - 1``; in the prompt phase ``W = 0`` forces nothing high).
+    """
+    return pos - max(recent_window_tokens, 1)
+
+
 def decode_step(tiers: torch.Tensor, importance: torch.Tensor, seq_len: int,
                 alpha_high: float, alpha_low: float) -> DecodeDecision:
     """Generation-phase decision for the token leaving the recent window.
+
+    Made at the start of the step that writes position ``pos``, before the new
+    token is written, from the scores accumulated through the previous step
+    (the authors' order).
 
     Args:
         tiers: ``int8 [num_kv_heads, candidate_pos + 1]`` current tiers of every
             token outside the recent window; the last column is the candidate
             (still marked high, as every window token is).
-        importance: ``float32`` same shape, mean attention received so far.
-        seq_len: N, the current sequence length (thresholds ``alpha / N``).
+        importance: ``float32`` same shape, mean attention received so far
+            (score / :func:`query_counts` with ``seq_len = pos``).
+        seq_len: N of the thresholds ``alpha / N``: ``pos``, the number of
+            tokens the scores were accumulated over.
         alpha_high, alpha_low: threshold multipliers.
 
     Returns:

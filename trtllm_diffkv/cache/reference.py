@@ -15,12 +15,16 @@ contract, one request): the first ``forward`` of each layer is the prefill
 
 Prefill (paper section 4.2): causal attention over the full-precision prompt
 keys and values, then the last ``prompt_score_window_tokens`` queries score
-the prompt tokens and every token is stored at its tier.
+the prompt tokens (per query head summed over the queries, then max over the
+KV head's query heads) and every token is stored at its tier.
 
-Decode: the new token is written at high precision and joins the recent
-window; attention reads every kept token; its probabilities (max over each KV
-head's query heads) are added to the scores; then the token leaving the
-window is tiered and a victim re-checked (:func:`trtllm_diffkv.policy.decode_step`).
+Decode, the authors' order (``DiffKV.md``, "Where the authors' code and the
+paper text differ"): first the decision from the scores through the previous
+step: the token leaving the recent window is tiered against ``alpha / N`` and a
+victim re-checked (:func:`trtllm_diffkv.policy.decode_step`); then the new
+token is written at high precision; then attention reads every kept token and
+its probabilities (max over each KV head's query heads) are added to the
+scores.
 """
 from __future__ import annotations
 
@@ -202,6 +206,7 @@ class DiffKVReferenceCache:
         seq_len = pos + 1
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, 1, head_dim]
         if cfg.compress:
+            self._compact(layer_idx, pos)  # decide from the scores through the previous step
             self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high)[:, 0]
             self.values[layer_idx, :, pos] = self._quantized_values(layer_idx, vh, cfg.high)[:, 0]
         else:
@@ -213,22 +218,26 @@ class DiffKVReferenceCache:
         keys, values = self.keys[layer_idx, :, :seq_len], self.values[layer_idx, :, :seq_len]
         kept = self.tiers[layer_idx, :, :seq_len] != TIER_PRUNED
         out, probs = attend_kept(q[0], keys, values, kept)
-        if not cfg.compress:
-            return out[None].to(q.dtype)
-        self.scores[layer_idx, :, :seq_len] += policy.merge_query_heads(probs, self.num_kv_heads)
-        self._compact(layer_idx, seq_len)
+        if cfg.compress:
+            # Pruned tokens are masked out of the softmax: their probability is exactly 0.
+            self.scores[layer_idx, :, :seq_len] += policy.merge_query_heads(probs, self.num_kv_heads)
         return out[None].to(q.dtype)
 
-    def _compact(self, layer_idx: int, seq_len: int) -> None:
-        """Tier the token leaving the recent window and re-check a victim (generation phase)."""
+    def _compact(self, layer_idx: int, pos: int) -> None:
+        """Tier the token leaving the recent window and re-check a victim, before position ``pos`` is written.
+
+        Uses the scores accumulated through the previous step: importance =
+        score / :func:`policy.query_counts` with ``seq_len = pos``, thresholds
+        ``alpha / pos``.
+        """
         cfg = self.config
-        cand = seq_len - cfg.recent_window_tokens - 1
+        cand = policy.decode_candidate_pos(pos, cfg.recent_window_tokens)
         if cand < 0:
             return  # everything still fits in the recent window
         positions = torch.arange(cand + 1, device=self.scores.device)
-        counts = policy.query_counts(positions, self.prompt_len, seq_len, cfg.prompt_score_window_tokens)
+        counts = policy.query_counts(positions, self.prompt_len, pos, cfg.prompt_score_window_tokens)
         importance = self.scores[layer_idx, :, :cand + 1] / counts
-        decision = policy.decode_step(self.tiers[layer_idx, :, :cand + 1], importance, seq_len,
+        decision = policy.decode_step(self.tiers[layer_idx, :, :cand + 1], importance, pos,
                                       cfg.alpha_high, cfg.alpha_low)
         heads = torch.arange(self.num_kv_heads, device=self.scores.device)
         cand_pos = torch.full_like(heads, cand)
