@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from trtllm_diffkv.cli import read_prompts
+from trtllm_diffkv import __version__
+from trtllm_diffkv.cli import _build_parser, default_cpu_threads, read_prompts
 
 
 def test_read_prompts_plain_lines(tmp_path):
@@ -16,7 +17,7 @@ def test_read_prompts_plain_lines(tmp_path):
 
 def test_read_prompts_json_lines_with_bad_line(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "a"}\n{"text": "no prompt"}\nnot json\n{"prompt": "b", "id": 3}\n', encoding="utf-8")
+    f.write_text('{"prompt": "a"}\n{"text": "no prompt"}\n{"prompt": "unclosed\n{"prompt": "b", "id": 3}\n', encoding="utf-8")
     prompts = read_prompts(f)
     assert prompts[0] == "a" and prompts[3] == "b"
     assert isinstance(prompts[1], ValueError) and "line 2" in str(prompts[1])
@@ -57,7 +58,7 @@ def test_generate_json_on_default_model(default_model, long_prompt, tmp_path):
 
 def test_read_prompts_counts_every_line_and_keeps_unicode_separators(tmp_path):
     f = tmp_path / "p.jsonl"
-    body = '\ufeff{"prompt": "a\u2028b"}\n\n{"text": 1}\nnot json\n'
+    body = '\ufeff{"prompt": "a\u2028b"}\n\n{"text": 1}\n{not json\n'
     f.write_text(body, encoding="utf-8")
     prompts = read_prompts(f)
     assert prompts[0] == "a\u2028b"
@@ -93,3 +94,55 @@ def test_empty_prompt_argument_is_an_error_not_the_default_prompt(default_model)
     assert run.returncode == 1, run.stderr
     row = json.loads(run.stdout)
     assert "empty prompt" in row["error"] and row["generated_tokens"] == 0
+
+
+@pytest.mark.parametrize("body, plain, json_line", [
+    ("plain first\n{\"prompt\": \"json second\"}\n", 1, 2),  # today: line 2 is fed to the model braces and all
+    ("{\"prompt\": \"json first\"}\n\nplain third\n", 3, 1),
+])
+def test_read_prompts_refuses_a_file_mixing_plain_and_json_lines(tmp_path, body, plain, json_line):
+    f = tmp_path / "p.txt"
+    f.write_text(body, encoding="utf-8")
+    with pytest.raises(ValueError, match=f"line {plain} is plain text but line {json_line} is a JSON object"):
+        read_prompts(f)
+
+
+def test_read_prompts_plain_lines_may_start_with_a_brace_or_be_numbers(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("{x} is a set\n42\n", encoding="utf-8")
+    assert read_prompts(f) == ["{x} is a set", "42"]
+
+
+def test_read_prompts_json_errors_in_words(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b",}\n[1, 2]\n{"prompt": 3}\n{"text": "c"}\n', encoding="utf-8")
+    prompts = read_prompts(f)
+    assert prompts[0] == "a"
+    assert [str(p).split(": ", 1)[1] for p in prompts[1:]] == [
+        "line 2: invalid JSON at column 16: expecting property name enclosed in double quotes",
+        "line 3: expected a JSON object with a string 'prompt', got an array",
+        "line 4: 'prompt' is a number, expected a string",
+        "line 5: the JSON object has no 'prompt' field (keys: ['text'])",
+    ]
+
+
+def test_version_flag():
+    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "--version"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == f"trtllm-diffkv {__version__}"
+
+
+def test_every_generate_flag_states_its_default():
+    generate = _build_parser()._subparsers._group_actions[0].choices["generate"]
+    flags = [a for a in generate._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 12
+    assert [a.option_strings[0] for a in flags if "default" not in (a.help or "")] == []
+
+
+def test_default_cpu_threads_follow_env_then_idle_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_cpu_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    for load, threads in [(0.2, 4), (5.4, 3), (7.6, 1), (30.0, 1)]:
+        monkeypatch.setattr("os.getloadavg", lambda load=load: (load, load, load))
+        assert default_cpu_threads() == threads

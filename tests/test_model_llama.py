@@ -41,6 +41,12 @@ def _hf_config(kind: str):
         return transformers.LlamaConfig(**COMMON, head_dim=32, rope_theta=500000.0)
     if kind == "llama3_rope":
         return transformers.LlamaConfig(**COMMON, head_dim=16, rope_scaling=dict(LLAMA3_ROPE))
+    if kind == "yarn_rope":  # positions cross original_max_position_embeddings; beta_fast=16 moves the ramp
+        return transformers.LlamaConfig(**COMMON, head_dim=16, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0})
+    if kind == "qwen2_yarn":  # Qwen2.5's long-context setting (legacy "type" key), tiny
+        return transformers.Qwen2Config(**COMMON, rope_scaling={
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
     if kind == "linear_rope":
         return transformers.LlamaConfig(**COMMON, head_dim=16, rope_scaling={"rope_type": "linear", "factor": 4.0})
     if kind == "smollm_tied":
@@ -52,7 +58,8 @@ def _hf_config(kind: str):
     raise KeyError(kind)
 
 
-KINDS = ["llama", "llama_head_dim32", "llama3_rope", "linear_rope", "smollm_tied", "qwen2", "mistral"]
+KINDS = ["llama", "llama_head_dim32", "llama3_rope", "yarn_rope", "qwen2_yarn", "linear_rope", "smollm_tied", "qwen2",
+         "mistral"]
 
 
 def _randomize(model: torch.nn.Module) -> None:
@@ -101,11 +108,12 @@ def test_config_fields(pair):
     kind, hf, model, config = pair
     assert config.num_kv_heads == hf.config.num_key_value_heads
     assert config.head_dim == (getattr(hf.config, "head_dim", None) or 64 // 4)
-    assert config.qkv_bias == (kind == "qwen2")
+    assert config.qkv_bias == kind.startswith("qwen2")
     assert config.tie_word_embeddings == hf.config.tie_word_embeddings
     if config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert config.rope_type == {"llama3_rope": "llama3", "linear_rope": "linear"}.get(kind, "default")
+    rope_types = {"llama3_rope": "llama3", "linear_rope": "linear", "yarn_rope": "yarn", "qwen2_yarn": "yarn"}
+    assert config.rope_type == rope_types.get(kind, "default")
 
 
 class PackedDenseAttention:

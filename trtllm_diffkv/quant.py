@@ -110,15 +110,22 @@ def check_finite(x: torch.Tensor, what: str, layer_idx: int | None = None) -> No
         what: "key" or "value", for the message.
         layer_idx: decoder layer, for the message.
 
+    Values are compared in float32 whatever ``x``'s dtype (edge case 14): in
+    bfloat16 the bound 65504 itself rounds to 65536, so a native comparison
+    would miss ``±65536``.
+
     Raises:
         ValueError: a NaN/Inf, or a magnitude above the fp16 range that the
-            16-bit scale and zero can represent (edge case 1).
+            16-bit scale and zero can represent (edge cases 1 and 14).
     """
-    if x.numel() == 0 or float(x.abs().amax()) <= FP16_MAX:  # NaN fails the comparison too
+    if x.numel() == 0:
         return
-    bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
+    xf = x.float()
+    if float(xf.abs().amax()) <= FP16_MAX:  # NaN fails the comparison too
+        return
+    bad = ~torch.isfinite(xf) | (xf.abs() > FP16_MAX)
     head, token, _ = (int(i) for i in bad.nonzero()[0])
-    value = float(x[head, token][bad[head, token]][0])
+    value = float(xf[head, token][bad[head, token]][0])
     raise ValueError(
         f"cannot quantize {what}: value {value} at layer {layer_idx}, KV head {head}, token {token} "
         f"is not finite or exceeds the fp16 range"

@@ -1,7 +1,7 @@
 """Model side: the Llama-family decoder, its loader and the attention contract."""
 from .attention_api import AttentionBackend, DenseCausalAttention
 from .llama import LlamaForCausalLM, ModelConfig
-from .loader import default_model_path, load_model, resolve_model_path
+from .loader import default_model_path, load_model, resolve_model_path, stop_token_ids
 
 __all__ = [
     "AttentionBackend",
@@ -11,4 +11,5 @@ __all__ = [
     "default_model_path",
     "load_model",
     "resolve_model_path",
+    "stop_token_ids",
 ]

