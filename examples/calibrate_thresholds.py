@@ -3,7 +3,8 @@
 Sweeps a grid of thresholds over calibration prompts and reports, per setting,
 how many leading greedy tokens agree with the uncompressed (``fp16``) run
 (the first disagreement's index, capped at ``--new-tokens``), the teacher-forced
-top-1 agreement over all steps, and the KV memory fraction. Pick the most
+top-1 agreement and mean KL divergence over all steps (``trtllm_diffkv.accuracy``),
+and the KV memory fraction. Pick the most
 compressed setting whose agreement is indistinguishable from quantization alone.
 
 Calibration prompts: HumanEval few-shot code prompts (3 solved problems + 1
@@ -20,6 +21,7 @@ import json
 
 import torch
 
+from trtllm_diffkv.accuracy import compare_logits, teacher_forced_logits
 from trtllm_diffkv.config import DiffKVConfig, HIGH_K8V4, LOW_K4V2, get_preset
 from trtllm_diffkv.engine import ReferenceGenerator
 from trtllm_diffkv.model.loader import load_model
@@ -38,23 +40,6 @@ def humaneval_fewshot_prompts(first: int, count: int, shots: int = 3) -> list[st
     return prompts
 
 
-def teacher_forced_agreement(model, generator: ReferenceGenerator, prompt_ids: list[int], reference_ids: list[int]) -> float:
-    """Share of steps whose greedy token equals the reference's, feeding the reference tokens."""
-    cache = generator.new_cache(len(prompt_ids) + len(reference_ids))
-    device = generator.device
-    agree = 0
-    with torch.inference_mode():
-        logits = model(torch.tensor(prompt_ids, device=device), torch.arange(len(prompt_ids), device=device), cache,
-                       logits_indices=torch.tensor([len(prompt_ids) - 1], device=device))
-        for step, token in enumerate(reference_ids):
-            agree += int(logits[-1].argmax()) == token
-            if step + 1 == len(reference_ids):
-                break
-            pos = torch.tensor([len(prompt_ids) + step], device=device)
-            logits = model(torch.tensor([token], device=device), pos, cache)
-    return agree / len(reference_ids)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model")
@@ -71,6 +56,7 @@ def main() -> None:
     prompts = [tokenizer(p)["input_ids"] for p in humaneval_fewshot_prompts(args.first, args.num_prompts)]
     base = ReferenceGenerator(model, tokenizer, model_config, get_preset("fp16"))
     refs = [base.generate_ids(p, args.new_tokens).token_ids for p in prompts]
+    ref_logits = [teacher_forced_logits(base, p, ref) for p, ref in zip(prompts, refs)]
     settings = {"k8v4 (quantization only)": get_preset("k8v4")}
     grid = itertools.product(args.threshold_base.split(","), map(float, args.alpha_high.split(",")),
                              map(float, args.alpha_low.split(",")))
@@ -82,18 +68,21 @@ def main() -> None:
     print(f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens, {args.new_tokens} new tokens")
     for name, cfg in settings.items():
         gen = ReferenceGenerator(model, tokenizer, model_config, cfg)
-        firsts, forced, mem = [], [], []
-        for p, ref in zip(prompts, refs):
+        firsts, forced, kl, mem = [], [], [], []
+        for p, ref, ref_l in zip(prompts, refs, ref_logits):
             r = gen.generate_ids(p, args.new_tokens)
             firsts.append(next((j for j, (a, b) in enumerate(zip(ref, r.token_ids)) if a != b), len(ref)))
-            forced.append(teacher_forced_agreement(model, gen, p, ref))
+            comparison = compare_logits(ref_l, teacher_forced_logits(gen, p, ref))
+            forced.append(comparison.top1_agreement)
+            kl.append(comparison.mean_kl_nats)
             mem.append(r.kv_memory_fraction)
         row = {"setting": name, "identical_prefix_tokens": firsts, "prompts_fully_identical":
                sum(f >= len(r) for f, r in zip(firsts, refs)), "teacher_forced_top1": sum(forced) / len(forced),
-               "kv_memory_fraction": sum(mem) / len(mem)}
+               "mean_kl_nats": sum(kl) / len(kl), "kv_memory_fraction": sum(mem) / len(mem)}
         rows.append(row)
         print(f"{name:32s} identical={firsts} full={row['prompts_fully_identical']}/{len(prompts)} "
-              f"forced_top1={row['teacher_forced_top1']:.3f} mem={row['kv_memory_fraction']:.3f}", flush=True)
+              f"forced_top1={row['teacher_forced_top1']:.3f} kl={row['mean_kl_nats']:.4f} "
+              f"mem={row['kv_memory_fraction']:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

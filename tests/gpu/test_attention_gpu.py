@@ -1,0 +1,145 @@
+"""Attention kernels on the GPU against float64 references: real shapes, fresh random inputs, fp16/bf16.
+
+Run on the device: ``python -m pytest -q -m gpu tests/gpu/test_attention_gpu.py``.
+"""
+import math
+
+import pytest
+import torch
+
+from trtllm_diffkv.config import PRESETS, DiffKVConfig, TierConfig
+from trtllm_diffkv.memory import PageFormat
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = {
+    "default": DiffKVConfig(),
+    "k8v4": PRESETS["k8v4"],
+    "fp16": PRESETS["fp16"],
+    "k4v2-1group": DiffKVConfig(low=TierConfig(4, 2, 1, 1)),
+}
+
+
+def _decode_check(cfg, head_dim, num_heads, num_kv_heads, dtype, counts, seed, num_partitions=None):
+    from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
+    from trtllm_diffkv.kernels.attn_testing import build_paged_rows, decode_reference, read_scores, rel_err
+
+    fmt = PageFormat.for_config(cfg, head_dim)
+    rows = build_paged_rows(fmt, counts, device="cuda", seed=seed)
+    num_seqs = len(counts) // num_kv_heads
+    row_ids = torch.arange(len(counts), dtype=torch.int32, device="cuda").view(num_seqs, num_kv_heads)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", generator=g).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    update = cfg.compress
+    before = [read_scores(rows, r) for r in range(len(counts))] if update else None
+    ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, rows.page_table.shape[1], "cuda",
+                                  num_partitions=num_partitions, update_scores=update)
+    sm_scale = head_dim**-0.5
+    paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids, out,
+                           sm_scale=sm_scale, update_scores=update, workspace=ws)
+    ref, deltas = decode_reference(q.float(), rows, row_ids.cpu(), sm_scale)
+    err = rel_err(out, ref)
+    assert err < (1.5e-2 if dtype == torch.bfloat16 else 5e-3), err
+    if update:
+        for (s, kvh), dl in deltas.items():
+            r = int(row_ids[s, kvh])
+            got = read_scores(rows, r) - before[r]
+            assert torch.allclose(got, dl, rtol=2e-2, atol=2e-4), (r, float((got - dl).abs().max()))
+    return rows, out
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (28, 4), (40, 8), (12, 2), (8, 1), (32, 1)])
+def test_decode_head_dims_and_groups(head_dim, heads):
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(head_dim * 100 + num_heads)
+    rows = 2 * num_kv_heads if num_kv_heads <= 4 else num_kv_heads
+    counts = [(int(torch.randint(0, 700, (1,), generator=g)), int(torch.randint(0, 1500, (1,), generator=g)))
+              for _ in range(rows)]
+    dtype = torch.float16 if head_dim % 64 == 0 else torch.bfloat16
+    _decode_check(DiffKVConfig(), head_dim, num_heads, num_kv_heads, dtype, counts, seed=head_dim)
+
+
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_formats_long_rows(fmt_name, dtype):
+    """4096-8192-token rows, split into many partitions, every preset's tier formats."""
+    counts = [(900, 3196), (4096, 0), (0, 8192), (1, 1), (0, 0), (2048, 2048), (17, 5000), (3000, 33)]
+    _decode_check(FORMATS[fmt_name], 128, 16, 2, dtype, counts, seed=3)
+    _decode_check(FORMATS[fmt_name], 128, 16, 2, dtype, counts, seed=4, num_partitions=37)
+
+
+def test_decode_cuda_graph_replay_matches_eager():
+    """The call is graph-capturable with a preallocated workspace; replays give the eager result."""
+    from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
+    from trtllm_diffkv.kernels.attn_testing import build_paged_rows
+
+    fmt = PageFormat.for_config(DiffKVConfig(), 128)
+    rows = build_paged_rows(fmt, [(500, 1500)] * 8, device="cuda")
+    row_ids = torch.arange(8, dtype=torch.int32, device="cuda").view(4, 2)
+    q = torch.randn(4, 8, 128, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    ws = DecodeWorkspace.allocate(4, 8, 2, fmt, rows.page_table.shape[1], "cuda")
+    call = lambda: paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids,  # noqa: E731
+                                          out, sm_scale=0.1, update_scores=False, workspace=ws)
+    call()
+    eager = out.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def _prefill_reference(q, k, cu, s_max, scale):
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    sums = torch.zeros(q.shape[0], num_kv_heads, dtype=torch.float64)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = b - a
+        if n == 0:
+            continue
+        s = min(s_max, n)
+        qq = q[a:b].double().cpu().transpose(0, 1)
+        kk = k[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
+        logits = qq @ kk.transpose(1, 2) * scale
+        p = torch.softmax(logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
+        sums[a:b] = p[:, n - s:].sum(1).view(num_kv_heads, group, n).amax(1).T
+    return sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((28, 4), 128), ((9, 3), 64), ((40, 8), 80),
+                                            ((12, 2), 96), ((8, 1), 256)])
+def test_scored_prefill_against_float64(dtype, heads, head_dim):
+    from trtllm_diffkv.kernels import scored_prefill_attention
+    from trtllm_diffkv.kernels.attn_testing import rel_err
+
+    num_heads, num_kv_heads = heads
+    lens = [1, 63, 64, 65, 700, 1031]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    q = torch.randn(total, num_heads, head_dim, device="cuda").to(dtype)
+    k = (torch.randn(total, num_kv_heads, head_dim, device="cuda") * 2).to(dtype)
+    v = torch.randn(total, num_kv_heads, head_dim, device="cuda").to(dtype)
+    out = torch.full_like(q, float("nan"))
+    sums = torch.full((total, num_kv_heads), float("nan"), device="cuda")
+    scale = 1 / math.sqrt(head_dim)
+    scored_prefill_attention(q, k, v, cu, sm_scale=scale, out=out, score_sums=sums)
+    ref = _prefill_reference(q, k, cu, 64, scale)
+    assert rel_err(sums, ref) < 1e-2
+    assert torch.allclose(sums.double().cpu(), ref, rtol=3e-2, atol=3e-3)
+    group = num_heads // num_kv_heads
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].double().transpose(0, 1), k[a:b].double().repeat_interleave(group, 1).transpose(0, 1),
+            v[a:b].double().repeat_interleave(group, 1).transpose(0, 1), is_causal=True, scale=scale)
+        assert rel_err(out[a:b], o.transpose(0, 1)) < 1e-2

@@ -1,0 +1,285 @@
+"""Paged DiffKV decode attention over mixed-precision unified pages (paper sections 5-6).
+
+One query token per sequence attends to every stored token of its (sequence,
+layer, KV head) row, both tiers, reading the packed codes straight from the
+pool's pages (``KVCachePool.pages()``): the high tier's pages from the left of
+the page-table row, the low tier's from the right (``memory/page_manager.py``),
+each page's tokens laid out as ``KVCachePool.segment`` documents. Optionally
+the attention probabilities are added to each token's score segment (the
+DiffKV importance accumulator, max over the query heads of a KV head).
+
+Host side (:class:`DecodeWorkspace`) is separate from the launch: the
+workspace is allocated once for a maximum batch and reused; the call does no
+host synchronisation and no allocation when given one, so it can be captured
+in a CUDA graph (tested). Kernels (three launches: partial, merge, score):
+:mod:`.attn_decode_kernels`. Measured speed: ``docs/PERFORMANCE.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..memory.page_format import PageFormat, TierLayout
+from .attn_decode_kernels import LOG2E, _decode_merge_kernel, _decode_partial_kernel, _decode_score_kernel
+
+SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_GROUP = 64
+"""Largest query:KV head ratio the kernels accept (the M dimension of one program's matrix products)."""
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def default_num_partitions(num_seqs: int, num_kv_heads: int, max_pages_per_row: int,
+                           device: torch.device | str | None = None) -> int:
+    """Partitions per row so that about four programs per multiprocessor run (1 on the CPU).
+
+    Each partition reads at least ~8 pages of each tier; long rows in small
+    batches get more partitions (split-K), large batches one.
+    """
+    sms = 132
+    if device is not None and torch.device(device).type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = max(1, num_seqs * num_kv_heads)
+    want = -(-4 * sms // rows)
+    return int(max(1, min(want, -(-max_pages_per_row // 8), 64)))
+
+
+@dataclass
+class DecodeWorkspace:
+    """Preallocated scratch of :func:`paged_decode_attention` (reuse it across steps; graph-safe).
+
+    Attributes:
+        num_partitions: split of every row into this many partitions (split-K).
+        part_m, part_l: fp32 ``[num_seqs, num_kv_heads, num_partitions, 2, group_pad]``
+            per partition and tier, base-2 running max and sum of each query head.
+        part_acc: fp32 ``[num_seqs, num_kv_heads, num_partitions, 2, group_pad, block_d]``
+            unnormalized outputs.
+        page_probs: fp16 ``[num_seqs, num_kv_heads, max_pages_per_row, max_tokens_per_page, group]``
+            probabilities relative to ``page_max`` (score updates only).
+        page_max: fp32 ``[num_seqs, num_kv_heads, max_pages_per_row, group]`` the
+            base-2 running max each page's probabilities are relative to.
+        lse: fp32 ``[num_seqs, num_kv_heads, group_pad]`` final base-2 log-sum-exp per query head.
+    """
+
+    num_partitions: int
+    part_m: torch.Tensor
+    part_l: torch.Tensor
+    part_acc: torch.Tensor
+    page_probs: torch.Tensor
+    page_max: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_seqs: int, num_heads: int, num_kv_heads: int, page_format: PageFormat,
+                 max_pages_per_row: int, device: torch.device | str, num_partitions: int | None = None,
+                 update_scores: bool = True) -> "DecodeWorkspace":
+        """Scratch for up to ``num_seqs`` sequences of this shape (``num_partitions``: default heuristic).
+
+        Raises:
+            ValueError: non-positive sizes, or ``num_heads`` not a multiple of ``num_kv_heads``.
+        """
+        _check_heads(num_heads, num_kv_heads)
+        if num_seqs < 1 or max_pages_per_row < 1:
+            raise ValueError(f"num_seqs={num_seqs} and max_pages_per_row={max_pages_per_row} must be >= 1")
+        if num_partitions is None:
+            num_partitions = default_num_partitions(num_seqs, num_kv_heads, max_pages_per_row, device)
+        if num_partitions < 1:
+            raise ValueError(f"num_partitions={num_partitions} must be >= 1")
+        group = num_heads // num_kv_heads
+        gp, bd = max(16, _next_pow2(group)), _next_pow2(page_format.head_dim)
+        pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+        rows = (num_seqs, num_kv_heads)
+        f32 = dict(dtype=torch.float32, device=device)
+        probs_shape = rows + (max_pages_per_row, pmax, group) if update_scores else (1,)
+        max_shape = rows + (max_pages_per_row, group) if update_scores else (1,)
+        return cls(num_partitions,
+                   torch.empty(rows + (num_partitions, 2, gp), **f32),
+                   torch.empty(rows + (num_partitions, 2, gp), **f32),
+                   torch.empty(rows + (num_partitions, 2, gp, bd), **f32),
+                   torch.empty(probs_shape, dtype=torch.float16, device=device),
+                   torch.empty(max_shape, **f32),
+                   torch.empty(rows + (gp,), **f32))
+
+
+def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+    if num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"query:KV head ratio {num_heads // num_kv_heads} exceeds the supported {MAX_GROUP}")
+
+
+def _tier_args(lay: TierLayout, head_dim: int, tokens_per_step: int = 64) -> dict:
+    tier = lay.tier
+    for side, bits, groups in (("key", tier.key_bits, tier.key_groups), ("value", tier.value_bits, tier.value_groups)):
+        if bits not in (2, 4, 8, 16):
+            raise ValueError(f"tier {tier.name}: {side}_bits={bits} has no decode kernel")
+        if bits < 16 and groups not in (1, 2, 4):
+            raise ValueError(f"tier {tier.name}: {side}_groups={groups} has no decode kernel")
+        if bits < 16 and (head_dim % groups or (head_dim // groups * bits) % 8):
+            raise ValueError(f"tier {tier.name}: {side} groups={groups} at {bits} bits do not pack head_dim={head_dim}")
+    ppi = max(1, tokens_per_step // _next_pow2(lay.tokens_per_page))  # pages per loop step
+    return dict(TOKENS=lay.tokens_per_page, PPI=ppi, BLOCK_T=max(16, _next_pow2(ppi * lay.tokens_per_page)),
+                KB=tier.key_bits, KG=tier.key_groups, VB=tier.value_bits, VG=tier.value_groups,
+                KC=lay.key_codes.offset_bytes, KM=lay.key_meta.offset_bytes, VC=lay.value_codes.offset_bytes,
+                VM=lay.value_meta.offset_bytes, SC=lay.score.offset_bytes, HAS_SCORE=lay.score.size_bytes > 0)
+
+
+def _check_inputs(q, pool_pages, page_format, page_table, tier_tokens, row_ids, out, update_scores):
+    if not isinstance(page_format, PageFormat):
+        raise ValueError(f"page_format must be a PageFormat, got {type(page_format).__name__}")
+    if q.dim() != 3 or q.dtype not in SUPPORTED_Q_DTYPES:
+        raise ValueError(f"q must be [num_seqs, num_heads, head_dim] fp16/bf16/fp32, got {tuple(q.shape)} {q.dtype}")
+    num_seqs, num_heads, head_dim = q.shape
+    if head_dim != page_format.head_dim:
+        raise ValueError(f"q head_dim={head_dim} differs from the page format's {page_format.head_dim}")
+    if row_ids.dim() != 2 or row_ids.shape[0] != num_seqs or row_ids.dtype != torch.int32:
+        raise ValueError(f"row_ids must be int32 [num_seqs={num_seqs}, num_kv_heads], "
+                         f"got {tuple(row_ids.shape)} {row_ids.dtype}")
+    _check_heads(num_heads, row_ids.shape[1])
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if pool_pages.dtype != torch.uint8 or pool_pages.dim() != 2 or pool_pages.shape[1] != page_format.page_size_bytes \
+            or not pool_pages.is_contiguous():
+        raise ValueError(f"pool_pages must be contiguous uint8 [num_pages, {page_format.page_size_bytes}], "
+                         f"got {tuple(pool_pages.shape)} {pool_pages.dtype}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or not page_table.is_contiguous():
+        raise ValueError(f"page_table must be contiguous int32 [num_rows, max_pages_per_row], got {page_table.dtype}")
+    if tier_tokens.dtype != torch.int32 or tier_tokens.shape != (page_table.shape[0], 2) \
+            or not tier_tokens.is_contiguous():
+        raise ValueError(f"tier_tokens must be contiguous int32 [{page_table.shape[0]}, 2], "
+                         f"got {tuple(tier_tokens.shape)} {tier_tokens.dtype}")
+    devices = {t.device for t in (q, pool_pages, page_table, tier_tokens, row_ids, out)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if update_scores and page_format.high.score.size_bytes == 0:
+        raise ValueError("update_scores=True but the page format has no score segment (uncompressed preset)")
+
+
+def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageFormat,
+                           page_table: torch.Tensor, tier_tokens: torch.Tensor, row_ids: torch.Tensor,
+                           out: torch.Tensor, *, sm_scale: float, update_scores: bool = True,
+                           workspace: DecodeWorkspace | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, tokens_per_step: int = 64) -> None:
+    """Decode attention of one query per sequence over its paged mixed-precision KV rows.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]`` fp16 or bf16 (fp32 for tests), contiguous.
+        pool_pages: ``uint8 [num_pages, page_size_bytes]`` (``KVCachePool.pages()``).
+        page_format: the pool's :class:`PageFormat` (tiers may be 16-bit: the fp16 preset).
+        page_table: int32 ``[num_rows, max_pages_per_row]``: high-tier page ``j``
+            of row ``r`` at ``[r, j]``, low-tier page ``j`` at ``[r, max_pages_per_row - 1 - j]``.
+        tier_tokens: int32 ``[num_rows, 2]`` tokens stored per tier (high, low); tiers are dense.
+        row_ids: int32 ``[num_seqs, num_kv_heads]`` page-table row of each
+            (sequence, KV head) at this layer; < 0 marks a padding sequence
+            (its output is zeros; nothing else is touched). No row may appear twice.
+        out: ``[num_seqs, num_heads, head_dim]`` of q's dtype, written in full.
+        sm_scale: softmax scale (usually ``head_dim ** -0.5``).
+        update_scores: add to every attended token's fp32 score (in its page) the
+            max over the KV head's query heads of its softmax probability
+            (DiffKV's importance accumulator, ``DiffKV.md`` "Policy details").
+        workspace: from :meth:`DecodeWorkspace.allocate` for at least this
+            batch and ``max_pages_per_row``; ``None`` allocates one (not graph-safe).
+        num_warps, num_stages, tokens_per_step: launch tuning (benchmarks): warps
+            and pipeline depth of the main kernel, tokens read per loop step
+            (whole pages: ``tokens_per_step // next_pow2(tokens_per_page)`` of them, at least one).
+
+    Precision: codes are dequantized to fp16 in registers and multiplied in
+    fp16 with fp32 accumulation; a bf16 query is converted to fp16 for the
+    products (exact within fp16's range, |q| < 65504). Probabilities for the
+    score update pass through fp16 (relative error 2**-11).
+
+    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. A row
+    with no tokens gives zeros; logits of any finite magnitude are exact (no
+    sentinel stands in for -inf). Keys may be stored centered (any per-row
+    shift of the keys leaves the softmax unchanged).
+
+    Raises:
+        ValueError: wrong shapes/dtypes/devices, a tier format without a kernel,
+            a ratio above :data:`MAX_GROUP`, or a too-small workspace, before any launch.
+    """
+    _check_inputs(q, pool_pages, page_format, page_table, tier_tokens, row_ids, out, update_scores)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = row_ids.shape[1]
+    group = num_heads // num_kv_heads
+    max_pages = page_table.shape[1]
+    high = _tier_args(page_format.high, head_dim, tokens_per_step)
+    low = _tier_args(page_format.low, head_dim, tokens_per_step)
+    if workspace is None:
+        workspace = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, page_format, max_pages,
+                                             q.device, update_scores=update_scores)
+    _check_workspace(workspace, num_seqs, num_kv_heads, group, max_pages, page_format, update_scores)
+    if num_seqs == 0:
+        return
+    q = q.contiguous()
+    nparts = workspace.num_partitions
+    gp, bd = max(16, _next_pow2(group)), _next_pow2(head_dim)
+    pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+    common = dict(R=max_pages, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, GROUP=group, GROUP_PAD=gp,
+                  HEAD_DIM=head_dim, BLOCK_D=bd)
+    dt = _tl_dtype("fp32" if q.dtype == torch.float32 else "fp16")  # dot operands (a bf16 q is cast to fp16)
+    per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM")
+    _decode_partial_kernel[(num_seqs, num_kv_heads, nparts)](
+        q, pool_pages, page_table, tier_tokens, row_ids,
+        workspace.part_m, workspace.part_l, workspace.part_acc, workspace.page_probs, workspace.page_max,
+        float(sm_scale) * LOG2E, num_kv_heads, nparts, **common,
+        **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
+        DT=dt, IEEE=q.dtype == torch.float32, STORE_PROBS=update_scores,
+        num_warps=num_warps or 4, num_stages=num_stages or 2)
+    _decode_merge_kernel[(num_seqs, num_kv_heads)](
+        out, workspace.part_m, workspace.part_l, workspace.part_acc, workspace.lse, num_kv_heads, nparts,
+        GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=_next_pow2(2 * nparts), num_warps=4)
+    if not update_scores:
+        return
+    block_p = _next_pow2(pmax)
+    gps = _next_pow2(group)
+    pos_per_prog = max(1, min(16, 4096 // (block_p * gps)))
+    _decode_score_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_pages, pos_per_prog))](
+        pool_pages, page_table, tier_tokens, row_ids, workspace.page_probs, workspace.page_max, workspace.lse,
+        num_kv_heads, R=max_pages, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, BLOCK_P=block_p,
+        GROUP=group, HEADS_PAD=gps, LSE_STRIDE=gp, POS_PER_PROG=pos_per_prog,
+        H_TOKENS=high["TOKENS"], H_SC=high["SC"], L_TOKENS=low["TOKENS"], L_SC=low["SC"], num_warps=4)
+
+
+def _tl_dtype(name: str):
+    import triton.language as tl
+
+    return {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[name]
+
+
+def _check_workspace(ws: DecodeWorkspace, num_seqs: int, num_kv_heads: int, group: int, max_pages: int,
+                     page_format: PageFormat, update_scores: bool) -> None:
+    gp, bd = max(16, _next_pow2(group)), _next_pow2(page_format.head_dim)
+    need = (num_kv_heads, ws.num_partitions, 2, gp, bd)
+    if tuple(ws.part_acc.shape[1:]) != need or ws.part_acc.shape[0] < num_seqs:
+        raise ValueError(f"workspace part_acc is {tuple(ws.part_acc.shape)}, this call needs [>= {num_seqs}, *{need}]: "
+                         "allocate the workspace for this batch, head count and page format")
+    if update_scores:
+        pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+        need = (num_kv_heads, max_pages, pmax, group)
+        if tuple(ws.page_probs.shape[1:]) != need or ws.page_probs.shape[0] < num_seqs:
+            raise ValueError(f"workspace page_probs is {tuple(ws.page_probs.shape)}, "
+                             f"this call needs [>= {num_seqs}, *{need}] "
+                             "(allocate with update_scores=True and this max_pages_per_row)")
+
+
+def decode_bytes(page_format: PageFormat, high_tokens: int, low_tokens: int, update_scores: bool = True) -> int:
+    """Fewest bytes one decode call must move for these token counts (summed over rows).
+
+    Key and value codes and their scale/zero once, plus the fp32 score read
+    and written back per token when scores are updated (queries and outputs
+    are negligible and left out). Used for bandwidth reporting.
+    """
+    total = 0
+    for lay, n in ((page_format.high, high_tokens), (page_format.low, low_tokens)):
+        per = lay.tier.token_bytes(page_format.head_dim)
+        if update_scores and lay.score.size_bytes:
+            per += 8
+        total += n * per
+    return total
+
+
+__all__ = ["DecodeWorkspace", "paged_decode_attention", "default_num_partitions", "decode_bytes", "MAX_GROUP"]

@@ -1,0 +1,322 @@
+"""Paged DiffKV KV cache for a batch of requests: tokens live quantized in unified pages (paper section 5).
+
+:class:`PagedDiffKVCache` implements the model's attention contract
+(:class:`~trtllm_diffkv.model.attention_api.AttentionBackend`) over one
+:class:`~trtllm_diffkv.memory.KVCachePool`, a page manager
+(``TritonPageManager`` on CUDA, ``CpuPageManager`` on the CPU) and a per-row
+metadata region (:mod:`.row_meta`). It is the paged twin of
+:class:`~trtllm_diffkv.cache.DiffKVReferenceCache` and follows the same rules
+(``DiffKV.md`` "Policy details", :mod:`trtllm_diffkv.policy`).
+
+Step protocol (host-side planning apart from launch-only layers, as FlashInfer's plan/run):
+
+1. :meth:`PagedDiffKVCache.plan` once per step, before the layers: which slots
+   run, prefill requests first (their whole prompt), then decode requests (one
+   token each). Prefill: ``reserve_prompt`` (all tokens counted high). Decode:
+   the decisions of every layer from the scores through the previous step, in
+   one batched pass (:mod:`.decisions`), then ONE ``append_decode`` for all
+   rows, then every demotion / candidate move (dequantize the high token,
+   requantize it into its low slot), so that each layer only writes and reads.
+2. ``forward(layer_idx, q, k, v)`` per layer, packed tokens in the planned
+   order: prefill requests run the scored prefill attention, get their tiers,
+   and their tokens are quantized straight into the reserved pages at the
+   places ``commit_prompt`` keeps (high pages on the left, the last reserved
+   pages become the low pages); after the last layer one ``commit_prompt``
+   returns the surplus pages to the ring. Decode requests write the new token
+   at high precision into the slot its row's decision chose, then run paged
+   decode attention, which adds each token's probability to its score. No
+   host synchronization inside ``forward``.
+3. :meth:`PagedDiffKVCache.step_errors` after the step (one small device read):
+   slots whose keys/values were not finite; :meth:`release` when a request
+   ends or fails (every page goes back).
+
+Memory: the pool (pages held x page size) plus the row metadata of active
+rows; :meth:`pool_used_bytes` and :meth:`request_stats` report both next to
+the accounted bytes of the packed tokens (:class:`CacheStats`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..cache.reference import CacheStats
+from ..config import DiffKVConfig
+from ..memory import CpuPageManager, KVCachePool, PageFormat
+from . import decode, prefill, torch_ops
+from .row_meta import RowMetadata, RowMetadataFormat
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has too few free pages for the planned step; nothing changed."""
+
+
+@dataclass(frozen=True)
+class PagedCacheStats(CacheStats):
+    """:class:`CacheStats` of one request plus what it really holds in the pool.
+
+    Attributes:
+        pool_pages: pages its rows hold.
+        pool_used_bytes: ``pool_pages * page_size_bytes`` + its rows' metadata bytes.
+    """
+
+    pool_pages: int = 0
+    pool_used_bytes: int = 0
+
+
+def _kernels(use_triton: bool, read_path: str = "auto"):
+    """(write ops module, decode attention, scored prefill attention) for this cache."""
+    if not use_triton:
+        return torch_ops, torch_ops.paged_decode_attention, torch_ops.scored_prefill_attention
+    from ..kernels import quant_write
+
+    if read_path == "torch":
+        return quant_write, torch_ops.paged_decode_attention, torch_ops.scored_prefill_attention
+
+    try:
+        from ..kernels.decode_attention import paged_decode_attention
+    except ImportError:
+        paged_decode_attention = torch_ops.paged_decode_attention
+    try:
+        from ..kernels.prefill_attention import scored_prefill_attention
+    except ImportError:
+        scored_prefill_attention = torch_ops.scored_prefill_attention
+    return quant_write, paged_decode_attention, scored_prefill_attention
+
+
+class PagedDiffKVCache:
+    """DiffKV cache of up to ``max_slots`` requests in unified pages; the model's attention backend.
+
+    Args:
+        config: DiffKV policy (``compress=False``: the fp16 preset, every token
+            kept at 16 bits in the high tier, no scores).
+        num_layers, num_heads, num_kv_heads, head_dim: model shape.
+        num_pages: pages in the pool.
+        max_slots: request slots (batch capacity).
+        max_seq_len_tokens: longest request (prompt + generated).
+        max_num_tokens: most tokens one step may carry (sizes the output buffer).
+        device, dtype: where the pool lives, and the model dtype of the outputs.
+        high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
+        use_triton: Triton kernels (default: on CUDA, or when
+            ``TRITON_INTERPRET=1``); otherwise the torch versions (:mod:`.torch_ops`).
+        sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
+        page_manager: ``"triton"`` (``TritonPageManager``), ``"cpu"``
+            (``CpuPageManager``) or ``"auto"``: Triton on CUDA, CPU otherwise.
+        read_path: ``"torch"`` runs the attention of the Triton path with the
+            torch versions (:mod:`.torch_ops`; tests of the write path on the
+            GPU); ``"auto"``: the read-path kernels when present.
+
+    Raises:
+        ValueError: a configuration the model cannot run, or a bad size.
+    """
+
+    def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 num_pages: int, max_slots: int, max_seq_len_tokens: int, max_num_tokens: int | None = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 high_tokens_per_page: int = 32, use_triton: bool | None = None, sm_scale: float | None = None,
+                 page_manager: str = "auto", read_path: str = "auto") -> None:
+        config.validate_for_model(head_dim, num_heads, num_kv_heads)
+        for name, value in (("num_layers", num_layers), ("max_slots", max_slots),
+                            ("max_seq_len_tokens", max_seq_len_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        self.config = config
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.page_format = PageFormat.for_config(config, head_dim, high_tokens_per_page)
+        self.pool = KVCachePool(self.page_format, num_pages, self.device)
+        self.pool.buffer.zero_()
+        if page_manager not in ("auto", "cpu", "triton"):
+            raise ValueError(f"page_manager={page_manager!r}; allowed: 'auto', 'cpu', 'triton'")
+        if page_manager == "triton" or (page_manager == "auto" and self.device.type == "cuda"):
+            from ..memory.triton_page_manager import TritonPageManager
+
+            self.manager = TritonPageManager(self.page_format, num_pages, max_slots, num_layers, num_kv_heads,
+                                             max_seq_len_tokens, device=self.device)
+        else:
+            self.manager = CpuPageManager(self.page_format, num_pages, max_slots, num_layers, num_kv_heads,
+                                          max_seq_len_tokens)
+        self.rows_per_slot = num_layers * num_kv_heads
+        self.row_meta = RowMetadata(RowMetadataFormat.for_config(config, head_dim), max_slots * self.rows_per_slot,
+                                    self.device)
+        if use_triton is None:
+            use_triton = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        self.use_triton = use_triton
+        if read_path not in ("auto", "torch"):
+            raise ValueError(f"read_path={read_path!r}; allowed: 'auto', 'torch'")
+        self._ops, self._decode_attention, self._prefill_attention = _kernels(use_triton, read_path)
+        self.sm_scale = sm_scale if sm_scale is not None else torch_ops.default_sm_scale(head_dim)
+        self.max_slots, self.max_seq_len_tokens = max_slots, max_seq_len_tokens
+        self.max_num_tokens = max_num_tokens or max_slots * max_seq_len_tokens
+        self._out = torch.empty(self.max_num_tokens, num_heads, head_dim, dtype=dtype, device=self.device)
+        self._score_sums = torch.zeros(self.max_num_tokens, num_kv_heads, dtype=torch.float32, device=self.device)
+        self.error_flags = torch.zeros(max_slots, dtype=torch.int32, device=self.device)
+        self.prompt_len = [0] * max_slots  # host bookkeeping (0: slot free)
+        self.seq_len = [0] * max_slots  # tokens stored
+        self._prompt_len_dev = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self._step = None
+        self._workspace = None
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, slots: Sequence[int], seq_lens: Sequence[int], positions: Sequence[int],
+             is_prefill: Sequence[bool]) -> None:
+        """Describe the next step (host side; before the layers run).
+
+        Args:
+            slots: ``[n]`` distinct request slots in ``[0, max_slots)``; prefill
+                requests first, then decode requests.
+            seq_lens: ``[n]`` tokens of each request after this step.
+            positions: ``[n]`` position of each request's first new token
+                (prefill: 0; decode: the tokens already stored).
+            is_prefill: ``[n]`` whether the request brings its prompt (a free
+                slot) or one decode token (an active slot).
+
+        The step's packed tokens are each prefill request's ``seq_len`` tokens,
+        then one token per decode request (``cu_seqlens`` built here).
+
+        Raises:
+            ValueError: inconsistent arguments (order, lengths, slot states, an
+                empty prompt, a request beyond ``max_seq_len_tokens``), naming the request.
+            OutOfPagesError: too few free pages; nothing changed.
+        """
+        n = len(slots)
+        if not (len(seq_lens) == len(positions) == len(is_prefill) == n):
+            raise ValueError("slots, seq_lens, positions and is_prefill must have the same length")
+        slots, seq_lens, positions = [int(s) for s in slots], [int(s) for s in seq_lens], [int(p) for p in positions]
+        is_prefill = [bool(p) for p in is_prefill]
+        n_pre = sum(is_prefill)
+        if any(is_prefill[n_pre:]):
+            raise ValueError("prefill requests must come before decode requests")
+        if len(set(slots)) != n:
+            raise ValueError(f"slots must be distinct, got {slots}")
+        for i, (slot, total, first, pre) in enumerate(zip(slots, seq_lens, positions, is_prefill)):
+            self._check_request(i, slot, total, first, pre)
+        num_tokens = sum(seq_lens[:n_pre]) + (n - n_pre)
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"the step carries {num_tokens} tokens, more than max_num_tokens={self.max_num_tokens}")
+        need = self.manager.reserve_pages_needed(seq_lens[:n_pre]) + self.manager.worst_case_decode_pages(n - n_pre)
+        free = self.manager.free_pages()
+        if need > free:
+            raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
+        step = _Step(slots, seq_lens, positions, n_pre, num_tokens)
+        if n_pre:
+            prefill.plan_prefill(self, step)
+        if n - n_pre:
+            decode.plan_decode(self, step)
+        self._step = step
+
+    def _check_request(self, i: int, slot: int, total: int, first: int, prefill: bool) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"request {i}: slot {slot} is outside [0, {self.max_slots})")
+        if total > self.max_seq_len_tokens:
+            raise ValueError(f"request {i} (slot {slot}): {total} tokens exceed max_seq_len_tokens={self.max_seq_len_tokens}")
+        if prefill:
+            if total < 1:
+                raise ValueError(f"request {i} (slot {slot}): empty prompt, at least one token is needed")
+            if first != 0 or self.prompt_len[slot]:
+                raise ValueError(f"request {i}: prefill needs a free slot and position 0 (slot {slot})")
+        elif not self.prompt_len[slot] or first != self.seq_len[slot] or total != first + 1:
+            raise ValueError(f"request {i} (slot {slot}): a decode step writes position {self.seq_len[slot]} "
+                             f"(seq_len {self.seq_len[slot] + 1}) of an active slot; got position {first}, seq_len {total}")
+
+    # ------------------------------------------------------------------ layers
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention for the planned step's packed tokens (``AttentionBackend.forward``).
+
+        Args:
+            layer_idx: 0-based layer; q ``[num_tokens, num_heads, head_dim]``,
+                k/v ``[num_tokens, num_kv_heads, head_dim]`` in the planned order.
+
+        Returns:
+            ``[num_tokens, num_heads, head_dim]`` in the cache dtype: a view of
+            the preallocated output buffer, valid until the next layer.
+
+        Raises:
+            ValueError: no step planned, or shapes that disagree with the plan.
+        """
+        step = self._step
+        if step is None:
+            raise ValueError("plan() the step before running the layers")
+        T, H, D = step.num_tokens, self.num_kv_heads, self.head_dim
+        if q.shape != (T, self.num_heads, D) or k.shape != (T, H, D) or v.shape != (T, H, D):
+            raise ValueError(f"layer {layer_idx}: q/k/v shapes {tuple(q.shape)}/{tuple(k.shape)}/{tuple(v.shape)} "
+                             f"disagree with the planned step ({T} tokens)")
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx={layer_idx} outside [0, {self.num_layers})")
+        out = self._out[:T]
+        tp = step.prefill_tokens
+        if step.prefill is not None:
+            prefill.prefill_layer(self, step, layer_idx, q[:tp], k[:tp], v[:tp], out[:tp])
+        if step.decode is not None:
+            decode.decode_layer(self, step, layer_idx, q[tp:], k[tp:], v[tp:], out[tp:])
+        if layer_idx == self.num_layers - 1:
+            self._finish_step(step)
+        return out
+
+    def _finish_step(self, step) -> None:
+        if step.prefill is not None:
+            counts = step.prefill["counts"]
+            self.manager.commit_prompt(step.prefill["slots"], counts[..., 0], counts[..., 1])
+        for i, slot in enumerate(step.slots):
+            if i < step.n_pre:
+                self.prompt_len[slot] = step.seq_lens[i]
+            self.seq_len[slot] = step.seq_lens[i]
+        self._step = None
+
+    # ------------------------------------------------------------------ lifecycle and reports
+    def step_errors(self) -> dict[int, str]:
+        """Slots whose keys or values this step were not finite (edge case 1); clears the flags (one device read)."""
+        bad = torch.nonzero(self.error_flags).flatten().tolist()
+        if bad:
+            self.error_flags.zero_()
+        return {s: "a key or value is NaN/Inf or beyond the fp16 range" for s in bad}
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Return every page of ``slots`` to the ring (finish or abort; a free slot is a no-op)."""
+        slots = [int(s) for s in slots]
+        for s in slots:
+            if not 0 <= s < self.max_slots:
+                raise ValueError(f"slot {s} is outside [0, {self.max_slots})")
+        self.manager.release(torch.tensor(slots, dtype=torch.int64, device=self.device))
+        for s in slots:
+            self.prompt_len[s] = self.seq_len[s] = 0
+
+    @property
+    def active_slots(self) -> list[int]:
+        return [s for s in range(self.max_slots) if self.prompt_len[s]]
+
+    def pool_used_bytes(self) -> int:
+        """Pool bytes really held: pages not free x page size + row metadata of active requests (a device read)."""
+        held = self.manager.num_pages - self.manager.free_pages()
+        return held * self.page_format.page_size_bytes + len(self.active_slots) * self.rows_per_slot * \
+            self.row_meta.format.row_bytes
+
+    def request_stats(self, slot: int) -> PagedCacheStats:
+        """Tier counts, accounted packed bytes and really held pool bytes of one request (a device read)."""
+        rows = torch.arange(slot * self.rows_per_slot, (slot + 1) * self.rows_per_slot, device=self.device)
+        tokens = self.manager.tokens[rows].sum(0).tolist()
+        pages = int(self.manager.pages[rows].sum())
+        n = self.seq_len[slot]
+        total = n * self.rows_per_slot
+        fp16_bytes = total * 2 * self.head_dim * 2
+        meta = self.rows_per_slot * self.row_meta.format.row_bytes if n else 0
+        if self.config.compress:
+            used = tokens[0] * self.config.token_bytes("high", self.head_dim) + \
+                tokens[1] * self.config.token_bytes("low", self.head_dim) + meta
+        else:
+            used = fp16_bytes
+        return PagedCacheStats(n, tokens[0], tokens[1], total - tokens[0] - tokens[1], used, fp16_bytes,
+                               pages, pages * self.page_format.page_size_bytes + meta)
+
+
+class _Step:
+    """Host description of the planned step plus the device tensors its layers use."""
+
+    def __init__(self, slots, seq_lens, positions, n_pre, num_tokens) -> None:
+        self.slots, self.seq_lens, self.positions, self.n_pre, self.num_tokens = slots, seq_lens, positions, n_pre, num_tokens
+        self.prefill_tokens = sum(seq_lens[:n_pre])
+        self.prefill = None
+        self.decode = None

@@ -1,0 +1,216 @@
+"""Greedy generation on the paged DiffKV cache: one request or a static batch (paper section 5).
+
+:class:`PagedGenerator` has the API of :class:`~trtllm_diffkv.engine.ReferenceGenerator`
+(``generate``, ``generate_ids``, same :class:`GenerationResult` fields) plus
+``generate_batch``: the prompts are prefilled together in one step, then every
+live request decodes one token per step, all in one model call, until each
+stops. A request that fails (empty prompt, bad ids, too long, non-finite
+keys/values, pool exhausted) comes back with ``finish_reason == "error"``; it
+allocates nothing or releases what it held, and the others go on.
+
+Each result also reports what the request really held in the pool at its end
+(:class:`PagedGenerationResult`): pages x page size + its per-row metadata,
+next to the accounted packed bytes (``kv_cache_bytes``) and the fraction of
+FP16 (``kv_memory_fraction``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import GenerationResult, ReferenceGenerator
+from .cache import OutOfPagesError, PagedDiffKVCache
+
+
+@dataclass
+class PagedGenerationResult(GenerationResult):
+    """:class:`GenerationResult` plus the pool memory the request really held at its end.
+
+    Attributes:
+        pool_pages: pages its (layer, KV head) rows held.
+        pool_used_bytes: ``pool_pages * page_size_bytes`` + its rows' metadata
+            (the center_keys offsets); >= ``kv_cache_bytes`` by the unused
+            tail of each row's last page per tier.
+    """
+
+    pool_pages: int | None = None
+    pool_used_bytes: int | None = None
+
+
+_FIELDS = {f.name for f in dataclasses.fields(PagedGenerationResult)}
+
+
+def _result(**kw) -> PagedGenerationResult:
+    return PagedGenerationResult(**{k: v for k, v in kw.items() if k in _FIELDS})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PagedGenerator(ReferenceGenerator):
+    """Greedy generation with a :class:`PagedDiffKVCache` (static batching).
+
+    Args:
+        model, tokenizer, model_config, kv_config, stop_token_ids: as
+            :class:`~trtllm_diffkv.engine.ReferenceGenerator`.
+        num_pages: pool size; ``None`` sizes each batch's pool for the worst
+            case (every token high precision).
+        high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
+        use_triton: as :class:`PagedDiffKVCache` (default: on CUDA).
+
+    Raises:
+        ValueError: ``kv_config`` cannot run this model.
+    """
+
+    def __init__(self, model, tokenizer, model_config, kv_config, stop_token_ids=None, *,
+                 num_pages: int | None = None, high_tokens_per_page: int = 32, use_triton: bool | None = None):
+        super().__init__(model, tokenizer, model_config, kv_config, stop_token_ids)
+        self.num_pages, self.high_tokens_per_page, self.use_triton = num_pages, high_tokens_per_page, use_triton
+        self.last_cache: PagedDiffKVCache | None = None
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+        """Greedy generation of one request from token ids; errors come back in the result, never raised."""
+        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[GenerationResult]:
+        """Greedy generation of a static batch; one result per prompt, in order; never raises for a request."""
+        results: list[PagedGenerationResult | None] = [None] * len(prompts)
+        admitted = []
+        for i, ids in enumerate(prompts):
+            try:
+                self._check_request(ids, max_new_tokens)
+                admitted.append(i)
+            except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
+                results[i] = _error(ids, exc)
+        if admitted:
+            try:
+                self._run(prompts, admitted, max_new_tokens, results)
+            except Exception as exc:  # noqa: BLE001 - report, never raise
+                for i in admitted:
+                    if results[i] is None:
+                        results[i] = _error(prompts[i], exc)
+        return results
+
+    # ------------------------------------------------------------------ internals
+    def _check_request(self, ids, max_new_tokens) -> None:
+        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
+        limit = self.model_config.max_position_embeddings
+        window = self.model_config.max_supported_positions
+        if window is not None and window < limit:
+            limit = window
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's {limit} positions")
+
+    def _new_cache(self, prompts, admitted, max_new_tokens) -> PagedDiffKVCache:
+        mc = self.model_config
+        max_len = max(len(prompts[i]) for i in admitted) + max_new_tokens
+        num_pages = self.num_pages
+        if num_pages is None:
+            from ..memory import PageFormat
+
+            fmt = PageFormat.for_config(self.kv_config, mc.head_dim, self.high_tokens_per_page)
+            num_pages = len(admitted) * mc.num_layers * mc.num_kv_heads * (fmt.prompt_reserve_pages(max_len) + 2)
+        tokens = sum(len(prompts[i]) for i in admitted)
+        return PagedDiffKVCache(self.kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                num_pages=num_pages, max_slots=len(admitted), max_seq_len_tokens=max_len,
+                                max_num_tokens=max(tokens, len(admitted)), device=self.device, dtype=self.dtype,
+                                high_tokens_per_page=self.high_tokens_per_page, use_triton=self.use_triton)
+
+    def _run(self, prompts, admitted, max_new_tokens, results) -> None:
+        cache = self.last_cache = self._new_cache(prompts, admitted, max_new_tokens)
+        dev = self.device
+        slot_of = {i: s for s, i in enumerate(admitted)}
+        live, out, times = [], {i: [] for i in admitted}, {}
+        with torch.inference_mode():
+            _sync(dev)
+            t0 = time.perf_counter()
+            try:
+                cache.plan([slot_of[i] for i in admitted], [len(prompts[i]) for i in admitted], [0] * len(admitted),
+                           [True] * len(admitted))
+            except OutOfPagesError as exc:
+                for i in admitted:
+                    results[i] = _error(prompts[i], exc)
+                return
+            ids = torch.tensor([t for i in admitted for t in prompts[i]], device=dev)
+            pos = torch.cat([torch.arange(len(prompts[i]), device=dev) for i in admitted])
+            last = torch.tensor([len(prompts[i]) for i in admitted], device=dev).cumsum(0) - 1
+            tokens = self.model(ids, pos, cache, logits_indices=last).argmax(-1).tolist()
+            _sync(dev)
+            t1 = time.perf_counter()
+            for i, tok in zip(admitted, tokens):
+                out[i].append(tok)
+                live.append(i)
+            live = self._settle(cache, prompts, live, out, results, slot_of, max_new_tokens, times, t0, t1, t1)
+            while live:
+                lens = [len(prompts[i]) + len(out[i]) - 1 for i in live]
+                try:
+                    cache.plan([slot_of[i] for i in live], [n + 1 for n in lens], lens, [False] * len(live))
+                except OutOfPagesError as exc:  # static batch: the longest request gives way
+                    victim = max(live, key=lambda i: lens[live.index(i)])
+                    cache.release([slot_of[victim]])
+                    results[victim] = _error(prompts[victim], exc)
+                    live.remove(victim)
+                    continue
+                ids = torch.tensor([out[i][-1] for i in live], device=dev)
+                tokens = self.model(ids, torch.tensor(lens, device=dev), cache).argmax(-1).tolist()
+                for i, tok in zip(live, tokens):
+                    out[i].append(tok)
+                _sync(dev)
+                live = self._settle(cache, prompts, live, out, results, slot_of, max_new_tokens, times, t0, t1,
+                                    time.perf_counter())
+
+    def _settle(self, cache, prompts, live, out, results, slot_of, max_new_tokens, times, t0, t1, now) -> list[int]:
+        """Fail requests with non-finite K/V, finish the ones that stopped; return those still live."""
+        errors = cache.step_errors()
+        still = []
+        for i in live:
+            slot = slot_of[i]
+            if slot in errors:
+                cache.release([slot])
+                results[i] = _error(prompts[i], ValueError(errors[slot]))
+                continue
+            done = out[i][-1] in self.stop_token_ids or len(out[i]) >= max_new_tokens
+            if not done:
+                still.append(i)
+                continue
+            results[i] = self._finished(cache, slot, prompts[i], out[i], t1 - t0, now - t1)
+            cache.release([slot])
+        return still
+
+    def _finished(self, cache, slot, prompt, out, prefill_s, decode_s) -> PagedGenerationResult:
+        stats = cache.request_stats(slot)
+        finish = "stop" if out[-1] in self.stop_token_ids else "length"
+        text_ids = [t for t in out if t not in self.stop_token_ids]
+        tiers = self.kv_config.compress
+        steps = len(out) - 1
+        return _result(
+            text=self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else "",
+            token_ids=list(out), prompt_tokens=len(prompt), generated_tokens=len(out), finish_reason=finish,
+            stop_token_id=out[-1] if finish == "stop" else None,
+            kv_memory_fraction=stats.kv_memory_fraction,
+            high_fraction=stats.fraction("high") if tiers else None,
+            low_fraction=stats.fraction("low") if tiers else None,
+            pruned_fraction=stats.fraction("pruned") if tiers else None,
+            kv_cache_bytes=stats.kv_cache_bytes, fp16_kv_cache_bytes=stats.fp16_kv_cache_bytes,
+            prefill_tokens_per_s=len(prompt) / max(prefill_s, 1e-9),
+            decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else None,
+            pool_pages=stats.pool_pages, pool_used_bytes=stats.pool_used_bytes,
+        )
+
+
+def _error(ids, exc: Exception) -> PagedGenerationResult:
+    n = len(ids) if hasattr(ids, "__len__") else 0
+    return _result(prompt_tokens=n, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
