@@ -1,9 +1,16 @@
-"""Reference DiffKV cache against dense fp32 attention over the kept tokens (edge cases 4-8, 10)."""
+"""Reference DiffKV cache against dense float64 attention over the kept tokens (edge cases 4-8, 10).
+
+Every run goes through ``drive``, whose checker compares each step, the
+prefill included, with the independent oracles in ``tests/oracle``.
+"""
 import math
 
 import pytest
 import torch
 
+from oracle import attention
+from oracle.checked_cache import CheckedCache, format_token_bytes
+from oracle.drive import random_qkv
 from trtllm_diffkv.cache import DiffKVReferenceCache, attend_kept
 from trtllm_diffkv.config import DiffKVConfig, TierConfig
 from trtllm_diffkv.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED
@@ -11,62 +18,38 @@ from trtllm_diffkv.policy import TIER_HIGH, TIER_LOW, TIER_PRUNED
 UNQUANTIZED = TierConfig(16, 16)
 
 
-def dense_attention(q, k, v, kept=None):
-    """float64 attention of queries [num_heads, d] over k/v [num_kv_heads, n, d], per-head kept mask."""
-    num_heads, d = q.shape
-    group = num_heads // k.shape[0]
-    out = torch.empty(num_heads, d, dtype=torch.float64)
-    for h in range(num_heads):
-        kv = h // group
-        idx = torch.arange(k.shape[1]) if kept is None else kept[kv].nonzero().flatten()
-        logits = k[kv, idx].double() @ q[h].double() / math.sqrt(d)
-        out[h] = torch.softmax(logits, 0) @ v[kv, idx].double()
-    return out
+def dense_attention(q, k, v):
+    """float64 attention of ``q [num_heads, d]`` over every token of ``k``/``v`` ``[num_kv_heads, n, d]`` (the oracle's)."""
+    return attention.decode_attention(q, k, v, torch.ones(k.shape[:2], dtype=torch.bool))[0]
 
 
 def drive(cfg, num_heads, num_kv_heads, head_dim, prompt_len, steps, seed=0, spiky=True):
-    """Run prefill + `steps` decode steps of one layer on random data; yield per-step state."""
-    g = torch.Generator().manual_seed(seed)
-    total = prompt_len + steps
-    q = torch.randn(total, num_heads, head_dim, generator=g)
-    k = torch.randn(total, num_kv_heads, head_dim, generator=g)
-    v = torch.randn(total, num_kv_heads, head_dim, generator=g)
-    if spiky:  # a few heavy hitters make attention sparse, as in real models
-        hitters = torch.randint(0, total, (max(total // 10, 1),), generator=g)
-        k[hitters] *= 3
-        q *= 2
-    cache = DiffKVReferenceCache(cfg, 1, num_heads, num_kv_heads, head_dim, total)
-    out = cache.forward(0, q[:prompt_len], k[:prompt_len], v[:prompt_len])
-    yield cache, None, (q, k, v), out
+    """Run prefill + ``steps`` decode steps of one layer on random data, every step (prefill included)
+    checked against the independent oracle (:class:`oracle.checked_cache.CheckedCache`).
 
-    for t in range(prompt_len, total):
-        before = (cache.keys[0, :, :t].clone(), cache.values[0, :, :t].clone(), cache.tiers[0, :, :t].clone())
-        out = cache.forward(0, q[t:t + 1], k[t:t + 1], v[t:t + 1])
-        yield cache, before, (q, k, v), out
-
-
-def reference_step(cache, before, q_t):
-    """Dense attention over the state the step read: the tokens as the step's decision left them, plus the new one.
-
-    The decision (tiering the token leaving the window) runs before the step's attention and
-    nothing changes the stored tokens after it, so the state after the step is what it read.
+    Yields ``(checked, (q, k, v), out)`` after each step, prefill first; ``checked.cache`` is the cache.
     """
-    t = before[0].shape[1]
-    keys, values = cache.keys[0, :, :t + 1], cache.values[0, :, :t + 1]
-    kept = cache.tiers[0, :, :t + 1] != TIER_PRUNED
-    return dense_attention(q_t, keys, values, kept)
+    total = prompt_len + steps
+    q, k, v = random_qkv(total, num_heads, num_kv_heads, head_dim, seed, spiky)
+    checked = CheckedCache(DiffKVReferenceCache(cfg, 1, num_heads, num_kv_heads, head_dim, total))
+    yield checked, (q, k, v), checked.forward(0, q[:prompt_len], k[:prompt_len], v[:prompt_len])
+    for t in range(prompt_len, total):
+        yield checked, (q, k, v), checked.forward(0, q[t:t + 1], k[t:t + 1], v[t:t + 1])
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (7, 1)])
 def test_unquantized_keep_all_equals_dense(num_heads, num_kv_heads):
     cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=0.0, alpha_low=0.0, recent_window_tokens=4)
-    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, num_heads, num_kv_heads, 64, 23, 12)):
-        t = 22 + i
-        if i == 0:
+    prompt_len = 23
+    for i, (checked, (q, k, v), out) in enumerate(drive(cfg, num_heads, num_kv_heads, 64, prompt_len, 12)):
+        if i == 0:  # prefill: causal attention over the prompt at every position
+            ref = attention.causal_attention(q[:prompt_len], k[:prompt_len], v[:prompt_len])
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
             continue
+        t = prompt_len - 1 + i
         ref = dense_attention(q[t], k[:t + 1].transpose(0, 1), v[:t + 1].transpose(0, 1))
         torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-5)
-    assert int((cache.tiers[0] == TIER_PRUNED).sum()) == 0
+    assert int((checked.cache.tiers[0] == TIER_PRUNED).sum()) == 0
 
 
 def test_prune_everything_outside_window_equals_window_attention():
@@ -74,8 +57,12 @@ def test_prune_everything_outside_window_equals_window_attention():
     cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=1000.0, alpha_low=1000.0,
                        recent_window_tokens=window)
     prompt_len = 30
-    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, 6, 3, 64, prompt_len, 10)):
-        if i == 0:
+    for i, (checked, (q, k, v), out) in enumerate(drive(cfg, 6, 3, 64, prompt_len, 10)):
+        cache = checked.cache
+        if i == 0:  # the prompt attends at full precision before its tokens are tiered
+            ref = attention.causal_attention(q[:prompt_len], k[:prompt_len], v[:prompt_len])
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+            assert int((cache.tiers[0, :, :prompt_len - window] != TIER_PRUNED).sum()) == 0
             continue
         t = prompt_len - 1 + i
         lo = t - window + 1  # the token leaving the window was pruned before this step's attention
@@ -88,7 +75,8 @@ def test_scores_are_group_max_probabilities_accumulated():
     cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=0.0, alpha_low=0.0,
                        recent_window_tokens=2, prompt_score_window_tokens=5)
     prompt_len, steps, num_heads, num_kv_heads = 12, 6, 4, 2
-    *_, (cache, _, (q, k, v), _) = drive(cfg, num_heads, num_kv_heads, 64, prompt_len, steps)
+    *_, (checked, (q, k, v), _) = drive(cfg, num_heads, num_kv_heads, 64, prompt_len, steps)
+    cache = checked.cache
     total = prompt_len + steps
     expected = torch.zeros(num_kv_heads, total, dtype=torch.float64)
     prompt_sums = torch.zeros(num_heads, total, dtype=torch.float64)
@@ -109,42 +97,32 @@ def test_scores_are_group_max_probabilities_accumulated():
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (28, 4), (40, 8), (12, 2), (8, 1), (32, 1)])
 def test_edge_case_7_head_dims_and_groups_match_reference(head_dim, num_heads, num_kv_heads):
+    """Every step, prefill included, checked by the oracle (output, scores, tiers, stored K/V)."""
     cfg = DiffKVConfig(alpha_high=1.0, alpha_low=0.3, recent_window_tokens=8)
-    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, num_heads, num_kv_heads, head_dim, 40, 3, seed=head_dim)):
-        if i == 0:
-            continue
-        t = 39 + i
-        ref = reference_step(cache, before, q[t])
-        torch.testing.assert_close(out[0].double(), ref, rtol=2e-5, atol=2e-5)
+    *_, (checked, _, _) = drive(cfg, num_heads, num_kv_heads, head_dim, 40, 3, seed=head_dim)
+    assert checked.layer_len == [43] and checked.ambiguous == 0
 
 
-def test_stored_tokens_within_tier_tolerance_and_window_untouched():
+def test_stored_tokens_within_tier_bounds_and_window_untouched():
+    """Stored K/V within half a step of their tier's format (checked per step), the window stays high,
+    and the run demotes and prunes tokens (so the bounds of both tiers were exercised)."""
     window = 16
     cfg = DiffKVConfig(recent_window_tokens=window, alpha_high=1.0, alpha_low=0.3)
     prompt_len, steps = 70, 40
-    for i, (cache, before, (q, k, v), _) in enumerate(drive(cfg, 8, 2, 128, prompt_len, steps)):
+    for i, (checked, _, _) in enumerate(drive(cfg, 8, 2, 128, prompt_len, steps)):
         t = prompt_len - 1 + i  # last position written
-        tiers = cache.tiers[0, :, :t + 1]
+        tiers = checked.cache.tiers[0, :, :t + 1]
         assert bool((tiers[:, max(t + 1 - window, 0):] == TIER_HIGH).all()), "recent window must stay high"
-        if before is not None:
-            keys_before, _, tiers_before = before
-            n_before = keys_before.shape[1]
-            unchanged = tiers[:, :n_before] == tiers_before
-            assert torch.equal(cache.keys[0, :, :n_before][unchanged], keys_before[unchanged])
-    kt = k.transpose(0, 1)
-    final = cache.tiers[0]
-    offset = cache.key_offsets[0][:, None, :]
-    err = (cache.keys[0] - kt).abs().amax(-1)
-    span = (kt - offset).amax(-1) - (kt - offset).amin(-1)
-    assert bool((err[final == TIER_HIGH] <= (span / 255 * 1.01 + 1e-3)[final == TIER_HIGH]).all())
-    assert bool((err[final == TIER_LOW] <= (span / 15 * 1.6 + 1e-3)[final == TIER_LOW]).all())
+    final = checked.cache.tiers[0]
     assert int((final == TIER_LOW).sum()) > 0 and int((final == TIER_PRUNED).sum()) > 0
+    assert checked.outcomes["cand=HIGH victim HIGH->LOW"] + checked.outcomes["cand=LOW victim LOW->LOW"] > 0
 
 
 def test_tier_counts_change_by_at_most_one_per_head_per_step():
     cfg = DiffKVConfig(recent_window_tokens=8, alpha_high=1.5, alpha_low=0.5)
     prev = None
-    for cache, *_ in drive(cfg, 4, 4, 64, 50, 60, seed=3):
+    for checked, *_ in drive(cfg, 4, 4, 64, 50, 60, seed=3):
+        cache = checked.cache
         counts = torch.stack([(cache.tiers[0] == t).sum(1) for t in (TIER_HIGH, TIER_LOW)])
         if prev is not None:
             # +1 high for the new token; the compaction moves at most one token per tier
@@ -186,20 +164,17 @@ def test_edge_case_6_extreme_logits_no_sentinel():
 
 def test_edge_case_6_empty_low_tier_and_window_only_heads_no_nan():
     cfg = DiffKVConfig(alpha_high=1000.0, alpha_low=1000.0, recent_window_tokens=4)
-    for cache, *_, out in drive(cfg, 4, 2, 64, 20, 5):
+    for checked, _, out in drive(cfg, 4, 2, 64, 20, 5):
         assert bool(torch.isfinite(out).all())
-    assert int((cache.tiers[0] == TIER_LOW).sum()) == 0
+    assert int((checked.cache.tiers[0] == TIER_LOW).sum()) == 0
 
 
 @pytest.mark.parametrize("prompt_len", [1, 16, 17])
 def test_edge_case_8_tiny_prompts_nothing_compressed_inside_window(prompt_len):
     cfg = DiffKVConfig(recent_window_tokens=64, alpha_high=1000.0, alpha_low=1000.0)
-    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, 4, 2, 64, prompt_len, 8)):
-        assert int((cache.tiers[0, :, :prompt_len + i] != TIER_HIGH).sum()) == 0
-        if i:
-            t = prompt_len - 1 + i
-            ref = reference_step(cache, before, q[t])
-            torch.testing.assert_close(out[0].double(), ref, rtol=2e-5, atol=2e-5)
+    for i, (checked, _, _) in enumerate(drive(cfg, 4, 2, 64, prompt_len, 8)):
+        assert int((checked.cache.tiers[0, :, :prompt_len + i] != TIER_HIGH).sum()) == 0
+    assert checked.layer_len == [prompt_len + 8]
 
 
 def test_edge_case_8_empty_prompt_fails_and_allocates_nothing():
@@ -219,33 +194,44 @@ def test_edge_case_10_gqa_sizing_cache_holds_kv_heads_only():
     assert cache.keys.shape[:2] == (1, 8) and cache.tiers.shape[:2] == (1, 8)
     stats = cache.stats()
     assert stats.total_tokens == 8 * 1024
-    expected_bytes = (stats.high_tokens * cfg.token_bytes("high", 128) + stats.low_tokens * cfg.token_bytes("low", 128)
-                      + 8 * 128 * 2)
+    high_bytes = format_token_bytes(8, 4, 1, 2, 128) + 8  # K8V4: 128 + 64 code bytes, 3 x (fp16 scale, zero), score, position
+    low_bytes = format_token_bytes(4, 2, 2, 4, 128) + 8  # K4V2: 64 + 32 code bytes, 6 x (fp16 scale, zero), score, position
+    assert (high_bytes, low_bytes) == (212, 128)
+    expected_bytes = stats.high_tokens * high_bytes + stats.low_tokens * low_bytes + 8 * 128 * 2  # + key offsets
     assert stats.kv_cache_bytes == expected_bytes
     assert stats.fp16_kv_cache_bytes == 8 * 1024 * 128 * 2 * 2
 
 
-def test_fp16_preset_accounting_is_exactly_one():
+@pytest.mark.parametrize("preset", ["fp16", "k8v4", "llama3-8b"])
+def test_preset_accounting_equals_the_oracles_count(preset):
+    """Two layers, 10 prompt tokens and 3 steps: counts and bytes rebuilt from the oracle's own tiers."""
     from trtllm_diffkv.config import get_preset
-    cache = DiffKVReferenceCache(get_preset("fp16"), 2, 4, 2, 64, 10)
+    cfg = get_preset(preset).replace(recent_window_tokens=2, prompt_score_window_tokens=4)
+    cache = DiffKVReferenceCache(cfg, 2, 4, 2, 64, 13)
+    checked = CheckedCache(cache)
+    q, k, v = random_qkv(13, 4, 2, 64, seed=5)
     for layer in range(2):
-        cache.forward(layer, torch.randn(10, 4, 64), torch.randn(10, 2, 64), torch.randn(10, 2, 64))
-    assert cache.stats().kv_memory_fraction == 1.0 and cache.stats().pruned_tokens == 0
+        checked.forward(layer, q[:10], k[:10], v[:10])
+    for t in range(10, 13):
+        for layer in range(2):
+            checked.forward(layer, q[t:t + 1], k[t:t + 1], v[t:t + 1])
+    stats, expected = cache.stats(), checked.expected_stats()
+    assert stats.seq_len_tokens == 13 and expected["fp16_kv_cache_bytes"] == 2 * 2 * 13 * 64 * 2 * 2
+    for name, value in expected.items():
+        assert getattr(stats, name) == value, name
+    if preset == "fp16":  # nothing pruned, every token at 2 bytes per element of K and V
+        assert stats.pruned_tokens == 0 and stats.kv_cache_bytes == 2 * 2 * 13 * 64 * 2 * 2
+    else:
+        assert stats.kv_memory_fraction < 0.5
 
 
 @pytest.mark.parametrize("prompt_len", [31, 32, 33, 59, 60, 61, 63, 64, 65, 119, 120, 121])
 def test_edge_case_4_lengths_around_page_capacities(prompt_len):
-    """Prompt lengths around the K8V4 (32) and K4V2 (60) page capacities of head_dim 128, then 8 steps."""
+    """Prompt lengths around the K8V4 (32) and K4V2 (60) page capacities of head_dim 128, then 8 steps:
+    every step checked by the oracle, which also asserts that tokens already stored never change."""
     cfg = DiffKVConfig(recent_window_tokens=16, alpha_high=1.0, alpha_low=0.2)
-    for i, (cache, before, (q, k, v), out) in enumerate(drive(cfg, 8, 2, 128, prompt_len, 8, seed=prompt_len)):
-        if i == 0:
-            continue
-        torch.testing.assert_close(out[0].double(), reference_step(cache, before, q[prompt_len - 1 + i]),
-                                   rtol=2e-5, atol=2e-5)
-        keys_before, values_before, tiers_before = before
-        n = keys_before.shape[1]
-        same = cache.tiers[0, :, :n] == tiers_before
-        assert torch.equal(cache.values[0, :, :n][same], values_before[same])
+    *_, (checked, _, _) = drive(cfg, 8, 2, 128, prompt_len, 8, seed=prompt_len)
+    assert checked.layer_len == [prompt_len + 8] and checked.ambiguous == 0
 
 
 def test_bad_requests_fail_alone_in_the_generator():

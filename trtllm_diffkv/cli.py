@@ -134,6 +134,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed prompts raw, without the chat template (default: use the model's template)")
     gen.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    gen.add_argument("--engine", choices=("auto", "reference", "paged"), default="auto",
+                     help="reference: the exact per-request oracle path (dequantized storage, accounted bytes); "
+                          "paged: tokens stored quantized in the unified pages, all prompts as one static batch, "
+                          "Triton kernels on CUDA (default: auto = paged on CUDA, reference on CPU)")
     gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                      help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     gen.add_argument("--threads", type=int, help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else "
@@ -159,8 +163,11 @@ def _report(index: int, result, as_json: bool) -> None:
     tiers = ("no tiers (no compression)" if result.high_fraction is None else
              f"tokens high {result.high_fraction:.1%}, low {result.low_fraction:.1%}, "
              f"pruned {result.pruned_fraction:.1%}")
+    pool = getattr(result, "pool_used_bytes", None)
+    pool = (f" | pool really used {pool:,} bytes ({pool / result.fp16_kv_cache_bytes:.1%} of FP16, "
+            f"{result.pool_pages:,} pages)") if pool is not None and result.fp16_kv_cache_bytes else ""
     print(f"--- KV memory (packed formats, accounted) {result.kv_memory_fraction:.1%} of FP16 ({result.kv_cache_bytes:,} / "
-          f"{result.fp16_kv_cache_bytes:,} bytes) | {tiers} | "
+          f"{result.fp16_kv_cache_bytes:,} bytes){pool} | {tiers} | "
           f"prefill {_rate(result.prefill_tokens_per_s, ',.0f', 'n/a')}, "
           f"decode {_rate(result.decode_tokens_per_s, ',.1f', 'n/a (one token)')}", flush=True)
 
@@ -198,22 +205,51 @@ def generate_command(args: argparse.Namespace) -> int:
         model, tokenizer, model_config = load_model(args.model, device=device, dtype=dtype)
         if tokenizer is None:
             raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        generator = ReferenceGenerator(model, tokenizer, model_config, kv_config,
-                                       stop_token_ids=stop_token_ids(args.model))
+        engine = args.engine if args.engine != "auto" else ("paged" if device.type == "cuda" else "reference")
+        if engine == "paged":
+            from .paged.generator import PagedGenerator as generator_class
+        else:
+            generator_class = ReferenceGenerator
+        generator = generator_class(model, tokenizer, model_config, kv_config,
+                                    stop_token_ids=stop_token_ids(args.model))
         generator.warm_up()
     except Exception as exc:  # noqa: BLE001 - any setup failure is reported as a usage error
         print(f"trtllm-diffkv: error: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
               else f"trtllm-diffkv: error: {exc}", file=sys.stderr)
         return 2
+    if engine == "paged":
+        results = _generate_static_batch(generator, prompts, args)
+    else:
+        results = (GenerationResult(finish_reason="error", error=str(prompt)) if isinstance(prompt, Exception)
+                   else generator.generate(prompt, args.max_new_tokens, chat_template=not args.no_chat_template)
+                   for prompt in prompts)
     failed = 0
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, Exception):
-            result = GenerationResult(finish_reason="error", error=str(prompt))
-        else:
-            result = generator.generate(prompt, args.max_new_tokens, chat_template=not args.no_chat_template)
+    for index, result in enumerate(results):
         failed += result.error is not None
         _report(index, result, args.json)
     return 1 if failed else 0
+
+
+def _generate_static_batch(generator, prompts: list, args: argparse.Namespace) -> list:
+    """All prompts of the run as one static batch on the paged cache; a prompt that fails to encode fails alone."""
+    from .paged.generator import PagedGenerationResult as GenerationResult  # same JSON keys for every row
+
+    results: list = [None] * len(prompts)
+    batch, where = [], []
+    for index, prompt in enumerate(prompts):
+        try:
+            if isinstance(prompt, Exception):
+                raise prompt
+            if not prompt.strip():
+                raise ValueError("empty prompt: at least one non-blank character is needed")
+            batch.append(generator.encode(prompt, chat_template=not args.no_chat_template))
+            where.append(index)
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
+            results[index] = GenerationResult(finish_reason="error", error=str(exc) if isinstance(exc, ValueError)
+                                              else f"{type(exc).__name__}: {exc}")
+    for index, result in zip(where, generator.generate_batch(batch, args.max_new_tokens) if batch else []):
+        results[index] = result
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
