@@ -1,6 +1,14 @@
-"""Shared pytest setup: the ``gpu`` marker and skipping GPU tests where CUDA is absent."""
+"""Shared pytest setup: the ``gpu`` marker, skipping GPU tests where CUDA is absent, and Triton's
+interpreter for the kernel tests on a machine without a GPU."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Set before any test module imports Triton: kernels are then built for the interpreter
+    # whatever module imports trtllm_diffkv.kernels first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
