@@ -19,8 +19,6 @@ import argparse
 import itertools
 import json
 
-import torch
-
 from trtllm_diffkv.accuracy import compare_logits, teacher_forced_logits
 from trtllm_diffkv.config import DiffKVConfig, HIGH_K8V4, LOW_K4V2, get_preset
 from trtllm_diffkv.engine import ReferenceGenerator

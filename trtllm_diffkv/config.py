@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUPPORTED_BITS = (2, 4, 8, 16)
 """Bit widths a tier may use; 16 means "stored unquantized" (no compression)."""

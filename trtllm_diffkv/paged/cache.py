@@ -36,7 +36,6 @@ the accounted bytes of the packed tokens (:class:`CacheStats`).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -99,7 +98,7 @@ class PagedDiffKVCache:
         max_num_tokens: most tokens one step may carry (sizes the output buffer).
         device, dtype: where the pool lives, and the model dtype of the outputs.
         high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
-        use_triton: Triton kernels (default: on CUDA, or when
+        use_triton: Triton kernels (default: on CUDA; ``True`` on the CPU needs
             ``TRITON_INTERPRET=1``); otherwise the torch versions (:mod:`.torch_ops`).
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         page_manager: ``"triton"`` (``TritonPageManager``), ``"cpu"``
@@ -143,7 +142,7 @@ class PagedDiffKVCache:
         self.row_meta = RowMetadata(RowMetadataFormat.for_config(config, head_dim), max_slots * self.rows_per_slot,
                                     self.device)
         if use_triton is None:
-            use_triton = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            use_triton = self.device.type == "cuda"  # the interpreter tests ask for Triton explicitly
         self.use_triton = use_triton
         if read_path not in ("auto", "torch"):
             raise ValueError(f"read_path={read_path!r}; allowed: 'auto', 'torch'")
