@@ -13,7 +13,8 @@ fully written and finite. Times are medians of CUDA-graph replays
 (``triton.testing.do_bench_cudagraph``); every decode shape reads several
 hundred MB, far more than the 60 MB L2, so one buffer set is not cached.
 
-Usage: ``python benchmarks/bench_attention.py [--quick] [--tune] [--out PATH]``.
+Usage: ``python benchmarks/bench_attention.py [--quick] [--tune | --configs C,...] [--decode-only]
+[--shapes I,...] [--out PATH]``.
 """
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ DECODE_SHAPES = [  # name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len
 PREFILL_SHAPES = [("llama3-8b", 1, 32, 8, 128, 4096), ("llama3-8b", 4, 32, 8, 128, 4096),
                   ("qwen2.5-7b", 1, 28, 4, 128, 4096), ("default", 1, 9, 3, 64, 4096)]
 MIXES = {"all-high": 1.0, "all-low": 0.0, "22%-high": 0.22}
+# decode launch configs: (tokens per step, warps, stages, partition multiplier, maxnreg (0: none, -1: the
+# library's default, DEFAULT_MAX_REGISTERS where it applies), PTX code conversion)
+DEFAULT_CONFIG = (64, 4, 2, 1, -1, 1)
+FAST_OK = True  # cleared when the small GPU check fails with the PTX code conversion
+TUNE_CONFIGS = [(64, 4, 2, 1, -1, 1), (64, 4, 3, 1, -1, 1), (64, 4, 2, 2, -1, 1), (64, 4, 2, 1, 96, 1),
+                (64, 4, 2, 1, 0, 1), (32, 4, 2, 1, -1, 1), (64, 4, 2, 1, -1, 0)]
 
 
 def bench(fn, graph: bool = True) -> float:
@@ -144,17 +151,23 @@ def decode_case(shape, mix_name, high_frac, tune):
     q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=torch.float16)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    configs = [tune] if isinstance(tune, tuple) else [(64, 4, 2, 1)]
+    configs = [tune] if isinstance(tune, tuple) else [DEFAULT_CONFIG]
     if tune is True:
-        configs = [(64, 4, 2, 1), (64, 4, 3, 1), (64, 8, 2, 1), (128, 8, 2, 1), (64, 4, 2, 2)]
+        configs = TUNE_CONFIGS
+    elif isinstance(tune, list):
+        configs = tune
+    from trtllm_diffkv.kernels import decode_attention as da
     from trtllm_diffkv.kernels.decode_attention import default_num_partitions
 
     best = None
-    for tps, warps, stages, part_mult in configs:
+    for tps, warps, stages, part_mult, maxnreg, fast in configs:
+        fast = int(fast and FAST_OK)
         np_ = default_num_partitions(num_seqs, num_kv_heads, r_max, "cuda") * part_mult
         ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, r_max, "cuda", num_partitions=np_)
+        da.FAST_CONVERT = bool(fast)
         fn = lambda: paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out, sm_scale=scale,  # noqa: E731
-                                            workspace=ws, num_warps=warps, num_stages=stages, tokens_per_step=tps)
+                                            workspace=ws, num_warps=warps, num_stages=stages, tokens_per_step=tps,
+                                            max_registers=None if maxnreg < 0 else maxnreg)
         try:
             out.fill_(float("nan"))
             fn()
@@ -163,19 +176,25 @@ def decode_case(shape, mix_name, high_frac, tune):
             assert bad == 0, f"{bad} of {out.numel()} outputs not written or not finite"
             t = bench(fn)
         except Exception as exc:  # noqa: BLE001
-            print(f"  config {(tps, warps, stages, np_)} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            print(f"  config {(tps, warps, stages, np_, maxnreg, fast)} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
         if len(configs) > 1:
-            print(f"    tps {tps} warps {warps} stages {stages} partitions {np_}: {t:.1f} us")
+            print(f"    tps {tps} warps {warps} stages {stages} partitions {np_} maxnreg {maxnreg} fast {fast}:"
+                  f" {t:.1f} us", flush=True)
         if best is None or t < best[0]:
-            best = (t, tps, warps, stages, part_mult, np_)
+            best = (t, tps, warps, stages, part_mult, np_, maxnreg, fast)
     if best is None:
+        da.FAST_CONVERT = True
         return dict(kernel="decode", model=name, tier_mix=mix_name, error="every launch config failed")
-    t, tps, warps, stages, part_mult, np_ = best
+    t, tps, warps, stages, part_mult, np_, maxnreg, fast = best
+    fast = int(fast and FAST_OK)
     ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, r_max, "cuda", num_partitions=np_)
+    da.FAST_CONVERT = bool(fast)
     t_noscore = bench(lambda: paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out,
                                                      sm_scale=scale, update_scores=False, workspace=ws,
-                                                     num_warps=warps, num_stages=stages, tokens_per_step=tps))
+                                                     num_warps=warps, num_stages=stages, tokens_per_step=tps,
+                                                     max_registers=None if maxnreg < 0 else maxnreg))
+    da.FAST_CONVERT = True
     del pool
     sdpa_t = sdpa_decode_time(num_seqs, num_heads, num_kv_heads, head_dim, seq_len)
     nbytes = decode_bytes(fmt, n_high * rows, n_low * rows)
@@ -186,8 +205,10 @@ def decode_case(shape, mix_name, high_frac, tune):
                 sdpa_time_us=round(sdpa_t, 2), bytes=nbytes, sdpa_bytes=fp16_bytes,
                 compression_ratio=round(fp16_bytes / nbytes, 3),
                 pct_copy_bandwidth=None, speedup_vs_sdpa=round(sdpa_t / t, 3),
-                sdpa_pct_copy_bandwidth=None, config=(tps, warps, stages, part_mult),
-                config_desc=dict(tokens_per_step=tps, num_warps=warps, num_stages=stages, num_partitions=np_))
+                sdpa_pct_copy_bandwidth=None, config=(tps, warps, stages, part_mult, maxnreg, fast),
+                config_desc=dict(tokens_per_step=tps, num_warps=warps, num_stages=stages, num_partitions=np_,
+                                 max_registers="default" if maxnreg < 0 else (maxnreg or None),
+                                 fast_convert=bool(fast)))
 
 
 def sdpa_decode_time(num_seqs, num_heads, num_kv_heads, head_dim, seq_len) -> float:
@@ -263,10 +284,24 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     ap.add_argument("--quick", action="store_true", help="one decode shape per model, one prefill shape")
     ap.add_argument("--tune", action="store_true", help="sweep partitions, warps and stages; report the best")
+    ap.add_argument("--configs", default=None,
+                    help="decode configs to sweep instead of --tune's: 'tps/warps/stages/partmult/maxnreg/fast,...'")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill rows")
+    ap.add_argument("--shapes", default=None, help="decode shape indices to run, e.g. '0,3' (default: all or --quick)")
     args = ap.parse_args()
     t0 = time.time()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    check_small_on_gpu()
+    global FAST_OK
+    try:
+        check_small_on_gpu()
+    except Exception as exc:  # noqa: BLE001 - the PTX code conversion is the newest part: fall back, say so
+        print(f"  small check FAILED with the PTX code conversion ({type(exc).__name__}: {str(exc)[:300]});"
+              " timing Triton's conversion only")
+        from trtllm_diffkv.kernels import decode_attention as da
+        da.FAST_CONVERT = False
+        FAST_OK = False
+        check_small_on_gpu()
+        da.FAST_CONVERT = True
     bw = copy_bandwidth_gbps()
     print(f"copy bandwidth {bw:.0f} GB/s")
     rows = []
@@ -274,12 +309,17 @@ def main() -> None:
                 command="python " + " ".join(sys.argv), copy_bandwidth_gbps=round(bw, 1),
                 torch=torch.__version__, triton=__import__("triton").__version__)
     shapes = DECODE_SHAPES[:1] + DECODE_SHAPES[3:] if args.quick else DECODE_SHAPES
+    if args.shapes:
+        shapes = [DECODE_SHAPES[int(i)] for i in args.shapes.split(",")]
+    sweep = [tuple(int(x) for x in c.split("/")) for c in args.configs.split(",")] if args.configs else None
+    if sweep:
+        args.tune = True
     tuned = {}  # head_dim -> best config over the tier mixes of the first shape with that head_dim
     for shape in shapes:
         head_dim = shape[4]
         mix_rows = []
         for mix, frac in MIXES.items():
-            r = decode_case(shape, mix, frac, tuned.get(head_dim, args.tune))
+            r = decode_case(shape, mix, frac, tuned.get(head_dim, sweep or args.tune))
             if "error" in r:
                 print(r)
                 rows.append(r)
@@ -298,7 +338,7 @@ def main() -> None:
                 votes[r["config"]] = votes.get(r["config"], 0) + 1
             tuned[head_dim] = max(votes, key=votes.get)
             print(f"  tuned config for head_dim {head_dim}: {tuned[head_dim]}")
-    for shape in (PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES):
+    for shape in ([] if args.decode_only else PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES):
         r = prefill_case(shape)
         rows.append(r)
         _write(args.out, dict(meta, rows=rows))

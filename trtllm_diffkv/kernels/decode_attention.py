@@ -26,6 +26,16 @@ from .attn_decode_kernels import LOG2E, _decode_merge_kernel, _decode_partial_ke
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUP = 64
+FAST_CONVERT = True
+MAX_STACK_ROWS = 32
+"""Most (quantization group, query head) rows one program's products stack; larger groups are split."""
+FOLD_WIDE_FALLBACK = True
+"""Tiers whose folded products would stack 32 rows use the dequantize-in-registers loop (False: fold all)."""
+DEFAULT_MAX_REGISTERS = 128
+"""Register cap of the main kernel at 4 warps: 4 programs (16 warps) per multiprocessor instead of 3
+(H200, 2026-11-30: 244 us against 284 us uncapped, Llama-3-8B 64 x 4096 all-high; docs/PERFORMANCE.md)."""
+"""Most (quantization group, query head) rows one program's products stack; larger groups are split."""
+"""Convert codes to fp16 with the PTX byte permutes (GPU, fp16 products); False: Triton's per-element path (A/B)."""
 """Largest query:KV head ratio the kernels accept (the M dimension of one program's matrix products)."""
 
 
@@ -35,16 +45,20 @@ def _next_pow2(x: int) -> int:
 
 def default_num_partitions(num_seqs: int, num_kv_heads: int, max_pages_per_row: int,
                            device: torch.device | str | None = None) -> int:
-    """Partitions per row so that about four programs per multiprocessor run (1 on the CPU).
+    """Partitions per row so that the grid fills about two waves of four programs per multiprocessor.
 
-    Each partition reads at least ~8 pages of each tier; long rows in small
-    batches get more partitions (split-K), large batches one.
+    Four programs fit per multiprocessor (128 registers); at least ~1.9 waves
+    keeps the last, partial wave small (H200, 2026-11-30: the default model's
+    768 rows, 1.45 waves in one partition, ran 15 % faster in two; Llama's 512
+    rows in two partitions, 1.9 waves, beat four). Each partition reads at
+    least ~8 pages of each tier; long rows in small batches get more
+    partitions (split-K).
     """
     sms = 132
     if device is not None and torch.device(device).type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = max(1, num_seqs * num_kv_heads)
-    want = -(-4 * sms // rows)
+    want = -(-76 * sms // (10 * rows))
     return int(max(1, min(want, -(-max_pages_per_row // 8), 64)))
 
 
@@ -58,7 +72,7 @@ class DecodeWorkspace:
             per partition and tier, base-2 running max and sum of each query head.
         part_acc: fp32 ``[num_seqs, num_kv_heads, num_partitions, 2, group_pad, block_d]``
             unnormalized outputs.
-        page_probs: fp16 ``[num_seqs, num_kv_heads, max_pages_per_row, max_tokens_per_page, group]``
+        page_probs: fp16 ``[num_seqs, num_kv_heads, max_pages_per_row, group, max_tokens_per_page]``
             probabilities relative to ``page_max`` (score updates only).
         page_max: fp32 ``[num_seqs, num_kv_heads, max_pages_per_row, group]`` the
             base-2 running max each page's probabilities are relative to.
@@ -94,7 +108,7 @@ class DecodeWorkspace:
         pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
         rows = (num_seqs, num_kv_heads)
         f32 = dict(dtype=torch.float32, device=device)
-        probs_shape = rows + (max_pages_per_row, pmax, group) if update_scores else (1,)
+        probs_shape = rows + (max_pages_per_row, group, pmax) if update_scores else (1,)
         max_shape = rows + (max_pages_per_row, group) if update_scores else (1,)
         return cls(num_partitions,
                    torch.empty(rows + (num_partitions, 2, gp), **f32),
@@ -163,7 +177,8 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
                            page_table: torch.Tensor, tier_tokens: torch.Tensor, row_ids: torch.Tensor,
                            out: torch.Tensor, *, sm_scale: float, update_scores: bool = True,
                            workspace: DecodeWorkspace | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, tokens_per_step: int = 64) -> None:
+                           num_stages: int | None = None, tokens_per_step: int = 64,
+                           max_registers: int | None = None) -> None:
     """Decode attention of one query per sequence over its paged mixed-precision KV rows.
 
     Args:
@@ -183,14 +198,20 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
             (DiffKV's importance accumulator, ``DiffKV.md`` "Policy details").
         workspace: from :meth:`DecodeWorkspace.allocate` for at least this
             batch and ``max_pages_per_row``; ``None`` allocates one (not graph-safe).
-        num_warps, num_stages, tokens_per_step: launch tuning (benchmarks): warps
-            and pipeline depth of the main kernel, tokens read per loop step
-            (whole pages: ``tokens_per_step // next_pow2(tokens_per_page)`` of them, at least one).
+        num_warps, num_stages, tokens_per_step, max_registers: launch tuning
+            (benchmarks): warps and pipeline depth of the main kernel, tokens read
+            per loop step (whole pages: ``tokens_per_step // next_pow2(tokens_per_page)``
+            of them, at least one), and a register cap per thread (Triton's
+            ``maxnreg``; ``None``: :data:`DEFAULT_MAX_REGISTERS` with 4 warps and
+            16 stacked product rows, else the compiler's choice; 0: the
+            compiler's choice; ignored on the CPU).
 
-    Precision: codes are dequantized to fp16 in registers and multiplied in
-    fp16 with fp32 accumulation; a bf16 query is converted to fp16 for the
-    products (exact within fp16's range, |q| < 65504). Probabilities for the
-    score update pass through fp16 (relative error 2**-11).
+    Precision: codes enter the products as exact fp16 integers (dequantization
+    is folded out: per token and group, ``q.k = s (q.c) + z sum(q)`` in fp32,
+    and the values' scale multiplies the probabilities, ``p s`` rounded to
+    fp16, with ``sum(p z)`` kept in fp32); fp32 accumulation; a bf16 query is
+    converted to fp16 for the products (exact within fp16's range, |q| < 65504).
+    Probabilities for the score update pass through fp16 (relative error 2**-11).
 
     Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. A row
     with no tokens gives zeros; logits of any finite magnitude are exact (no
@@ -218,17 +239,32 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
     nparts = workspace.num_partitions
     gp, bd = max(16, _next_pow2(group)), _next_pow2(head_dim)
     pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+    # The products stack (quantization group, query head) rows: NG groups x GP2 heads, 16 <= rows <= 32
+    # (32 keeps every product on the mma.sync path, registers in check); larger query groups are split
+    # into chunks of GP2 heads, one program each.
+    groups = [max(a["KG"] if a["KB"] < 16 else 1, a["VG"] if a["VB"] < 16 else 1) for a in (high, low)]
+    gp2 = min(_next_pow2(group), max(1, MAX_STACK_ROWS // max(groups)))
+    nchunk = -(-group // gp2)
+    for args, g in zip((high, low), groups):
+        args["NG"] = max(g, max(1, 16 // gp2))
+        # 32 stacked rows spill registers in the folded loop: such a tier dequantizes in registers
+        # instead (whole group in one program, so only without head chunks)
+        args["FOLD"] = args["NG"] * gp2 <= 16 or nchunk > 1 or not FOLD_WIDE_FALLBACK
     common = dict(R=max_pages, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, GROUP=group, GROUP_PAD=gp,
-                  HEAD_DIM=head_dim, BLOCK_D=bd)
+                  GP2=gp2, NCHUNK=nchunk, HEAD_DIM=head_dim, BLOCK_D=bd)
     dt = _tl_dtype("fp32" if q.dtype == torch.float32 else "fp16")  # dot operands (a bf16 q is cast to fp16)
-    per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM")
-    _decode_partial_kernel[(num_seqs, num_kv_heads, nparts)](
+    per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM", "NG", "FOLD")
+    if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16:
+        max_registers = DEFAULT_MAX_REGISTERS  # 32 stacked rows need more registers than the cap (spills)
+    _decode_partial_kernel[(num_seqs, num_kv_heads, nparts * nchunk)](
         q, pool_pages, page_table, tier_tokens, row_ids,
         workspace.part_m, workspace.part_l, workspace.part_acc, workspace.page_probs, workspace.page_max,
         float(sm_scale) * LOG2E, num_kv_heads, nparts, **common,
         **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
         DT=dt, IEEE=q.dtype == torch.float32, STORE_PROBS=update_scores,
-        num_warps=num_warps or 4, num_stages=num_stages or 2)
+        FAST=FAST_CONVERT and q.is_cuda and dt == _tl_dtype("fp16"),
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
+        **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
     _decode_merge_kernel[(num_seqs, num_kv_heads)](
         out, workspace.part_m, workspace.part_l, workspace.part_acc, workspace.lse, num_kv_heads, nparts,
         GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=_next_pow2(2 * nparts), num_warps=4)
@@ -259,7 +295,7 @@ def _check_workspace(ws: DecodeWorkspace, num_seqs: int, num_kv_heads: int, grou
                          "allocate the workspace for this batch, head count and page format")
     if update_scores:
         pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
-        need = (num_kv_heads, max_pages, pmax, group)
+        need = (num_kv_heads, max_pages, group, pmax)
         if tuple(ws.page_probs.shape[1:]) != need or ws.page_probs.shape[0] < num_seqs:
             raise ValueError(f"workspace page_probs is {tuple(ws.page_probs.shape)}, "
                              f"this call needs [>= {num_seqs}, *{need}] "
