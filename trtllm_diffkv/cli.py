@@ -138,6 +138,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="reference: the exact per-request oracle path (dequantized storage, accounted bytes); "
                           "paged: tokens stored quantized in the unified pages, all prompts as one static batch, "
                           "Triton kernels on CUDA (default: auto = paged on CUDA, reference on CPU)")
+    gen.add_argument("--max-batch-size", type=int, default=8,
+                     help="paged engine: prompts per static batch; the pool is sized per batch for its longest "
+                          "request, so this bounds KV memory (default: 8)")
     gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                      help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     gen.add_argument("--threads", type=int, help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else "
@@ -189,12 +192,18 @@ def generate_command(args: argparse.Namespace) -> int:
             kv_config = kv_config.replace(**overrides)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+        if args.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size={args.max_batch_size} must be >= 1")
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} must be >= 1")
         if args.prompts_file:
             prompts = read_prompts(args.prompts_file)
         else:
             prompts = [DEFAULT_PROMPT if args.prompt is None else args.prompt]
+            try:
+                prompts[0].encode("utf-8")
+            except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8 arrive as surrogates
+                raise ValueError(f"--prompt is not valid UTF-8 text (byte {exc.start})") from None
         device = _device(args.device)
         if device.type == "cpu":
             threads = args.threads or default_cpu_threads()
@@ -247,8 +256,11 @@ def _generate_static_batch(generator, prompts: list, args: argparse.Namespace) -
         except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
             results[index] = GenerationResult(finish_reason="error", error=str(exc) if isinstance(exc, ValueError)
                                               else f"{type(exc).__name__}: {exc}")
-    for index, result in zip(where, generator.generate_batch(batch, args.max_new_tokens) if batch else []):
-        results[index] = result
+    size = args.max_batch_size
+    for start in range(0, len(batch), size):  # static batches of at most --max-batch-size prompts
+        for index, result in zip(where[start:start + size],
+                                 generator.generate_batch(batch[start:start + size], args.max_new_tokens)):
+            results[index] = result
     return results
 
 

@@ -6,6 +6,7 @@ reported in its :class:`GenerationResult`; the others go on.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -136,9 +137,15 @@ class ReferenceGenerator:
                                     max_seq_len_tokens, self.device, self.dtype)
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise ValueError(f"a prompt is a list of token ids, got {type(prompt_ids).__name__}")
         prompt_len = len(prompt_ids)
         if prompt_len == 0:
             raise ValueError("empty prompt: at least one token is needed")
+        not_int = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if not_int:
+            raise ValueError(f"token id {not_int[0]!r} is not an integer")
+        prompt_ids = [int(t) for t in prompt_ids]
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
         vocab = self.model_config.vocab_size

@@ -102,13 +102,15 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
 
 
-def check_finite(x: torch.Tensor, what: str, layer_idx: int | None = None) -> None:
+def check_finite(x: torch.Tensor, what: str, layer_idx: int | None = None, first_token: int = 0) -> None:
     """Refuse non-finite or fp16-overflowing KV rows, naming layer, head and token.
 
     Args:
         x: ``[num_kv_heads, num_tokens, head_dim]`` keys or values.
         what: "key" or "value", for the message.
         layer_idx: decoder layer, for the message.
+        first_token: position of ``x``'s first token, for the message (a decode step's
+            single token is at its sequence position, not 0).
 
     Values are compared in float32 whatever ``x``'s dtype (edge case 14): in
     bfloat16 the bound 65504 itself rounds to 65536, so a native comparison
@@ -123,11 +125,13 @@ def check_finite(x: torch.Tensor, what: str, layer_idx: int | None = None) -> No
     xf = x.float()
     if float(xf.abs().amax()) <= FP16_MAX:  # NaN fails the comparison too
         return
+    if xf.dim() != 3:
+        raise ValueError(f"expected [num_kv_heads, num_tokens, head_dim], got shape {tuple(x.shape)}")
     bad = ~torch.isfinite(xf) | (xf.abs() > FP16_MAX)
     head, token, _ = (int(i) for i in bad.nonzero()[0])
     value = float(xf[head, token][bad[head, token]][0])
     raise ValueError(
-        f"cannot quantize {what}: value {value} at layer {layer_idx}, KV head {head}, token {token} "
+        f"cannot quantize {what}: value {value} at layer {layer_idx}, KV head {head}, token {first_token + token} "
         f"is not finite or exceeds the fp16 range"
     )
 

@@ -36,7 +36,7 @@ import torch
 from .. import policy
 from ..config import DiffKVConfig, TierConfig
 from ..policy import TIER_HIGH, TIER_LOW, TIER_PRUNED
-from ..quant import check_finite, fake_quantize
+from ..quant import FP16_MAX, check_finite, fake_quantize
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,27 @@ class DiffKVReferenceCache:
         self._layer_seq_len = [0] * num_layers
 
     # ----------------------------------------------------------------- storage
-    def _quantized_keys(self, layer_idx: int, k: torch.Tensor, tier: TierConfig) -> torch.Tensor:
+    def _quantized_keys(self, layer_idx: int, k: torch.Tensor, tier: TierConfig, first_token: int = 0) -> torch.Tensor:
         """Reconstructed keys ``[num_kv_heads, n, head_dim]`` fp32 after quantization at ``tier``.
 
         Keys are quantized relative to the layer's per-head channel offset,
         which is added back (``config.center_keys``).
+
+        Raises:
+            ValueError: a key that is not finite or beyond fp16's range, or one
+                whose distance from the offset is (the quantizer's zero point is
+                fp16), naming layer, KV head, token and the key's own value.
         """
+        check_finite(k, "key", layer_idx, first_token)
         offset = self.key_offsets[layer_idx][:, None, :]
-        q = fake_quantize(k.float() - offset, tier.key_bits, tier.key_groups, what="key", layer_idx=layer_idx)
+        centered = k.float() - offset
+        if centered.numel() and float(centered.abs().amax()) > FP16_MAX:
+            head, token, channel = (int(i) for i in (centered.abs() > FP16_MAX).nonzero()[0])
+            raise ValueError(
+                f"cannot quantize key: value {float(k[head, token, channel])} at layer {layer_idx}, KV head {head}, "
+                f"token {first_token + token}, channel {channel} is {float(centered[head, token, channel])} from the "
+                f"head's key offset {float(offset[head, 0, channel])}, beyond the fp16 range of the stored zero point")
+        q = fake_quantize(centered, tier.key_bits, tier.key_groups, what="key", layer_idx=layer_idx)
         return q + offset
 
     def _quantized_values(self, layer_idx: int, v: torch.Tensor, tier: TierConfig) -> torch.Tensor:
@@ -207,11 +220,12 @@ class DiffKVReferenceCache:
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, 1, head_dim]
         if cfg.compress:
             self._compact(layer_idx, pos)  # decide from the scores through the previous step
-            self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high)[:, 0]
+            self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high, first_token=pos)[:, 0]
+            check_finite(vh, "value", layer_idx, first_token=pos)
             self.values[layer_idx, :, pos] = self._quantized_values(layer_idx, vh, cfg.high)[:, 0]
         else:
-            check_finite(kh, "key", layer_idx)
-            check_finite(vh, "value", layer_idx)
+            check_finite(kh, "key", layer_idx, first_token=pos)
+            check_finite(vh, "value", layer_idx, first_token=pos)
             self.keys[layer_idx, :, pos] = kh[:, 0].to(self.keys.dtype)
             self.values[layer_idx, :, pos] = vh[:, 0].to(self.values.dtype)
         self.tiers[layer_idx, :, pos] = TIER_HIGH

@@ -144,6 +144,15 @@ class PagedDiffKVCache:
         if use_triton is None:
             use_triton = self.device.type == "cuda"  # the interpreter tests ask for Triton explicitly
         self.use_triton = use_triton
+        if use_triton and read_path == "auto":
+            from ..kernels.decode_attention import MAX_GROUP
+
+            if num_heads // num_kv_heads > MAX_GROUP:  # refused at configuration time (edge case 7)
+                raise ValueError(f"query:KV head ratio {num_heads // num_kv_heads} exceeds the {MAX_GROUP} the decode "
+                                 "attention kernel supports")
+        if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int)
+                                           or max_num_tokens < 1):
+            raise ValueError(f"max_num_tokens={max_num_tokens!r} must be a positive integer (or None)")
         if read_path not in ("auto", "torch"):
             raise ValueError(f"read_path={read_path!r}; allowed: 'auto', 'torch'")
         self._ops, self._decode_attention, self._prefill_attention = _kernels(use_triton, read_path)
@@ -178,9 +187,14 @@ class PagedDiffKVCache:
 
         Raises:
             ValueError: inconsistent arguments (order, lengths, slot states, an
-                empty prompt, a request beyond ``max_seq_len_tokens``), naming the request.
+                empty prompt, a request beyond ``max_seq_len_tokens``), naming the request;
+                or a step already planned whose layers have not all run.
             OutOfPagesError: too few free pages; nothing changed.
         """
+        if self._step is not None:
+            raise ValueError(f"a step is already planned and its layers have run up to layer "
+                             f"{self._step.next_layer - 1}: run layers {self._step.next_layer}..{self.num_layers - 1} "
+                             "before planning the next step")
         n = len(slots)
         if not (len(seq_lens) == len(positions) == len(is_prefill) == n):
             raise ValueError("slots, seq_lens, positions and is_prefill must have the same length")
@@ -234,7 +248,8 @@ class PagedDiffKVCache:
             the preallocated output buffer, valid until the next layer.
 
         Raises:
-            ValueError: no step planned, or shapes that disagree with the plan.
+            ValueError: no step planned, a layer out of order (each step runs
+                layers 0..L-1 once each, in order), or shapes that disagree with the plan.
         """
         step = self._step
         if step is None:
@@ -245,12 +260,16 @@ class PagedDiffKVCache:
                              f"disagree with the planned step ({T} tokens)")
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx={layer_idx} outside [0, {self.num_layers})")
+        if layer_idx != step.next_layer:
+            raise ValueError(f"layer {layer_idx} out of order: the planned step runs layers 0..{self.num_layers - 1} "
+                             f"once each, in order; layer {step.next_layer} is next")
         out = self._out[:T]
         tp = step.prefill_tokens
         if step.prefill is not None:
             prefill.prefill_layer(self, step, layer_idx, q[:tp], k[:tp], v[:tp], out[:tp])
         if step.decode is not None:
             decode.decode_layer(self, step, layer_idx, q[tp:], k[tp:], v[tp:], out[tp:])
+        step.next_layer += 1
         if layer_idx == self.num_layers - 1:
             self._finish_step(step)
         return out
@@ -317,5 +336,6 @@ class _Step:
     def __init__(self, slots, seq_lens, positions, n_pre, num_tokens) -> None:
         self.slots, self.seq_lens, self.positions, self.n_pre, self.num_tokens = slots, seq_lens, positions, n_pre, num_tokens
         self.prefill_tokens = sum(seq_lens[:n_pre])
+        self.next_layer = 0  # layers run in order, once each
         self.prefill = None
         self.decode = None

@@ -16,6 +16,7 @@ FP16 (``kv_memory_fraction``).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -63,13 +64,19 @@ class PagedGenerator(ReferenceGenerator):
         high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
         use_triton: as :class:`PagedDiffKVCache` (default: on CUDA).
 
+    A batch whose prompts a fixed ``num_pages`` pool cannot take together at
+    prefill runs in waves (in order); a prompt that needs more than the whole
+    pool fails alone.
+
     Raises:
-        ValueError: ``kv_config`` cannot run this model.
+        ValueError: ``kv_config`` cannot run this model, or a bad ``num_pages``.
     """
 
     def __init__(self, model, tokenizer, model_config, kv_config, stop_token_ids=None, *,
                  num_pages: int | None = None, high_tokens_per_page: int = 32, use_triton: bool | None = None):
         super().__init__(model, tokenizer, model_config, kv_config, stop_token_ids)
+        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"num_pages={num_pages!r} must be a positive integer, or None to size each batch's pool")
         self.num_pages, self.high_tokens_per_page, self.use_triton = num_pages, high_tokens_per_page, use_triton
         self.last_cache: PagedDiffKVCache | None = None
 
@@ -87,25 +94,32 @@ class PagedGenerator(ReferenceGenerator):
                 admitted.append(i)
             except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
                 results[i] = _error(ids, exc)
-        if admitted:
+        pending = admitted
+        while pending:  # waves: requests the pool cannot take with the others wait for the next one
             try:
-                self._run(prompts, admitted, max_new_tokens, results)
+                pending = self._run(prompts, pending, max_new_tokens, results)
             except Exception as exc:  # noqa: BLE001 - report, never raise
-                for i in admitted:
+                for i in pending:
                     if results[i] is None:
                         results[i] = _error(prompts[i], exc)
+                pending = []
         return results
 
     # ------------------------------------------------------------------ internals
     def _check_request(self, ids, max_new_tokens) -> None:
-        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"a prompt is a list of token ids, got {type(ids).__name__}")
+        if len(ids) == 0:
             raise ValueError("empty prompt: at least one token is needed")
+        not_int = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if not_int:
+            raise ValueError(f"token id {not_int[0]!r} is not an integer")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [int(t) for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         limit = self.model_config.max_position_embeddings
         window = self.model_config.max_supported_positions
         if window is not None and window < limit:
@@ -129,7 +143,37 @@ class PagedGenerator(ReferenceGenerator):
                                 max_num_tokens=max(tokens, len(admitted)), device=self.device, dtype=self.dtype,
                                 high_tokens_per_page=self.high_tokens_per_page, use_triton=self.use_triton)
 
-    def _run(self, prompts, admitted, max_new_tokens, results) -> None:
+    def _run(self, prompts, pending, max_new_tokens, results) -> list[int]:
+        """Run the requests of ``pending`` the pool can take together; return those left for a later wave."""
+        admitted, deferred = self._fit(prompts, pending, max_new_tokens, results)
+        if admitted:
+            self._run_wave(prompts, admitted, max_new_tokens, results)
+        return deferred
+
+    def _fit(self, prompts, pending, max_new_tokens, results) -> tuple[list[int], list[int]]:
+        """Split ``pending`` into what one pool takes at prefill (in order) and what waits; fail what never fits."""
+        if self.num_pages is None:
+            return list(pending), []  # the pool is sized for the whole batch
+        from ..memory import PageFormat
+
+        mc = self.model_config
+        fmt = PageFormat.for_config(self.kv_config, mc.head_dim, self.high_tokens_per_page)
+        rows = mc.num_layers * mc.num_kv_heads
+        admitted, deferred, used = [], [], 0
+        for i in pending:
+            need = rows * (fmt.prompt_reserve_pages(len(prompts[i])) + 2)  # prompt reserve + the first decode steps
+            if need > self.num_pages:
+                results[i] = _error(prompts[i], OutOfPagesError(
+                    f"the prompt needs up to {need} pages at prefill and the first decode step; the pool has "
+                    f"{self.num_pages}"))
+            elif used + need <= self.num_pages:
+                admitted.append(i)
+                used += need
+            else:
+                deferred.append(i)
+        return admitted, deferred
+
+    def _run_wave(self, prompts, admitted, max_new_tokens, results) -> None:
         cache = self.last_cache = self._new_cache(prompts, admitted, max_new_tokens)
         dev = self.device
         slot_of = {i: s for s, i in enumerate(admitted)}

@@ -41,7 +41,8 @@ def write_tokens(pages, page_format, tier, dest_page, dest_slot, keys, values, *
     k, v = keys[sel].float(), values[sel].float()
     if key_offsets is not None:
         k = k - key_offsets[offset_rows[sel].long()].float()
-    raw_bad = (keys[sel].float().abs().amax(1) > FP16_MAX) | (v.abs().amax(1) > FP16_MAX)
+    # Raw K/V beyond fp16, or keys whose distance from their offset is (the zero point is fp16).
+    raw_bad = (keys[sel].float().abs().amax(1) > FP16_MAX) | (v.abs().amax(1) > FP16_MAX) | (k.abs().amax(1) > FP16_MAX)
     bad = ~(torch.isfinite(k).all(1) & torch.isfinite(v).all(1)) | raw_bad
     if error_flags is not None and bool(bad.any()):
         error_flags[error_index[sel][bad].long()] = 1
