@@ -10,26 +10,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _patch_interpreter_for_numpy_2_4():
-    """Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
-
-    Upstream bug triton-lang/triton#9171 (fixed by #9172): apply the same fix
-    (take the one element) to loop bounds computed from tensors.
-    """
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter_for_numpy_2_4()
+    from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4
+
+    patch_interpreter_for_numpy_2_4()
     import torch
 
     from trtllm_diffkv.config import DiffKVConfig, TierConfig

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.attn_testing import patch_interpreter_for_numpy_2_4  # noqa: F401 - one copy of the patch
+
 from ..cache import DiffKVReferenceCache
 from ..policy import TIER_PRUNED
 from .cache import PagedDiffKVCache
@@ -276,24 +278,3 @@ def _common(a: torch.Tensor, b: torch.Tensor):
 def _compare_all(cache, refs, report, kv_atol, where) -> None:
     for slot, ref in enumerate(refs):
         compare_request(cache, slot, ref, report, kv_atol, f"request {slot}, {where}")
-
-
-def patch_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
-
-    Upstream bug triton-lang/triton#9171 (fixed by #9172); the same fix as
-    ``tests/test_page_triton_interpret.py``: take the one element. Call before
-    running kernels under ``TRITON_INTERPRET=1``.
-    """
-    import triton.runtime.interpreter as interpreter
-
-    if getattr(interpreter, "_diffkv_index_patch", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._diffkv_index_patch = True
