@@ -181,19 +181,31 @@ class ReferenceGenerator:
                     finish = "stop"
             _sync(self.device)
             t2 = time.perf_counter()
-        stats = cache.stats()
-        decode_steps = len(out) - 1
+        return GenerationResult(**self.result_fields(prompt_len, out, cache.stats(), t1 - t0, t2 - t1))
+
+    def result_fields(self, prompt_len: int, out: list[int], stats, prefill_s: float, decode_s: float) -> dict:
+        """The :class:`GenerationResult` fields of a finished request (shared by every generator).
+
+        Args:
+            prompt_len: prompt tokens.
+            out: generated token ids, at least one; the last one decides the finish reason.
+            stats: the request's cache statistics (``kv_memory_fraction``, ``fraction(tier)``,
+                ``kv_cache_bytes``, ``fp16_kv_cache_bytes``).
+            prefill_s, decode_s: wall seconds of the prefill and of the decode steps.
+        """
+        finish = "stop" if out[-1] in self.stop_token_ids else "length"
         text_ids = [t for t in out if t not in self.stop_token_ids]
         tiers = self.kv_config.compress
-        return GenerationResult(
+        decode_steps = len(out) - 1
+        return dict(
             text=self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else "",
-            token_ids=out, prompt_tokens=prompt_len, generated_tokens=len(out), finish_reason=finish,
+            token_ids=list(out), prompt_tokens=prompt_len, generated_tokens=len(out), finish_reason=finish,
             stop_token_id=out[-1] if finish == "stop" else None,
             kv_memory_fraction=stats.kv_memory_fraction,
             high_fraction=stats.fraction("high") if tiers else None,
             low_fraction=stats.fraction("low") if tiers else None,
             pruned_fraction=stats.fraction("pruned") if tiers else None,
             kv_cache_bytes=stats.kv_cache_bytes, fp16_kv_cache_bytes=stats.fp16_kv_cache_bytes,
-            prefill_tokens_per_s=prompt_len / max(t1 - t0, 1e-9),
-            decode_tokens_per_s=decode_steps / max(t2 - t1, 1e-9) if decode_steps else None,
+            prefill_tokens_per_s=prompt_len / max(prefill_s, 1e-9),
+            decode_tokens_per_s=decode_steps / max(decode_s, 1e-9) if decode_steps else None,
         )

@@ -236,23 +236,8 @@ class PagedGenerator(ReferenceGenerator):
 
     def _finished(self, cache, slot, prompt, out, prefill_s, decode_s) -> PagedGenerationResult:
         stats = cache.request_stats(slot)
-        finish = "stop" if out[-1] in self.stop_token_ids else "length"
-        text_ids = [t for t in out if t not in self.stop_token_ids]
-        tiers = self.kv_config.compress
-        steps = len(out) - 1
-        return _result(
-            text=self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else "",
-            token_ids=list(out), prompt_tokens=len(prompt), generated_tokens=len(out), finish_reason=finish,
-            stop_token_id=out[-1] if finish == "stop" else None,
-            kv_memory_fraction=stats.kv_memory_fraction,
-            high_fraction=stats.fraction("high") if tiers else None,
-            low_fraction=stats.fraction("low") if tiers else None,
-            pruned_fraction=stats.fraction("pruned") if tiers else None,
-            kv_cache_bytes=stats.kv_cache_bytes, fp16_kv_cache_bytes=stats.fp16_kv_cache_bytes,
-            prefill_tokens_per_s=len(prompt) / max(prefill_s, 1e-9),
-            decode_tokens_per_s=steps / decode_s if steps and decode_s > 0 else None,
-            pool_pages=stats.pool_pages, pool_used_bytes=stats.pool_used_bytes,
-        )
+        return _result(**self.result_fields(len(prompt), out, stats, prefill_s, decode_s),
+                       pool_pages=stats.pool_pages, pool_used_bytes=stats.pool_used_bytes)
 
 
 def _error(ids, exc: Exception) -> PagedGenerationResult:
