@@ -14,14 +14,11 @@ sys.path[:0] = [os.path.join(REPO, "tests"), REPO]
 import torch
 from trtllm_diffkv.paged.testing import patch_interpreter_for_numpy_2_4, run_lockstep
 patch_interpreter_for_numpy_2_4()
-from conftest import tiny_llama
+from conftest import peaked_tiny_llama
 from trtllm_diffkv.config import DiffKVConfig
 from trtllm_diffkv.paged import PagedDiffKVCache
 CFG = DiffKVConfig(recent_window_tokens=16, prompt_score_window_tokens=32, alpha_high=1.0, alpha_low=0.3)
-model = tiny_llama()
-with torch.no_grad():
-    for layer in model.model.layers:
-        layer.self_attn.q_proj.weight.mul_(8.0); layer.self_attn.k_proj.weight.mul_(8.0)
+model = peaked_tiny_llama()
 probe = PagedDiffKVCache(CFG, 1, 8, 2, 64, num_pages=1, max_slots=1, max_seq_len_tokens=8)
 caps = (probe.page_format.high_tokens_per_page, probe.page_format.low_tokens_per_page)
 lengths = sorted({n for p in caps for n in (p - 1, p, p + 1, 2 * p - 1, 2 * p, 2 * p + 1)})

@@ -54,6 +54,45 @@ def long_prompt() -> str:
     return "Complete the last function.\n\n" + humaneval_prompts(0, 1)[0]
 
 
+def random_llama(seed: int, qk_scale: float = 0.3, other_scale: float = 0.05, **shape):
+    """A random Llama of ``shape`` (``ModelConfig`` fields), fp32, CPU: q/k projections drawn with
+    ``qk_scale`` (sharper attention, so tiers split), other matrices with ``other_scale``, norms 1."""
+    from trtllm_diffkv.model import LlamaForCausalLM, ModelConfig
+
+    cfg = ModelConfig(**shape)
+    g = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    weights = {name: torch.randn(size, generator=g) * (qk_scale if "q_proj" in name or "k_proj" in name else other_scale)
+               if len(size) > 1 else torch.ones(size) for name, size in model.expected_weight_shapes().items()}
+    return LlamaForCausalLM.from_weights(cfg, weights)
+
+
+def peaked_tiny_llama(factor: float = 8.0):
+    """:func:`tiny_llama` with its q/k projections scaled by ``factor``: peaked attention, tiers that change."""
+    model = tiny_llama()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(factor)
+            layer.self_attn.k_proj.weight.mul_(factor)
+    return model
+
+
+def run_script_under_interpreter(script: str, timeout: int):
+    """Run ``script`` (a test file's ``__main__``) in a fresh process with ``TRITON_INTERPRET=1``.
+
+    The variable must be set before Triton defines the kernels, so interpreter checks that need a
+    clean process run as scripts. Returns the ``subprocess.CompletedProcess`` (text output captured).
+    """
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, os.path.abspath(script)], env=env, cwd=repo,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def tiny_llama(seed: int = 0):
     """A random 3-layer Llama (8 query / 2 KV heads, head_dim 64, vocab 512), fp32, CPU."""
     from trtllm_diffkv.model import LlamaForCausalLM, ModelConfig

@@ -21,30 +21,9 @@ from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4  
 patch_interpreter_for_numpy_2_4()
 
 from trtllm_diffkv.kernels import scored_prefill_attention  # noqa: E402
-from trtllm_diffkv.kernels.attn_testing import rel_err  # noqa: E402
+from trtllm_diffkv.kernels.attn_testing import prefill_reference as reference, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def reference(q, k, v, cu, num_scoring, scale):
-    """float64 (out, score_sums) with the full causal softmax per prompt."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    sums = torch.zeros(q.shape[0], num_kv_heads, dtype=torch.float64)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        n = b - a
-        if n == 0:
-            continue
-        s = min(num_scoring, n)
-        qq = q[a:b].double().cpu().transpose(0, 1)
-        kk = k[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
-        vv = v[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
-        p = torch.softmax((qq @ kk.transpose(1, 2) * scale).masked_fill(
-            torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
-        out[a:b] = (p @ vv).transpose(0, 1)
-        sums[a:b] = p[:, n - s:].sum(1).view(num_kv_heads, group, n).amax(1).T
-    return out, sums
 
 
 def run(lens, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, num_scoring=64, seed=0, key_scale=1.0):

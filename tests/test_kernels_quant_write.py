@@ -13,7 +13,6 @@ before Triton is imported, so its test runs this file as a script in a fresh
 interpreter process; the torch version runs in-process.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -177,10 +176,9 @@ def main() -> None:
 
 def test_triton_write_path_bit_exact_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
+    from conftest import run_script_under_interpreter
+
+    result = run_script_under_interpreter(__file__, timeout=600)
     assert result.returncode == 0 and result.stdout.rstrip().endswith("OK"), result.stdout[-4000:] + result.stderr[-8000:]
 
 

@@ -4,10 +4,6 @@
 runs this file as a script in a fresh interpreter process.
 """
 import os
-import subprocess
-import sys
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
@@ -93,9 +89,9 @@ def test_triton_page_manager_matches_cpu_under_interpreter():
     import pytest
 
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
+    from conftest import run_script_under_interpreter
+
+    result = run_script_under_interpreter(__file__, timeout=900)
     assert result.returncode == 0 and result.stdout.rstrip().endswith("OK"), result.stdout[-4000:] + result.stderr[-8000:]
 
 

@@ -9,9 +9,8 @@ change (demotions, pruning, low victims) within a few steps.
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import peaked_tiny_llama, random_llama, tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, get_preset
-from trtllm_diffkv.model import LlamaForCausalLM, ModelConfig
 from trtllm_diffkv.model.attention_api import DenseCausalAttention
 from trtllm_diffkv.paged import OutOfPagesError, PagedDiffKVCache, gather_request
 from trtllm_diffkv.paged.testing import run_lockstep
@@ -23,12 +22,7 @@ KV_ATOL = 1e-4  # beyond one quantization step: a demoted token requantized from
 @pytest.fixture(scope="module")
 def peaked_model():
     """tiny_llama with q/k projections scaled up so attention is peaked and tiers split."""
-    model = tiny_llama()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-            layer.self_attn.k_proj.weight.mul_(8.0)
-    return model
+    return peaked_tiny_llama()
 
 
 def _prompts(lengths, seed=1):
@@ -193,12 +187,7 @@ def test_non_finite_keys_fail_their_request_only():
 
 
 def test_tiny_model_with_mqa_and_head_dim_80():
-    cfg = ModelConfig(vocab_size=128, hidden_size=160, intermediate_size=256, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=80, max_position_embeddings=256)
-    g = torch.Generator().manual_seed(2)
-    model = LlamaForCausalLM(cfg)
-    weights = {name: torch.randn(shape, generator=g) * (0.3 if "q_proj" in name or "k_proj" in name else 0.05)
-               if len(shape) > 1 else torch.ones(shape) for name, shape in model.expected_weight_shapes().items()}
-    model = LlamaForCausalLM.from_weights(cfg, weights)
+    model = random_llama(2, vocab_size=128, hidden_size=160, intermediate_size=256, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=80, max_position_embeddings=256)
     run_lockstep(model, CFG, [list(range(3, 21)), list(range(40, 45))], 8, num_pages=100, kv_atol=KV_ATOL,
                  high_tokens_per_page=4)

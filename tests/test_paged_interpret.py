@@ -6,7 +6,6 @@ runs this file as a script in a fresh interpreter process. Shapes are tiny:
 interpreted programs are slow.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,20 +15,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import torch
-
+    from conftest import random_llama
     from trtllm_diffkv.config import DiffKVConfig, get_preset
-    from trtllm_diffkv.model import LlamaForCausalLM, ModelConfig
     from trtllm_diffkv.paged.testing import patch_interpreter_for_numpy_2_4, run_lockstep
 
     patch_interpreter_for_numpy_2_4()
-    cfg = ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=64, max_position_embeddings=256)
-    g = torch.Generator().manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    weights = {name: torch.randn(shape, generator=g) * (0.3 if "q_proj" in name or "k_proj" in name else 0.05)
-               if len(shape) > 1 else torch.ones(shape) for name, shape in model.expected_weight_shapes().items()}
-    model = LlamaForCausalLM.from_weights(cfg, weights)
+    model = random_llama(0, vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, max_position_embeddings=256)
     kv = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
     prompts = [list(range(5, 16)), list(range(30, 36))]
     report = run_lockstep(model, kv, prompts, 6, num_pages=80, kv_atol=1e-4, out_atol=1e-3, use_triton=True,
@@ -43,10 +35,9 @@ def main() -> None:
 
 def test_paged_cache_triton_path_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
+    from conftest import run_script_under_interpreter
+
+    result = run_script_under_interpreter(__file__, timeout=900)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-4000:] + result.stderr[-8000:]
 
 

@@ -99,29 +99,12 @@ def test_decode_cuda_graph_replay_matches_eager():
     assert torch.equal(out, eager)
 
 
-def _prefill_reference(q, k, cu, s_max, scale):
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
-    sums = torch.zeros(q.shape[0], num_kv_heads, dtype=torch.float64)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        n = b - a
-        if n == 0:
-            continue
-        s = min(s_max, n)
-        qq = q[a:b].double().cpu().transpose(0, 1)
-        kk = k[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
-        logits = qq @ kk.transpose(1, 2) * scale
-        p = torch.softmax(logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
-        sums[a:b] = p[:, n - s:].sum(1).view(num_kv_heads, group, n).amax(1).T
-    return sums
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((28, 4), 128), ((9, 3), 64), ((40, 8), 80),
                                             ((12, 2), 96), ((8, 1), 256)])
 def test_scored_prefill_against_float64(dtype, heads, head_dim):
     from trtllm_diffkv.kernels import scored_prefill_attention
-    from trtllm_diffkv.kernels.attn_testing import rel_err
+    from trtllm_diffkv.kernels.attn_testing import prefill_reference, rel_err
 
     num_heads, num_kv_heads = heads
     lens = [1, 63, 64, 65, 700, 1031]
@@ -134,7 +117,7 @@ def test_scored_prefill_against_float64(dtype, heads, head_dim):
     sums = torch.full((total, num_kv_heads), float("nan"), device="cuda")
     scale = 1 / math.sqrt(head_dim)
     scored_prefill_attention(q, k, v, cu, sm_scale=scale, out=out, score_sums=sums)
-    ref = _prefill_reference(q, k, cu, 64, scale)
+    ref = prefill_reference(q, k, v, cu, 64, scale)[1]
     assert rel_err(sums, ref) < 1e-2
     assert torch.allclose(sums.double().cpu(), ref, rtol=3e-2, atol=3e-3)
     group = num_heads // num_kv_heads

@@ -6,7 +6,7 @@ on the Triton path (write kernels, read-path attention kernels, ``TritonPageMana
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import peaked_tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
 from trtllm_diffkv.paged import PagedDiffKVCache
 from trtllm_diffkv.paged.testing import run_lockstep, teacher_forced_agreement
@@ -32,12 +32,7 @@ GPU_LOCKSTEP_OPEN = pytest.mark.xfail(reason="open: paged-vs-reference output di
 
 
 def _peaked_model():
-    model = tiny_llama()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-            layer.self_attn.k_proj.weight.mul_(8.0)
-    return model.cuda()
+    return peaked_tiny_llama().cuda()
 
 
 def _prompts(lengths, seed=1):

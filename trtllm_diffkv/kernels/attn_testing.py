@@ -169,6 +169,36 @@ def decode_reference(q: torch.Tensor, rows: PagedRows, row_ids: torch.Tensor, sm
     return out, deltas
 
 
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu, num_scoring: int, sm_scale: float):
+    """float64 reference of :func:`~.prefill_attention.scored_prefill_attention`, materializing each prompt's softmax.
+
+    Args: packed ``q [total, num_heads, D]``, ``k``/``v [total, num_kv_heads, D]``, ``cu`` int
+    ``[num_seqs + 1]`` prompt boundaries, ``num_scoring`` (S), ``sm_scale``.
+
+    Returns:
+        ``(out float64 [total, num_heads, D], score_sums float64 [total, num_kv_heads])``: causal
+        attention per prompt, and per token the max over the KV head's query heads of the per-head
+        sum of the probabilities the last ``min(S, n)`` queries give it (the authors' GQA rule).
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    sums = torch.zeros(q.shape[0], num_kv_heads, dtype=torch.float64)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = b - a
+        if n == 0:
+            continue
+        s = min(num_scoring, n)
+        qq = q[a:b].double().cpu().transpose(0, 1)
+        kk = k[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
+        vv = v[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
+        p = torch.softmax((qq @ kk.transpose(1, 2) * sm_scale).masked_fill(
+            torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
+        out[a:b] = (p @ vv).transpose(0, 1)
+        sums[a:b] = p[:, n - s:].sum(1).view(num_kv_heads, group, n).amax(1).T
+    return out, sums
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64 (NaN anywhere gives inf)."""
     x = x.double().cpu()
