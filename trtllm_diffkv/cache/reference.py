@@ -118,12 +118,13 @@ class DiffKVReferenceCache:
         Keys are quantized relative to the layer's per-head channel offset,
         which is added back (``config.center_keys``).
 
+        The caller has refused non-finite keys (``check_finite``, once per step).
+
         Raises:
-            ValueError: a key that is not finite or beyond fp16's range, or one
-                whose distance from the offset is (the quantizer's zero point is
-                fp16), naming layer, KV head, token and the key's own value.
+            ValueError: a key whose distance from the offset is beyond fp16's
+                range (the quantizer's zero point is fp16), naming layer, KV
+                head, token and the key's own value.
         """
-        check_finite(k, "key", layer_idx, first_token)
         offset = self.key_offsets[layer_idx][:, None, :]
         centered = k.float() - offset
         if centered.numel() and float(centered.abs().amax()) > FP16_MAX:
@@ -218,14 +219,13 @@ class DiffKVReferenceCache:
         pos = self._layer_seq_len[layer_idx]
         seq_len = pos + 1
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, 1, head_dim]
+        check_finite(kh, "key", layer_idx, first_token=pos)  # refused before anything changes
+        check_finite(vh, "value", layer_idx, first_token=pos)
         if cfg.compress:
             self._compact(layer_idx, pos)  # decide from the scores through the previous step
             self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high, first_token=pos)[:, 0]
-            check_finite(vh, "value", layer_idx, first_token=pos)
             self.values[layer_idx, :, pos] = self._quantized_values(layer_idx, vh, cfg.high)[:, 0]
         else:
-            check_finite(kh, "key", layer_idx, first_token=pos)
-            check_finite(vh, "value", layer_idx, first_token=pos)
             self.keys[layer_idx, :, pos] = kh[:, 0].to(self.keys.dtype)
             self.values[layer_idx, :, pos] = vh[:, 0].to(self.values.dtype)
         self.tiers[layer_idx, :, pos] = TIER_HIGH
