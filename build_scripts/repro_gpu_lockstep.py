@@ -3,6 +3,8 @@
     TRITON_INTERPRET=1 python3 build_scripts/repro_gpu_lockstep.py triton   # whole Triton path, interpreted
     TRITON_INTERPRET=1 python3 build_scripts/repro_gpu_lockstep.py torch    # torch ops, CPU page manager
     python3 build_scripts/repro_gpu_lockstep.py gpu                          # on a CUDA machine
+    python3 build_scripts/repro_gpu_lockstep.py gpu-torch-writes   # CUDA, torch write ops + Triton page manager
+    python3 build_scripts/repro_gpu_lockstep.py gpu-cpu-manager    # CUDA, Triton write kernels + CPU page manager
 
 The edge-case-4 configuration of tests/gpu/test_paged_gpu.py (peaked tiny Llama, prompt lengths
 around both tiers' page capacities), 3 decode steps, torch read path; prints the largest output
@@ -28,8 +30,10 @@ prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
 which = sys.argv[1]
 t = time.time()
 kw = {"triton": dict(use_triton=True, page_manager="triton"), "torch": dict(use_triton=False, page_manager="cpu"),
-      "gpu": dict(use_triton=True, page_manager="triton")}[which]
-if which == "gpu":
+      "gpu": dict(use_triton=True, page_manager="triton"),
+      "gpu-torch-writes": dict(use_triton=False, page_manager="triton"),
+      "gpu-cpu-manager": dict(use_triton=True, page_manager="cpu")}[which]
+if which.startswith("gpu"):
     model = model.cuda()
 rep = run_lockstep(model, CFG, prompts, 3, num_pages=6000, kv_atol=1e-4, out_atol=1e-3, stable_check=True, read_path="torch", **kw)
 print(which, "OK max_out_diff", rep.max_out_diff, rep.max_out_diff_at, time.time() - t, flush=True)
