@@ -4,7 +4,7 @@
     TRITON_INTERPRET=1 python3 build_scripts/repro_gpu_lockstep.py torch    # torch ops, CPU page manager
     python3 build_scripts/repro_gpu_lockstep.py gpu                          # on a CUDA machine
     python3 build_scripts/repro_gpu_lockstep.py gpu-torch-writes   # CUDA, torch write ops + Triton page manager
-    python3 build_scripts/repro_gpu_lockstep.py gpu-cpu-manager    # CUDA, Triton write kernels + CPU page manager
+    python3 build_scripts/repro_gpu_lockstep.py gpu-torch-prefill  # CUDA, Triton write kernels, torch scored prefill
 
 The edge-case-4 configuration of tests/gpu/test_paged_gpu.py (peaked tiny Llama, prompt lengths
 around both tiers' page capacities), 3 decode steps, torch read path; prints the largest output
@@ -32,7 +32,12 @@ t = time.time()
 kw = {"triton": dict(use_triton=True, page_manager="triton"), "torch": dict(use_triton=False, page_manager="cpu"),
       "gpu": dict(use_triton=True, page_manager="triton"),
       "gpu-torch-writes": dict(use_triton=False, page_manager="triton"),
-      "gpu-cpu-manager": dict(use_triton=True, page_manager="cpu")}[which]
+      "gpu-torch-prefill": dict(use_triton=True, page_manager="triton")}[which]
+if which == "gpu-torch-prefill":  # everything Triton except the prefill attention + scores (torch_ops)
+    import trtllm_diffkv.paged.cache as cache_module
+    from trtllm_diffkv.paged import torch_ops
+    _kernels = cache_module._kernels
+    cache_module._kernels = lambda *a, **k: (*_kernels(*a, **k)[:2], torch_ops.scored_prefill_attention)
 if which.startswith("gpu"):
     model = model.cuda()
 rep = run_lockstep(model, CFG, prompts, 3, num_pages=6000, kv_atol=1e-4, out_atol=1e-3, stable_check=True, read_path="torch", **kw)

@@ -52,6 +52,10 @@ class OutOfPagesError(RuntimeError):
     """The pool has too few free pages for the planned step; nothing changed."""
 
 
+NONFINITE_KV_ERROR = "a key or value is NaN/Inf or beyond the fp16 range"
+"""Message of a request whose keys or values were not finite (edge case 1)."""
+
+
 @dataclass(frozen=True)
 class PagedCacheStats(CacheStats):
     """:class:`CacheStats` of one request plus what it really holds in the pool.
@@ -167,10 +171,15 @@ class PagedDiffKVCache:
         self._prompt_len_dev = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self._step = None
         self._workspace = None
+        self._decode_buffers = {}  # bucket size -> persistent decode step tensors (decode.step_buffers)
+        self._plan_graphs = {}  # (decode requests, bucket) -> CUDA graph of decode.plan_device
+        self._plan_inputs = None  # int64 [2, max_slots] (slots, positions) of padded plans: the graphs' inputs
+        self.capture_plan_graphs = False  # padded plans capture their launches (set by DecodeGraphRunner)
 
     # ------------------------------------------------------------------ planning
     def plan(self, slots: Sequence[int], seq_lens: Sequence[int], positions: Sequence[int],
-             is_prefill: Sequence[bool]) -> None:
+             is_prefill: Sequence[bool], *, pad_to: int | None = None,
+             known_free_pages: int | None = None) -> None:
         """Describe the next step (host side; before the layers run).
 
         Args:
@@ -181,9 +190,23 @@ class PagedDiffKVCache:
                 (prefill: 0; decode: the tokens already stored).
             is_prefill: ``[n]`` whether the request brings its prompt (a free
                 slot) or one decode token (an active slot).
+            pad_to: keyword-only bucket size: the decode part is padded to
+                ``pad_to >= n - n_prefill`` sequences (``<= max_slots``) whose
+                per-step tensors live in persistent buffers of that bucket
+                (same addresses every step: CUDA-graph replay,
+                :class:`~trtllm_diffkv.runtime.cuda_graphs.DecodeGraphRunner`).
+                Padding sequences are skipped by every kernel; the step then
+                carries ``pad_to`` decode tokens (the model gets any ids and
+                positions for them, their outputs are zeros). ``None``: no padding.
+            known_free_pages: keyword-only lower bound on the free pages that the
+                caller knows (e.g. the ring's free count from its step's one status
+                read, minus the worst case of the steps it planned since); skips the
+                device read (a host synchronization) of the free count. ``None``:
+                read it. A bound above the true count lets the page manager refuse
+                the step on the device (status ``OUT_OF_PAGES``), so never guess.
 
         The step's packed tokens are each prefill request's ``seq_len`` tokens,
-        then one token per decode request (``cu_seqlens`` built here).
+        then one token per decode request (``cu_seqlens`` built here), then the padding.
 
         Raises:
             ValueError: inconsistent arguments (order, lengths, slot states, an
@@ -207,18 +230,22 @@ class PagedDiffKVCache:
             raise ValueError(f"slots must be distinct, got {slots}")
         for i, (slot, total, first, pre) in enumerate(zip(slots, seq_lens, positions, is_prefill)):
             self._check_request(i, slot, total, first, pre)
-        num_tokens = sum(seq_lens[:n_pre]) + (n - n_pre)
+        if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int)
+                                   or not n - n_pre <= pad_to <= self.max_slots or pad_to < 1):
+            raise ValueError(f"pad_to={pad_to!r} must be an integer in [max(1, decode requests={n - n_pre}), "
+                             f"max_slots={self.max_slots}]")
+        num_tokens = sum(seq_lens[:n_pre]) + (n - n_pre if pad_to is None else pad_to)
         if num_tokens > self.max_num_tokens:
             raise ValueError(f"the step carries {num_tokens} tokens, more than max_num_tokens={self.max_num_tokens}")
         need = self.manager.reserve_pages_needed(seq_lens[:n_pre]) + self.manager.worst_case_decode_pages(n - n_pre)
-        free = self.manager.free_pages()
+        free = self.manager.free_pages() if known_free_pages is None or need > known_free_pages else known_free_pages
         if need > free:
             raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
         step = _Step(slots, seq_lens, positions, n_pre, num_tokens)
         if n_pre:
             prefill.plan_prefill(self, step)
-        if n - n_pre:
-            decode.plan_decode(self, step)
+        if n - n_pre or pad_to is not None:
+            decode.plan_decode(self, step, pad_to=pad_to)
         self._step = step
 
     def _check_request(self, i: int, slot: int, total: int, first: int, prefill: bool) -> None:
@@ -274,6 +301,22 @@ class PagedDiffKVCache:
             self._finish_step(step)
         return out
 
+    def finish_replayed_step(self) -> None:
+        """Close a planned step whose layers ran as a CUDA-graph replay (no ``forward`` calls).
+
+        Does the host-side effects ``forward`` would have done: all layers marked run and
+        the step's bookkeeping (:meth:`_finish_step`).
+
+        Raises:
+            ValueError: no step planned, a step with prefill requests (never replayed), or
+                layers already run eagerly.
+        """
+        step = self._step
+        if step is None or step.n_pre or step.next_layer:
+            raise ValueError("finish_replayed_step needs a planned decode-only step none of whose layers ran")
+        step.next_layer = self.num_layers
+        self._finish_step(step)
+
     def _finish_step(self, step) -> None:
         if step.prefill is not None:
             counts = step.prefill["counts"]
@@ -290,7 +333,28 @@ class PagedDiffKVCache:
         bad = torch.nonzero(self.error_flags).flatten().tolist()
         if bad:
             self.error_flags.zero_()
-        return {s: "a key or value is NaN/Inf or beyond the fp16 range" for s in bad}
+        return {s: NONFINITE_KV_ERROR for s in bad}
+
+    def take_error_flags(self) -> torch.Tensor:
+        """int32 ``[max_slots]`` copy of the step's error flags (nonzero: :data:`NONFINITE_KV_ERROR`), flags cleared.
+
+        Device ops only, no host synchronization: the executor folds the copy into its one
+        device-to-host read of the step (:meth:`step_errors` reads them itself).
+        """
+        flags = self.error_flags.clone()
+        self.error_flags.zero_()
+        return flags
+
+    def discard_step(self) -> None:
+        """Forget a planned step whose layers did not all run (the model raised).
+
+        The caller must :meth:`release` the step's slots: their pages and rows are in an
+        unknown state. A no-op when no step is planned.
+        """
+        if self._step is not None:
+            for slot in self._step.slots[:self._step.n_pre]:
+                self._prompt_len_dev[slot] = 0
+        self._step = None
 
     def release(self, slots: Sequence[int]) -> None:
         """Return every page of ``slots`` to the ring (finish or abort; a free slot is a no-op)."""

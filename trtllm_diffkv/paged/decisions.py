@@ -30,6 +30,11 @@ cand LOW, victim stays (or is cand)    (0, +1)     cand -> low index l     candi
 cand LOW, low victim pruned            (0, 0)      cand -> victim's slot   candidate's slot
 cand PRUNED                            (0, 0)      -                       candidate's slot
 =====================================  ==========  ======================  =====================
+
+:func:`decide` is the reference and the torch path; the Triton path computes
+the same actions bit for bit in one launch
+(:func:`trtllm_diffkv.kernels.decision_kernel.decide_rows`,
+``tests/test_decision_kernel.py``).
 """
 from __future__ import annotations
 

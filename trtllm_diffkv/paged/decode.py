@@ -6,12 +6,21 @@ scores through the previous step (:func:`.decisions.decide`), makes ONE
 ``append_decode`` with all rows' (high, low) deltas in {0, +1}, then performs
 every move to the low tier (demoted victim or departing candidate: dequantize
 the high token, requantize it at the low tier into its low slot, keys in the
-centered domain) and locates the high slot each new token goes to.
+centered domain) and locates the high slot each new token goes to. On the
+Triton path (``cache.use_triton``) the decisions and the locations are one
+launch each (:mod:`trtllm_diffkv.kernels.decision_kernel`, bit-identical to
+:func:`.decisions.decide`, which stays the reference and the torch path): a
+decode plan is one small host-to-device copy and six launches, with no host
+synchronization. ``pad_to`` pads the step to a bucket of sequences whose
+tensors live in persistent buffers (CUDA-graph replay,
+:mod:`trtllm_diffkv.runtime.cuda_graphs`).
 :func:`decode_layer` (per layer, no host synchronization) quantizes the new
 token into that slot and runs paged decode attention, which adds each token's
 probability to its score.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -19,36 +28,164 @@ from . import decisions, torch_ops
 from .gather import token_location
 
 
-def plan_decode(cache, step) -> None:
-    """Decisions of every layer, ONE ``append_decode``, the moves to the low tier, the new tokens' slots."""
+def plan_decode(cache, step, pad_to: int | None = None) -> None:
+    """Decisions of every layer, ONE ``append_decode``, the moves to the low tier, the new tokens' slots.
+
+    Fills ``step.decode``: ``rows`` int64 / ``row_ids`` int32 / ``page`` int32 /
+    ``slot`` int32 ``[L, B, H]`` (layer-major), ``positions`` int32, ``scores``
+    fp32 (zeros) and ``err_idx`` int32 ``[B * H]``, for ``B = pad_to`` sequences
+    (``None``: the ``n`` real ones). Sequences ``b >= n`` are padding (row id and
+    page -1: the write and attention kernels skip them). With ``pad_to`` the
+    tensors are the cache's persistent buffers for that bucket (same addresses
+    every step: CUDA-graph inputs). Host syncs: none (the one H2D copy of the
+    slots and positions is non-blocking: a blocking ``.to(device)`` synchronizes
+    the stream, i.e. waits for the previous step's forward).
+    """
+    n = len(step.slots) - step.n_pre
+    B = n if pad_to is None else pad_to
+    host = torch.tensor([step.slots[step.n_pre:], step.positions[step.n_pre:]], dtype=torch.int64)
+    bufs = step_buffers(cache, B, persistent=pad_to is not None)
+    if not cache.use_triton:
+        _plan_torch(cache, step, host[0].to(cache.device), bufs)
+    elif pad_to is None:
+        seq = host.to(cache.device, non_blocking=True)  # a blocking copy would wait for the device (stream sync)
+        plan_device(cache, seq[0], seq[1], bufs)
+    else:
+        _plan_padded(cache, host, n, B, bufs)
+    step.decode = bufs
+
+
+def _plan_padded(cache, host: torch.Tensor, n: int, B: int, bufs: dict) -> None:
+    """Padded Triton path: slots and positions in the cache's fixed input buffer, then the plan graph of
+    ``(n, B)`` replayed; without one, the launches run eagerly and, when ``cache.capture_plan_graphs``
+    (set by ``DecodeGraphRunner``), the same launches are captured for the next steps of ``n`` requests
+    (capturing records, it runs nothing: the eager run compiled exactly these specializations)."""
+    if cache._plan_inputs is None:
+        cache._plan_inputs = torch.zeros(2, cache.max_slots, dtype=torch.int64, device=cache.device)
+    inputs = cache._plan_inputs
+    inputs[:, :n].copy_(host, non_blocking=True)
+    args = (cache, inputs[0, :n], inputs[1, :n], bufs)
+    graph = cache._plan_graphs.get((n, B))
+    if graph is not None:
+        graph.replay()
+        return
+    plan_device(*args)
+    if cache.capture_plan_graphs and n:
+        graph = capture_plan_graph(cache, args)
+        if graph is not None:
+            cache._plan_graphs[(n, B)] = graph
+
+
+def capture_plan_graph(cache, args: tuple):
+    """A CUDA graph of ``plan_device(*args)``; ``None`` (plan graphs switched off, a warning) if capture fails."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            plan_device(*args)
+    except Exception as exc:  # noqa: BLE001 - planning works eagerly; only the speed-up is lost
+        cache.capture_plan_graphs = False
+        warnings.warn(f"decode plan graph capture failed, planning eagerly: {type(exc).__name__}: {exc}",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return graph
+
+
+def step_buffers(cache, B: int, persistent: bool) -> dict:
+    """The step tensors the layers read for a bucket of ``B`` sequences (module :func:`plan_decode`).
+
+    ``persistent``: the cache keeps one set per ``B`` (graph-safe addresses); otherwise fresh tensors.
+    """
+    if persistent and B in cache._decode_buffers:
+        return cache._decode_buffers[B]
+    L, H, dev = cache.num_layers, cache.num_kv_heads, cache.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    bufs = dict(rows=torch.zeros(L, B, H, dtype=torch.int64, device=dev), row_ids=torch.full((L, B, H), -1, **i32),
+                page=torch.full((L, B, H), -1, **i32), slot=torch.zeros(L, B, H, **i32),
+                positions=torch.zeros(B * H, **i32), scores=torch.zeros(B * H, dtype=torch.float32, device=dev),
+                err_idx=torch.zeros(B * H, **i32))
+    if persistent:
+        cache._decode_buffers[B] = bufs
+    return bufs
+
+
+def _scratch(cache) -> dict:
+    """Per-item scratch of the Triton path for ``max_slots`` sequences, allocated once."""
+    s = cache.__dict__.get("_decision_scratch")
+    if s is None:
+        from ..kernels.decision_kernel import alpha_tensor
+
+        m, dev, D = cache.max_slots * cache.rows_per_slot, cache.device, cache.head_dim
+        i32, i64, f32 = (dict(dtype=t, device=dev) for t in (torch.int32, torch.int64, torch.float32))
+        s = dict(actions=(torch.empty(m, **i32), torch.empty(m, **i32), *(torch.empty(m, **i64) for _ in range(3))),
+                 moves=tuple(torch.empty(m, **i32) for _ in range(4)), keys=torch.empty(m, D, **f32),
+                 values=torch.empty(m, D, **f32), score=torch.empty(m, **f32), pos=torch.empty(m, **i32),
+                 alphas=alpha_tensor(cache.config.alpha_high, cache.config.alpha_low, dev))
+        cache._decision_scratch = s
+    return s
+
+
+def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: dict) -> None:
+    """Triton path: decide (one launch), append_decode (two), locate (one), moves (read + write).
+
+    Device work only (no host synchronization, no allocation after the first call), so a
+    CUDA graph can capture it for a fixed ``n`` (``slots``, ``pos_seq``: int64 ``[n]`` at fixed
+    addresses) and bucket (``bufs`` of :func:`step_buffers`).
+    """
+    from ..kernels import decision_kernel
+
+    cfg, fmt, man = cache.config, cache.page_format, cache.manager
+    G, n = cache.rows_per_slot, slots.numel()
+    m, shape = n * G, (n, cache.num_layers, cache.num_kv_heads)
+    s = _scratch(cache)
+    act = decision_kernel.decide_rows(
+        cache.pool.pages(), fmt, man.page_table, man.tokens, slots, pos_seq, cache._prompt_len_dev, s["alphas"],
+        rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
+        prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.compress)
+    man.append_decode(slots, act[0].view(shape), act[1].view(shape))
+    moves = tuple(t[:m] for t in s["moves"]) if cfg.compress else None
+    decision_kernel.locate_rows(man.page_table, fmt, slots, pos_seq, act, bufs, moves,
+                                num_kv_heads=cache.num_kv_heads, rows_per_slot=G)
+    if moves is not None and m:
+        src_page, src_slot, dst_page, dst_slot = moves
+        k, v, score, pos = s["keys"][:m], s["values"][:m], s["score"][:m], s["pos"][:m]
+        pages = cache.pool.pages()
+        cache._ops.read_tokens(pages, fmt, "high", src_page, src_slot, k, v, score, pos)
+        cache._ops.write_tokens(pages, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
+
+
+def _plan_torch(cache, step, slots, bufs) -> None:
+    """Torch path (the reference): :func:`.decisions.decide`, ``append_decode``, moves, token locations."""
     cfg, dev, fmt = cache.config, cache.device, cache.page_format
-    L, H = cache.num_layers, cache.num_kv_heads
-    dec_slots = step.slots[step.n_pre:]
-    slots = torch.tensor(dec_slots, dtype=torch.int64, device=dev)
+    L, H, G = cache.num_layers, cache.num_kv_heads, cache.rows_per_slot
     pos_host = step.positions[step.n_pre:]
-    rows = (slots[:, None] * cache.rows_per_slot + torch.arange(cache.rows_per_slot, device=dev)).reshape(-1)
-    pos = torch.tensor(pos_host, dtype=torch.int64, device=dev).repeat_interleave(cache.rows_per_slot)
+    n = len(pos_host)
+    if n == 0:  # a step of padding only (graph capture)
+        for name, pad in (("rows", 0), ("row_ids", -1), ("page", -1), ("slot", 0), ("positions", 0), ("err_idx", 0)):
+            bufs[name].fill_(pad)
+        return
+    rows = (slots[:, None] * G + torch.arange(G, device=dev)).reshape(-1)
+    pos = torch.tensor(pos_host, dtype=torch.int64, device=dev).repeat_interleave(G)
     table, tokens = cache.manager.page_table, cache.manager.tokens
     if cfg.compress:
-        act = decisions.decide(cache.pool, table, tokens, rows, pos, cache._prompt_len_dev[slots].repeat_interleave(
-            cache.rows_per_slot), alpha_high=cfg.alpha_high, alpha_low=cfg.alpha_low,
-            recent_window_tokens=cfg.recent_window_tokens, prompt_score_window_tokens=cfg.prompt_score_window_tokens,
-            max_pos=max(pos_host))
+        act = decisions.decide(cache.pool, table, tokens, rows, pos, cache._prompt_len_dev[slots].repeat_interleave(G),
+                               alpha_high=cfg.alpha_high, alpha_low=cfg.alpha_low,
+                               recent_window_tokens=cfg.recent_window_tokens,
+                               prompt_score_window_tokens=cfg.prompt_score_window_tokens, max_pos=max(pos_host))
     else:
         act = decisions.append_only(rows, tokens)
-    shape = (len(dec_slots), L, H)
+    shape = (n, L, H)
     cache.manager.append_decode(slots, act.high_delta.reshape(shape), act.low_delta.reshape(shape))
     if cfg.compress:
         move_to_low(cache, rows, act)
     page, slot = token_location(table, rows, "high", act.new_index, fmt.high_tokens_per_page)
-    layer_major = lambda t: t.reshape(shape).transpose(0, 1).contiguous()  # noqa: E731 - [L, n, H]
-    step.decode = dict(
-        rows=layer_major(rows), row_ids=layer_major(rows.to(torch.int32)),
-        page=layer_major(page), slot=layer_major(slot),
-        positions=torch.tensor(pos_host, dtype=torch.int32, device=dev).repeat_interleave(H),
-        scores=torch.zeros(len(dec_slots) * H, dtype=torch.float32, device=dev),
-        err_idx=slots.to(torch.int32).repeat_interleave(H),
-    )
+    layer_major = lambda t: t.reshape(shape).transpose(0, 1)  # noqa: E731 - [L, n, H]
+    for name, value, pad in (("rows", rows, 0), ("row_ids", rows, -1), ("page", page, -1), ("slot", slot, 0)):
+        bufs[name][:, :n] = layer_major(value)
+        bufs[name][:, n:] = pad
+    bufs["positions"].zero_()
+    bufs["positions"][:n * H] = torch.tensor(pos_host, dtype=torch.int32, device=dev).repeat_interleave(H)
+    bufs["err_idx"].zero_()
+    bufs["err_idx"][:n * H] = slots.to(torch.int32).repeat_interleave(H)
 
 
 def move_to_low(cache, rows: torch.Tensor, act: "decisions.StepActions") -> None:

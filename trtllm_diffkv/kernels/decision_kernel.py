@@ -1,0 +1,306 @@
+"""The decode step's bookkeeping in two Triton launches: the DiffKV decisions and the token locations.
+
+:func:`decide_rows` computes what :func:`trtllm_diffkv.paged.decisions.decide`
+computes (the reference and the torch fallback; its docstring states the
+rules, paper section 4.2) for every (sequence, layer, KV head) row of a decode
+step, one program per row: the program walks the row's high tier in blocks of
+``BLOCK`` tokens (page table -> page -> position and score segments) to find
+the candidate (the token at position ``pos - max(W, 1)``) and the least
+important high token at positions ``<= cand``, then its low tier for the least
+important low token, and writes the row's :class:`StepActions`. Results are
+bit-identical to the reference: importance ``score / count`` is an IEEE fp32
+division (``div_rn``), thresholds ``alpha / N`` are divided in fp64 and rounded
+to fp32 (the alphas come in an fp64 tensor: a Python float argument would be
+rounded to fp32 first), ties go to the lowest position, and a NaN importance
+among the eligible tokens gives what ``torch.amin`` gives (NaN, column 0).
+For a preset that keeps every token (fp16) the same launch writes
+``decisions.append_only``'s actions.
+
+:func:`locate_rows` (after the page manager's ``append_decode``, which may
+give a row the page its new token goes to) turns the actions into page ids and
+slots: the new token's high slot, written layer-major into the step buffers
+the layers read (padding sequences ``b >= n`` of a bucket get page -1 and row
+id -1, which every decode kernel skips), and the source/destination of each
+move to the low tier.
+
+Layouts: ``G = num_layers * num_kv_heads`` rows per sequence slot; table row
+``slot * G + layer * num_kv_heads + head``; item ``i = b * G + g`` of a step
+is sequence ``b``'s ``g``-th row (the page manager's ``[n, num_layers,
+num_kv_heads]`` order). Pool offsets: :class:`~trtllm_diffkv.memory.PageFormat`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..memory.page_format import PageFormat
+
+BLOCK_TOKENS = 128
+"""Tier tokens one loop iteration of :func:`_decide_kernel` reads."""
+LOCATE_BLOCK = 256
+"""Items per program of :func:`_locate_kernel`."""
+_BIG = 2 ** 31 - 1  # larger than every position and column
+
+
+@triton.jit
+def _scan_tier(f32_ptr, i32_ptr, table_ptr, row, count, cand, prompt_len, pos, R, PAGE_BYTES, SC, PO, S,
+               TOKENS: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    """One tier of one row: the least important eligible token and the candidate.
+
+    Eligible: every token of the low tier; high-tier tokens at positions ``<= cand``.
+    Returns ``(least importance, its column, candidate found, candidate column, candidate
+    importance)``; least importance is NaN when an eligible importance is NaN and +inf when
+    none is eligible; the column is then 0 (``decisions._argmin_importance``).
+    """
+    best = tl.zeros((), tl.float32) + float("inf")
+    best_pos = tl.zeros((), tl.int64) + 2147483647
+    best_col = tl.zeros((), tl.int64)
+    nan = tl.zeros((), tl.int32)
+    c_found = tl.zeros((), tl.int32)
+    c_col = tl.zeros((), tl.int64)
+    c_imp = tl.zeros((), tl.float32)
+    for start in range(0, count, BLOCK):
+        j = start + tl.arange(0, BLOCK).to(tl.int64)
+        valid = j < count
+        blk = j // TOKENS
+        if LOW:
+            blk = R - 1 - blk
+        page = tl.load(table_ptr + row * R + blk, mask=valid, other=0).to(tl.int64)
+        base = tl.where(valid, page, 0) * PAGE_BYTES
+        slot = j % TOKENS
+        p = tl.load(i32_ptr + (base + PO) // 4 + slot, mask=valid, other=0).to(tl.int64)
+        score = tl.load(f32_ptr + (base + SC) // 4 + slot, mask=valid, other=0.0)
+        from_prompt = tl.where(p < prompt_len, tl.minimum(prompt_len - p, S), 0)
+        from_decode = tl.maximum(pos - tl.maximum(p, prompt_len), 0)
+        counted = tl.maximum((from_prompt + from_decode).to(tl.float32), 1.0)
+        imp = tl.math.div_rn(score, counted)
+        if LOW:
+            elig = valid
+        else:
+            elig = valid & (p <= cand)
+            hit = valid & (p == cand)
+            any_hit = tl.max(hit.to(tl.int32), 0)
+            c_col = tl.where(any_hit > 0, tl.min(tl.where(hit, j, 2147483647), 0), c_col)
+            c_imp = tl.where(any_hit > 0, tl.sum(tl.where(hit, imp, 0.0), 0), c_imp)
+            c_found = c_found | any_hit
+        nan = nan | tl.max((elig & (imp != imp)).to(tl.int32), 0)
+        ok = elig & (imp == imp)
+        m = tl.min(tl.where(ok, imp, float("inf")), 0)
+        tie = ok & (imp == m)
+        m_pos = tl.min(tl.where(tie, p, 2147483647), 0)
+        m_col = tl.min(tl.where(tie & (p == m_pos), j, 2147483647), 0)
+        take = (m < best) | ((m == best) & (m_pos < best_pos))
+        best = tl.where(take, m, best)
+        best_pos = tl.where(take, m_pos, best_pos)
+        best_col = tl.where(take, m_col, best_col)
+    none = best_pos == 2147483647
+    best_col = tl.where((nan > 0) | none, 0, best_col)
+    best = tl.where(nan > 0, float("nan"), best)
+    return best, best_col, c_found, c_col, c_imp
+
+
+@triton.jit
+def _classify(imp, thr_h, thr_l):
+    """Tier code: 1 HIGH (``> thr_h``), 2 LOW (``>= thr_l``), 0 PRUNED (``policy.classify``)."""
+    return tl.where(imp > thr_h, 1, tl.where(imp >= thr_l, 2, 0))
+
+
+@triton.jit
+def _decide_kernel(
+    f32_ptr, i32_ptr, table_ptr, tokens_ptr, slots_ptr, pos_ptr, prompt_len_ptr, alpha_ptr,
+    dh_ptr, dl_ptr, new_ptr, from_ptr, to_ptr,
+    G, R, PAGE_BYTES, H_SC, H_PO, L_SC, L_PO, W, S,
+    H_TOKENS: tl.constexpr, L_TOKENS: tl.constexpr, BLOCK: tl.constexpr, COMPRESS: tl.constexpr,
+):
+    """One program per item ``i = b * G + g``: the decision of row ``slots[b] * G + g`` (see :func:`decide_rows`).
+
+    ``COMPRESS=False`` (fp16 preset, ``decisions.append_only``): every new token appended to the high tier.
+    """
+    i = tl.program_id(0).to(tl.int64)
+    b = i // G
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    row = slot * G + i % G
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    prompt_len = tl.load(prompt_len_ptr + slot).to(tl.int64)
+    h_count = tl.load(tokens_ptr + row * 2).to(tl.int64)
+    l_count = tl.load(tokens_ptr + row * 2 + 1).to(tl.int64)
+    if not COMPRESS:
+        tl.store(dh_ptr + i, 1)
+        tl.store(dl_ptr + i, 0)
+        tl.store(new_ptr + i, h_count)
+        tl.store(from_ptr + i, -1)
+        tl.store(to_ptr + i, -1)
+        return
+    cand = pos - W
+    n = tl.maximum(pos, 1).to(tl.float64)
+    thr_h = (tl.load(alpha_ptr) / n).to(tl.float32)
+    thr_l = (tl.load(alpha_ptr + 1) / n).to(tl.float32)
+    imp_vh, iv_h, c_found, ic, imp_c = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, h_count, cand, prompt_len, pos, R,
+                                                  PAGE_BYTES, H_SC, H_PO, S, H_TOKENS, False, BLOCK)
+    imp_vl, iv_l, _f, _c, _i = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, l_count, cand, prompt_len, pos, R,
+                                          PAGE_BYTES, L_SC, L_PO, S, L_TOKENS, True, BLOCK)
+    found = (cand >= 0) & (c_found > 0)
+    c_tier = _classify(imp_c, thr_h, thr_l)
+    vh_tier = _classify(imp_vh, thr_h, thr_l)
+    imp_v = tl.where(imp_c < imp_vl, imp_c, imp_vl)  # the candidate is the low victim when strictly less important
+    vl_pruned = _classify(imp_v, thr_h, thr_l) == 0
+    c_high = found & (c_tier == 1)
+    c_low = found & (c_tier == 2)
+    append = (~found) | (c_high & (vh_tier == 1))
+    demote = c_high & (vh_tier == 2)
+    to_low_end = demote | (c_low & ~vl_pruned)
+    tl.store(dh_ptr + i, append.to(tl.int32))
+    tl.store(dl_ptr + i, to_low_end.to(tl.int32))
+    tl.store(new_ptr + i, tl.where(append, h_count, tl.where(c_high, iv_h, ic)))
+    tl.store(from_ptr + i, tl.where(demote, iv_h, tl.where(c_low, ic, -1)))
+    tl.store(to_ptr + i, tl.where(to_low_end, l_count, tl.where(c_low, iv_l, -1)))
+
+
+@triton.jit
+def _locate_kernel(
+    table_ptr, slots_ptr, pos_ptr, new_ptr, from_ptr, to_ptr,
+    rows_out, row_ids_out, page_out, slot_out, positions_out, err_idx_out,
+    src_page_out, src_slot_out, dst_page_out, dst_slot_out,
+    n, B, G, H, R,
+    P_HIGH: tl.constexpr, P_LOW: tl.constexpr, MOVES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Items ``i < B * G``: real rows (``b < n``) get their locations, padding rows page -1 / row id -1."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = i < B * G
+    b = i // G
+    g = i % G
+    real = inside & (b < n)
+    slot_id = tl.load(slots_ptr + b, mask=real, other=0).to(tl.int64)
+    row = slot_id * G + g
+    new = tl.load(new_ptr + i, mask=real, other=0)
+    col = tl.minimum(tl.maximum(new // P_HIGH, 0), R - 1)
+    page = tl.load(table_ptr + row * R + col, mask=real, other=-1)
+    out = (g // H) * (B * H) + b * H + g % H  # layer-major [L, B, H]
+    tl.store(rows_out + out, tl.where(real, row, 0), mask=inside)
+    tl.store(row_ids_out + out, tl.where(real, row, -1).to(tl.int32), mask=inside)
+    tl.store(page_out + out, tl.where(real, page, -1), mask=inside)
+    tl.store(slot_out + out, tl.where(real, new % P_HIGH, 0).to(tl.int32), mask=inside)
+    first_layer = inside & (g < H)
+    pos = tl.load(pos_ptr + b, mask=real, other=0)
+    tl.store(positions_out + b * H + g, tl.where(real, pos, 0).to(tl.int32), mask=first_layer)
+    tl.store(err_idx_out + b * H + g, tl.where(real, slot_id, 0).to(tl.int32), mask=first_layer)
+    if MOVES:
+        mf = tl.load(from_ptr + i, mask=real, other=-1)
+        mt = tl.maximum(tl.load(to_ptr + i, mask=real, other=0), 0)
+        moving = real & (mf >= 0)
+        mf = tl.maximum(mf, 0)
+        src = tl.load(table_ptr + row * R + tl.minimum(mf // P_HIGH, R - 1), mask=moving, other=-1)
+        dst = tl.load(table_ptr + row * R + tl.maximum(R - 1 - mt // P_LOW, 0), mask=moving, other=-1)
+        tl.store(src_page_out + i, src, mask=real)
+        tl.store(src_slot_out + i, (mf % P_HIGH).to(tl.int32), mask=real)
+        tl.store(dst_page_out + i, dst, mask=real)
+        tl.store(dst_slot_out + i, (mt % P_LOW).to(tl.int32), mask=real)
+
+
+def _pool_views(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or not pages.is_contiguous():
+        raise ValueError(f"pool pages must be contiguous uint8 [num_pages, page_size_bytes], got "
+                         f"{pages.dtype} {tuple(pages.shape)}")
+    flat = pages.reshape(-1)
+    return flat.view(torch.float32), flat.view(torch.int32)
+
+
+def alpha_tensor(alpha_high: float, alpha_low: float, device) -> torch.Tensor:
+    """fp64 ``[2]`` = (alpha_high, alpha_low) for :func:`decide_rows` (allocate once per cache)."""
+    return torch.tensor([alpha_high, alpha_low], dtype=torch.float64, device=device)
+
+
+def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: torch.Tensor,
+                tier_tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, prompt_len: torch.Tensor,
+                alphas: torch.Tensor, *, rows_per_slot: int, recent_window_tokens: int,
+                prompt_score_window_tokens: int, out: tuple[torch.Tensor, ...] | None = None,
+                block_tokens: int = BLOCK_TOKENS, compress: bool = True):
+    """The decode decisions of every row of ``n`` sequences, one launch (= ``decisions.decide``, bit for bit).
+
+    Args:
+        pool_pages: ``uint8 [num_pages, page_size_bytes]`` (``KVCachePool.pages()``); the
+            format must store token metadata (scores and positions: a compressing preset).
+        page_format: the pool's :class:`PageFormat`.
+        page_table: int32 ``[num_rows, R]``, tier_tokens: int32 ``[num_rows, 2]``: the page
+            manager's state before the step.
+        slots: int64 ``[n]`` sequence slots; pos: int64 ``[n]`` the position each writes.
+        prompt_len: int64 ``[max_slots]`` prompt length per slot.
+        alphas: fp64 ``[2]`` from :func:`alpha_tensor`.
+        rows_per_slot: ``G = num_layers * num_kv_heads``.
+        recent_window_tokens, prompt_score_window_tokens: W and S of the policy.
+        out: optional preallocated (high_delta int32, low_delta int32, new_index int64,
+            move_from int64, move_to int64), each ``[>= n * G]``.
+        block_tokens: tier tokens per loop iteration (a power of two; tests shrink it to
+            cover ties across iterations).
+        compress: ``False`` for a preset that keeps every token (fp16): the actions of
+            ``decisions.append_only`` (new token appended high), no scan, no metadata needed.
+
+    Returns:
+        ``(high_delta, low_delta, new_index, move_from, move_to)``, each ``[n * G]`` in item
+        order ``b * G + g`` (see :class:`trtllm_diffkv.paged.decisions.StepActions`).
+
+    Raises:
+        ValueError: a format without token metadata, or a too-small ``out``.
+    """
+    high, low = page_format.high, page_format.low
+    if compress and not (high.score.size_bytes and low.score.size_bytes):
+        raise ValueError("decide_rows needs token metadata (scores, positions) in both tiers: a compressing preset")
+    m = slots.numel() * rows_per_slot
+    dev = slots.device
+    if out is None:
+        out = (torch.empty(m, dtype=torch.int32, device=dev), torch.empty(m, dtype=torch.int32, device=dev),
+               *(torch.empty(m, dtype=torch.int64, device=dev) for _ in range(3)))
+    if any(t.numel() < m for t in out):
+        raise ValueError(f"decide_rows: out tensors must hold at least {m} items")
+    out = tuple(t[:m] for t in out)
+    if m == 0:
+        return out
+    f32, i32 = _pool_views(pool_pages)
+    _decide_kernel[(m,)](
+        f32, i32, page_table, tier_tokens, slots, pos, prompt_len, alphas, *out,
+        rows_per_slot, page_table.shape[1], page_format.page_size_bytes,
+        high.score.offset_bytes, high.position.offset_bytes, low.score.offset_bytes, low.position.offset_bytes,
+        max(recent_window_tokens, 1), prompt_score_window_tokens,
+        H_TOKENS=high.tokens_per_page, L_TOKENS=low.tokens_per_page, BLOCK=block_tokens, COMPRESS=compress)
+    return out
+
+
+def locate_rows(page_table: torch.Tensor, page_format: PageFormat, slots: torch.Tensor, pos: torch.Tensor,
+                actions: tuple[torch.Tensor, ...], step_buffers: dict, moves: tuple[torch.Tensor, ...] | None, *,
+                num_kv_heads: int, rows_per_slot: int) -> None:
+    """Page ids and slots of the step's new tokens and moves, after ``append_decode``; one launch.
+
+    Args:
+        page_table: the page manager's table after ``append_decode``.
+        page_format: the pool's format (tokens per page of each tier).
+        slots, pos: int64 ``[n]`` the real sequences' slots and positions.
+        actions: ``(high_delta, low_delta, new_index, move_from, move_to)`` of
+            :func:`decide_rows`.
+        step_buffers: the step's layer-major buffers for a bucket of ``B >= n``
+            sequences, filled in full: ``rows`` int64 / ``row_ids`` int32 /
+            ``page`` int32 / ``slot`` int32 ``[L, B, H]``, ``positions`` and
+            ``err_idx`` int32 ``[B * H]``; padding sequences get row 0 / row id -1 /
+            page -1 / slot 0 / position 0 / error index 0.
+        moves: (src_page, src_slot, dst_page, dst_slot) int32 ``[>= n * G]`` for
+            the moves to the low tier (page -1 where the row moves nothing);
+            ``None``: no moves (fp16 preset).
+        num_kv_heads, rows_per_slot: H and G.
+    """
+    B = step_buffers["row_ids"].shape[1]
+    n = slots.numel()
+    total = B * rows_per_slot
+    if total == 0:
+        return
+    new, mf, mt = actions[2:]
+    mv = moves if moves is not None else (slots,) * 4
+    d = step_buffers
+    _locate_kernel[(triton.cdiv(total, LOCATE_BLOCK),)](
+        page_table, slots, pos, new, mf, mt,
+        d["rows"], d["row_ids"], d["page"], d["slot"], d["positions"], d["err_idx"], *mv,
+        n, B, rows_per_slot, num_kv_heads, page_table.shape[1],
+        P_HIGH=page_format.high_tokens_per_page, P_LOW=page_format.low_tokens_per_page, MOVES=moves is not None,
+        BLOCK=LOCATE_BLOCK)
+
+
+__all__ = ["alpha_tensor", "decide_rows", "locate_rows", "BLOCK_TOKENS"]
