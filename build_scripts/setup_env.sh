@@ -14,3 +14,6 @@ fi
 # The real `tritonserver` binary and its Python backend for the model-repository tests (--no-deps: its numpy<2 pin
 # belongs to pytriton's own Python API, which is not used).
 "$PY" -m pip install -q --no-deps nvidia-pytriton==0.7.0
+# Triton's Python backend stub needs NumPy 1 (its pybind11 predates NumPy 2): a small venv over this
+# interpreter with numpy<2, put first on the server's PATH by trtllm_diffkv/serve/triton_server.py.
+"$PY" -m trtllm_diffkv.commands.triton_repo --setup-stub-env

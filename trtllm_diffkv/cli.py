@@ -1,8 +1,10 @@
 """``trtllm-diffkv`` command line.
 
-``trtllm-diffkv generate`` runs the reference DiffKV path on a model (the
-default SmolLM2-135M-Instruct when ``--model`` is omitted) and reports, per
-request, what the compression did.
+``trtllm-diffkv generate`` runs a model (the default SmolLM2-135M-Instruct
+when ``--model`` is omitted) with a DiffKV-compressed KV cache on one of three
+engines (the exact reference path, static batches on the paged cache, or the
+in-flight batching executor through :class:`~trtllm_diffkv.llm.LLM`) and
+reports, per request, what the compression did.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from . import __version__
 from .config import PRESETS, get_preset
 
 DEFAULT_PROMPT = "Write a haiku about memory."
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("bench", "build", "serve", "triton_repo")
 """Subcommands besides ``generate``: modules of :mod:`trtllm_diffkv.commands`, each with
 ``add_parser(subparsers)`` that registers its parser and ``set_defaults(run=fn)``, ``fn(args) -> int``."""
 
@@ -138,13 +140,29 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed prompts raw, without the chat template (default: use the model's template)")
     gen.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    gen.add_argument("--engine", choices=("auto", "reference", "paged"), default="auto",
+    gen.add_argument("--engine", choices=("auto", "reference", "paged", "executor"), default="auto",
                      help="reference: the exact per-request oracle path (dequantized storage, accounted bytes); "
-                          "paged: tokens stored quantized in the unified pages, all prompts as one static batch, "
-                          "Triton kernels on CUDA (default: auto = paged on CUDA, reference on CPU)")
-    gen.add_argument("--max-batch-size", type=int, default=8,
-                     help="paged engine: prompts per static batch; the pool is sized per batch for its longest "
-                          "request, so this bounds KV memory (default: 8)")
+                          "paged: tokens stored quantized in the unified pages, all prompts as static batches; "
+                          "executor: every prompt submitted at once to the in-flight batching executor (one page "
+                          "pool, admission by free pages, preemption), results printed in order; Triton kernels "
+                          "on CUDA (default: auto = executor on CUDA, reference on CPU)")
+    gen.add_argument("--max-batch-size", type=int,
+                     help="paged engine: prompts per static batch, the pool sized per batch for its longest "
+                          "request; executor: most requests in one step (default: 8 paged, 64 executor)")
+    gen.add_argument("--kv-memory-bytes", type=int,
+                     help="executor: the page pool's budget in bytes, bookkeeping included (default: 0.9 of the "
+                          "free GPU memory on CUDA, 256 MiB on the CPU)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="executor: sampling temperature, 0 = greedy (default: 0)")
+    gen.add_argument("--top-k", type=int, default=0, help="executor: keep the k most likely tokens, 0 = off "
+                                                          "(default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="executor: nucleus sampling mass in (0, 1], 1 = off "
+                                                              "(default: 1.0)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="executor: CTRL/HF repetition penalty over prompt and output, 1 = off (default: 1.0)")
+    gen.add_argument("--seed", type=int, help="executor: per-request sampling seed (default: none, unseeded)")
+    gen.add_argument("--stop", action="append", help="executor: a stop string, cut from the text; repeat for "
+                                                     "several (default: none)")
     gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                      help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     gen.add_argument("--threads", type=int, help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else "
@@ -198,8 +216,9 @@ def generate_command(args: argparse.Namespace) -> int:
             kv_config = kv_config.replace(**overrides)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-        if args.max_batch_size < 1:
+        if args.max_batch_size is not None and args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size={args.max_batch_size} must be >= 1")
+        sampling = _sampling_params(args)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads={args.threads} must be >= 1")
         if args.prompts_file:
@@ -220,28 +239,43 @@ def generate_command(args: argparse.Namespace) -> int:
         model, tokenizer, model_config = load_model(args.model, device=device, dtype=dtype)
         if tokenizer is None:
             raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        engine = args.engine if args.engine != "auto" else ("paged" if device.type == "cuda" else "reference")
-        if engine == "paged":
-            from .paged.generator import PagedGenerator as generator_class
+        engine = pick_engine(args.engine, device)
+        print(f"[trtllm-diffkv] engine: {engine}", file=sys.stderr, flush=True)
+        if engine != "executor" and sampling is not None:
+            raise ValueError(f"--temperature/--top-k/--top-p/--repetition-penalty/--seed/--stop need --engine "
+                             f"executor (the {engine} engine decodes greedily)")
+        if engine != "executor" and args.kv_memory_bytes is not None:
+            raise ValueError("--kv-memory-bytes needs --engine executor")
+        if engine == "executor":
+            generator = _executor_llm(model, tokenizer, model_config, kv_config, args)
         else:
-            generator_class = ReferenceGenerator
-        generator = generator_class(model, tokenizer, model_config, kv_config,
-                                    stop_token_ids=stop_token_ids(args.model))
-        generator.warm_up()
+            if engine == "paged":
+                from .paged.generator import PagedGenerator as generator_class
+            else:
+                generator_class = ReferenceGenerator
+            generator = generator_class(model, tokenizer, model_config, kv_config,
+                                        stop_token_ids=stop_token_ids(args.model))
+            generator.warm_up()
     except Exception as exc:  # noqa: BLE001 - any setup failure is reported as a usage error
         print(f"trtllm-diffkv: error: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
               else f"trtllm-diffkv: error: {exc}", file=sys.stderr)
         return 2
-    if engine == "paged":
+    if engine == "executor":
+        results = _generate_in_flight(generator, prompts, sampling, args)
+    elif engine == "paged":
         results = _generate_static_batch(generator, prompts, args)
     else:
         results = (GenerationResult(finish_reason="error", error=str(prompt)) if isinstance(prompt, Exception)
                    else generator.generate(prompt, args.max_new_tokens, chat_template=not args.no_chat_template)
                    for prompt in prompts)
     failed = 0
-    for index, result in enumerate(results):
-        failed += result.error is not None
-        _report(index, result, args.json)
+    try:
+        for index, result in enumerate(results):
+            failed += result.error is not None
+            _report(index, result, args.json)
+    finally:
+        if engine == "executor":
+            generator.shutdown()
     return 1 if failed else 0
 
 
@@ -262,12 +296,75 @@ def _generate_static_batch(generator, prompts: list, args: argparse.Namespace) -
         except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
             results[index] = GenerationResult(finish_reason="error", error=str(exc) if isinstance(exc, ValueError)
                                               else f"{type(exc).__name__}: {exc}")
-    size = args.max_batch_size
+    size = args.max_batch_size or 8
     for start in range(0, len(batch), size):  # static batches of at most --max-batch-size prompts
         for index, result in zip(where[start:start + size],
                                  generator.generate_batch(batch[start:start + size], args.max_new_tokens)):
             results[index] = result
     return results
+
+
+def pick_engine(name: str, device) -> str:
+    """The engine ``--engine NAME`` runs on ``device``: ``auto`` is the executor on CUDA, the reference on the CPU."""
+    if name != "auto":
+        return name
+    return "executor" if device.type == "cuda" else "reference"
+
+
+def _sampling_params(args: argparse.Namespace):
+    """The executor's :class:`SamplingParams` from the sampling flags; ``None`` when they are all at their
+    greedy defaults. Raises ValueError naming the bad flag."""
+    from .runtime.sampling import SamplingParams
+
+    if (args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.stop) == \
+            (0.0, 0, 1.0, 1.0, None, None):
+        return None
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=args.stop)
+    try:
+        params.validate()
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
+    return params
+
+
+def _executor_llm(model, tokenizer, model_config, kv_config, args: argparse.Namespace):
+    """An :class:`~trtllm_diffkv.llm.LLM` over the loaded model (warmed up with one tiny request)."""
+    from .llm import LLM
+    from .model.loader import stop_token_ids
+    from .runtime.sampling import SamplingParams
+
+    llm = LLM.from_model(model, tokenizer, model_config, kv_config, stop_token_ids=stop_token_ids(args.model),
+                         max_batch_size=args.max_batch_size or 64, kv_memory_bytes=args.kv_memory_bytes)
+    warm = llm.generate([0, 1], SamplingParams.greedy_params(2))
+    if warm.error:
+        llm.shutdown()
+        raise ValueError(f"the executor could not run a 2-token request: {warm.error}")
+    return llm
+
+
+def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace):
+    """Submit every prompt to the executor at once (in-flight batching); yield results in the prompts' order."""
+    from .paged.generator import PagedGenerationResult
+    from .runtime.sampling import SamplingParams
+
+    params = sampling or SamplingParams.greedy_params(args.max_new_tokens)
+    requests = [prompt if isinstance(prompt, Exception)
+                else llm.generate_async(prompt, params, chat_template=not args.no_chat_template) for prompt in prompts]
+    for request in requests:
+        if isinstance(request, Exception):
+            yield PagedGenerationResult(finish_reason="error", error=str(request))
+            continue
+        out = request.result()
+        fields = {k: v for k, v in (out.metrics or {}).items() if k in PagedGenerationResult.__dataclass_fields__}
+        done = out.outputs[0]
+        fields.update(text=done.text, token_ids=list(done.token_ids), generated_tokens=len(done.token_ids),
+                      prompt_tokens=len(out.prompt_token_ids), error=out.error,
+                      finish_reason="error" if out.error else done.finish_reason,
+                      stop_token_id=done.stop_reason if isinstance(done.stop_reason, int) else None)
+        yield PagedGenerationResult(**fields)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,28 +137,8 @@ class ReferenceGenerator:
                                     max_seq_len_tokens, self.device, self.dtype)
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
-        if not isinstance(prompt_ids, (list, tuple)):
-            raise ValueError(f"a prompt is a list of token ids, got {type(prompt_ids).__name__}")
+        prompt_ids = check_prompt_ids(prompt_ids, max_new_tokens, self.model_config)
         prompt_len = len(prompt_ids)
-        if prompt_len == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        not_int = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-        if not_int:
-            raise ValueError(f"token id {not_int[0]!r} is not an integer")
-        prompt_ids = [int(t) for t in prompt_ids]
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
-        limit = self.model_config.max_position_embeddings
-        window = self.model_config.max_supported_positions
-        if window is not None and window < limit:
-            limit = window  # sliding-window models: exact only inside the window
-        if prompt_len + max_new_tokens > limit:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"model's {limit} positions")
         cache = self.new_cache(prompt_len + max_new_tokens)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -184,28 +164,88 @@ class ReferenceGenerator:
         return GenerationResult(**self.result_fields(prompt_len, out, cache.stats(), t1 - t0, t2 - t1))
 
     def result_fields(self, prompt_len: int, out: list[int], stats, prefill_s: float, decode_s: float) -> dict:
-        """The :class:`GenerationResult` fields of a finished request (shared by every generator).
+        """The :class:`GenerationResult` fields of a finished request (:func:`result_fields` with this generator's setup)."""
+        return result_fields(prompt_len, out, stats, prefill_s, decode_s, kv_config=self.kv_config,
+                             tokenizer=self.tokenizer, stop_token_ids=self.stop_token_ids)
 
-        Args:
-            prompt_len: prompt tokens.
-            out: generated token ids, at least one; the last one decides the finish reason.
-            stats: the request's cache statistics (``kv_memory_fraction``, ``fraction(tier)``,
-                ``kv_cache_bytes``, ``fp16_kv_cache_bytes``).
-            prefill_s, decode_s: wall seconds of the prefill and of the decode steps.
-        """
-        finish = "stop" if out[-1] in self.stop_token_ids else "length"
-        text_ids = [t for t in out if t not in self.stop_token_ids]
-        tiers = self.kv_config.compress
-        decode_steps = len(out) - 1
-        return dict(
-            text=self.tokenizer.decode(text_ids, skip_special_tokens=True) if self.tokenizer else "",
-            token_ids=list(out), prompt_tokens=prompt_len, generated_tokens=len(out), finish_reason=finish,
-            stop_token_id=out[-1] if finish == "stop" else None,
-            kv_memory_fraction=stats.kv_memory_fraction,
-            high_fraction=stats.fraction("high") if tiers else None,
-            low_fraction=stats.fraction("low") if tiers else None,
-            pruned_fraction=stats.fraction("pruned") if tiers else None,
-            kv_cache_bytes=stats.kv_cache_bytes, fp16_kv_cache_bytes=stats.fp16_kv_cache_bytes,
-            prefill_tokens_per_s=prompt_len / max(prefill_s, 1e-9),
-            decode_tokens_per_s=decode_steps / max(decode_s, 1e-9) if decode_steps else None,
-        )
+
+def position_limit(model_config) -> int:
+    """Most positions (prompt + generated tokens) a request may use: ``max_position_embeddings``, or the
+    sliding window when smaller (sliding-window models are exact only inside the window)."""
+    limit = model_config.max_position_embeddings
+    window = model_config.max_supported_positions
+    return window if window is not None and window < limit else limit
+
+
+def check_prompt_ids(prompt_ids, max_new_tokens: int, model_config) -> list[int]:
+    """Check one request's token ids and length; return the ids as Python ints (shared by every generator).
+
+    Args:
+        prompt_ids: list or tuple of integer token ids (any integer type, ``bool`` refused).
+        max_new_tokens: new tokens to generate, an integer >= 1.
+        model_config: the model's ``vocab_size`` and position limit (:func:`position_limit`).
+
+    Raises:
+        ValueError: not a list, an empty prompt (edge case 8), a non-integer id, a bad
+            ``max_new_tokens``, an id outside ``[0, vocab_size)``, or prompt + ``max_new_tokens``
+            beyond the model's positions; the message names the value.
+    """
+    if not isinstance(prompt_ids, (list, tuple)):
+        raise ValueError(f"a prompt is a list of token ids, got {type(prompt_ids).__name__}")
+    if len(prompt_ids) == 0:
+        raise ValueError("empty prompt: at least one token is needed")
+    not_int = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if not_int:
+        raise ValueError(f"token id {not_int[0]!r} is not an integer")
+    prompt_ids = [int(t) for t in prompt_ids]
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    vocab = model_config.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
+    limit = position_limit(model_config)
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's {limit} positions")
+    return prompt_ids
+
+
+def result_fields(prompt_len: int, out: list[int], stats, prefill_s: float, decode_s: float, *, kv_config,
+                  tokenizer, stop_token_ids, finish_reason: str | None = None, stop_token_id: int | None = None,
+                  text: str | None = None) -> dict:
+    """The :class:`GenerationResult` fields of a finished request (shared by every generator and the executor).
+
+    Args:
+        prompt_len: prompt tokens.
+        out: generated token ids, at least one.
+        stats: the request's cache statistics (``kv_memory_fraction``, ``fraction(tier)``,
+            ``kv_cache_bytes``, ``fp16_kv_cache_bytes``).
+        prefill_s, decode_s: wall seconds of the prefill and of the decode steps.
+        kv_config: the DiffKV policy (tier fractions only with ``compress``).
+        tokenizer: decodes the text (``None``: empty text).
+        stop_token_ids: ids that end generation; removed from the text.
+        finish_reason, stop_token_id: given by the caller's stop rule (stop strings, per-request
+            stop ids); default: ``"stop"`` when the last id is a stop id, else ``"length"``.
+        text: the caller's text (e.g. truncated before a stop string); default: ``out`` decoded
+            without stop ids and special tokens.
+    """
+    if finish_reason is None:
+        finish_reason = "stop" if out[-1] in stop_token_ids else "length"
+        stop_token_id = out[-1] if finish_reason == "stop" else None
+    if text is None:
+        text_ids = [t for t in out if t not in stop_token_ids]
+        text = tokenizer.decode(text_ids, skip_special_tokens=True) if tokenizer else ""
+    tiers = kv_config.compress
+    decode_steps = len(out) - 1
+    return dict(
+        text=text, token_ids=list(out), prompt_tokens=prompt_len, generated_tokens=len(out),
+        finish_reason=finish_reason, stop_token_id=stop_token_id,
+        kv_memory_fraction=stats.kv_memory_fraction,
+        high_fraction=stats.fraction("high") if tiers else None,
+        low_fraction=stats.fraction("low") if tiers else None,
+        pruned_fraction=stats.fraction("pruned") if tiers else None,
+        kv_cache_bytes=stats.kv_cache_bytes, fp16_kv_cache_bytes=stats.fp16_kv_cache_bytes,
+        prefill_tokens_per_s=prompt_len / max(prefill_s, 1e-9),
+        decode_tokens_per_s=decode_steps / max(decode_s, 1e-9) if decode_steps else None,
+    )

@@ -16,13 +16,12 @@ FP16 (``kv_memory_fraction``).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..engine import GenerationResult, ReferenceGenerator
+from ..engine import GenerationResult, ReferenceGenerator, check_prompt_ids
 from .cache import OutOfPagesError, PagedDiffKVCache
 
 
@@ -107,26 +106,7 @@ class PagedGenerator(ReferenceGenerator):
 
     # ------------------------------------------------------------------ internals
     def _check_request(self, ids, max_new_tokens) -> None:
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"a prompt is a list of token ids, got {type(ids).__name__}")
-        if len(ids) == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        not_int = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-        if not_int:
-            raise ValueError(f"token id {not_int[0]!r} is not an integer")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-        vocab = self.model_config.vocab_size
-        bad = [int(t) for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
-        limit = self.model_config.max_position_embeddings
-        window = self.model_config.max_supported_positions
-        if window is not None and window < limit:
-            limit = window
-        if len(ids) + max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"model's {limit} positions")
+        check_prompt_ids(ids, max_new_tokens, self.model_config)
 
     def _new_cache(self, prompts, admitted, max_new_tokens) -> PagedDiffKVCache:
         mc = self.model_config

@@ -3,7 +3,8 @@
 - :mod:`.resource_manager`: :class:`DiffKVResourceManager`, the one object that owns the page
   pool and the page manager between executor steps (TensorRT-LLM's resource-manager contract).
 - :mod:`.executor`: :class:`Executor`, the step loop over a packed batch of prefill and decode
-  requests (admission by free pages, preemption by recomputation, abort, streaming).
+  requests (abort, streaming, per-request failures); :mod:`.scheduler`: admission by free pages,
+  preemption by recomputation; :mod:`.request`: :class:`Request`, :class:`RequestUpdate`.
 - :mod:`.sampling`: :class:`SamplingParams`, the batched :class:`Sampler`, :class:`StopChecker`.
 - :mod:`.cuda_graphs`: decode steps replayed from CUDA graphs over bucketed batch sizes.
 
@@ -11,8 +12,9 @@ Names are imported on first use.
 """
 _LAZY = {
     "DiffKVResourceManager": ".resource_manager", "ScheduledBatch": ".resource_manager",
-    "Executor": ".executor", "Request": ".request", "RequestUpdate": ".request",
+    "Executor": ".executor", "Request": ".request", "RequestUpdate": ".request", "Scheduler": ".scheduler",
     "SamplingParams": ".sampling", "Sampler": ".sampling", "StopChecker": ".sampling",
+    "DecodeGraphRunner": ".cuda_graphs",
 }
 __all__ = sorted(_LAZY)
 

@@ -1,0 +1,157 @@
+"""The page-pool runtime wrapper: budget accounting, the TensorRT-LLM resource-manager contract, errors (CPU).
+
+Byte counts are checked against the tensors really allocated (their ``nbytes``), page counts
+against the page manager's own tables.
+"""
+import pytest
+import torch
+
+from conftest import tiny_llama
+from trtllm_diffkv.config import DiffKVConfig, get_preset
+from trtllm_diffkv.paged import OutOfPagesError
+from trtllm_diffkv.runtime.executor import Executor
+from trtllm_diffkv.runtime.request import Request
+from trtllm_diffkv.runtime.resource_manager import DiffKVResourceManager, ScheduledBatch
+from trtllm_diffkv.runtime.sampling import SamplingParams
+
+CFG = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def _rm(model, kv_config=CFG, budget=1 << 20, **kw):
+    kw = dict(dict(max_batch_size=4, max_seq_len_tokens=64, max_num_tokens=128, high_tokens_per_page=4,
+                   use_triton=False), **kw)
+    return DiffKVResourceManager(model.config, kv_config, kv_memory_bytes=budget, **kw)
+
+
+def _allocated(rm) -> int:
+    """Bytes of every tensor the budget covers, summed from the tensors themselves."""
+    m = rm.cache.manager
+    tensors = [rm.cache.pool.buffer, m.ring, m.page_table, m.pages, m.tokens, m.slot_state, rm.cache.row_meta.key_offsets]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("budget", [200_000, 1_000_003, 5 << 20])
+def test_budget_covers_pool_and_bookkeeping(model, preset, budget):
+    rm = _rm(model, get_preset(preset), budget)
+    allocated = _allocated(rm)
+    assert rm.allocated_bytes() == allocated <= budget
+    assert budget - allocated < rm.cache.page_format.page_size_bytes + 4  # one more page (+ its ring entry) would not fit
+    assert rm.get_max_resource_count() == rm.cache.manager.num_pages == rm.cache.pool.buffer.numel() // \
+        rm.cache.page_format.page_size_bytes
+    stats = rm.stats()
+    assert stats["bookkeeping_bytes"] == allocated - rm.cache.pool.buffer.numel()
+    assert stats["free_pages"] == stats["pool_pages"] and stats["kv_memory_fraction"] is None
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(kv_memory_bytes=None), "give kv_memory_bytes"),
+    (dict(kv_memory_bytes=None, kv_memory_fraction=0.5), "give kv_memory_bytes"),
+    (dict(kv_memory_bytes=10_000, kv_memory_fraction=0.5), "not both"),
+    (dict(kv_memory_bytes=0), "positive integer"),
+    (dict(kv_memory_bytes=2000), "holds no"),
+    (dict(kv_memory_bytes=1 << 20, max_batch_size=0), "max_batch_size"),
+])
+def test_bad_budgets_are_clear_errors(model, kwargs, words):
+    args = dict(max_batch_size=4, max_seq_len_tokens=64, max_num_tokens=64, use_triton=False, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=words):
+        DiffKVResourceManager(model.config, CFG, **args)
+
+
+def _request(rid, prompt, max_tokens=8):
+    request = Request(rid, prompt, SamplingParams.greedy_params(max_tokens))
+    request.prefill_token_ids = list(prompt)
+    return request
+
+
+def _forward(model, rm, batch):
+    """The model over the batch's packed tokens (what the executor does between prepare and update)."""
+    ids, pos = [], []
+    for r in batch.context_requests:
+        ids += r.prefill_token_ids
+        pos += range(len(r.prefill_token_ids))
+    for r in batch.generation_requests:
+        ids.append(1)
+        pos.append(r.num_cached_tokens)
+    with torch.inference_mode():
+        model(torch.tensor(ids), torch.tensor(pos), rm.cache)
+
+
+def test_trtllm_contract_round_trip(model):
+    rm = _rm(model)
+    total = rm.get_max_resource_count()
+    a, b = _request("a", list(range(10, 23))), _request("b", list(range(40, 47)))
+    batch = ScheduledBatch(context_requests=[a, b])
+    rm.prepare_resources(batch)
+    assert (a.slot, b.slot) == (0, 1) and rm.num_free_slots == 2
+    assert rm.free_pages() == total - rm.cache.manager.reserve_pages_needed([13, 7])
+    _forward(model, rm, batch)
+    assert rm.update_resources(batch) == {}
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (13, 7) and rm.free_pages_after_step == rm.free_pages()
+    held = int(rm.cache.manager.pages.sum())
+    assert held + rm.free_pages() == total
+    for _ in range(5):
+        step = ScheduledBatch(generation_requests=[a, b])
+        rm.prepare_resources(step)
+        _forward(model, rm, step)
+        assert rm.update_resources(step) == {}
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (18, 12) and rm.cache.seq_len[:2] == [18, 12]
+    a_pages = rm.cache.request_stats(a.slot).pool_pages
+    assert a_pages <= rm.get_needed_resource_to_completion(a)
+    rm.free_resources(a)
+    assert a.slot is None and a.num_cached_tokens == 0 and rm.num_free_slots == 3
+    assert rm.free_pages() == total - int(rm.cache.manager.pages.sum())
+    rm.free_resources(a)  # no slot: no-op
+    rm.free_resources(b)
+    assert rm.free_pages() == total and rm.num_free_slots == 4
+    rm.cache.manager.check_invariants()
+
+
+def test_prepare_resources_out_of_pages_changes_nothing(model):
+    rm = _rm(model, budget=45_000)
+    total = rm.get_max_resource_count()
+    big = _request("big", list(range(60)))
+    assert rm.cache.manager.reserve_pages_needed([60]) > total
+    with pytest.raises(OutOfPagesError):
+        rm.prepare_resources(ScheduledBatch(context_requests=[big]))
+    assert big.slot is None and rm.num_free_slots == 4 and rm.free_pages() == total
+    assert rm.cache.active_slots == []
+
+
+def test_update_resources_names_the_request_with_non_finite_keys(model):
+    rm = _rm(model)
+    a, b = _request("a", list(range(5))), _request("b", list(range(6)))
+    batch = ScheduledBatch(context_requests=[a, b])
+    rm.prepare_resources(batch)
+    cache = rm.cache
+    g = torch.Generator().manual_seed(0)
+    for layer in range(cache.num_layers):
+        q = torch.randn(11, cache.num_heads, cache.head_dim, generator=g)
+        k = torch.randn(11, cache.num_kv_heads, cache.head_dim, generator=g)
+        v = torch.randn(11, cache.num_kv_heads, cache.head_dim, generator=g)
+        k[7, 1, 3] = float("inf")  # a token of request b
+        cache.forward(layer, q, k, v)
+    assert rm.update_resources(batch) == {"b": "a key or value is NaN/Inf or beyond the fp16 range"}
+    assert rm.update_resources(ScheduledBatch()) == {}  # flags were cleared
+
+
+@pytest.mark.parametrize("preset", ["fp16", "default"])
+def test_needed_to_completion_bounds_the_pages_held_at_the_end(model, preset):
+    kv = CFG if preset == "default" else get_preset("fp16")
+    ex = Executor(model, model.config, kv, max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 20,
+                  high_tokens_per_page=4, use_triton=False)
+    prompt = list(range(3, 22))
+    rid = ex.add_request(prompt, SamplingParams.greedy_params(17))
+    request = ex.requests[rid]
+    result = ex.run_until_done()[rid].result
+    need = ex.rm.get_needed_resource_to_completion(request)
+    rows = ex.cache.rows_per_slot
+    assert result.generated_tokens == 17 and 0 < result.pool_pages <= need
+    if preset == "fp16":  # every token high: the bound is exact up to the last token, which is never stored
+        assert need == rows * -(-(19 + 17) // 4) and need - result.pool_pages <= rows

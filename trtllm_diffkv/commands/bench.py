@@ -1,0 +1,236 @@
+"""``trtllm-diffkv bench``: serving throughput and latency, DiffKV preset against ``fp16`` at one KV budget.
+
+Runs the workloads of :mod:`trtllm_diffkv.throughput` (a: default model, b: Llama-3-8B-shaped
+random model, c: Poisson arrivals) with a progress bar per run and one line per finished run,
+then writes the results JSON (``{"gpu", "date", "commit", "command", "rows"}``), a details
+JSON beside it (``<stem>_details.json``: steps, preemptions, wall time, tier split, prompt
+source per run) and a PNG (``<stem>.png``): throughput and achieved batch size per workload,
+DiffKV against FP16 (paper figure 17), and mean latency against request rate (figure 16).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+WORKLOADS = ("a", "b", "c")
+_OVERRIDES = {"num_requests": int, "prompt_tokens": int, "output_tokens": int, "fp16_capacity": int,
+              "kv_memory_bytes": int, "max_batch_size": int}
+
+
+def add_parser(subparsers) -> None:
+    """Register ``bench`` on the ``trtllm-diffkv`` subparsers."""
+    p = subparsers.add_parser("bench", help="throughput and latency of the in-flight executor, DiffKV vs fp16",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c (default: a,b,c)")
+    p.add_argument("--smoke", action="store_true", help="tiny random model and a few tokens for every workload "
+                                                        "(a CPU check of the whole pipeline; not a measurement)")
+    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--output", default="throughput.json", help="results JSON; the details JSON and the PNG go "
+                                                               "beside it (default: throughput.json)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--plot-from", metavar="JSON", help="run nothing: read a results JSON (e.g. fetched from the GPU "
+                                                       "machine), print its table and write the PNG at --output's "
+                                                       "stem + .png")
+    p.add_argument("--preset", help="DiffKV preset of workloads a and c (default: default)")
+    p.add_argument("--b-preset", help="DiffKV preset of workload b (default: llama3-8b)")
+    p.add_argument("--kv-memory-bytes", type=int, help="KV budget of workload a (default: the bytes that hold "
+                                                       "--a-fp16-capacity full FP16 requests)")
+    p.add_argument("--request-rates", type=float, nargs="+", help="workload c's Poisson rates, requests/s "
+                                                                  "(default: 2 4 8 16)")
+    from ..throughput import default_workloads
+
+    defaults = default_workloads()
+    for workload in WORKLOADS:
+        for name in _OVERRIDES:
+            p.add_argument(f"--{workload}-{name.replace('_', '-')}", type=int, dest=f"{workload}_{name}",
+                           metavar="N", help=f"workload {workload}: {name.replace('_', ' ')} (default: "
+                           f"{_default_text(defaults[workload], name)})")
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: 0)")
+    p.add_argument("--time-limit-s", type=float, help="skip the runs that would start after this many seconds "
+                                                      "(results so far are written after every run; default: none)")
+    p.add_argument("--eager", action="store_true",
+                   help="run decode steps eagerly instead of replaying them from CUDA graphs (default: CUDA graphs "
+                        "on a GPU; the CPU is always eager)")
+    p.add_argument("--no-profile", action="store_true", help="skip the synchronizations that make "
+                                                             "bookkeeping_fraction device time (default: profile)")
+    p.set_defaults(run=run)
+
+
+def _default_text(workload, name: str) -> str:
+    value = getattr(workload, name)
+    if value is None:  # kv_memory_bytes
+        return f"the bytes that hold --{workload.name}-fp16-capacity full FP16 requests"
+    return str(value)
+
+
+def workloads_from_args(args) -> list:
+    """The :class:`~trtllm_diffkv.throughput.Workload` list the flags describe.
+
+    Raises:
+        ValueError: an unknown workload name or a bad size (from :class:`Workload`).
+    """
+    from dataclasses import replace
+
+    from ..throughput import default_workloads
+
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown or not names:
+        raise ValueError(f"--workloads {args.workloads!r}: choose among a, b, c")
+    defaults = default_workloads(smoke=args.smoke)
+    out = []
+    for name in dict.fromkeys(names):
+        changes = {key: getattr(args, f"{name}_{key}") for key in _OVERRIDES
+                   if getattr(args, f"{name}_{key}", None) is not None}
+        if name == "a" and args.kv_memory_bytes is not None:
+            changes["kv_memory_bytes"] = args.kv_memory_bytes
+        preset = args.b_preset if name == "b" else args.preset
+        if preset is not None:
+            changes["presets"] = (preset, "fp16")
+        if name == "c" and args.request_rates:
+            changes["request_rates"] = tuple(args.request_rates)
+        out.append(replace(defaults[name], **changes))
+    return out
+
+
+def run(args) -> int:
+    """Run the benchmark; 0 on success, 1 when a run failed, 2 on a usage error."""
+    from ..cli import _device
+
+    if args.plot_from:
+        return _plot_from(Path(args.plot_from), Path(args.output).with_suffix(".png"))
+
+    try:
+        workloads = workloads_from_args(args)
+        device = _device(args.device)
+    except ValueError as exc:
+        print(f"trtllm-diffkv bench: error: {exc}", file=sys.stderr)
+        return 2
+    from ..throughput import environment, run_workloads
+
+    output = Path(args.output)
+    command = getattr(args, "command_line", None) or "trtllm-diffkv bench " + shlex.join(sys.argv[2:])
+    meta = dict(**environment(), command=command.strip())
+
+    def save(rows, details):
+        write_results(dict(meta, rows=rows), details, output, plot=False)
+
+    try:
+        rows, details = run_workloads(workloads, device, seed=args.seed, profile=not args.no_profile,
+                                      cuda_graphs=not args.eager,
+                                      log=lambda line: print(line, flush=True), progress_bar=_tqdm, on_run=save,
+                                      time_limit_s=args.time_limit_s)
+    except RuntimeError as exc:
+        print(f"trtllm-diffkv bench: a run failed: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:  # a setup error: a model that cannot load, a preset it cannot run
+        print(f"trtllm-diffkv bench: error: {exc}", file=sys.stderr)
+        return 2
+    write_results(dict(meta, rows=rows), details, output, plot=not args.no_plot and bool(rows))
+    print(format_table(rows))
+    print(f"[bench] wrote {output}" + ("" if args.no_plot else f", {output.with_suffix('.png')}")
+          + f", {details_path(output)}")
+    return 0
+
+
+def _plot_from(source: Path, png: Path) -> int:
+    try:
+        result = json.loads(source.read_text())
+        rows = result["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"trtllm-diffkv bench: error: --plot-from {source}: not a results JSON ({exc})", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot_results(result, png)
+    print(f"[bench] wrote {png}")
+    return 0
+
+
+def _tqdm(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is optional: one line per run is printed anyway
+        from ..throughput import NullProgress
+
+        return NullProgress()
+    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr)
+
+
+def details_path(output: Path) -> Path:
+    return output.with_name(output.stem + "_details.json")
+
+
+def write_results(result: dict, details: list[dict], output: Path, *, plot: bool = True) -> None:
+    """Write the results JSON, the details JSON and (``plot``) the PNG beside it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=1) + "\n")
+    details_path(output).write_text(json.dumps(details, indent=1) + "\n")
+    if plot:
+        try:
+            plot_results(result, output.with_suffix(".png"))
+        except ImportError as exc:  # the JSON is what counts; plot later with --plot-from
+            print(f"trtllm-diffkv bench: no PNG ({exc}); plot later with --plot-from {output}", file=sys.stderr)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a Markdown table (the form docs/PERFORMANCE.md quotes)."""
+    def cell(value, spec):
+        return "" if value is None else format(value, spec)
+
+    lines = ["| workload | preset | rate req/s | requests | KV budget MB | tokens/s | mean batch | KV / FP16 "
+             "| bookkeeping | mean latency s |", "| --- | --- " + "| ---: " * 8 + "|"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['preset']} | {cell(r['request_rate'], 'g')} | {r['num_requests']} | "
+                     f"{r['kv_memory_bytes'] / 1e6:.1f} | {r['output_tokens_per_s']:.1f} | "
+                     f"{cell(r['mean_batch_size'], '.1f')} | {cell(r['kv_memory_fraction'], '.3f')} | "
+                     f"{cell(r['bookkeeping_fraction'], '.2%')} | {cell(r['mean_latency_s'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot_results(result: dict, path: Path) -> None:
+    """PNG: tokens/s and mean batch size per closed workload (DiffKV vs FP16, paper figure 17) and
+    mean latency against request rate for workload c (figure 16)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    closed = [r for r in rows if r["request_rate"] is None]
+    poisson = [r for r in rows if r["request_rate"] is not None]
+    panels = (2 if closed else 0) + (1 if poisson else 0)
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(5 * max(panels, 1), 4), squeeze=False)
+    axes = list(axes[0])
+    if closed:
+        workloads = list(dict.fromkeys(r["workload"] for r in closed))
+        for ax, key, label in ((axes.pop(0), "output_tokens_per_s", "output tokens/s"),
+                               (axes.pop(0), "mean_batch_size", "mean batch size (requests/step)")):
+            values = {}
+            for offset, baseline in ((-0.2, False), (0.2, True)):
+                picked = [next((r for r in closed if r["workload"] == w and (r["preset"] == "fp16") == baseline), None)
+                          for w in workloads]
+                values[baseline] = [(r[key] or 0) if r else 0 for r in picked]
+                ax.bar([i + offset for i in range(len(workloads))], values[baseline], width=0.4,
+                       label="FP16" if baseline else "DiffKV", color="#999999" if baseline else "#2a7ab9")
+            for i, (ours, base) in enumerate(zip(values[False], values[True])):
+                if ours and base:
+                    ax.annotate(f"{ours / base:.2f}x", (i - 0.2, ours), ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(range(len(workloads)), [f"workload {w}" for w in workloads])
+            ax.set_ylabel(label)
+            ax.legend()
+    if poisson:
+        ax = axes.pop(0)
+        for preset in dict.fromkeys(r["preset"] for r in poisson):
+            mine = sorted((r for r in poisson if r["preset"] == preset), key=lambda r: r["request_rate"])
+            ax.plot([r["request_rate"] for r in mine], [r["mean_latency_s"] for r in mine], marker="o",
+                    label="FP16" if preset == "fp16" else f"DiffKV ({preset})")
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_ylabel("mean latency (s)")
+        ax.legend()
+    fig.suptitle(f"{result['gpu']}, {result['date']}, {result['commit'][:12]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,428 @@
+"""In-flight batching executor over the paged DiffKV cache (paper sections 5 and 7; TensorRT-LLM's PyExecutor loop).
+
+:meth:`Executor.step` is one iteration of the loop, in TensorRT-LLM's PyExecutor order:
+
+1. check the requests that arrived (empty prompt, ids outside the vocabulary, prompt +
+   ``max_tokens`` beyond the model's positions, bad sampling values, a prompt the whole pool
+   cannot hold): a bad one fails alone, allocating nothing;
+2. schedule (:class:`~.scheduler.Scheduler`): running requests decode one token each, the most
+   recently admitted one preempted by recomputation when the decode worst case exceeds the free
+   pages; waiting requests admitted in FIFO order while the page manager allows, within
+   ``max_batch_size`` and ``max_num_tokens`` (the free count: a lower bound from the last
+   step's status, re-read only when it refuses);
+3. ``prepare_resources``: ONE :meth:`PagedDiffKVCache.plan` (prefill requests first, then decode);
+4. ONE model call over the packed tokens (decode-only steps: one CUDA-graph replay with
+   ``use_cuda_graphs``); one :class:`~.sampling.Sampler` call;
+5. ONE device-to-host copy (into a pinned buffer, ``non_blocking`` + an event on CUDA) of the
+   sampled tokens, the per-slot non-finite K/V flags and the ring counters;
+6. ``update_resources``: requests with non-finite K/V fail alone; stop ids, stop strings and
+   ``max_tokens`` (:class:`~.sampling.StopChecker`); finished and failed requests free every
+   page in this same step (``free_resources``).
+
+Threads: one thread steps; any thread may :meth:`Executor.add_request` and
+:meth:`Executor.abort` (neither waits for a step: they go through a small inbox). An abort frees
+the request's pages at once between steps, or before the step running now returns. Out of pages is handled per request (preemption), never by failing the batch;
+a request that cannot fit even alone fails with the reason.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import warnings
+
+import torch
+
+from ..engine import check_prompt_ids, position_limit, result_fields
+from ..paged.cache import OutOfPagesError
+from ..paged.generator import PagedGenerationResult
+from .request import Request, RequestState, RequestUpdate
+from .resource_manager import DiffKVResourceManager, ScheduledBatch
+from .sampling import Sampler, SamplingParams, StopChecker
+from .scheduler import Scheduler
+
+
+class Executor:
+    """In-flight batching of many requests over one :class:`DiffKVResourceManager`.
+
+    Args:
+        model: ``model(input_ids, positions, backend, logits_indices=None) -> logits``
+            (:class:`~trtllm_diffkv.model.llama.LlamaForCausalLM`); its device and dtype are used.
+        model_config: the model's shape, ``vocab_size`` and position limit.
+        kv_config: the DiffKV policy (``fp16`` preset: no compression).
+        tokenizer: decodes result texts and stop strings (optional; stop strings need it).
+        stop_token_ids: the checkpoint's stop ids (``model.loader.stop_token_ids``), plus the
+            tokenizer's ``eos_token_id``.
+        resource_manager: an existing one; default: built from the sizes below.
+        max_batch_size: most requests in a step (request slots).
+        max_num_tokens: most tokens a step carries (default ``max(8192, max_seq_len)``).
+        max_seq_len: longest request, prompt + ``max_tokens`` (default: the model's positions).
+        kv_memory_bytes, kv_memory_fraction: the KV budget (:class:`DiffKVResourceManager`).
+        device: default the model's device.
+        use_cuda_graphs: replay decode-only steps from CUDA graphs over bucketed batch sizes
+            (:class:`~.cuda_graphs.DecodeGraphRunner`, captured here, on the empty cache);
+            prefill and mixed steps run eagerly. ``None`` (default): on when the device is CUDA
+            and the cache runs the Triton kernels; a capture that fails warns and decodes
+            eagerly. ``True`` on a CPU raises.
+        high_tokens_per_page, use_triton: page sizing and kernels (:class:`PagedDiffKVCache`).
+        profile: synchronize around the timed regions so that :meth:`stats`'s
+            ``bookkeeping_fraction`` measures device time (slower; benchmarks only).
+
+    Raises:
+        ValueError: a bad size or budget, or ``kv_config`` cannot run this model.
+    """
+
+    def __init__(self, model, model_config, kv_config, *, tokenizer=None, stop_token_ids=(),
+                 resource_manager: DiffKVResourceManager | None = None, max_batch_size: int = 64,
+                 max_num_tokens: int | None = None, max_seq_len: int | None = None,
+                 kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None, device=None,
+                 use_cuda_graphs: bool | None = None, high_tokens_per_page: int = 32,
+                 use_triton: bool | None = None, profile: bool = False) -> None:
+        param = next(model.parameters())
+        self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
+        self.device = torch.device(device) if device is not None else param.device
+        if resource_manager is None:
+            limit = position_limit(model_config)
+            for name, value in (("max_seq_len", max_seq_len), ("max_num_tokens", max_num_tokens)):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"{name}={value!r} must be a positive integer (or None)")
+            max_seq_len = min(max_seq_len or limit, limit)
+            resource_manager = DiffKVResourceManager(
+                model_config, kv_config, kv_memory_bytes=kv_memory_bytes, kv_memory_fraction=kv_memory_fraction,
+                max_batch_size=max_batch_size, max_seq_len_tokens=max_seq_len,
+                max_num_tokens=max_num_tokens or max(8192, max_seq_len), device=self.device, dtype=param.dtype,
+                high_tokens_per_page=high_tokens_per_page, use_triton=use_triton)
+        self.rm = resource_manager
+        self.cache = resource_manager.cache
+        self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens
+        self.max_seq_len = min(resource_manager.max_seq_len_tokens, position_limit(model_config))
+        if use_cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graphs=True needs a CUDA device, got {self.device}")
+        if use_cuda_graphs is None:
+            use_cuda_graphs = self.device.type == "cuda" and self.cache.use_triton
+        self.use_cuda_graphs, self.profile = bool(use_cuda_graphs), profile
+        self._graphs = self._capture_graphs() if self.use_cuda_graphs else None  # DecodeGraphRunner
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_token_ids = set(stop_token_ids or ()) | ({eos} if eos is not None else set())
+        self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.scheduler = Scheduler(self.rm, self.max_batch_size, self.max_num_tokens)
+        self.requests: dict = {}  # live requests by id
+        self._checkers: dict = {}
+        self._pending: list[RequestUpdate] = []  # aborts done between steps, reported by the next step
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # held by step() for the whole step
+        self._inbox_lock = threading.Lock()  # held for microseconds: add_request / abort never wait for a step
+        self._inbox: list[Request] = []
+        self._abort_ids: list = []
+        n = 2 * self.max_batch_size + 2
+        cuda = self.device.type == "cuda"
+        self._host = torch.empty(n, dtype=torch.int64, pin_memory=cuda)
+        self._event = torch.cuda.Event() if cuda else None
+        self._totals = dict(steps=0, batch_requests=0, output_tokens=0, step_s=0.0, bookkeeping_s=0.0,
+                            finished=0, failed=0, aborted=0)
+
+    @property
+    def waiting(self):
+        """Queued requests, FIFO (:attr:`Scheduler.waiting`)."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests in the batch, in admission order (:attr:`Scheduler.running`)."""
+        return self.scheduler.running
+
+    # ------------------------------------------------------------------ public API
+    def add_request(self, prompt_token_ids, sampling_params: SamplingParams | None = None, request_id=None):
+        """Queue a request; returns its id. Its content is checked at the next :meth:`step`, where a bad
+        request fails alone (``RequestUpdate.finish_reason == "error"``). ``sampling_params=None``:
+        greedy, 64 new tokens (TensorRT-LLM's default is greedy); ``request_id=None``: a new int.
+
+        Raises:
+            ValueError: ``request_id`` is already live (the only error raised here).
+        """
+        with self._inbox_lock:
+            if request_id is None:
+                request_id = next(self._ids)
+                while request_id in self.requests:
+                    request_id = next(self._ids)
+            elif request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
+            request = Request(request_id, prompt_token_ids, params, arrival_time=time.perf_counter())
+            self.requests[request_id] = request
+            self._inbox.append(request)
+        return request_id
+
+    def abort(self, request_id) -> None:
+        """End a request: its pages go back to the pool at once between steps, or before the step running
+        now returns; a step reports it (``finish_reason == "abort"``). Unknown or finished ids are ignored.
+        Never waits for a step."""
+        with self._inbox_lock:
+            self._abort_ids.append(request_id)
+        if self._lock.acquire(blocking=False):  # else the holder carries it out when it lets go (_unlock)
+            try:
+                self._drain(self._pending)
+            finally:
+                self._unlock()
+
+    def _unlock(self) -> None:
+        """Release the step lock, then carry out aborts that came while it was held.
+
+        Every holder lets go through here, and :meth:`abort` queues its id before it tries the lock, so
+        an abort is never lost: either it takes the lock itself, or the holder sees the id after releasing.
+        """
+        while True:
+            self._lock.release()
+            if not self._abort_ids or not self._lock.acquire(blocking=False):
+                return
+            self._drain(self._pending)
+
+    def _drain(self, updates: list) -> None:
+        """Move new requests to the scheduler's queue and carry out the aborts (under the step lock)."""
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._abort_ids = self._abort_ids, []
+        for request in inbox:
+            self.scheduler.add(request)
+        for request_id in aborts:
+            request = self.requests.get(request_id)
+            if request is not None and not request.finished:
+                self._end(request, "abort", None, updates)
+                self._totals["aborted"] += 1
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running (or an abort is still to be reported)."""
+        return bool(self.requests or self._pending)
+
+    def run_until_done(self) -> dict:
+        """Step until every request ended; returns ``{request_id: Request}`` of the requests live at the call
+        (each with ``finish_reason``, ``output_token_ids`` and ``result``)."""
+        requests = dict(self.requests)
+        while self.has_unfinished():
+            self.step()
+        return requests
+
+    def step(self) -> list[RequestUpdate]:
+        """One in-flight batching iteration (module docstring); returns the updates of the requests it changed."""
+        self._lock.acquire()
+        try:
+            updates, self._pending = self._pending, []
+            self._drain(updates)
+            self._sync()
+            t0 = time.perf_counter()
+            self._check_new(updates)
+            batch, rejected = self.scheduler.schedule()
+            for request, exc in rejected:
+                self._fail(request, exc, updates)
+            if batch.batch_size:
+                self._run(batch, updates, t0)
+                self._totals["steps"] += 1
+                self._totals["batch_requests"] += batch.batch_size
+                self._totals["step_s"] += time.perf_counter() - t0
+            self._drain(updates)  # aborts that came during the step: their pages back before it returns
+            return updates
+        finally:
+            self._unlock()
+
+    def stats(self) -> dict:
+        """Executor and pool statistics now (device reads on the GPU).
+
+        Returns:
+            dict: ``running``, ``waiting``, ``pool_pages``, ``free_pages``, ``used_pages``,
+            ``used_bytes``, ``bookkeeping_bytes``, ``budget_bytes``, ``kv_memory_fraction`` (pool
+            bytes used / FP16 bytes of the same tokens; ``None`` when empty), ``steps``,
+            ``output_tokens``, ``output_tokens_per_s`` (over the time spent in steps),
+            ``mean_batch_size`` (requests per step), ``bookkeeping_fraction`` (time in
+            ``prepare_resources`` + ``update_resources`` / step time; device time only with
+            ``profile=True``), ``preemptions``, ``finished``, ``failed``, ``aborted``.
+        """
+        self._lock.acquire()
+        try:
+            t = self._totals
+            out = dict(running=len(self.running), waiting=len(self.waiting), **self.rm.stats())
+            out.update(steps=t["steps"], output_tokens=t["output_tokens"],
+                       output_tokens_per_s=t["output_tokens"] / t["step_s"] if t["step_s"] else None,
+                       mean_batch_size=t["batch_requests"] / t["steps"] if t["steps"] else None,
+                       bookkeeping_fraction=t["bookkeeping_s"] / t["step_s"] if t["step_s"] else None,
+                       preemptions=self.scheduler.preemptions, finished=t["finished"], failed=t["failed"],
+                       aborted=t["aborted"])
+            return out
+        finally:
+            self._unlock()
+
+    # ------------------------------------------------------------------ admission checks
+    def _check_new(self, updates: list) -> None:
+        for request in [r for r in self.waiting if not r.checked]:
+            try:
+                self._check(request)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                self._fail(request, exc, updates)
+
+    def _check(self, request: Request) -> None:
+        params = request.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.model_config.vocab_size)
+        request.prompt_token_ids = check_prompt_ids(request.prompt_token_ids, params.max_tokens, self.model_config)
+        n = len(request.prompt_token_ids)
+        if n + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len="
+                             f"{self.max_seq_len}")
+        if n + params.max_tokens - 1 > self.max_num_tokens:  # a re-prefill after preemption must fit one step
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) - 1 exceeds max_num_tokens="
+                             f"{self.max_num_tokens} (the most tokens one step carries)")
+        need, total = self.rm.prefill_pages_needed(n), self.rm.get_max_resource_count()
+        if need > total:
+            raise OutOfPagesError(f"the prompt needs {need} pages at prefill; the whole pool has {total}")
+        self._checkers[request.request_id] = StopChecker(params, self.stop_token_ids, self.tokenizer)
+        self.sampler.add(request.request_id, params)
+        request.prefill_token_ids = list(request.prompt_token_ids)
+        request.history = list(request.prompt_token_ids)
+        request.checked = True
+
+    # ------------------------------------------------------------------ the step
+    def _run(self, batch: ScheduledBatch, updates: list, t0: float) -> None:
+        requests = batch.all_requests
+        graphs = self._graph_runner(batch)
+        pad_to = graphs.bucket_for(batch.batch_size) if graphs is not None else None
+        try:
+            t1 = self._sync()
+            self.rm.prepare_resources(batch, pad_to=pad_to, known_free_pages=self.scheduler.free_estimate)
+            t2 = self._sync()
+        except OutOfPagesError:  # the estimate was stale: retry next step, nothing changed
+            self.scheduler.unschedule(batch)
+            self.scheduler.observe_free(self.rm.free_pages())
+            return
+        except Exception as exc:  # noqa: BLE001 - the cache refused the step (nothing changed): its requests fail
+            for request in requests:
+                self._fail(request, exc, updates)
+            return
+        try:
+            with torch.inference_mode():
+                tokens = self._forward(batch, graphs)
+                host = self._read(torch.cat([tokens, self.rm.device_status()]))
+        except Exception as exc:  # noqa: BLE001 - the step failed: its requests fail, the executor goes on
+            self.cache.discard_step()
+            for request in requests:
+                self._fail(request, RuntimeError(f"the step failed: {type(exc).__name__}: {exc}"), updates)
+            return
+        t3 = self._sync()
+        errors = self.rm.update_resources(batch, host[len(requests):])
+        self.scheduler.observe_free(self.rm.free_pages_after_step)
+        t4 = self._sync()
+        self._totals["bookkeeping_s"] += (t2 - t1) + (t4 - t3)
+        for request, token in zip(requests, host[:len(requests)]):
+            if request.request_id in errors:
+                self._fail(request, ValueError(errors[request.request_id]), updates)
+            else:
+                self._advance(request, int(token), t0, t4, updates)
+
+    def _capture_graphs(self):
+        """Capture the decode graphs on the still-empty cache (the plan graphs need it empty); ``None`` on failure."""
+        from .cuda_graphs import DecodeGraphRunner
+
+        try:
+            return DecodeGraphRunner(self.model, self.cache)
+        except Exception as exc:  # noqa: BLE001 - serve eagerly rather than not at all
+            self.cache.discard_step()
+            self.use_cuda_graphs = False
+            warnings.warn(f"CUDA-graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+
+    def _graph_runner(self, batch: ScheduledBatch):
+        """The decode CUDA graphs for a decode-only batch, else ``None``."""
+        if self._graphs is None or batch.context_requests:
+            return None
+        return self._graphs
+
+    def _forward(self, batch: ScheduledBatch, graphs=None) -> torch.Tensor:
+        """One model call (or one decode graph replay) over the packed tokens and one sampler call;
+        ``[batch_size]`` int64 tokens on the device."""
+        ids, positions, counts = [], [], []
+        for r in batch.context_requests:
+            ids += r.prefill_token_ids
+            positions += range(len(r.prefill_token_ids))
+            counts.append(len(r.prefill_token_ids))
+        for r in batch.generation_requests:
+            ids.append(r.output_token_ids[-1])
+            positions.append(r.num_cached_tokens)
+        dev = self.device
+        last = None
+        if batch.context_requests:
+            last = torch.tensor(counts + [1] * len(batch.generation_requests), device=dev).cumsum(0) - 1
+        if graphs is not None:
+            logits = graphs.run(ids, positions)
+        else:
+            logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
+                                logits_indices=last)
+        requests = batch.all_requests
+        return self.sampler.sample(logits, [r.request_id for r in requests], [r.history for r in requests])
+
+    def _read(self, values: torch.Tensor) -> list[int]:
+        """The step's one device-to-host copy: into the pinned buffer, ``non_blocking``, then wait on an event."""
+        if self._event is None:
+            return values.tolist()
+        host = self._host[:values.numel()]
+        host.copy_(values, non_blocking=True)
+        self._event.record()
+        self._event.synchronize()
+        return host.tolist()
+
+    def _sync(self) -> float:
+        if self.profile and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _advance(self, request: Request, token: int, t0: float, now: float, updates: list) -> None:
+        if request.first_token_time is None:
+            request.first_token_time, request.prefill_s = now, now - t0
+        request.output_token_ids.append(token)
+        request.history.append(token)
+        self._totals["output_tokens"] += 1
+        checker = self._checkers[request.request_id]
+        done, reason, stop_id = checker.check(request.output_token_ids)
+        if done:
+            request.result = self._result(request, reason, stop_id, now)
+            self._end(request, reason, stop_id, updates, [token], checker.stop_reason)
+            self._totals["finished"] += 1
+        else:
+            updates.append(RequestUpdate(request.request_id, [token]))
+
+    # ------------------------------------------------------------------ ends
+    def _result(self, request: Request, reason: str, stop_id, now: float) -> PagedGenerationResult:
+        """The finished request's :class:`GenerationResult` fields + pool pages and bytes (read before release)."""
+        stats = self.cache.request_stats(request.slot)
+        params, out = request.sampling_params, request.output_token_ids
+        stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.stop_token_ids)
+        text = self._checkers[request.request_id].text_for(out) if self.tokenizer is not None else ""
+        fields = result_fields(len(request.prompt_token_ids), out, stats, request.prefill_s,
+                               now - request.first_token_time, kv_config=self.kv_config, tokenizer=self.tokenizer,
+                               stop_token_ids=stop_ids, finish_reason=reason, stop_token_id=stop_id, text=text)
+        return PagedGenerationResult(**fields, pool_pages=stats.pool_pages, pool_used_bytes=stats.pool_used_bytes)
+
+    def _fail(self, request: Request, exc: Exception, updates: list) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        prompt = request.prompt_token_ids
+        request.error = message
+        request.result = PagedGenerationResult(
+            token_ids=list(request.output_token_ids), prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
+            generated_tokens=len(request.output_token_ids), finish_reason="error", error=message)
+        self._end(request, "error", None, updates)
+        self._totals["failed"] += 1
+
+    def _end(self, request: Request, reason: str, stop_id, updates: list, new_tokens=(), stop_reason=None) -> None:
+        """Finish, fail or abort: every page back now, out of every queue, one final update."""
+        self.scheduler.remove(request)
+        self.sampler.remove(request.request_id)
+        self._checkers.pop(request.request_id, None)
+        self.requests.pop(request.request_id, None)
+        request.state, request.finish_reason, request.stop_token_id = RequestState.FINISHED, reason, stop_id
+        request.finish_time = time.perf_counter()
+        if request.result is None:  # abort
+            prompt = request.prompt_token_ids
+            request.result = PagedGenerationResult(
+                token_ids=list(request.output_token_ids), prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
+                generated_tokens=len(request.output_token_ids), finish_reason="abort")
+        updates.append(RequestUpdate(request.request_id, list(new_tokens), True, reason, request.error, stop_id,
+                                     request.result, stop_reason))

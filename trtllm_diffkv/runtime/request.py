@@ -1,0 +1,117 @@
+"""One request's state in the in-flight batching executor, and the per-step update it streams.
+
+:class:`Request` is the executor's (and the resource manager's) view of a request, like
+TensorRT-LLM's ``LlmRequest``: ids, sampling parameters, the tokens generated so far, the
+request slot it holds in the paged cache, and its state. :class:`RequestUpdate` is what
+:meth:`~.executor.Executor.step` returns for each request that changed in a step (the new
+token ids; at the end the finish reason, the error, the result fields).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestState(enum.Enum):
+    """Where a request is: queued (``WAITING``; also after a preemption), in the batch
+    (``RUNNING``: its tokens are in the cache), or done (``FINISHED``: stop, length, error, abort)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A generation request (TensorRT-LLM's ``LlmRequest`` role).
+
+    Attributes:
+        request_id: the caller's id (any hashable), unique among live requests.
+        prompt_token_ids: the prompt's token ids.
+        sampling_params: a :class:`~.sampling.SamplingParams`.
+        arrival_time: ``time.perf_counter()`` at :meth:`~.executor.Executor.add_request`.
+        state: a :class:`RequestState`.
+        output_token_ids: generated token ids so far (the stop token included).
+        slot: the paged cache's request slot while ``RUNNING``, else ``None``.
+        num_cached_tokens: tokens stored in the cache (prompt and generated); 0 unless ``RUNNING``.
+        prefill_token_ids: what the next prefill brings: the prompt, or after a preemption by
+            recomputation the prompt + every generated token.
+        num_preemptions: times its pages were taken back and it went back to the queue.
+        finish_reason: ``"stop"``, ``"length"``, ``"error"``, ``"abort"`` once finished.
+        stop_token_id: the id that stopped it (``finish_reason == "stop"`` by an id), else ``None``.
+        error: the message of a failed request.
+        result: at the end, the :class:`~trtllm_diffkv.paged.generator.PagedGenerationResult`
+            (the fields of :class:`~trtllm_diffkv.engine.GenerationResult` + pool pages and bytes).
+        first_token_time, finish_time: ``time.perf_counter()`` of the first generated token and of the end.
+        prefill_s: wall seconds of the step that brought its first prefill (shared with the
+            requests of that step).
+    """
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    arrival_time: float = 0.0
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    num_cached_tokens: int = 0
+    prefill_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+    result: Any = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_s: float | None = None
+    checked: bool = False
+    history: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether its next step is a prefill (no tokens in the cache yet)."""
+        return self.num_cached_tokens == 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens it brings to its next step: the whole prefill, or one decode token."""
+        return len(self.prefill_token_ids) if self.is_prefill else 1
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens stored in the cache after its next step."""
+        return len(self.prefill_token_ids) if self.is_prefill else self.num_cached_tokens + 1
+
+
+@dataclass
+class RequestUpdate:
+    """What one :meth:`~.executor.Executor.step` changed for one request (token streaming).
+
+    Attributes:
+        request_id: the request's id.
+        new_token_ids: token ids generated in this step (empty for a request that failed or
+            was aborted before producing one). Tokens of a request already sent are never sent
+            again, also after a preemption.
+        finished: whether the request ended in this step.
+        finish_reason: ``"stop"``, ``"length"``, ``"error"``, ``"abort"``, or ``None`` while running.
+        error: the message when ``finish_reason == "error"``.
+        stop_token_id: the stop id that ended it, else ``None``.
+        result: at the end, the request's ``PagedGenerationResult`` (text, token ids, counts,
+            memory and tier fractions, pool pages and bytes, tokens/s), else ``None``.
+        stop_reason: after a stop, the stop id (int) or stop string (str) that matched
+            (:attr:`StopChecker.stop_reason`), else ``None``.
+    """
+
+    request_id: Any
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    stop_token_id: int | None = None
+    result: Any = None
+    stop_reason: int | str | None = None

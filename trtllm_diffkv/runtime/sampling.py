@@ -1,0 +1,336 @@
+"""Per-request sampling for the in-flight batching executor: parameters, a batched sampler, stop checks.
+
+- :class:`SamplingParams`: one request's sampling settings, field names as TensorRT-LLM's LLM API
+  ``SamplingParams`` (``tensorrt_llm/sampling_params.py``: ``max_tokens``, ``temperature``,
+  ``top_k``, ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ``stop_token_ids``,
+  ``ignore_eos``), checked by :meth:`SamplingParams.validate`.
+- :class:`Sampler`: one :meth:`Sampler.sample` call per executor step for every running request:
+  repetition penalty, temperature, top-k, top-p as per-row tensors, then one draw per row.
+- :class:`StopChecker` (defined in :mod:`.stop_checker`, re-exported here): per request, after
+  each new token: stop ids, stop strings in the incrementally decoded text, ``max_tokens``.
+
+The filtering rules are those of Hugging Face transformers' logits processors, in their order:
+``RepetitionPenaltyLogitsProcessor`` (the CTRL rule: a logit ``x`` of a token already in the
+prompt or the output becomes ``x * penalty`` when ``x < 0`` and ``x / penalty`` otherwise), then
+``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (keeps every token whose logit is >= the k-th
+largest, ties included) and ``TopPLogitsWarper`` (drops the tokens whose ascending cumulative
+probability is <= ``1 - top_p``, always keeping the most likely one).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+
+import torch
+
+from .stop_checker import StopChecker
+
+__all__ = ["SamplingParams", "Sampler", "StopChecker"]
+
+_SEED_LIMIT = 2 ** 64
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily (see :attr:`SamplingParams.greedy`)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings (TensorRT-LLM LLM API names; checked by :meth:`validate`).
+
+    Attributes:
+        max_tokens: new tokens to generate at most, >= 1.
+        temperature: logits are divided by it before top-k/top-p; 0 (or below 1e-5) means greedy
+            (argmax), >= 0. ``None``: 1.0 when top_k or top_p is set.
+        top_k: keep the ``top_k`` most likely tokens (ties with the k-th included); 0 = off,
+            1 = greedy; >= 0. Values above the vocabulary size keep everything. ``None``: off.
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
+            reaches ``top_p`` (HF ``TopPLogitsWarper``); in [0, 1], 1 = off, 0 = greedy.
+            ``None``: off.
+
+    Greedy unless asked otherwise, as TensorRT-LLM's ``SamplingParams``
+    (``params_imply_greedy_decoding``): ``SamplingParams()`` with temperature, top_k and top_p
+    all ``None`` decodes greedily; so do ``temperature=0``, ``top_k=1`` and ``top_p=0``.
+        repetition_penalty: CTRL/HF rule over the prompt and the generated ids; > 0, 1 = off,
+            > 1 discourages repeats.
+        seed: seeds the request's own ``torch.Generator`` (on the sampler's device): the same
+            seed, logits and device give the same tokens whatever else is in the batch.
+            ``None``: draws come from the sampler's shared generator. 0 <= seed < 2**64.
+        stop: a stop string or a list of them; generation stops when the decoded output
+            contains one, and the text is cut before it. Non-empty strings.
+        stop_token_ids: ids that stop generation besides the model's own stop ids (these
+            still apply with ``ignore_eos``); the id stays in the token ids, not in the text.
+        ignore_eos: ignore the model's stop ids (benchmarks with fixed output lengths).
+
+    Validation is explicit (:meth:`validate`), not in ``__init__``, so that an executor can
+    accept a request with bad values and fail it alone with the error.
+    """
+
+    max_tokens: int = 64
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax of the (penalized) logits: temperature, top_k and
+        top_p all ``None`` (the default, as TensorRT-LLM), or temperature 0, top_k 1 or top_p 0.
+
+        A temperature below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) counts as 0:
+        dividing the logits by it would overflow to infinity."""
+        if self.temperature is None and self.top_k is None and self.top_p is None:
+            return True
+        return self.sampling_temperature < GREEDY_TEMPERATURE or self.top_k == 1 or self.top_p == 0
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature a sampled row uses (``None`` -> 1.0)."""
+        return 1.0 if self.temperature is None else self.temperature
+
+    @property
+    def sampling_top_k(self) -> int:
+        """The top-k a sampled row uses (``None`` -> 0, off)."""
+        return 0 if self.top_k is None else self.top_k
+
+    @property
+    def sampling_top_p(self) -> float:
+        """The top-p a sampled row uses (``None`` -> 1.0, off)."""
+        return 1.0 if self.top_p is None else self.top_p
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (empty when ``None``)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @classmethod
+    def greedy_params(cls, max_tokens: int = 64) -> "SamplingParams":
+        """Greedy decoding (temperature 0) of at most ``max_tokens`` new tokens."""
+        return cls(max_tokens=max_tokens, temperature=0.0)
+
+    def with_changes(self, **changes) -> "SamplingParams":
+        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        return replace(self, **changes)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field's type and range.
+
+        Args:
+            vocab_size: when given, every id in ``stop_token_ids`` must be in [0, vocab_size).
+
+        Raises:
+            ValueError: naming the field, the allowed range and the value received.
+        """
+        _check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
+        if self.temperature is not None:
+            _check_float("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy) or None")
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, 0, None, ">= 0 (0 = off) or None")
+        if self.top_p is not None:
+            _check_float("top_p", self.top_p, 0 <= self.top_p <= 1, "in [0, 1] (1 = off, 0 = greedy) or None")
+        _check_float("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0 (1 = off)")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, _SEED_LIMIT - 1, "None or an int in [0, 2**64)")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and (not isinstance(stops, (list, tuple))
+                                  or not all(isinstance(s, str) and s for s in stops)):
+            raise ValueError(f"stop must be None, a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+                raise ValueError(f"stop_token_ids must be None or a list of token ids, got {self.stop_token_ids!r}")
+            upper = None if vocab_size is None else vocab_size - 1
+            where = "ints >= 0" if upper is None else f"ints in [0, {vocab_size})"
+            for token in self.stop_token_ids:
+                _check_int("stop_token_ids", token, 0, upper, where)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+
+def _is_int(value) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, low: int | None, high: int | None, allowed: str) -> None:
+    if not _is_int(value) or (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_float(name: str, value, in_range, allowed: str) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not in_range:
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+
+
+class Sampler:
+    """Batched sampling of one token per request per step (per-row parameters and generators).
+
+    Args:
+        vocab_size: logits width V (the model's vocabulary, padding included).
+        device: device of the logits; the request generators live there.
+
+    Sampling is the exponential race (equivalent to Gumbel-max): ``argmax_i p_i / E_i`` with
+    ``E_i ~ Exp(1)`` drawn from the row's own generator, which picks token ``i`` with
+    probability ``p_i``. A seeded row draws exactly ``V`` values per step from its generator,
+    so its tokens depend only on its seed, its logits and its history.
+    """
+
+    def __init__(self, vocab_size: int, device) -> None:
+        _check_int("vocab_size", vocab_size, 1, None, ">= 1")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._params: dict = {}
+        self._generators: dict = {}
+        self._seen: dict = {}       # request_id -> (ids folded into the mask, bool mask [V])
+        self._shared = torch.Generator(device=self.device)
+        self._shared.seed()
+
+    def add(self, request_id, params: SamplingParams) -> None:
+        """Register a request (validates ``params`` against the vocabulary; makes its generator).
+
+        Raises:
+            ValueError: bad ``params`` (see :meth:`SamplingParams.validate`) or ``request_id``
+                already registered.
+        """
+        params.validate(self.vocab_size)
+        if request_id in self._params:
+            raise ValueError(f"request {request_id!r} is already registered with the sampler")
+        self._params[request_id] = params
+        if params.seed is not None and not params.greedy:
+            self._generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def remove(self, request_id) -> None:
+        """Forget a request (no error if unknown)."""
+        for table in (self._params, self._generators, self._seen):
+            table.pop(request_id, None)
+
+    def __contains__(self, request_id) -> bool:
+        return request_id in self._params
+
+    def sample(self, logits: torch.Tensor, request_ids: list, histories: list[list[int]]) -> torch.Tensor:
+        """One token per row.
+
+        Args:
+            logits: [B, V] float (any float dtype) on the sampler's device; row b is request
+                ``request_ids[b]``'s next-token logits.
+            request_ids: B registered request ids.
+            histories: B lists of token ids (prompt + generated so far) for the repetition
+                penalty; read only for rows whose penalty is not 1 (append-only per request:
+                only the ids past the previous call are folded in; a shorter list restarts).
+
+        Returns:
+            [B] int64 token ids on ``logits.device``. Greedy rows are exactly
+            ``torch.argmax`` of the penalized float32 logits.
+
+        Raises:
+            ValueError: shapes disagree, an unknown request id, or a history id outside [0, V).
+        """
+        self._check_batch(logits, request_ids, histories)
+        params = [self._params[rid] for rid in request_ids]
+        scores = self._penalized(logits, params, request_ids, histories)
+        tokens = torch.argmax(scores, dim=-1)
+        rows = [b for b, p in enumerate(params) if not p.greedy]
+        if rows:
+            filtered = _filter(scores[rows], [params[b] for b in rows])
+            drawn = self._race(torch.softmax(filtered, dim=-1), [request_ids[b] for b in rows])
+            tokens[torch.tensor(rows, device=tokens.device)] = drawn
+        return tokens
+
+    def filtered_logits(self, logits: torch.Tensor, request_ids: list, histories: list[list[int]]) -> torch.Tensor:
+        """What :meth:`sample` draws from: [B, V] float32 logits after the repetition penalty,
+        temperature, top-k and top-p, dropped tokens at ``-inf`` (greedy rows: penalized only).
+        Same arguments and errors as :meth:`sample`; for tests and inspection."""
+        self._check_batch(logits, request_ids, histories)
+        params = [self._params[rid] for rid in request_ids]
+        scores = self._penalized(logits, params, request_ids, histories).clone()
+        rows = [b for b, p in enumerate(params) if not p.greedy]
+        if rows:
+            scores[rows] = _filter(scores[rows], [params[b] for b in rows])
+        return scores
+
+    def _check_batch(self, logits, request_ids, histories) -> None:
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size or logits.shape[0] != len(request_ids):
+            raise ValueError(f"logits must be [len(request_ids)={len(request_ids)}, vocab_size={self.vocab_size}], "
+                             f"got {list(logits.shape)}")
+        if len(histories) != len(request_ids):
+            raise ValueError(f"{len(histories)} histories for {len(request_ids)} requests")
+        missing = [rid for rid in request_ids if rid not in self._params]
+        if missing:
+            raise ValueError(f"requests not registered with the sampler: {missing[:5]}")
+
+    def _penalized(self, logits, params, request_ids, histories) -> torch.Tensor:
+        """[B, V] float32 logits with the repetition penalty applied (may alias float32 ``logits``)."""
+        scores = logits.float()
+        rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if not rows:
+            return scores
+        scores = scores.clone()
+        masks = torch.stack([self._seen_mask(request_ids[b], histories[b]) for b in rows])
+        penalty = torch.tensor([params[b].repetition_penalty for b in rows], device=scores.device).unsqueeze(1)
+        chosen = scores[rows]
+        scores[rows] = torch.where(masks, torch.where(chosen < 0, chosen * penalty, chosen / penalty), chosen)
+        return scores
+
+    def _seen_mask(self, request_id, history: list[int]) -> torch.Tensor:
+        count, mask = self._seen.get(request_id, (0, None))
+        if mask is None or len(history) < count:
+            count, mask = 0, torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+        new = list(history[count:])
+        if new:
+            if not all(_is_int(t) and 0 <= t < self.vocab_size for t in new):
+                bad = next(t for t in new if not (_is_int(t) and 0 <= t < self.vocab_size))
+                raise ValueError(f"request {request_id!r}: history token id {bad!r} outside [0, {self.vocab_size})")
+            mask[torch.tensor(new, dtype=torch.long, device=self.device)] = True
+        self._seen[request_id] = (len(history), mask)
+        return mask
+
+    def _race(self, probs: torch.Tensor, request_ids: list) -> torch.Tensor:
+        """The exponential race over probs [R, V]: seeded rows draw from their own generator."""
+        device = probs.device
+        noise = torch.empty_like(probs)
+        shared = [r for r, rid in enumerate(request_ids) if rid not in self._generators]
+        if shared:
+            noise[shared] = torch.empty(len(shared), self.vocab_size, device=device).exponential_(
+                generator=self._shared)
+        for r, rid in enumerate(request_ids):
+            if rid in self._generators:  # a fresh [V] tensor: the draw cannot depend on the row's place
+                noise[r] = torch.empty(self.vocab_size, device=device).exponential_(generator=self._generators[rid])
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        return torch.argmax(probs / noise, dim=-1)
+
+
+def _filter(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, per row; scores [R, V] float32 -> [R, V], dropped at -inf."""
+    device = scores.device
+    scores = scores / torch.tensor([p.sampling_temperature for p in params], device=device).unsqueeze(1)
+    top_k = [min(p.sampling_top_k, scores.shape[1]) for p in params]
+    if any(top_k):
+        scores = _top_k(scores, top_k)
+    if any(p.sampling_top_p < 1.0 for p in params):
+        scores = _top_p(scores, torch.tensor([p.sampling_top_p for p in params], device=device).unsqueeze(1))
+    return scores
+
+
+def _top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """HF ``TopKLogitsWarper`` per row: drop logits below the k-th largest (k=0: keep all)."""
+    k_max = max(top_k)
+    values = torch.topk(scores, k_max, dim=-1).values
+    index = torch.tensor([max(k, 1) - 1 for k in top_k], device=scores.device).unsqueeze(1)
+    kth = values.gather(1, index)
+    kth = torch.where(torch.tensor(top_k, device=scores.device).unsqueeze(1) > 0, kth, -math.inf)
+    return scores.masked_fill(scores < kth, -math.inf)
+
+
+def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """HF ``TopPLogitsWarper`` per row: drop tokens whose ascending cumulative probability <= 1 - top_p."""
+    sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= (1 - top_p)
+    drop_sorted[:, -1] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)

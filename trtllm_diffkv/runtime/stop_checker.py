@@ -1,0 +1,116 @@
+"""Stop conditions of one request, checked after each new token (stop ids, stop strings, ``max_tokens``).
+
+Used by the executor through :mod:`.sampling` (which re-exports :class:`StopChecker`); the
+parameters come from :class:`~.sampling.SamplingParams` (``stop``, ``stop_token_ids``,
+``max_tokens``, ``ignore_eos``, TensorRT-LLM LLM API names).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
+
+
+class StopChecker:
+    """One request's stop conditions, checked after each new token.
+
+    Args:
+        params: the request's :class:`SamplingParams` (``stop``, ``stop_token_ids``,
+            ``max_tokens``, ``ignore_eos``).
+        stop_token_ids: the model's end-of-generation ids (ignored with ``ignore_eos``).
+        tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``; needed only
+            when ``params.stop`` is set.
+
+    The text is detokenized incrementally (the prefix-window method of vLLM's
+    ``detokenize_incrementally``): each new token's text is ``decode(window + new)`` minus
+    ``decode(window)``, the window being the ids of the previous piece of text; it is held back
+    while it ends in an incomplete UTF-8 character ("\\ufffd"). A stop string is found even
+    when it spans tokens, and each check decodes only a few tokens.
+    ``stop_reason`` is the matched stop id or string after a stop, else ``None``.
+
+    Raises:
+        ValueError: ``params.stop`` is set and ``tokenizer`` is None.
+    """
+
+    def __init__(self, params: SamplingParams, stop_token_ids: set[int], tokenizer) -> None:
+        if params.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output")
+        self.params = params
+        self.tokenizer = tokenizer
+        self._stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            self._stop_ids |= set(stop_token_ids)
+        self._stops = params.stop_strings
+        self._checked = 0
+        self._text = ""
+        self._prefix_offset = self._read_offset = 0
+        self._cut: int | None = None       # text length kept after a stop string
+        self._result: tuple[bool, str | None, int | None] = (False, None, None)
+        self.stop_reason: int | str | None = None
+
+    def check(self, generated_ids: list[int]) -> tuple[bool, str | None, int | None]:
+        """``(finished, finish_reason, stop_token_id)`` for the output so far.
+
+        ``finish_reason`` is ``"stop"`` (a stop id or stop string), ``"length"`` (``max_tokens``
+        reached) or ``None``; ``stop_token_id`` is the id that stopped it, else ``None``. Only
+        the ids past the previous call are examined; once finished, the same result returns.
+        """
+        if self._result[0]:
+            return self._result
+        for position in range(self._checked, len(generated_ids)):
+            token = generated_ids[position]
+            if token in self._stop_ids:
+                self._checked = position + 1
+                self.stop_reason = token
+                self._result = (True, "stop", token)
+                return self._result
+            if self._stops and self._advance_text(generated_ids[:position + 1]):
+                self._checked = position + 1
+                self._result = (True, "stop", None)
+                return self._result
+        self._checked = len(generated_ids)
+        if len(generated_ids) >= self.params.max_tokens:
+            self._result = (True, "length", None)
+        return self._result
+
+    def text_for(self, generated_ids: list[int]) -> str:
+        """The output text of ``generated_ids`` (special tokens skipped), cut before a matched
+        stop string; a matched stop id's own text is left out.
+
+        Raises:
+            ValueError: no tokenizer was given.
+        """
+        if self.tokenizer is None:
+            raise ValueError("text_for needs a tokenizer")
+        ids = list(generated_ids)
+        if self._result[1] == "stop" and self._result[2] is not None and ids and ids[-1] == self._result[2]:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self._cut is not None:
+            return text[:self._cut]
+        return text
+
+    def _advance_text(self, ids: list[int]) -> bool:
+        """Fold the last id into the running text; True when a stop string appeared.
+
+        A piece ending in an incomplete character is not committed, but the stop strings are
+        still searched in it with the trailing replacement characters removed."""
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        full = decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(full) <= len(prefix):
+            return False
+        delta = full[len(prefix):]
+        complete = not delta.endswith("\ufffd")
+        start = max(0, len(self._text) - max(len(s) for s in self._stops) + 1)
+        text = self._text + (delta if complete else delta.rstrip("\ufffd"))
+        if complete:
+            self._text = text
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        matches = [(text.find(s, start), s) for s in self._stops]
+        matches = [(index, s) for index, s in matches if index >= 0]
+        if not matches:
+            return False
+        self._cut, self.stop_reason = min(matches)
+        return True
