@@ -1,0 +1,82 @@
+"""``trtllm-diffkv serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one ``LLM``.
+
+``/v1/completions`` and ``/v1/chat/completions`` (``"stream": true`` for server-sent events),
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Runs until SIGINT/SIGTERM, then
+cancels the requests left (freeing their pages) and exits 0. ``python -m
+trtllm_diffkv.commands.serve ...`` runs the same command.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+
+def add_parser(subparsers) -> None:
+    """Register ``serve`` on the ``trtllm-diffkv`` subparsers."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE streaming)",
+                              description=__doc__.split("\n\n")[0])
+    _arguments(p)
+    p.set_defaults(run=run)
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint folder, .gguf or engine dir (default: the default model)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name, or "
+                                               "'trtllm-diffkv-default')")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    p.add_argument("--kv-config", default="default", help="DiffKV preset (default: default; fp16 = no compression)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests per executor step at most (default: 64)")
+    p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: 0.9 of free GPU memory; 256 MiB on CPU)")
+    p.add_argument("--max-seq-len", type=int, help="prompt + new tokens per request at most (default: the model's)")
+    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="model dtype (default: float32 on "
+                                                                               "CPU, bfloat16 on GPU)")
+    p.add_argument("--shutdown-timeout-s", type=float, default=5.0, help="at SIGINT/SIGTERM, wait this long for "
+                                                                         "requests in flight, then cancel them "
+                                                                         "(default: 5)")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
+
+
+def run(args) -> int:
+    """Load the model, serve until interrupted, shut the LLM down. Returns 0, or 2 on a setup error."""
+    from pathlib import Path
+
+    try:
+        import torch
+        import uvicorn
+
+        from ..llm import LLM
+        from ..serve.openai_server import create_app
+
+        llm = LLM(args.model, kv_config=args.kv_config, device=args.device,
+                  dtype=getattr(torch, args.dtype) if args.dtype else None, max_batch_size=args.max_batch_size,
+                  kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len)
+    except (ImportError, OSError, ValueError) as exc:
+        print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (Path(args.model).name if args.model else "trtllm-diffkv-default")
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the handler that was
+    # installed before it: a no-op here, so that the LLM is shut down below and the exit code is 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (kv_config {args.kv_config})", file=sys.stderr,
+              flush=True)
+        uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_timeout_s)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trtllm_diffkv.commands.serve [flags]``."""
+    parser = argparse.ArgumentParser(prog="trtllm-diffkv serve", description=__doc__.split("\n\n")[0])
+    _arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Triton Inference Server Python backend model: DiffKV generation through the trtllm-diffkv ``LLM`` API.
+
+``trtllm-diffkv triton-repo`` copies this file to ``<repository>/<name>/1/model.py``; it runs inside
+Triton's ``triton_python_backend_stub`` (not imported by the package). One model instance holds
+one ``LLM``: its executor batches the requests of all clients in flight (Triton's dynamic batcher
+is off). The model is decoupled: ``execute`` hands each request to an asyncio loop thread and
+returns at once; the loop sends the responses (``stream`` true: one per new piece of text, then
+the final flag; else one response with the whole text) and polls ``request.is_cancelled()``
+every 0.1 s: a cancelled request is aborted in the LLM, which frees its pages before its next
+step. Input/output tensors: :mod:`trtllm_diffkv.serve.triton_requests`. The LLM's statistics are
+exported as Triton custom metrics (:mod:`trtllm_diffkv.serve.metrics`, labels ``model`` and
+``version``) every 0.25 s.
+"""
+import asyncio
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+CANCEL_POLL_S = 0.1
+METRICS_PERIOD_S = 0.25
+
+
+def _send(sender, response, final: bool = False) -> None:
+    """Send ``response`` (``None``: none) and/or the final flag; a client that is gone is not an error."""
+    flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+    try:
+        sender.send(response, flags=flags) if response is not None else sender.send(flags=flags)
+    except Exception as exc:  # noqa: BLE001 - the request was cancelled or the stub is shutting down
+        pb_utils.Logger.log_verbose(f"trtllm-diffkv: response not sent: {exc}")
+
+
+class TritonPythonModel:
+    """The Python backend's model class (``initialize`` / ``execute`` / ``finalize``)."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        if params.get("python_path") and params["python_path"] not in sys.path:
+            sys.path.insert(0, params["python_path"])  # the trtllm_diffkv that wrote this repository
+        from trtllm_diffkv.llm import LLM
+        from trtllm_diffkv.serve import metrics, triton_requests
+
+        self.requests_module, self.metrics_module = triton_requests, metrics
+        self.input_names = [spec.name for spec in triton_requests.INPUTS]
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.llm = LLM(**triton_requests.llm_kwargs_from_parameters(params))
+        self.families = [pb_utils.MetricFamily(name=m.name, description=m.help, kind=pb_utils.MetricFamily.GAUGE)
+                         for m in metrics.METRICS]  # kept: a family is unregistered when collected
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.gauges = {m.name: family.Metric(labels=labels) for m, family in zip(metrics.METRICS, self.families)}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="trtllm-diffkv-triton", daemon=True)
+        self.thread.start()
+        self.metrics_task = asyncio.run_coroutine_threadsafe(self._export_metrics(), self.loop)
+
+    def execute(self, requests):
+        if not self.decoupled:  # one response per request, returned here; Triton queues the next requests
+            futures = [asyncio.run_coroutine_threadsafe(self._whole(request), self.loop) for request in requests]
+            return [future.result() for future in futures]
+        for request in requests:
+            asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+        return None  # decoupled: the responses go through each request's response sender
+
+    def finalize(self):
+        self.metrics_task.cancel()
+        self.llm.shutdown()  # cancels what is left; their loops send the final flags
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+    # ------------------------------------------------------------------ one request
+    def _rows(self, request):
+        inputs = {}
+        for name in self.input_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        rows = self.requests_module.parse_request(inputs)
+        if not rows:
+            raise ValueError("input 'text_input' holds no prompt (batch size 0)")
+        if rows[0].stream and not self.decoupled:
+            raise ValueError("stream=true needs the decoupled model (trtllm-diffkv triton-repo without --no-decoupled)")
+        return rows
+
+    async def _whole(self, request):
+        """Non-decoupled mode: the request's one response (its error, or all rows' whole text)."""
+        try:
+            rows = self._rows(request)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+        handles = [self.llm.generate_async(row.prompt, row.sampling_params) for row in rows]
+        finals = await asyncio.gather(*(self._final(request, handle) for handle in handles))
+        return self._whole_response(rows, finals)
+
+    async def _serve(self, request):
+        sender = request.get_response_sender()
+        try:
+            rows = self._rows(request)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), final=True)
+            return
+        handles = [self.llm.generate_async(row.prompt, row.sampling_params, streaming=row.stream) for row in rows]
+        try:
+            if rows[0].stream:  # the end: the final flag alone, or with the error of the rows that failed
+                errors = await asyncio.gather(*(self._stream_row(request, sender, handle, index)
+                                                for index, handle in enumerate(handles)))
+                errors = [e for e in errors if e is not None]
+                _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError("; ".join(errors)))
+                      if errors else None, final=True)
+            else:
+                finals = await asyncio.gather(*(self._final(request, handle) for handle in handles))
+                _send(sender, self._whole_response(rows, finals), final=True)
+        except Exception as exc:  # noqa: BLE001 - never leave a request without its final flag
+            for handle in handles:
+                handle.abort()
+            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}")), final=True)
+
+    async def _outputs(self, request, handle):
+        """The request's outputs, aborting it in the LLM once Triton reports the client cancelled."""
+        iterator = handle.__aiter__()
+        checked = time.monotonic()
+        while True:
+            task = asyncio.ensure_future(iterator.__anext__())
+            while not task.done():
+                await asyncio.wait({task}, timeout=CANCEL_POLL_S)
+                if time.monotonic() - checked >= CANCEL_POLL_S:  # an IPC round trip: at most 10 per second
+                    checked = time.monotonic()
+                    if request.is_cancelled():
+                        handle.abort()  # the LLM then ends the request with finish_reason "cancelled"
+            try:
+                output = task.result()
+            except StopAsyncIteration:
+                return
+            yield output
+            if output.finished:
+                return
+
+    async def _final(self, request, handle):
+        final = None
+        async for output in self._outputs(request, handle):
+            final = output
+        return final
+
+    async def _stream_row(self, request, sender, handle, index):
+        """Send one row's new text as it comes; returns the row's error message, or ``None``."""
+        async for output in self._outputs(request, handle):
+            completion = output.outputs[0]
+            if output.error is not None and completion.finish_reason == "error":
+                return output.error
+            if completion.finish_reason == "cancelled":
+                return None  # the client is gone: nothing more to send but the final flag
+            if completion.text_diff or output.finished:
+                _send(sender, self._response([completion.text_diff], [completion.finish_reason or ""],
+                                           [len(output.prompt_token_ids)], [len(completion.token_ids)], [index]))
+
+    def _whole_response(self, rows, finals):
+        errors = [f.error for f in finals if f.error is not None and f.outputs[0].finish_reason == "error"]
+        if errors:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError("; ".join(errors)))
+        texts = [f.outputs[0].text if row.exclude_input else row.prompt + f.outputs[0].text
+                 for row, f in zip(rows, finals)]
+        return self._response(texts, [f.outputs[0].finish_reason or "" for f in finals],
+                              [len(f.prompt_token_ids) for f in finals],
+                              [len(f.outputs[0].token_ids) for f in finals], list(range(len(rows))))
+
+    @staticmethod
+    def _response(texts, reasons, num_input, num_output, batch_index):
+        def column(values, dtype):
+            return np.array(values, dtype=dtype).reshape(len(values), 1)
+
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", column([t.encode("utf-8") for t in texts], np.object_)),
+            pb_utils.Tensor("finish_reason", column([r.encode() for r in reasons], np.object_)),
+            pb_utils.Tensor("num_input_tokens", column(num_input, np.int32)),
+            pb_utils.Tensor("num_output_tokens", column(num_output, np.int32)),
+            pb_utils.Tensor("batch_index", column(batch_index, np.int32))])
+
+    # ------------------------------------------------------------------ metrics
+    async def _export_metrics(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            stats = await loop.run_in_executor(None, self.llm.stats)  # waits for a step in progress
+            for name, value in self.metrics_module.metric_values(stats).items():
+                self.gauges[name].set(value)
+            await asyncio.sleep(METRICS_PERIOD_S)
