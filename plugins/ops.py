@@ -1,0 +1,91 @@
+"""The plugins' Python implementations on plain torch tensors (no TensorRT import; tested on the CPU).
+
+Each function runs one plugin's operation on its input tensors, updating the state tensors in place, by
+calling the paged cache's own per-layer code (``paged/prefill.py::prefill_layer``,
+``paged/decode.py::decode_layer``) and the page manager (``TritonPageManager.append_decode``) on a view
+of those tensors, so a plugin computes exactly what :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache`
+computes. ``use_triton``: the Triton kernels (CUDA; the TensorRT ``@trtp.impl`` path) or their torch
+versions (``paged/torch_ops.py``; the CPU).
+
+The host-side plan (``PagedDiffKVCache.plan``: prompt reservation, decode decisions, the moves to the
+low tier) is the executor's; its per-token / per-row tensors arrive as plugin inputs
+(:data:`.specs.PREFILL`, :data:`.specs.DECODE`).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+
+def _cache_view(cfg, attrs: dict, pool, table, tokens, key_offsets, flags, num_tokens: int, use_triton: bool):
+    """An object with the attributes ``prefill_layer`` / ``decode_layer`` read, over the plugin's tensors."""
+    from trtllm_diffkv.memory import PageFormat
+    from trtllm_diffkv.paged.cache import _kernels
+
+    ops, decode_attention, prefill_attention = _kernels(use_triton)
+    fmt = PageFormat.for_config(cfg, attrs["head_dim"], attrs.get("high_tokens_per_page", 32))
+    return SimpleNamespace(
+        config=cfg, page_format=fmt, num_heads=attrs["num_heads"], num_kv_heads=attrs["num_kv_heads"],
+        head_dim=attrs["head_dim"], device=pool.device, sm_scale=attrs["sm_scale"], _ops=ops,
+        _decode_attention=decode_attention, _prefill_attention=prefill_attention,
+        _score_sums=torch.zeros(num_tokens, attrs["num_kv_heads"], dtype=torch.float32, device=pool.device),
+        row_meta=SimpleNamespace(key_offsets=key_offsets), error_flags=flags, pool=SimpleNamespace(pages=lambda: pool),
+        manager=SimpleNamespace(page_table=table, tokens=tokens, max_pages_per_row=table.shape[1]),
+        max_slots=max(1, num_tokens), _workspace=None)
+
+
+def run_prefill(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bool) -> None:
+    """``diffkv::prefill_attention``: scored prefill, prompt tiers, tokens quantized into the reserved pages.
+
+    Args:
+        inputs: the tensors of :data:`.specs.PREFILL`, in order.
+        out: ``[T, H, D]`` attention output (written).
+        cfg: the :class:`~trtllm_diffkv.config.DiffKVConfig`; attrs: the plugin fields (``layer_idx``, shape, ``sm_scale``).
+    """
+    from trtllm_diffkv.paged import prefill
+
+    (q, k, v, cu, req, t, count, thr_h, thr_l, window, start, row_base, reserved, err_idx,
+     pool, table, tokens, key_offsets, tier_counts, flags) = inputs
+    cache = _cache_view(cfg, attrs, pool, table, tokens, key_offsets, flags, q.shape[0], use_triton)
+    step = SimpleNamespace(prefill=dict(cu=cu, cu_host=cu.tolist(), req=req, t=t, count=count, thr_h=thr_h,
+                                        thr_l=thr_l, window=window, start=start, row_base=row_base, reserved=reserved,
+                                        counts=tier_counts, err_idx=err_idx))
+    prefill.prefill_layer(cache, step, int(attrs["layer_idx"]), q, k, v, out)
+
+
+def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bool) -> None:
+    """``diffkv::decode_attention``: the new token written high into its planned slot, then paged decode
+    attention with the score update.
+
+    Args:
+        inputs: the tensors of :data:`.specs.DECODE`, in order.
+        out: ``[B, H, D]`` attention output (written).
+    """
+    from trtllm_diffkv.paged import decode
+
+    q, k, v, row_ids, page, slot, positions, err_idx, pool, table, tokens, key_offsets, flags = inputs
+    cache = _cache_view(cfg, attrs, pool, table, tokens, key_offsets, flags, q.shape[0], use_triton)
+    step = SimpleNamespace(decode=dict(rows=row_ids.long()[None], row_ids=row_ids[None], page=page[None],
+                                       slot=slot[None], positions=positions,
+                                       scores=torch.zeros(positions.numel(), dtype=torch.float32, device=q.device),
+                                       err_idx=err_idx))
+    decode.decode_layer(cache, step, 0, q, k, v, out)
+
+
+def run_page_update(inputs: list, cfg, attrs: dict) -> None:
+    """``diffkv::page_update``: one ``append_decode`` on a ``TritonPageManager`` whose state tensors are the
+    plugin's inputs (updated in place; CUDA, or the CPU under ``TRITON_INTERPRET=1``)."""
+    from trtllm_diffkv.memory import PageFormat
+    from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
+
+    slots, dh, dl, table, tokens, pages, slot_state, ring, ring_state = inputs
+    fmt = PageFormat.for_config(cfg, attrs["head_dim"], attrs.get("high_tokens_per_page", 32))
+    max_seq_len = (table.shape[1] - 1) * fmt.min_tokens_per_page  # max_pages_per_row = ceil(len / min) + 1
+    mgr = TritonPageManager(fmt, ring.numel(), slot_state.numel(), attrs["num_layers"], attrs["num_kv_heads"],
+                            max_seq_len, device=table.device)
+    if mgr.page_table.shape != table.shape:
+        raise ValueError(f"page_table {tuple(table.shape)} does not fit the fields (expected {tuple(mgr.page_table.shape)})")
+    mgr.page_table, mgr.tokens, mgr.pages, mgr.slot_state, mgr.ring, mgr.ring_state = \
+        table, tokens, pages, slot_state, ring, ring_state
+    mgr.append_decode(slots, dh, dl)

@@ -1,0 +1,197 @@
+"""DiffKV plugin descriptors in plain Python: inputs, shape and dtype inference, aliasing, plugin fields.
+
+Three plugins, one per operation an engine needs (namespace ``diffkv``):
+
+* ``diffkv::prefill_attention`` - scored prefill attention with prompt compaction into the pool
+  (``paged/prefill.py``: scored prefill, prompt tiers, tokens quantized into the reserved pages);
+* ``diffkv::decode_attention`` - the decode token written at high precision, then paged
+  mixed-precision decode attention with the score update (``paged/decode.py``);
+* ``diffkv::page_update`` - the decode-step page update: one ``append_decode`` of every row's tier
+  deltas (``memory/triton_page_manager.py``).
+
+The pool, page table and page-manager state are inputs updated in place: each such output is
+*aliased* to its input (TensorRT ``IPluginV3OneBuildV2.getAliasedInput``; ``tensorrt.plugin``
+``TensorDesc.aliased()``). The shape/dtype functions take dimension objects that support ``+ - * //``
+(ints here; TensorRT's ``ShapeExpr`` entries in :mod:`.trt_plugins`), so the same code serves both.
+
+Dtypes are strings: ``"float16" "bfloat16" "float32" "int32" "int64" "uint8" "bool"``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NAMESPACE = "diffkv"
+VERSION = "1"
+ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One plugin input: name, allowed dtypes, rank, and the input an output aliases (None: a new tensor)."""
+
+    name: str
+    dtypes: tuple[str, ...]
+    rank: int
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """A plugin: ``namespace::name``, its inputs, and which outputs alias which inputs (in place)."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[str, ...]
+    aliases: dict
+
+    @property
+    def full_name(self) -> str:
+        """``"diffkv::<name>"``: the TensorRT plugin id (namespace::name)."""
+        return f"{NAMESPACE}::{self.name}"
+
+    def check(self, dtypes: list[str], ranks: list[int]) -> None:
+        """Raise ``ValueError`` naming the first input whose dtype or rank is not accepted."""
+        if len(dtypes) != len(self.inputs):
+            raise ValueError(f"{self.full_name}: {len(dtypes)} inputs, expected {len(self.inputs)} "
+                             f"({[t.name for t in self.inputs]})")
+        for spec, dtype, rank in zip(self.inputs, dtypes, ranks):
+            if dtype not in spec.dtypes:
+                raise ValueError(f"{self.full_name}: input {spec.name} is {dtype}, expected one of {list(spec.dtypes)}")
+            if rank != spec.rank:
+                raise ValueError(f"{self.full_name}: input {spec.name} has rank {rank}, expected {spec.rank}")
+
+
+_ACT = ACTIVATION_DTYPES
+_STATE = (TensorSpec("kv_pool", ("uint8",), 2), TensorSpec("page_table", ("int32",), 2),
+          TensorSpec("tier_tokens", ("int32",), 2))
+
+_INT = ("int32", "int64")
+
+PREFILL = PluginSpec(
+    "prefill_attention",
+    (TensorSpec("q", _ACT, 3), TensorSpec("k", _ACT, 3), TensorSpec("v", _ACT, 3),
+     TensorSpec("cu_seqlens", ("int32",), 1), TensorSpec("req", _INT, 1), TensorSpec("token_index", _INT, 1),
+     TensorSpec("score_count", ("float32",), 1), TensorSpec("thr_high", ("float32", "float64"), 1),
+     TensorSpec("thr_low", ("float32", "float64"), 1), TensorSpec("window", ("bool",), 1),
+     TensorSpec("start", _INT, 1), TensorSpec("row_base", _INT, 1), TensorSpec("reserved_pages", _INT, 1),
+     TensorSpec("err_idx", ("int32",), 1), *_STATE, TensorSpec("key_offsets", ("float16",), 2),
+     TensorSpec("tier_counts", ("int32",), 4), TensorSpec("error_flags", ("int32",), 1)),
+    ("out", "kv_pool", "key_offsets", "tier_counts", "error_flags"),
+    {1: 14, 2: 17, 3: 18, 4: 19},
+)
+"""Inputs: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, cu_seqlens ``[B + 1]``, then the per-token tensors of the
+step's plan (``paged/prefill.py::plan_prefill``: request index, index in its prompt, scoring-query count,
+high / low thresholds, recent-window flag, the request's first token, its first page-table row, its reserved
+pages) and ``err_idx [T * Hkv]``; the state; key_offsets fp16 ``[rows, D]``; tier_counts int32 ``[B, L, Hkv, 2]``;
+error_flags ``[slots]``. Outputs: out ``[T, H, D]`` (q's dtype), then the pool, key offsets, counts and flags
+in place."""
+
+DECODE = PluginSpec(
+    "decode_attention",
+    (TensorSpec("q", _ACT, 3), TensorSpec("k", _ACT, 3), TensorSpec("v", _ACT, 3), TensorSpec("row_ids", ("int32",), 2),
+     TensorSpec("dest_page", _INT, 1), TensorSpec("dest_slot", _INT, 1), TensorSpec("positions", ("int32",), 1),
+     TensorSpec("err_idx", ("int32",), 1), *_STATE, TensorSpec("key_offsets", ("float16",), 2),
+     TensorSpec("error_flags", ("int32",), 1)),
+    ("out", "kv_pool", "error_flags"),
+    {1: 8, 2: 12},
+)
+"""Inputs: q ``[B, H, D]``, k/v ``[B, Hkv, D]`` (the new token), row_ids ``[B, Hkv]``, dest_page / dest_slot
+``[B * Hkv]`` (the high slot the step's plan chose, ``paged/decode.py::plan_decode``), positions and err_idx
+``[B * Hkv]``, the state, key_offsets, error_flags. Outputs: out ``[B, H, D]``, the pool (new tokens,
+scores) and the error flags in place."""
+
+PAGE_UPDATE = PluginSpec(
+    "page_update",
+    (TensorSpec("slots", ("int64",), 1), TensorSpec("high_delta", ("int32",), 3), TensorSpec("low_delta", ("int32",), 3),
+     TensorSpec("page_table", ("int32",), 2), TensorSpec("tier_tokens", ("int32",), 2),
+     TensorSpec("row_pages", ("int32",), 2), TensorSpec("slot_state", ("int32",), 1), TensorSpec("ring", ("int32",), 1),
+     TensorSpec("ring_state", ("int64",), 1)),
+    ("page_table", "tier_tokens", "row_pages", "slot_state", "ring", "ring_state"),
+    {0: 3, 1: 4, 2: 5, 3: 6, 4: 7, 5: 8},
+)
+"""Inputs: slots ``[n]``, high/low deltas ``[n, L, Hkv]`` in {0, 1}, then the page manager's state
+(``TritonPageManager``: page_table, tokens, pages, slot_state, ring, ring_state); every output is its input, in place."""
+
+PLUGINS = {p.full_name: p for p in (PREFILL, DECODE, PAGE_UPDATE)}
+
+
+def infer(plugin: PluginSpec, shapes: list[tuple], dtypes: list[str]) -> list[tuple[tuple, str]]:
+    """Output ``(shape, dtype)`` of ``plugin`` for inputs of these shapes (dims: ints or shape expressions).
+
+    Raises:
+        ValueError: an input of a wrong dtype or rank, or (for integer dims) q/k/v that disagree.
+    """
+    plugin.check(dtypes, [len(s) for s in shapes])
+    out = []
+    for j, name in enumerate(plugin.outputs):
+        if j in plugin.aliases:
+            i = plugin.aliases[j]
+            out.append((tuple(shapes[i]), dtypes[i]))
+        else:  # the attention output: q's shape and dtype
+            out.append((tuple(shapes[0]), dtypes[0]))
+    if plugin is not PAGE_UPDATE:
+        q, k, v = shapes[:3]
+        if all(isinstance(d, int) for d in (*q, *k, *v)):
+            if k != v or q[0] != k[0] or q[2] != k[2] or q[1] % k[1]:
+                raise ValueError(f"{plugin.full_name}: q {tuple(q)}, k {tuple(k)}, v {tuple(v)} disagree "
+                                 "(tokens, head_dim, or heads not a multiple of KV heads)")
+    return out
+
+
+# --------------------------------------------------------------------------- plugin fields
+
+FIELD_KINDS = {"int": np.int64, "float": np.float64, "str": np.bytes_}
+
+
+def to_plugin_fields(fields: dict) -> list[tuple[str, np.ndarray, str]]:
+    """``[(name, 1-element numpy array, kind)]`` for TensorRT ``PluginField``s (kind: int -> INT64,
+    float -> FLOAT64, str -> CHAR). Floats stay float64 (ONNX attributes would round them to fp32)."""
+    out = []
+    for name, value in fields.items():
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, int):
+            out.append((name, np.array([value], dtype=np.int64), "int"))
+        elif isinstance(value, float):
+            out.append((name, np.array([value], dtype=np.float64), "float"))
+        elif isinstance(value, str):
+            out.append((name, np.frombuffer(value.encode(), dtype=np.int8).copy(), "str"))
+        else:
+            raise TypeError(f"plugin field {name!r}: {type(value).__name__} is not int, float or str")
+    return out
+
+
+def from_plugin_fields(items: list[tuple[str, np.ndarray, str]]) -> dict:
+    """Inverse of :func:`to_plugin_fields`."""
+    out = {}
+    for name, array, kind in items:
+        if kind == "str":
+            out[name] = np.asarray(array, dtype=np.int8).tobytes().decode()
+        elif kind == "int":
+            out[name] = int(np.asarray(array).reshape(-1)[0])
+        elif kind == "float":
+            out[name] = float(np.asarray(array).reshape(-1)[0])
+        else:
+            raise ValueError(f"plugin field {name!r}: unknown kind {kind!r}")
+    return out
+
+
+def select_kernel(manifest: dict, kernel: str, sizes: dict, op: str | None = None) -> dict:
+    """The manifest entry of ``kernel`` (e.g. ``"_prompt_lse_kernel"``) whose ``select`` condition holds for
+    ``sizes`` (e.g. ``{"max_len": 700}``); ``op`` narrows the write kernels (``"write_high"``...).
+
+    Raises:
+        LookupError: no entry (naming the kernel and sizes), or more than one.
+    """
+    found = []
+    for entry in manifest["kernels"]:
+        if entry["kernel"].split(":")[1] != kernel or (op is not None and entry["op"] != op):
+            continue
+        cond = entry.get("select")
+        names = {**{k: v for k, v in entry["constexprs"].items() if isinstance(v, int)}, **sizes}
+        if cond is None or eval(cond, {"__builtins__": {}}, names):  # noqa: S307 - the manifest's own conditions
+            found.append(entry)
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} manifest entries of {kernel} (op {op}) for {sizes}")
+    return found[0]

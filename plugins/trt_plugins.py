@@ -1,0 +1,140 @@
+"""TensorRT Python plugins (``tensorrt.plugin``, TensorRT 10.9+) for DiffKV. NOT RUN here: TensorRT cannot
+be installed on this project's machines; written against the documented API (``@trtp.register``,
+``@trtp.impl``, ``@trtp.aot_impl``, ``TensorDesc.like()/aliased()``, ``KernelLaunchParams``,
+``SymIntExprs``), with its plain-Python parts (:mod:`.specs`) tested on the CPU.
+
+Importing this module registers, for each plugin of :data:`.specs.PLUGINS`:
+
+* the descriptor (the attention output shaped like q, the state outputs aliased to their inputs, as
+  :func:`.specs.infer` states and tests);
+* the Python implementation (``@trtp.impl``): wraps TensorRT's device tensors as torch tensors and calls
+  the project's Triton kernels (``kernels/``, ``memory/triton_page_manager.py``) - the JIT path;
+* for the AOT route, one plugin per compiled kernel, ``diffkv::aot_<kernel>`` (``@trtp.aot_impl`` returns
+  one kernel per plugin, so a multi-kernel operation such as decode attention is three plugin nodes:
+  partial, merge, score): it returns the manifest's PTX, kernel name, grid and block, shared memory and the
+  runtime scalar arguments as symbolic expressions, so the engine runs without Python.
+
+Node attributes (ONNX) / plugin fields: ``layer_idx, num_layers, num_heads, num_kv_heads, head_dim,
+sm_scale`` and the DiffKV configuration (``trtllm_diffkv.build.fields.kv_config_to_fields``).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+
+import tensorrt.plugin as trtp  # noqa: F401 - this module needs TensorRT (import it only where it exists)
+
+from . import ops, specs
+
+SHAPE_ATTRS = {"layer_idx": int, "num_layers": int, "num_heads": int, "num_kv_heads": int, "head_dim": int,
+               "sm_scale": float}
+CONFIG_ATTRS = {"high_key_bits": int, "high_value_bits": int, "high_key_groups": int, "high_value_groups": int,
+                "low_key_bits": int, "low_value_bits": int, "low_key_groups": int, "low_value_groups": int,
+                "alpha_high": str, "alpha_low": str, "recent_window_tokens": int, "prompt_score_window_tokens": int,
+                "prompt_threshold_base": str, "center_keys": int, "compress": int, "kv_config_name": str}
+ATTRS = {**SHAPE_ATTRS, **CONFIG_ATTRS}
+MANIFEST = os.environ.get("TRTLLM_DIFFKV_MANIFEST")
+"""Path of the engine's kernels/manifest.json (set by ``trtllm-diffkv build`` before parsing the graph)."""
+
+
+def _with_signature(fn, plugin: specs.PluginSpec, kind: str):
+    """``fn(*tensors, **attrs)`` with the explicit signature ``tensorrt.plugin`` reads (tensor params, then attrs)."""
+    tensor_type = {"register": trtp.TensorDesc, "impl": trtp.Tensor}[kind]
+    params = [inspect.Parameter(t.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=tensor_type)
+              for t in plugin.inputs]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a) for n, a in ATTRS.items()]
+    if kind == "impl":
+        params += [inspect.Parameter("outputs", inspect.Parameter.KEYWORD_ONLY, annotation=tuple),
+                   inspect.Parameter("stream", inspect.Parameter.KEYWORD_ONLY, annotation=int)]
+    fn.__signature__ = inspect.Signature(params)
+    return fn
+
+
+def _descriptor(plugin: specs.PluginSpec):
+    def desc(*inputs, **attrs):
+        outs = []
+        for j, _ in enumerate(plugin.outputs):
+            outs.append(inputs[plugin.aliases[j]].aliased() if j in plugin.aliases else inputs[0].like())
+        return tuple(outs)
+    return _with_signature(desc, plugin, "register")
+
+
+def _impl(plugin: specs.PluginSpec):
+    def impl(*inputs, outputs, stream, **attrs):
+        import torch
+
+        from trtllm_diffkv.build.fields import kv_config_from_fields
+
+        tensors = [torch.as_tensor(t, device="cuda") for t in inputs]
+        cfg = kv_config_from_fields(attrs)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            if plugin is specs.PAGE_UPDATE:
+                ops.run_page_update(tensors, cfg, attrs)  # every output aliases its input: updated in place
+            else:
+                run = ops.run_prefill if plugin is specs.PREFILL else ops.run_decode
+                run(tensors, torch.as_tensor(outputs[0], device="cuda"), cfg, attrs, use_triton=True)
+    return _with_signature(impl, plugin, "impl")
+
+
+for _plugin in specs.PLUGINS.values():
+    trtp.register(_plugin.full_name)(_descriptor(_plugin))
+    trtp.impl(_plugin.full_name)(_impl(_plugin))
+
+
+# --------------------------------------------------------------------------- AOT: one plugin per compiled kernel
+
+
+def aot_launch(entry: dict, target: str, sizes: dict) -> tuple[str, str, dict, list]:
+    """(kernel name, PTX, launch params dict, runtime scalar values) of a manifest entry for ``sizes``.
+
+    Plain Python (no TensorRT types) so the GPU test and the AOT plugins share it: grid from the manifest's
+    expressions, block ``num_warps * 32``, shared memory from the compiled metadata.
+    """
+    from trtllm_diffkv.build.aot import eval_grid
+
+    c = entry["compiled"][target]
+    grid = eval_grid(entry["grid"], sizes, entry["constexprs"]) + (1,) * (3 - len(entry["grid"]))
+    ptx = (Path(MANIFEST).parent / c["ptx"]).read_text() if MANIFEST else ""
+    params = dict(grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * c["num_warps"],
+                  shared_mem=c["shared_bytes"])
+    return c["kernel_name"], ptx, params, [entry["scalars"].get(n) for n in entry["params"]
+                                          if not entry["signature"][n].startswith("*")]
+
+
+def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> list[str]:
+    """Register ``diffkv::aot_<kernel name>`` for every manifest entry (its pointer args as tensors); returns names.
+
+    The runtime sizes (grid) come from the first input's shape at build time through ``trtp.KernelLaunchParams``
+    symbolic expressions; scalars recorded as constants in the manifest are passed as ``SymIntExprs``.
+    """
+    global MANIFEST
+    MANIFEST = str(manifest_path)
+    manifest = json.loads(Path(manifest_path).read_text())
+    names = []
+    for entry in manifest["kernels"]:
+        name = f"{specs.NAMESPACE}::aot_{entry['name']}"
+        pointers = [n for n in entry["params"] if entry["signature"][n].startswith("*")]
+
+        def desc(*tensors, _n=len(pointers)):
+            return tensors[0].aliased()
+
+        desc.__signature__ = inspect.Signature(
+            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc) for p in pointers])
+        trtp.register(name)(desc)
+
+        def aot(*tensors, outputs, tactic, _entry=entry):
+            kernel_name, ptx, p, scalars = aot_launch(_entry, target, _entry["sizes"])
+            launch = trtp.KernelLaunchParams()
+            for key, value in p.items():
+                setattr(launch, key, value)
+            return kernel_name, ptx, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(int(s)) for s in scalars
+                                                                            if isinstance(s, int)])
+        aot.__signature__ = inspect.Signature(
+            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc) for p in pointers]
+            + [inspect.Parameter("outputs", inspect.Parameter.KEYWORD_ONLY, annotation=tuple),
+               inspect.Parameter("tactic", inspect.Parameter.KEYWORD_ONLY, annotation=int)])
+        trtp.aot_impl(name)(aot)
+        names.append(name)
+    return names

@@ -1,0 +1,161 @@
+"""Ahead-of-time kernels: every specialization an engine needs compiles for sm_80 and sm_90 on this CPU
+machine, and the manifest agrees with the kernels' real signatures and the launchers' grids.
+
+The compilation runs once per session in a child process without ``TRITON_INTERPRET``
+(:func:`trtllm_diffkv.build.aot.build_kernels`); the in-process checks use the launch recorder only
+(no kernel runs).
+"""
+import hashlib
+import json
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+
+from trtllm_diffkv.build import aot  # noqa: E402
+from trtllm_diffkv.build.fields import EngineShape, kv_config_from_fields, kv_config_to_fields  # noqa: E402
+from trtllm_diffkv.config import PRESETS, get_preset  # noqa: E402
+
+TINY = EngineShape(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset("default"),
+                   dtype="float16", max_batch_size=2, max_seq_len=128)
+
+
+@pytest.fixture(scope="session")
+def aot_dir(tmp_path_factory):
+    """The tiny engine's kernels compiled for sm_80 and sm_90 (once per test session)."""
+    out = tmp_path_factory.mktemp("aot")
+    try:
+        aot.build_kernels(TINY, out, targets=(80, 90))
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot assemble here: {exc}")
+        raise
+    return out
+
+
+def _manifest(aot_dir):
+    return json.loads((aot_dir / "manifest.json").read_text())
+
+
+def test_every_family_compiles_for_both_targets(aot_dir):
+    m = _manifest(aot_dir)
+    assert m["targets"] == ["sm_80", "sm_90"]
+    assert EngineShape.from_fields(m["engine"]) == TINY
+    ops = {k["op"] for k in m["kernels"]}
+    assert ops == {"write_high", "write_low_prompt", "write_low_move", "read_high_move", "decode_attention",
+                   "prefill_scores", "page_manager"}
+    kernels = {k["kernel"].split(":")[1] for k in m["kernels"]}
+    assert set(aot.GRIDS) == kernels  # every kernel of the paged path, none forgotten
+    for k in m["kernels"]:
+        for target in ("sm_80", "sm_90"):
+            c = k["compiled"][target]
+            cubin = (aot_dir / c["cubin"]).read_bytes()
+            assert cubin[:4] == b"\x7fELF", k["name"]
+            assert hashlib.sha256(cubin).hexdigest() == c["cubin_sha256"]
+            ptx = (aot_dir / c["ptx"]).read_text()
+            assert f".target {target}" in ptx and f".entry {c['kernel_name']}(" in ptx
+            assert c["shared_bytes"] <= (163 if target == "sm_80" else 227) * 1024
+            assert c["num_warps"] == k["options"]["num_warps"]
+
+
+def test_manifest_signatures_match_the_kernels(aot_dir):
+    """Argument names, order, constexpr-ness and the compiled parameter count come from the real kernels."""
+    for k in _manifest(aot_dir)["kernels"]:
+        spec = aot.KernelSpec(**{f: k[f] for f in ("name", "op", "kernel", "arg_names", "signature", "constexprs",
+                                                    "grid", "sizes", "scalars", "options", "select")})
+        params = aot.kernel_parameters(spec.jit_function())
+        assert k["arg_names"] == [n for n, _, _ in params], k["name"]
+        assert {n for n, c, _ in params if c} == set(k["constexprs"]) == \
+            {n for n, t in k["signature"].items() if t == "constexpr"}, k["name"]
+        assert k["params"] == [n for n, c, _ in params if not c]
+        for name in k["params"]:
+            assert re.fullmatch(r"\*?(fp16|bf16|fp32|i1|i8|i16|i32|i64|u8)", k["signature"][name]), (k["name"], name)
+        ptx = (aot_dir / k["compiled"]["sm_90"]["ptx"]).read_text()
+        entry = ptx[ptx.index(f".entry {k['compiled']['sm_90']['kernel_name']}("):]
+        header = entry[:entry.index(")")]
+        assert header.count(".param") == len(k["params"]) + k["compiled"]["sm_90"]["extra_params"] == \
+            len(k["params"]) + 2  # Triton 3.6: the global and profile scratch pointers
+        # pointer params are .u64, 32-bit ints .u32 / .s32, in the manifest's order
+        kinds = re.findall(r"\.param \.(\w+)", header)[:len(k["params"])]
+        for name, kind in zip(k["params"], kinds):
+            t = k["signature"][name]
+            assert kind == ("u64" if t.startswith("*") or t == "i64" else "f32" if t == "fp32" else
+                            "u32" if t == "i32" else kind), (k["name"], name, kind)
+
+
+def test_recorded_launch_values_follow_the_page_format():
+    """Specs of a second shape (GQA 4, head_dim 128, bf16, quantization-only preset): constexprs are the
+    page format's and the kernels' launch rules, not defaults."""
+    shape = EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, kv_config=get_preset("k8v4"),
+                        dtype="bfloat16", max_batch_size=4, max_seq_len=1000)
+    specs = aot.kernel_specs(shape)
+    fmt = shape.page_format
+    by_kernel = {}
+    for s in specs:
+        by_kernel.setdefault(s.kernel.split(":")[1], []).append(s)
+    partial = by_kernel["_decode_partial_kernel"][0]
+    c = partial.constexprs
+    assert (c["GROUP"], c["HEAD_DIM"], c["R"], c["PAGE_BYTES"]) == (4, 128, shape.max_pages_per_row,
+                                                                    fmt.page_size_bytes)
+    assert (c["H_KB"], c["H_VB"], c["L_KB"], c["L_VB"]) == (8, 4, 8, 4)
+    assert c["H_TOKENS"] == fmt.high_tokens_per_page and c["H_KC"] == fmt.high.key_codes.offset_bytes
+    assert c["DT"] == "tl.float16" and c["FAST"] is True  # bf16 queries enter fp16 products (decode_attention.py)
+    assert partial.signature["q_ptr"] == "*bf16" and partial.signature["pool_ptr"] == "*u8"
+    assert aot.eval_grid(partial.grid, {**partial.sizes, "num_seqs": 3}, c)[0] == 3
+    write = {s.op: s for s in by_kernel["_write_tokens_kernel"]}
+    assert write["write_high"].signature["k_ptr"] == "*bf16" and write["write_low_move"].signature["k_ptr"] == "*fp32"
+    assert write["write_high"].constexprs["HAS_OFFSET"] is True and write["write_low_move"].constexprs["HAS_OFFSET"] \
+        is False
+    assert all(s.options["enable_fp_fusion"] is False for s in by_kernel["_write_tokens_kernel"])
+    # prefill variants: one per (padded scoring queries, lse chunks) range, covering 1..max_seq_len once
+    def bounds(kernel):
+        return sorted(tuple(int(x) for x in s.select.split(" <= max_len <= ")) for s in by_kernel[kernel])
+
+    for kernel in ("_prompt_lse_kernel", "_prompt_lse_merge_kernel", "_prompt_score_kernel"):
+        b = bounds(kernel)
+        assert b[0][0] == 1 and b[-1][1] == 1000 and all(y[0] == x[1] + 1 for x, y in zip(b, b[1:])), (kernel, b)
+    lse = {s.select: s.constexprs["LSE_STRIDE"] for s in by_kernel["_prompt_lse_kernel"]}
+    assert lse == {"1 <= max_len <= 16": 16, "17 <= max_len <= 32": 32, "33 <= max_len <= 1000": 64}
+    merge = {s.select: s.constexprs["BLOCK_C"] for s in by_kernel["_prompt_lse_merge_kernel"]}
+    assert merge["513 <= max_len <= 1000"] == 4 and merge["257 <= max_len <= 512"] == 2  # ceil(n / 256), pow2
+
+
+def test_grid_formula_mismatch_is_caught():
+    """A launch whose grid disagrees with the written formula stops the build (the formula is checked)."""
+    import torch
+
+    from trtllm_diffkv.kernels import quant_write as qw
+
+    fmt = TINY.page_format
+    meta = lambda *shape, dtype=torch.int32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    with aot._Recorder([(qw, "_write_tokens_kernel")]) as rec:
+        qw.write_tokens(meta(3, fmt.page_size_bytes, dtype=torch.uint8), fmt, "high", meta(4), meta(4),
+                        meta(4, 64, dtype=torch.float16), meta(4, 64, dtype=torch.float16),
+                        scores=meta(4, dtype=torch.float32), positions=meta(4))
+    kernel, grid, args, kwargs = rec.launches[0]
+    assert grid == (4,)
+    assert aot._spec(rec.launches[0], "write_high", {"n_rows": 4}).grid == ["n_rows"]
+    with pytest.raises(AssertionError, match="grid formula"):
+        aot._spec((kernel, (5,), args, kwargs), "write_high", {"n_rows": 4})
+
+
+def test_bad_shapes_and_targets_refused(tmp_path):
+    with pytest.raises(ValueError, match="head_dim=72"):
+        EngineShape(num_layers=1, num_heads=4, num_kv_heads=4, head_dim=72, kv_config=get_preset("default"))
+    with pytest.raises(ValueError, match="dtype"):
+        EngineShape(num_layers=1, num_heads=4, num_kv_heads=4, head_dim=64, kv_config=get_preset("default"),
+                    dtype="float8")
+    with pytest.raises(ValueError, match="sm_75"):
+        aot.check_targets((80, 75))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_kv_config_fields_round_trip(name):
+    cfg = get_preset(name)
+    fields = kv_config_to_fields(cfg)
+    assert all(isinstance(v, (int, float, str)) for v in fields.values())
+    assert kv_config_from_fields(fields) == cfg
+    assert kv_config_from_fields(json.loads(json.dumps(fields))) == cfg
+    with pytest.raises(ValueError, match="high_key_bits"):
+        kv_config_from_fields({k: v for k, v in fields.items() if k != "high_key_bits"})

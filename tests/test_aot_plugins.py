@@ -1,0 +1,139 @@
+"""The plugins' plain-Python parts (plugins/specs.py), tested without TensorRT: shape/dtype inference
+against what the paged cache's operations really produce, aliasing of the state, plugin-field
+serialization, and the manifest lookup the AOT plugins use."""
+import numpy as np
+import pytest
+import torch
+
+from plugins import specs
+from trtllm_diffkv.build import aot
+from trtllm_diffkv.build.fields import EngineShape, kv_config_to_fields
+from trtllm_diffkv.config import get_preset
+from trtllm_diffkv.memory import PageFormat
+
+
+def _dt(t):
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _cache(kv, L=2, H=4, Hkv=2, D=64):
+    from trtllm_diffkv.paged.cache import PagedDiffKVCache
+
+    return PagedDiffKVCache(kv, L, H, Hkv, D, num_pages=64, max_slots=3, max_seq_len_tokens=80, use_triton=False,
+                            page_manager="cpu")
+
+
+@pytest.mark.parametrize("preset", ["default", "llama3-8b"])
+def test_plugin_ops_compute_what_the_paged_cache_computes(preset):
+    """ops.run_prefill / run_decode on the step's tensors (the plugin inputs) == PagedDiffKVCache.forward,
+    bit for bit (pool, key offsets, tier counts, outputs); inferred output shapes/dtypes == the real ones."""
+    from plugins import ops
+
+    kv = get_preset(preset)
+    cache = _cache(kv)
+    L, H, Hkv, D = 2, 4, 2, 64
+    attrs = {"layer_idx": 0, "num_layers": L, "num_heads": H, "num_kv_heads": Hkv, "head_dim": D,
+             "sm_scale": cache.sm_scale}
+    g = torch.Generator().manual_seed(0)
+    lens = [37, 5]
+    cache.plan([0, 2], lens, [0, 0], [True, True])
+    T = sum(lens)
+    qkv = [(torch.randn(T, H, D, generator=g) * 2, torch.randn(T, Hkv, D, generator=g) * 2,
+            torch.randn(T, Hkv, D, generator=g)) for _ in range(L)]
+    p = cache._step.prefill
+    state = [cache.pool.pages(), cache.manager.page_table, cache.manager.tokens, cache.row_meta.key_offsets,
+             p["counts"], cache.error_flags]
+    clones = [t.clone() for t in state]
+    inputs = [*qkv[0], p["cu"], p["req"], p["t"], p["count"], p["thr_h"], p["thr_l"], p["window"], p["start"],
+              p["row_base"], p["reserved"], p["err_idx"], *clones[:3], clones[3], clones[4], clones[5]]
+    inferred = specs.infer(specs.PREFILL, [tuple(t.shape) for t in inputs], [_dt(t) for t in inputs])
+    out = torch.empty_like(qkv[0][0])
+    ops.run_prefill(inputs, out, kv, attrs, use_triton=False)
+    ref = cache.forward(0, *qkv[0]).clone()
+    assert inferred[0] == (tuple(ref.shape), _dt(ref)) and torch.equal(out, ref)
+    for a, b in zip(state, clones):
+        assert torch.equal(a, b)
+    cache.forward(1, *qkv[1])
+    # one decode step: the plan's tensors for layer 0 are the decode plugin's inputs
+    cache.plan([0, 2], [n + 1 for n in lens], lens, [False, False])
+    d = cache._step.decode
+    q, k, v = torch.randn(2, H, D, generator=g), torch.randn(2, Hkv, D, generator=g), torch.randn(2, Hkv, D, generator=g)
+    state = [cache.pool.pages(), cache.manager.page_table, cache.manager.tokens, cache.row_meta.key_offsets,
+             cache.error_flags]
+    clones = [t.clone() for t in state]
+    inputs = [q, k, v, d["row_ids"][0], d["page"][0].reshape(-1), d["slot"][0].reshape(-1), d["positions"],
+              d["err_idx"], *clones]
+    inferred = specs.infer(specs.DECODE, [tuple(t.shape) for t in inputs], [_dt(t) for t in inputs])
+    out = torch.empty_like(q)
+    ops.run_decode(inputs, out, kv, attrs, use_triton=False)
+    ref = cache.forward(0, q, k, v).clone()
+    assert inferred[0] == (tuple(ref.shape), _dt(ref)) and inferred[1] == (tuple(clones[0].shape), "uint8")
+    assert torch.equal(out, ref)
+    for a, b in zip(state, clones):
+        assert torch.equal(a, b)  # the new token and every token's updated score, in place
+
+
+def test_page_update_op_is_append_decode():
+    """ops.run_page_update on the manager's state tensors == TritonPageManager.append_decode (interpreter)."""
+    from plugins import ops
+    from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4
+    from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
+
+    patch_interpreter_for_numpy_2_4()
+    kv = get_preset("default")
+    fmt = PageFormat.for_config(kv, 64)
+    L, Hkv = 2, 2
+    mgr = TritonPageManager(fmt, 40, 3, L, Hkv, 80, device="cpu")
+    slots = torch.tensor([0, 2])
+    mgr.reserve_prompt(slots, torch.tensor([40, 7]))
+    mgr.commit_prompt(slots, torch.full((2, L, Hkv), 30, dtype=torch.int32), torch.full((2, L, Hkv), 6, dtype=torch.int32))
+    state = [mgr.page_table, mgr.tokens, mgr.pages, mgr.slot_state, mgr.ring, mgr.ring_state]
+    clones = [t.clone() for t in state]
+    dh = torch.tensor([[[1, 1], [1, 0]], [[1, 1], [0, 1]]], dtype=torch.int32)
+    dl = 1 - dh
+    ops.run_page_update([slots, dh, dl, *clones], kv, {"head_dim": 64, "num_layers": L, "num_kv_heads": Hkv})
+    mgr.append_decode(slots, dh, dl)
+    for a, b in zip(state, clones):
+        assert torch.equal(a, b)
+    assert int(mgr.tokens.sum()) == 2 * L * Hkv * 37  # one token more per row
+
+
+@pytest.mark.parametrize("plugin", list(specs.PLUGINS.values()), ids=lambda p: p.name)
+def test_state_outputs_alias_inputs_of_the_same_name(plugin):
+    for j, i in plugin.aliases.items():
+        assert plugin.outputs[j] == plugin.inputs[i].name
+    assert plugin.full_name.startswith("diffkv::")
+
+
+def test_bad_inputs_named():
+    state = [(3, 9), (6, 5), (6, 2), (6, 64), (4,)]
+    state_dt = ["uint8", "int32", "int32", "float16", "int32"]
+    with pytest.raises(ValueError, match="input q is int32"):
+        specs.infer(specs.DECODE, [(4, 8, 64), (4, 2, 64), (4, 2, 64), (4, 2)] + [(8,)] * 4 + state,
+                    ["int32"] + ["float16"] * 2 + ["int32"] * 5 + state_dt)
+    with pytest.raises(ValueError, match="disagree"):
+        specs.infer(specs.DECODE, [(4, 8, 64), (4, 3, 64), (4, 3, 64), (4, 3)] + [(12,)] * 4 + state,
+                    ["float16"] * 3 + ["int32"] * 5 + state_dt)
+    with pytest.raises(ValueError, match="12 inputs, expected 13"):
+        specs.infer(specs.DECODE, [(4, 8, 64)] * 12, ["float16"] * 12)
+
+
+@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16"])
+def test_plugin_fields_round_trip_exactly(preset):
+    fields = {"layer_idx": 3, "num_heads": 32, "sm_scale": 128 ** -0.5, **kv_config_to_fields(get_preset(preset))}
+    items = specs.to_plugin_fields(fields)
+    assert all(isinstance(a, np.ndarray) for _, a, _ in items)
+    back = specs.from_plugin_fields(items)
+    assert back == fields and back["alpha_low"] == get_preset(preset).alpha_low  # float64, not rounded to fp32
+
+
+def test_select_kernel_picks_the_prefill_variant_for_the_longest_prompt():
+    shape = EngineShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset("default"),
+                        max_batch_size=2, max_seq_len=600)
+    manifest = {"kernels": [s.to_json() for s in aot.kernel_specs(shape, ("prefill", "write"))]}
+    assert specs.select_kernel(manifest, "_prompt_lse_kernel", {"max_len": 20})["constexprs"]["LSE_STRIDE"] == 32
+    merge = specs.select_kernel(manifest, "_prompt_lse_merge_kernel", {"max_len": 513})
+    assert merge["constexprs"]["BLOCK_C"] == 4  # ceil(513 / 256) = 3 chunks, padded to 4
+    assert specs.select_kernel(manifest, "_write_tokens_kernel", {}, op="write_low_move")["signature"]["k_ptr"] == "*fp32"
+    with pytest.raises(LookupError):
+        specs.select_kernel(manifest, "_write_tokens_kernel", {})  # three write variants: op must be given

@@ -1,0 +1,113 @@
+"""``trtllm-diffkv build``: the engine directory's layout and config, ModelRunner.from_dir on it gives the
+same greedy tokens as ``trtllm-diffkv generate``, and bad arguments fail in one line leaving nothing behind."""
+import argparse
+import json
+
+import pytest
+
+import tiny_checkpoint
+from tiny_checkpoint import write_tiny_text_checkpoint
+from trtllm_diffkv.build import engine_dir
+from trtllm_diffkv.commands import build as build_cmd
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser(prog="trtllm-diffkv")
+    build_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["build", *argv])
+    return args.run(args)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny checkpoint and its engine dir (float32, default preset, sm_90 kernels only: tests/test_aot.py
+    compiles both targets)."""
+    root = tmp_path_factory.mktemp("build")
+    ckpt = write_tiny_text_checkpoint(root / "ckpt")
+    out = root / "engine"
+    assert _run(["--checkpoint", str(ckpt), "--output", str(out), "--plugin", "diffkv", "--kv-config", "default",
+                 "--max-batch-size", "4", "--max-seq-len", "96", "--dtype", "float32", "--targets", "90"]) == 0
+    return ckpt, out
+
+
+def test_engine_dir_layout_and_config(built, capsys):
+    ckpt, out = built
+    config = json.loads((out / "config.json").read_text())
+    assert set(config) == {"version", "pretrained_config", "build_config", "diffkv"}
+    pc, bc, dk = config["pretrained_config"], config["build_config"], config["diffkv"]
+    assert (pc["architecture"], pc["dtype"], pc["num_hidden_layers"], pc["num_attention_heads"],
+            pc["num_key_value_heads"], pc["head_size"], pc["vocab_size"]) == \
+        ("LlamaForCausalLM", "float32", 2, 2, 1, 64, 49152)
+    assert (bc["max_batch_size"], bc["max_seq_len"], bc["plugin_config"]["diffkv_plugin"]) == (4, 96, "float32")
+    assert dk["onnx"] == "model.onnx" and dk["engine"] is None and "TensorRT is not importable" in dk["tensorrt"]
+    manifest = json.loads((out / "kernels" / "manifest.json").read_text())
+    assert manifest["targets"] == ["sm_90"] and manifest["engine"]["max_seq_len"] == 96
+    for k in manifest["kernels"]:
+        assert (out / "kernels" / k["compiled"]["sm_90"]["cubin"]).stat().st_size > 0
+    import onnx
+
+    proto = onnx.load(str(out / "model.onnx"))  # external weights in model.onnx.data
+    assert sum(n.op_type == "DiffKVAttention" for n in proto.graph.node) == 2
+    assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
+    assert engine_dir.is_engine_dir(out) and not engine_dir.is_engine_dir(ckpt)
+    info = engine_dir.read_engine_dir(out)
+    assert (info.max_batch_size, info.max_seq_len, info.dtype, info.kv_config.name) == (4, 96, "float32", "default")
+    assert info.model_path == out / "model"
+    assert not [p for p in out.parent.iterdir() if ".partial-" in p.name]
+
+
+def test_model_runner_on_engine_dir_matches_generate(built, capsys):
+    """ModelRunner.from_dir(ENGINE_DIR) (executor, paged cache) == `trtllm-diffkv generate` (reference path)."""
+    from trtllm_diffkv import ModelRunner
+    from trtllm_diffkv.cli import main
+
+    ckpt, out = built
+    prompt = "The quick brown fox"
+    assert main(["generate", "--model", str(ckpt), "--prompt", prompt, "--max-new-tokens", "6", "--json",
+                 "--no-chat-template", "--device", "cpu", "--kv-config", "default", "--engine", "reference",
+                 "--threads", "1"]) == 0
+    expected = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+    runner = ModelRunner.from_dir(out, device="cpu", kv_memory_bytes=16 << 20)
+    try:
+        assert runner.llm.kv_config.name == "default"  # from the engine dir (max_batch_size: see the report)
+        ids = runner.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+        res = runner.generate([ids], max_new_tokens=6, end_id=runner.tokenizer.eos_token_id,
+                              output_sequence_lengths=True, return_dict=True)
+        n = int(res["sequence_lengths"][0, 0])
+        got = res["output_ids"][0, 0, len(ids):n].tolist()
+    finally:
+        runner.shutdown()
+    assert len(expected) >= 1 and got[:len(expected)] == expected
+
+
+def _leftovers(parent):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".out"))
+
+
+@pytest.mark.parametrize("case", ["plugin", "missing", "target", "head_dim", "exists", "compile"])
+def test_bad_arguments_fail_in_one_line_and_leave_nothing(case, tmp_path, capsys, monkeypatch):
+    if case == "head_dim":  # 4 heads of 32: no DiffKV kernels for head_dim 32
+        monkeypatch.setitem(tiny_checkpoint.TINY_TEXT_CONFIG, "head_dim", 32)
+        monkeypatch.setitem(tiny_checkpoint.TINY_TEXT_CONFIG, "num_attention_heads", 4)
+    ckpt = tmp_path / "none" if case == "missing" else write_tiny_text_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    if case == "exists":
+        out.mkdir()
+    if case == "compile":
+        from trtllm_diffkv.build import aot
+
+        def fail(*a, **kw):
+            raise RuntimeError("write_tokens_kernel__x failed to compile for sm_90: boom")
+        monkeypatch.setattr(aot, "build_kernels", fail)
+    argv = ["--checkpoint", str(ckpt), "--output", str(out), "--plugin", "gpt_attention" if case == "plugin" else
+            "diffkv", "--targets", "75" if case == "target" else "90", "--dtype", "float32", "--max-seq-len", "64",
+            "--no-onnx"]
+    assert _run(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if "error:" in line]
+    assert len(errors) == 1, err
+    expect = {"plugin": "'gpt_attention' is not supported", "missing": "does not exist", "target": "sm_75",
+              "head_dim": "head_dim=32", "exists": "already exists", "compile": "failed to compile"}[case]
+    assert expect in errors[0]
+    assert out.exists() == (case == "exists") and not (out / "config.json").exists()
+    assert _leftovers(tmp_path) == []

@@ -1,0 +1,125 @@
+"""Engine directories written by ``trtllm-diffkv build`` (TensorRT-LLM's engine-dir layout) and read back.
+
+Layout (``ENGINE_DIR/``)::
+
+    config.json            TensorRT-LLM's engine config: "version", "pretrained_config",
+                           "build_config" (max_batch_size, max_input_len, max_seq_len, max_beam_width,
+                           max_num_tokens, "plugin_config" with "diffkv_plugin"), plus a "diffkv" section
+                           (the DiffKVConfig fields, the engine shape, file names, what was built)
+    model/                 the model as a Hugging Face folder: config.json, model.safetensors (weights in
+                           the build dtype), tokenizer and generation_config files copied from the checkpoint
+    model.onnx (+ .data)   the graph with one DiffKV plugin node per layer (build/onnx_export.py)
+    kernels/               AOT PTX + cubins for sm_80 / sm_90 and manifest.json (build/aot.py)
+    rank0.engine           the serialized TensorRT engine, only where ``import tensorrt`` works
+
+:func:`read_engine_dir` gives what :class:`~trtllm_diffkv.runner.ModelRunner` needs to run the
+directory on the PyTorch executor: the model folder, the DiffKV config, the limits and dtype.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import DiffKVConfig
+from .fields import kv_config_from_fields
+
+ENGINE_FORMAT = "trtllm-diffkv-engine/1"
+
+
+@dataclass(frozen=True)
+class EngineDirInfo:
+    """What an engine directory holds.
+
+    Attributes:
+        model_path: the Hugging Face model folder inside the engine dir.
+        kv_config: the DiffKV configuration it was built for.
+        max_batch_size: requests per step.
+        max_seq_len: prompt + generated tokens per request.
+        dtype: activation dtype (torch name: ``"float16"``, ``"bfloat16"``, ``"float32"``).
+    """
+
+    model_path: Path
+    kv_config: DiffKVConfig
+    max_batch_size: int
+    max_seq_len: int
+    dtype: str
+
+
+def _config(path) -> dict | None:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_engine_dir(path) -> bool:
+    """Whether ``path`` is a directory written by ``trtllm-diffkv build`` (its config.json has the diffkv section)."""
+    data = _config(path) if Path(path).is_dir() else None
+    return bool(data) and isinstance(data.get("diffkv"), dict) and data["diffkv"].get("format") == ENGINE_FORMAT \
+        and "build_config" in data
+
+
+def read_engine_dir(path) -> EngineDirInfo:
+    """Read an engine directory.
+
+    Raises:
+        ValueError: not an engine dir of this tool, or a config.json missing a key (naming it).
+        FileNotFoundError: its model folder is missing.
+    """
+    if not is_engine_dir(path):
+        raise ValueError(f"{path} is not an engine directory written by trtllm-diffkv build (no config.json with a "
+                         "'diffkv' section)")
+    data = _config(path)
+    try:
+        section, build = data["diffkv"], data["build_config"]
+        model_path = Path(path) / section["model_dir"]
+        info = EngineDirInfo(model_path, kv_config_from_fields(section["kv_config"]), int(build["max_batch_size"]),
+                             int(build["max_seq_len"]), str(data["pretrained_config"]["dtype"]))
+    except KeyError as exc:
+        raise ValueError(f"{path}/config.json is missing {exc.args[0]!r}") from None
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: the engine's model folder {model_path} is missing")
+    return info
+
+
+def engine_config(model_config, shape, *, onnx_file: str | None, engine_file: str | None, targets: list[str],
+                  tensorrt_note: str) -> dict:
+    """The engine's config.json dict (TensorRT-LLM keys plus the ``diffkv`` section).
+
+    Args:
+        model_config: the :class:`~trtllm_diffkv.model.llama.ModelConfig`.
+        shape: the :class:`~.fields.EngineShape`.
+        onnx_file, engine_file: file names in the directory (``None``: not written).
+        targets: AOT targets (``["sm_80", "sm_90"]``).
+        tensorrt_note: what happened with TensorRT (built, or why not).
+    """
+    from .. import __version__
+
+    mc = model_config
+    pretrained = {
+        "architecture": mc.architecture, "dtype": shape.dtype, "vocab_size": mc.vocab_size,
+        "hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size,
+        "num_hidden_layers": mc.num_layers, "num_attention_heads": mc.num_heads,
+        "num_key_value_heads": mc.num_kv_heads, "head_size": mc.head_dim, "hidden_act": "silu",
+        "norm_epsilon": mc.rms_norm_eps, "position_embedding_type": "rope_gpt_neox", "rotary_base": mc.rope_theta,
+        "rotary_scaling": mc.rope_scaling, "max_position_embeddings": mc.max_position_embeddings,
+        "share_embedding_table": mc.tie_word_embeddings, "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+    }
+    build = {
+        "max_batch_size": shape.max_batch_size, "max_input_len": shape.max_seq_len, "max_seq_len": shape.max_seq_len,
+        "max_beam_width": 1, "max_num_tokens": shape.max_batch_size * shape.max_seq_len,
+        "plugin_config": {"diffkv_plugin": shape.dtype, "gpt_attention_plugin": None, "paged_kv_cache": True,
+                          "remove_input_padding": True, "context_fmha": False, "gemm_plugin": None},
+    }
+    diffkv = {
+        "format": ENGINE_FORMAT, "trtllm_diffkv_version": __version__, "kv_config": shape.to_fields(),
+        "model_dir": "model", "onnx": onnx_file, "engine": engine_file, "kernels_dir": "kernels",
+        "aot_targets": targets, "plugin_namespace": "diffkv", "tensorrt": tensorrt_note,
+    }
+    return {"version": __version__, "pretrained_config": pretrained, "build_config": build, "diffkv": diffkv}

@@ -1,0 +1,192 @@
+"""``trtllm-diffkv build``: the ``trtllm-build --plugin diffkv`` surface; writes an engine directory.
+
+::
+
+    trtllm-diffkv build --checkpoint DIR --output ENGINE_DIR --plugin diffkv [--kv-config PRESET]
+                        [--max-batch-size N] [--max-seq-len N] [--dtype auto|float16|bfloat16|float32]
+                        [--targets 80,90] [--no-onnx]
+
+Steps (:func:`build_engine_dir`): load and check the checkpoint; fix the engine shape
+(:class:`~trtllm_diffkv.build.fields.EngineShape`: refuses an unsupported head_dim or query:KV ratio);
+write the model folder (weights as safetensors in the build dtype), the ONNX graph with one DiffKV
+plugin node per layer, the AOT kernels for ``--targets`` and their manifest, and config.json
+(:mod:`trtllm_diffkv.build.engine_dir`). Where ``import tensorrt`` works it would also parse the ONNX
+graph with the DiffKV plugins registered and serialize ``rank0.engine``; where not (this project's
+machines), it prints one line saying so. Everything is written into a temporary sibling directory that
+is renamed to ``ENGINE_DIR`` at the end, so a failed build leaves nothing behind. Errors are one line on
+stderr, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+           "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def add_parser(subparsers) -> None:
+    """Register ``build`` (``parser.set_defaults(run=run)``)."""
+    from ..config import PRESETS
+
+    p = subparsers.add_parser("build", help="build a DiffKV engine directory (trtllm-build --plugin diffkv)")
+    p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint folder or .gguf file")
+    p.add_argument("--output", required=True, help="engine directory to create (must not exist)")
+    p.add_argument("--plugin", required=True, help="the attention plugin; only 'diffkv'")
+    p.add_argument("--kv-config", default="default", choices=sorted(PRESETS), help="DiffKV preset (default: default)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests per step (default: 8)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens (default: 2048)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                   help="activation dtype (default: auto = the checkpoint's)")
+    p.add_argument("--targets", default="80,90", help="GPU compute capabilities to compile for (default: 80,90)")
+    p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build; 0 on success, 2 on a bad argument or a failed build (one line on stderr)."""
+    try:
+        out = build_engine_dir(args.checkpoint, args.output, plugin=args.plugin, kv_config=args.kv_config,
+                               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                               targets=_targets(args.targets), onnx=not args.no_onnx, log=_log)
+    except Exception as exc:  # noqa: BLE001 - every failure is one line
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"trtllm-diffkv build: error: {msg}", file=sys.stderr)
+        return 2
+    print(f"engine directory written: {out}")
+    return 0
+
+
+def _log(line: str) -> None:
+    print(f"[trtllm-diffkv build] {line}", file=sys.stderr, flush=True)
+
+
+def _targets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t.strip().removeprefix("sm_")) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"--targets {text!r}: give compute capabilities such as 80,90") from None
+
+
+def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: str = "default",
+                     max_batch_size: int = 8, max_seq_len: int = 2048, dtype: str = "auto",
+                     targets: tuple[int, ...] = (80, 90), onnx: bool = True, log=lambda line: None) -> Path:
+    """Write an engine directory (see the module docstring); returns its path.
+
+    Raises:
+        ValueError: ``plugin`` other than ``diffkv``, an unsupported head_dim / architecture / GPU
+            target / dtype / size, an existing ``output``.
+        FileNotFoundError: a missing checkpoint.
+        RuntimeError: a kernel failed to compile.
+    """
+    import torch
+
+    from ..build import aot
+    from ..build.engine_dir import engine_config
+    from ..build.fields import EngineShape
+    from ..config import get_preset
+    from ..model.loader import load_model, resolve_model_path
+
+    if plugin != "diffkv":
+        raise ValueError(f"--plugin {plugin!r} is not supported; the only plugin is 'diffkv'")
+    aot.check_targets(targets)
+    checkpoint, output = Path(checkpoint), Path(output)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
+    if output.exists():
+        raise ValueError(f"output {output} already exists; choose a new directory")
+    kv = get_preset(kv_config)
+    model, _, mc = load_model(str(checkpoint), device="cpu", dtype=None if dtype == "auto" else getattr(torch, dtype))
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    shape = EngineShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+                        head_dim=mc.head_dim, kv_config=kv, dtype=dtype_name, max_batch_size=max_batch_size,
+                        max_seq_len=max_seq_len)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        _write_model(model, resolve_model_path(str(checkpoint)), tmp / "model")
+        onnx_file = None
+        if onnx:
+            log("exporting the ONNX graph with DiffKV plugin nodes")
+            from ..build.onnx_export import export_onnx
+
+            proto = export_onnx(model, kv, max_positions=max_seq_len)
+            _save_onnx(proto, tmp / "model.onnx")
+            onnx_file = "model.onnx"
+        log(f"compiling the kernels ahead of time for {', '.join(f'sm_{t}' for t in targets)}")
+        aot.build_kernels(shape, tmp / "kernels", targets)
+        engine_file, note = _tensorrt_engine(tmp, onnx_file)
+        log(note)
+        config = engine_config(mc, shape, onnx_file=onnx_file, engine_file=engine_file,
+                               targets=[f"sm_{t}" for t in targets], tensorrt_note=note)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _write_model(model, source: Path, folder: Path) -> None:
+    """The model as a Hugging Face folder: the source config.json, weights as safetensors, tokenizer files."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    src = source if source.is_dir() else source.parent
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
+    if config is None:  # a .gguf: the loader converted it into a cached folder with a config.json
+        raise ValueError(f"{source}: no config.json next to the weights; build from the checkpoint folder")
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    config.pop("dtype", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(folder / "model.safetensors"))
+    for name in _COPIED:
+        if (src / name).is_file():
+            shutil.copy(src / name, folder / name)
+
+
+def _save_onnx(proto, path: Path) -> None:
+    import onnx
+
+    onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=path.name + ".data", size_threshold=1024)
+
+
+def _tensorrt_engine(folder: Path, onnx_file: str | None) -> tuple[str | None, str]:
+    """Serialize rank0.engine where TensorRT imports; else (None, the one line that says why not).
+
+    Not run on this project's machines (TensorRT cannot be installed here): written against TensorRT
+    10.x's documented Python API (Builder, OnnxParser with the plugins of ``plugins/`` registered).
+    Known gap: the graph's composite ``DiffKVAttention`` / ``DiffKVPageUpdate`` nodes have no TensorRT
+    plugin of that name yet (docs/PLUGINS.md), so the parse is expected to fail with a one-line error.
+    """
+    try:
+        import tensorrt as trt
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the bindings without libnvinfer
+        return None, f"TensorRT is not importable here ({type(exc).__name__}); wrote the engine directory without " \
+                     "a serialized engine (rank0.engine)"
+    if onnx_file is None:
+        return None, "no ONNX graph (--no-onnx): no serialized engine"
+    import importlib
+
+    importlib.import_module("plugins.trt_plugins")  # registers diffkv::* with tensorrt.plugin
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(folder / onnx_file)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse the ONNX graph: {errors}")
+    engine = builder.build_serialized_network(network, builder.create_builder_config())
+    if engine is None:
+        raise RuntimeError("TensorRT failed to build the engine")
+    (folder / "rank0.engine").write_bytes(bytes(engine))
+    return "rank0.engine", f"TensorRT {trt.__version__}: serialized rank0.engine"
