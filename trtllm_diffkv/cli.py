@@ -152,12 +152,13 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-memory-bytes", type=int,
                      help="executor: the page pool's budget in bytes, bookkeeping included (default: 0.9 of the "
                           "free GPU memory on CUDA, 256 MiB on the CPU)")
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="executor: sampling temperature, 0 = greedy (default: 0)")
-    gen.add_argument("--top-k", type=int, default=0, help="executor: keep the k most likely tokens, 0 = off "
-                                                          "(default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="executor: nucleus sampling mass in (0, 1], 1 = off "
-                                                              "(default: 1.0)")
+    gen.add_argument("--temperature", type=float,
+                     help="executor: sampling temperature, 0 = greedy (default: unset; greedy unless --top-k or "
+                          "--top-p is given, then 1.0, as TensorRT-LLM's SamplingParams)")
+    gen.add_argument("--top-k", type=int, help="executor: keep the k most likely tokens, 0 = off, 1 = greedy "
+                                               "(default: unset = off)")
+    gen.add_argument("--top-p", type=float, help="executor: nucleus sampling mass in [0, 1], 1 = off, 0 = greedy "
+                                                 "(default: unset = off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="executor: CTRL/HF repetition penalty over prompt and output, 1 = off (default: 1.0)")
     gen.add_argument("--seed", type=int, help="executor: per-request sampling seed (default: none, unseeded)")
@@ -317,7 +318,7 @@ def _sampling_params(args: argparse.Namespace):
     from .runtime.sampling import SamplingParams
 
     if (args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.stop) == \
-            (0.0, 0, 1.0, 1.0, None, None):
+            (None, None, None, 1.0, None, None):
         return None
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
