@@ -10,12 +10,106 @@ versions (``paged/torch_ops.py``; the CPU).
 The host-side plan (``PagedDiffKVCache.plan``: prompt reservation, decode decisions, the moves to the
 low tier) is the executor's; its per-token / per-row tensors arrive as plugin inputs
 (:data:`.specs.PREFILL`, :data:`.specs.DECODE`).
+
+The composite plugins of the exported ONNX graph (:data:`.specs.STEP_PAGE_UPDATE`,
+:data:`.specs.LAYER_ATTENTION`) run a whole :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` registered
+under an integer handle (:func:`register_cache`; the graph's ``cache_handle`` input): the step's ``plan``
+and one layer's ``forward``. The cache holds the state of record; the nodes' aliased state outputs receive
+copies of its pool, page table and tier counts after the node (what onnxruntime runs; under TensorRT the
+copies would write the engine's buffers).
 """
 from __future__ import annotations
 
+import itertools
+import threading
 from types import SimpleNamespace
 
 import torch
+
+_CACHES: dict = {}
+_LOCK = threading.Lock()
+_NEXT = itertools.count(1)
+
+
+def register_cache(cache) -> int:
+    """Make ``cache`` (a ``PagedDiffKVCache``) reachable from the composite plugins; returns its handle
+    (feed it as ``cache_handle`` int64 ``[1]``)."""
+    with _LOCK:
+        handle = next(_NEXT)
+        _CACHES[handle] = cache
+    return handle
+
+
+def unregister_cache(handle: int) -> None:
+    """Forget a handle (its cache is not touched)."""
+    with _LOCK:
+        _CACHES.pop(int(handle), None)
+
+
+def cache_for(handle) -> object:
+    """The cache registered under ``handle`` (an int or a one-element tensor / array).
+
+    Raises:
+        ValueError: no cache has that handle.
+    """
+    key = int(handle.reshape(-1)[0]) if hasattr(handle, "reshape") else int(handle)
+    try:
+        return _CACHES[key]
+    except KeyError:
+        raise ValueError(f"cache_handle {key} is not registered (register_cache)") from None
+
+
+def _check_state(cache, pool, table, tokens) -> None:
+    want = ((tuple(cache.pool.pages().shape), torch.uint8), (tuple(cache.manager.page_table.shape), torch.int32),
+            (tuple(cache.manager.tokens.shape), torch.int32))
+    for name, t, (shape, dtype) in zip(("kv_pool", "page_table", "tier_tokens"), (pool, table, tokens), want):
+        if t is not None and (tuple(t.shape) != shape or t.dtype != dtype):
+            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; the cache's is {dtype} {shape}")
+
+
+def run_step_page_update(inputs: list, step_token: torch.Tensor) -> None:
+    """``diffkv::DiffKVPageUpdate``: ``PagedDiffKVCache.plan`` of the step on the registered cache.
+
+    Args:
+        inputs: the tensors of :data:`.specs.STEP_PAGE_UPDATE`, in order; page_table and tier_tokens (aliased
+            outputs) receive the cache's state after the plan.
+        step_token: int64 ``[1]``, set to 1.
+
+    Raises:
+        ValueError: an unknown handle, state tensors that do not fit the cache, or a step the cache refuses.
+    """
+    handle, slots, seq_lens, positions, is_prefill, table, tokens = inputs
+    cache = cache_for(handle)
+    _check_state(cache, None, table, tokens)
+    cache.plan(slots.tolist(), seq_lens.tolist(), positions.tolist(), [bool(x) for x in is_prefill.tolist()])
+    table.copy_(cache.manager.page_table)
+    tokens.copy_(cache.manager.tokens)
+    step_token.fill_(1)
+
+
+def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
+    """``diffkv::DiffKVAttention``: ``PagedDiffKVCache.forward`` of layer ``attrs["layer_idx"]`` on the registered
+    cache (the step planned by ``DiffKVPageUpdate``).
+
+    Args:
+        inputs: the tensors of :data:`.specs.LAYER_ATTENTION`, in order; kv_pool, page_table and tier_tokens
+            (aliased outputs) receive the cache's state after the layer.
+        out: ``[T, H, D]`` attention output (written, converted to its dtype).
+
+    Raises:
+        ValueError: the step's page update failed (step token != 1), an unknown handle, state tensors that do
+            not fit the cache, or an input the cache refuses.
+    """
+    q, k, v, pool, table, tokens, handle, step_token = inputs
+    if int(step_token.reshape(-1)[0]) != 1:
+        raise ValueError("the step's page update failed")
+    cache = cache_for(handle)
+    _check_state(cache, pool, table, tokens)
+    as_cache = lambda t: t.to(cache.device, cache.dtype)  # noqa: E731
+    out.copy_(cache.forward(int(attrs["layer_idx"]), as_cache(q), as_cache(k), as_cache(v)))
+    pool.copy_(cache.pool.pages())
+    table.copy_(cache.manager.page_table)
+    tokens.copy_(cache.manager.tokens)
 
 
 def _cache_view(cfg, attrs: dict, pool, table, tokens, key_offsets, flags, num_tokens: int, use_triton: bool):

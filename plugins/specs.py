@@ -1,6 +1,6 @@
 """DiffKV plugin descriptors in plain Python: inputs, shape and dtype inference, aliasing, plugin fields.
 
-Three plugins, one per operation an engine needs (namespace ``diffkv``):
+Three per-operation plugins (namespace ``diffkv``):
 
 * ``diffkv::prefill_attention`` - scored prefill attention with prompt compaction into the pool
   (``paged/prefill.py``: scored prefill, prompt tiers, tokens quantized into the reserved pages);
@@ -8,6 +8,14 @@ Three plugins, one per operation an engine needs (namespace ``diffkv``):
   mixed-precision decode attention with the score update (``paged/decode.py``);
 * ``diffkv::page_update`` - the decode-step page update: one ``append_decode`` of every row's tier
   deltas (``memory/triton_page_manager.py``).
+
+and the two composite plugins the exported ONNX graph is made of (``build/onnx_export.py``), which run
+the paged cache's own per-layer code on a cache registered under a handle (:mod:`.ops`):
+
+* ``diffkv::DiffKVPageUpdate`` - the step's page-manager plan (``PagedDiffKVCache.plan``: prompt
+  reservation, decode decisions, one ``append_decode``, moves to the low tier);
+* ``diffkv::DiffKVAttention`` - one layer's attention and KV handling (``PagedDiffKVCache.forward``:
+  scored prefill with prompt compaction, paged decode attention with the score update).
 
 The pool, page table and page-manager state are inputs updated in place: each such output is
 *aliased* to its input (TensorRT ``IPluginV3OneBuildV2.getAliasedInput``; ``tensorrt.plugin``
@@ -36,14 +44,34 @@ class TensorSpec:
     rank: int
 
 
+SHAPE_FIELDS = {"layer_idx": int, "num_layers": int, "num_heads": int, "num_kv_heads": int, "head_dim": int,
+                "sm_scale": float}
+"""Model-shape plugin fields (ONNX attributes: INT, and FLOAT for ``sm_scale``)."""
+CONFIG_FIELDS = {"high_key_bits": int, "high_value_bits": int, "high_key_groups": int, "high_value_groups": int,
+                 "low_key_bits": int, "low_value_bits": int, "low_key_groups": int, "low_value_groups": int,
+                 "alpha_high": str, "alpha_low": str, "recent_window_tokens": int, "prompt_score_window_tokens": int,
+                 "prompt_threshold_base": str, "center_keys": int, "compress": int, "kv_config_name": str}
+"""The DiffKV configuration as plugin fields (``build/fields.py::kv_config_to_fields``; the thresholds as decimal
+strings, since ONNX float attributes are fp32)."""
+ATTENTION_FIELDS = {**SHAPE_FIELDS, **CONFIG_FIELDS}
+MANAGER_FIELDS = {"num_layers": int, "num_kv_heads": int, "head_dim": int, **CONFIG_FIELDS}
+RESERVED_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+"""ONNX attributes TensorRT's ONNX parser reads to find the plugin (not plugin fields)."""
+
+
 @dataclass(frozen=True)
 class PluginSpec:
-    """A plugin: ``namespace::name``, its inputs, and which outputs alias which inputs (in place)."""
+    """A plugin: ``namespace::name`` (version :data:`VERSION`), its inputs, which outputs alias which inputs
+    (in place), and its fields (``{name: int | float | str}``: TensorRT plugin fields, ONNX attributes).
+
+    An output that aliases no input takes the first input's shape and dtype (the attention output: q's; the
+    page update's step token: the cache handle's, int64 ``[1]``)."""
 
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[str, ...]
     aliases: dict
+    fields: dict
 
     @property
     def full_name(self) -> str:
@@ -79,6 +107,7 @@ PREFILL = PluginSpec(
      TensorSpec("tier_counts", ("int32",), 4), TensorSpec("error_flags", ("int32",), 1)),
     ("out", "kv_pool", "key_offsets", "tier_counts", "error_flags"),
     {1: 14, 2: 17, 3: 18, 4: 19},
+    ATTENTION_FIELDS,
 )
 """Inputs: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, cu_seqlens ``[B + 1]``, then the per-token tensors of the
 step's plan (``paged/prefill.py::plan_prefill``: request index, index in its prompt, scoring-query count,
@@ -95,6 +124,7 @@ DECODE = PluginSpec(
      TensorSpec("error_flags", ("int32",), 1)),
     ("out", "kv_pool", "error_flags"),
     {1: 8, 2: 12},
+    ATTENTION_FIELDS,
 )
 """Inputs: q ``[B, H, D]``, k/v ``[B, Hkv, D]`` (the new token), row_ids ``[B, Hkv]``, dest_page / dest_slot
 ``[B * Hkv]`` (the high slot the step's plan chose, ``paged/decode.py::plan_decode``), positions and err_idx
@@ -109,11 +139,39 @@ PAGE_UPDATE = PluginSpec(
      TensorSpec("ring_state", ("int64",), 1)),
     ("page_table", "tier_tokens", "row_pages", "slot_state", "ring", "ring_state"),
     {0: 3, 1: 4, 2: 5, 3: 6, 4: 7, 5: 8},
+    MANAGER_FIELDS,
 )
 """Inputs: slots ``[n]``, high/low deltas ``[n, L, Hkv]`` in {0, 1}, then the page manager's state
 (``TritonPageManager``: page_table, tokens, pages, slot_state, ring, ring_state); every output is its input, in place."""
 
-PLUGINS = {p.full_name: p for p in (PREFILL, DECODE, PAGE_UPDATE)}
+_HANDLE = TensorSpec("cache_handle", ("int64",), 1)
+
+STEP_PAGE_UPDATE = PluginSpec(
+    "DiffKVPageUpdate",
+    (_HANDLE, TensorSpec("step_slots", ("int64",), 1), TensorSpec("step_seq_lens", ("int64",), 1),
+     TensorSpec("step_positions", ("int64",), 1), TensorSpec("step_is_prefill", ("bool",), 1), *_STATE[1:]),
+    ("step_token", "page_table", "tier_tokens"),
+    {1: 5, 2: 6},
+    MANAGER_FIELDS,
+)
+"""Composite (the ONNX graph's): cache_handle int64 ``[1]``, the step (slots, sequence lengths, first positions,
+prefill flags, ``[num_requests]``), page_table, tier_tokens. Outputs: step_token int64 ``[1]`` (1: planned),
+page_table and tier_tokens in place."""
+
+LAYER_ATTENTION = PluginSpec(
+    "DiffKVAttention",
+    (TensorSpec("q", _ACT, 3), TensorSpec("k", _ACT, 3), TensorSpec("v", _ACT, 3), *_STATE, _HANDLE,
+     TensorSpec("step_token", ("int64",), 1)),
+    ("out", "kv_pool", "page_table", "tier_tokens"),
+    {1: 3, 2: 4, 3: 5},
+    ATTENTION_FIELDS,
+)
+"""Composite (the ONNX graph's): q ``[T, H, D]``, k/v ``[T, Hkv, D]``, the state (kv_pool, page_table,
+tier_tokens), cache_handle, step_token (the page update's: orders the node after it). Outputs: out ``[T, H, D]``
+(q's dtype), the state in place."""
+
+PLUGINS = {p.full_name: p for p in (PREFILL, DECODE, PAGE_UPDATE, STEP_PAGE_UPDATE, LAYER_ATTENTION)}
+"""Every DiffKV plugin, by ``namespace::name``: what ``trt_plugins`` registers and the ONNX export may use."""
 
 
 def infer(plugin: PluginSpec, shapes: list[tuple], dtypes: list[str]) -> list[tuple[tuple, str]]:
@@ -130,7 +188,7 @@ def infer(plugin: PluginSpec, shapes: list[tuple], dtypes: list[str]) -> list[tu
             out.append((tuple(shapes[i]), dtypes[i]))
         else:  # the attention output: q's shape and dtype
             out.append((tuple(shapes[0]), dtypes[0]))
-    if plugin is not PAGE_UPDATE:
+    if plugin.inputs[0].name == "q":
         q, k, v = shapes[:3]
         if all(isinstance(d, int) for d in (*q, *k, *v)):
             if k != v or q[0] != k[0] or q[2] != k[2] or q[1] % k[1]:

@@ -3,7 +3,10 @@ be installed on this project's machines; written against the documented API (``@
 ``@trtp.impl``, ``@trtp.aot_impl``, ``TensorDesc.like()/aliased()``, ``KernelLaunchParams``,
 ``SymIntExprs``), with its plain-Python parts (:mod:`.specs`) tested on the CPU.
 
-Importing this module registers, for each plugin of :data:`.specs.PLUGINS`:
+Importing this module registers, for each plugin of :data:`.specs.PLUGINS` (the three per-operation
+plugins and the two composite ones the exported ONNX graph is made of, ``DiffKVPageUpdate`` and
+``DiffKVAttention``, whose implementations run a ``PagedDiffKVCache`` registered in this process, so they
+need Python at run time and have no AOT form):
 
 * the descriptor (the attention output shaped like q, the state outputs aliased to their inputs, as
   :func:`.specs.infer` states and tests);
@@ -14,8 +17,8 @@ Importing this module registers, for each plugin of :data:`.specs.PLUGINS`:
   partial, merge, score): it returns the manifest's PTX, kernel name, grid and block, shared memory and the
   runtime scalar arguments as symbolic expressions, so the engine runs without Python.
 
-Node attributes (ONNX) / plugin fields: ``layer_idx, num_layers, num_heads, num_kv_heads, head_dim,
-sm_scale`` and the DiffKV configuration (``trtllm_diffkv.build.fields.kv_config_to_fields``).
+Node attributes (ONNX) / plugin fields: each plugin's ``fields`` (:mod:`.specs`: the model shape and the
+DiffKV configuration, ``trtllm_diffkv.build.fields.kv_config_to_fields``).
 """
 from __future__ import annotations
 
@@ -28,13 +31,6 @@ import tensorrt.plugin as trtp  # noqa: F401 - this module needs TensorRT (impor
 
 from . import ops, specs
 
-SHAPE_ATTRS = {"layer_idx": int, "num_layers": int, "num_heads": int, "num_kv_heads": int, "head_dim": int,
-               "sm_scale": float}
-CONFIG_ATTRS = {"high_key_bits": int, "high_value_bits": int, "high_key_groups": int, "high_value_groups": int,
-                "low_key_bits": int, "low_value_bits": int, "low_key_groups": int, "low_value_groups": int,
-                "alpha_high": str, "alpha_low": str, "recent_window_tokens": int, "prompt_score_window_tokens": int,
-                "prompt_threshold_base": str, "center_keys": int, "compress": int, "kv_config_name": str}
-ATTRS = {**SHAPE_ATTRS, **CONFIG_ATTRS}
 MANIFEST = os.environ.get("TRTLLM_DIFFKV_MANIFEST")
 """Path of the engine's kernels/manifest.json (set by ``trtllm-diffkv build`` before parsing the graph)."""
 
@@ -44,7 +40,7 @@ def _with_signature(fn, plugin: specs.PluginSpec, kind: str):
     tensor_type = {"register": trtp.TensorDesc, "impl": trtp.Tensor}[kind]
     params = [inspect.Parameter(t.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=tensor_type)
               for t in plugin.inputs]
-    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a) for n, a in ATTRS.items()]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a) for n, a in plugin.fields.items()]
     if kind == "impl":
         params += [inspect.Parameter("outputs", inspect.Parameter.KEYWORD_ONLY, annotation=tuple),
                    inspect.Parameter("stream", inspect.Parameter.KEYWORD_ONLY, annotation=int)]
@@ -70,7 +66,11 @@ def _impl(plugin: specs.PluginSpec):
         tensors = [torch.as_tensor(t, device="cuda") for t in inputs]
         cfg = kv_config_from_fields(attrs)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            if plugin is specs.PAGE_UPDATE:
+            if plugin is specs.STEP_PAGE_UPDATE:  # composite: the registered cache's plan
+                ops.run_step_page_update(tensors, torch.as_tensor(outputs[0], device="cuda"))
+            elif plugin is specs.LAYER_ATTENTION:  # composite: the registered cache's layer forward
+                ops.run_layer_attention(tensors, torch.as_tensor(outputs[0], device="cuda"), attrs)
+            elif plugin is specs.PAGE_UPDATE:
                 ops.run_page_update(tensors, cfg, attrs)  # every output aliases its input: updated in place
             else:
                 run = ops.run_prefill if plugin is specs.PREFILL else ops.run_decode

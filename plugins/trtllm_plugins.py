@@ -8,6 +8,9 @@ Written against ``tensorrt_llm/python_plugin.py`` (read from NVIDIA/TensorRT-LLM
 TensorRT's stream; the plugin's fields are its ``__dict__``, pickled by ``PluginBase``). In a
 ``tensorrt_llm`` network, ``plugin(*tensors)`` adds the layer; on torch tensors it runs ``forward``.
 The legacy path was removed from TensorRT-LLM in mid 2026 (deployments on older releases still use it).
+
+The classes register under the per-operation plugins' names of :mod:`.specs` (``diffkv::prefill_attention``,
+``diffkv::decode_attention``, ``diffkv::page_update``, version 1), the names ``trt_plugins`` registers.
 """
 from __future__ import annotations
 
@@ -40,11 +43,23 @@ class _DiffKVPlugin(PluginBase):
         cfg = kv_config_from_fields(self.fields)
         if self.spec is specs.PAGE_UPDATE:
             ops.run_page_update(list(inputs), cfg, self.fields)
+        elif self.spec is specs.PREFILL:
+            ops.run_prefill(list(inputs), outputs[0], cfg, self.fields, use_triton=True)
         else:
             ops.run_decode(list(inputs), outputs[0], cfg, self.fields, use_triton=True)
 
 
-@trtllm_plugin("DiffKVDecodeAttention", plugin_namespace=specs.NAMESPACE)
+@trtllm_plugin(specs.PREFILL.name, plugin_version=specs.VERSION, plugin_namespace=specs.NAMESPACE)
+class DiffKVPrefillAttentionPlugin(_DiffKVPlugin):
+    """``diffkv::prefill_attention`` (see :data:`.specs.PREFILL`)."""
+
+    spec = specs.PREFILL
+
+    def shape_dtype_inference(self, inputs) -> Tuple[SymTensor, SymTensor, SymTensor, SymTensor, SymTensor]:
+        return _infer(self.spec, inputs)
+
+
+@trtllm_plugin(specs.DECODE.name, plugin_version=specs.VERSION, plugin_namespace=specs.NAMESPACE)
 class DiffKVDecodeAttentionPlugin(_DiffKVPlugin):
     """``diffkv::decode_attention`` (see :data:`.specs.DECODE`)."""
 
@@ -54,7 +69,7 @@ class DiffKVDecodeAttentionPlugin(_DiffKVPlugin):
         return _infer(self.spec, inputs)
 
 
-@trtllm_plugin("DiffKVPageUpdate", plugin_namespace=specs.NAMESPACE)
+@trtllm_plugin(specs.PAGE_UPDATE.name, plugin_version=specs.VERSION, plugin_namespace=specs.NAMESPACE)
 class DiffKVPageUpdatePlugin(_DiffKVPlugin):
     """``diffkv::page_update`` (see :data:`.specs.PAGE_UPDATE`)."""
 

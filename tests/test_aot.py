@@ -66,9 +66,14 @@ def test_manifest_signatures_match_the_kernels(aot_dir):
                                                     "grid", "sizes", "scalars", "options", "select")})
         params = aot.kernel_parameters(spec.jit_function())
         assert k["arg_names"] == [n for n, _, _ in params], k["name"]
-        assert {n for n, c, _ in params if c} == set(k["constexprs"]) == \
+        # constexprs: the kernel's, plus engine-fixed ints equal to 1 (the JIT makes those constexpr too)
+        ones = {n for n, c, _ in params if not c and n in k["constexprs"]}
+        assert ones <= set(aot.ENGINE_INTS.get(k["kernel"].split(":")[1], ())) and \
+            all(k["constexprs"][n] == 1 for n in ones), k["name"]
+        assert {n for n, c, _ in params if c} | ones == set(k["constexprs"]) == \
             {n for n, t in k["signature"].items() if t == "constexpr"}, k["name"]
-        assert k["params"] == [n for n, c, _ in params if not c]
+        assert k["params"] == [n for n, c, _ in params if not c and n not in ones]
+        assert set(k["divisible"]) <= set(k["params"]), k["name"]
         for name in k["params"]:
             assert re.fullmatch(r"\*?(fp16|bf16|fp32|i1|i8|i16|i32|i64|u8)", k["signature"][name]), (k["name"], name)
         ptx = (aot_dir / k["compiled"]["sm_90"]["ptx"]).read_text()
@@ -159,3 +164,68 @@ def test_kv_config_fields_round_trip(name):
     assert kv_config_from_fields(json.loads(json.dumps(fields))) == cfg
     with pytest.raises(ValueError, match="high_key_bits"):
         kv_config_from_fields({k: v for k, v in fields.items() if k != "high_key_bits"})
+
+
+_JIT_VS_AOT = r'''
+import json, os, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from triton.runtime.jit import create_function_from_signature
+from trtllm_diffkv.build import aot
+from trtllm_diffkv.build.fields import EngineShape
+
+shape, out_dir = EngineShape.from_fields(json.loads(sys.argv[1])), sys.argv[2]
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+launches, record = [], aot._spec
+aot._spec = lambda launch, *a, **k: (launches.append(launch), record(launch, *a, **k))[1]
+specs = aot.kernel_specs(shape, ("decode",))
+result = {}
+for spec, (kernel, grid, args, kwargs) in zip(specs, launches):
+    kwargs = dict(kwargs)
+    for k in list(kwargs):  # the CUDA-only constexprs the manifest restates (FAST)
+        if spec.signature.get(k) == "constexpr":
+            kwargs[k] = aot.decode_constexpr(spec.constexprs[k])
+    kwargs.update(spec.options, debug=False, instrumentation_mode="")
+    # what JITFunction.run does before compiling: bind, specialize, pack (Triton 3.6, runtime/jit.py)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    jit = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    aot.compile_specs([spec], out_dir, targets=(90,))
+    ptx = open(os.path.join(out_dir, spec.compiled["sm_90"]["ptx"])).read()
+    result[spec.kernel.split(":")[1]] = (jit.asm["ptx"] == ptx, spec.scalars.get("num_parts"),
+                                         spec.constexprs.get("num_parts"))
+print(json.dumps(result))
+'''
+
+
+@pytest.mark.parametrize("shape", [TINY, EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128,
+                                                     kv_config=get_preset("default"), dtype="float16",
+                                                     max_batch_size=4, max_seq_len=300)],
+                         ids=["tiny-1-partition", "gpu-test-2-partitions"])
+def test_decode_kernels_compile_to_the_jit_paths_ptx(shape, tmp_path):
+    """The manifest's decode kernels (partial, merge, score) compile to exactly the PTX Triton's JIT compiles for
+    the same launch on CUDA: its specialization (``tt.divisibility=16`` on aligned pointers and multiple-of-16
+    ints, ints equal to 1 as constexprs) is recorded and used (H200: without it the AOT decode output differed
+    from the JIT's in some bytes; the PTX differed in the layouts, hence in the reduction order). The JIT's
+    bind / specialize / pack steps run in a child process without ``TRITON_INTERPRET`` (sm_90, no GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "jit_vs_aot.py"
+    script.write_text(_JIT_VS_AOT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(aot.__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, str(script), json.dumps(shape.to_fields()), str(tmp_path / "k")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(result) == {"_decode_partial_kernel", "_decode_merge_kernel", "_decode_score_kernel"}
+    assert all(same for same, _, _ in result.values()), result
+    parts = result["_decode_partial_kernel"]
+    assert (parts[2] == 1) if shape is TINY else (parts[1] == 2)  # 1 partition: a constexpr, as in the JIT

@@ -137,3 +137,55 @@ def test_select_kernel_picks_the_prefill_variant_for_the_longest_prompt():
     assert specs.select_kernel(manifest, "_write_tokens_kernel", {}, op="write_low_move")["signature"]["k_ptr"] == "*fp32"
     with pytest.raises(LookupError):
         specs.select_kernel(manifest, "_write_tokens_kernel", {})  # three write variants: op must be given
+
+
+def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch):
+    """plugins/trt_plugins.py imported against a recording stand-in for ``tensorrt.plugin`` (TensorRT cannot be
+    installed here): it registers descriptor and impl for exactly the plugins of specs.PLUGINS (the exported
+    graph's composite nodes included), each with the spec's inputs in order and its fields as attributes, and
+    the descriptor's outputs alias the inputs specs states."""
+    import importlib
+    import inspect
+    import sys
+    import types
+
+    registered, impls = {}, {}
+
+    class Desc:
+        def __init__(self, i):
+            self.i = i
+
+        def like(self):
+            return ("like", self.i)
+
+        def aliased(self):
+            return ("aliased", self.i)
+
+    trtp = types.ModuleType("tensorrt.plugin")
+    trtp.TensorDesc, trtp.Tensor = Desc, object
+    trtp.register = lambda name: lambda fn: registered.setdefault(name, fn)
+    trtp.impl = lambda name: lambda fn: impls.setdefault(name, fn)
+    trtp.aot_impl = lambda name: lambda fn: fn
+    tensorrt = types.ModuleType("tensorrt")
+    tensorrt.plugin = trtp
+    monkeypatch.setitem(sys.modules, "tensorrt", tensorrt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.delitem(sys.modules, "plugins.trt_plugins", raising=False)
+    try:
+        importlib.import_module("plugins.trt_plugins")
+    finally:  # do not leave the module imported against the stand-in
+        sys.modules.pop("plugins.trt_plugins", None)
+        import plugins
+
+        plugins.__dict__.pop("trt_plugins", None)
+    assert set(registered) == set(impls) == set(specs.PLUGINS)
+    assert {"diffkv::DiffKVAttention", "diffkv::DiffKVPageUpdate"} <= set(registered)
+    for name, plugin in specs.PLUGINS.items():
+        params = inspect.signature(registered[name]).parameters
+        inputs = [p for p in params.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        assert [p.name for p in inputs] == [t.name for t in plugin.inputs], name
+        assert {p.name: p.annotation for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY} == \
+            plugin.fields, name
+        outs = registered[name](*[Desc(i) for i in range(len(plugin.inputs))])
+        assert outs == tuple(("aliased", plugin.aliases[j]) if j in plugin.aliases else ("like", 0)
+                             for j in range(len(plugin.outputs))), name

@@ -42,14 +42,82 @@ def test_plugin_nodes_carry_the_configuration():
         assert node.domain == "diffkv" and attrs["plugin_namespace"] == b"diffkv"
         assert (attrs["layer_idx"], attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]) == (layer, 8, 2, 64)
         assert kv_config_from_fields(attrs) == kv
-        assert list(node.input)[3:6] == (["kv_pool", "page_table", "tier_tokens"] if layer == 0 else
+        assert list(node.input)[3:6] == (["kv_pool", *list(nodes[0].output)[1:3]] if layer == 0 else
                                          list(nodes[layer].output)[1:4])  # state chained layer to layer
+    assert list(nodes[0].input)[5:7] == ["page_table", "tier_tokens"]
     names = [i.name for i in proto.graph.input]
     assert {"kv_pool", "page_table", "tier_tokens", "cache_handle"} <= set(names)
     assert [o.name for o in proto.graph.output] == ["logits", "kv_pool_out", "page_table_out", "tier_tokens_out"]
     inferred = {v.name: v for v in proto.graph.value_info}
     q = inferred[nodes[1].input[0]].type.tensor_type.shape.dim  # shape inference reached the plugin inputs
     assert [d.dim_value or d.dim_param for d in q][1:] == [8, 64]
+
+
+_ONNX_TYPES = {onnx.AttributeProto.INT: int, onnx.AttributeProto.FLOAT: float, onnx.AttributeProto.STRING: str}
+
+
+def _dims(value_info):
+    return tuple(d.dim_value if d.HasField("dim_value") else d.dim_param
+                 for d in value_info.type.tensor_type.shape.dim)
+
+
+def _elem(value_info):
+    return onnx.helper.tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type).name
+
+
+def test_graph_nodes_are_described_plugins_and_inference_matches_onnxruntime():
+    """Every node in the ``diffkv`` domain is a plugin of plugins/specs.py (the ones trt_plugins.py registers):
+    (op type, domain, plugin_version) = (name, namespace, version); its attributes are exactly the plugin's
+    fields with their types; specs.infer on the node's input shapes/dtypes equals ONNX shape inference's
+    (symbolic) and onnxruntime's (concrete, a prefill step on the tiny model), aliased state outputs included."""
+    from plugins import specs
+
+    model, kv = tiny_llama(), get_preset("default")
+    proto = onnx_export.export_onnx(model, kv, max_positions=32)
+    nodes = onnx_export.plugin_nodes(proto)
+    assert len(nodes) == 1 + model.config.num_layers
+    typed = {v.name: v for v in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]}
+    for node in nodes:
+        attrs = {a.name: a for a in node.attribute}
+        plugin = specs.PLUGINS.get(f"{node.domain}::{node.op_type}")
+        assert plugin is not None, f"{node.domain}::{node.op_type} is not a plugin of plugins/specs.py"
+        assert (node.domain, onnx.helper.get_attribute_value(attrs["plugin_version"]).decode(),
+                onnx.helper.get_attribute_value(attrs["plugin_namespace"]).decode()) == \
+            (specs.NAMESPACE, specs.VERSION, specs.NAMESPACE)
+        fields = {n: _ONNX_TYPES[a.type] for n, a in attrs.items() if n not in specs.RESERVED_ATTRIBUTES}
+        assert fields == plugin.fields, node.name
+        shapes, dtypes = [_dims(typed[i]) for i in node.input], [_elem(typed[i]) for i in node.input]
+        want = specs.infer(plugin, shapes, dtypes)
+        got = [(_dims(typed[o]), _elem(typed[o])) for o in node.output]
+        # symbolic dims: shape inference names q's token dim (after a Reshape to -1) unk__N, the export
+        # num_tokens; integer dims and dtypes must be equal, symbolic ones symbolic (values checked below)
+        sym = lambda shapes: [(tuple(d if isinstance(d, int) else "?" for d in s), t) for s, t in shapes]  # noqa: E731
+        assert sym(got) == sym(want), node.name
+        for (g, _), (w, _), j in zip(got, want, range(len(got))):
+            if j in plugin.aliases:
+                assert g == w, node.name  # aliased state: the very dims of its input
+    # concrete shapes: every plugin node's inputs and outputs as graph outputs, one prefill step in onnxruntime
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(proto)
+    graph_inputs = {i.name for i in proto.graph.input}
+    names = list(dict.fromkeys(n for node in nodes for n in [*node.input, *node.output] if n not in graph_inputs))
+    known = {o.name for o in exposed.graph.output}
+    exposed.graph.output.extend([typed[n] for n in names if n not in known])
+    cache = _cache(model, kv)
+    handle = ort_ops.register_cache(cache)
+    try:
+        session = ort_ops.ort_session(exposed)
+        feeds = ort_ops.step_feeds(cache, handle, [5, 9, 13, 2, 7], list(range(5)), [4], [0], [5], [0], [True])
+        values = dict(zip([o.name for o in exposed.graph.output], ort_ops.run_step(
+            session, cache, handle, [5, 9, 13, 2, 7], list(range(5)), [4], [0], [5], [0], [True])))
+    finally:
+        ort_ops.unregister_cache(handle)
+    values.update(feeds)
+    for node in nodes:
+        plugin = specs.PLUGINS[f"{node.domain}::{node.op_type}"]
+        want = specs.infer(plugin, [values[i].shape for i in node.input], [values[i].dtype.name for i in node.input])
+        assert [(values[o].shape, values[o].dtype.name) for o in node.output] == want, node.name
+    assert values[nodes[1].output[0]].shape == (5, model.config.num_heads, model.config.head_dim)
 
 
 def _cache(model, kv, slots=2, pages=96, max_len=64):

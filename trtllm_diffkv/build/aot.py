@@ -21,7 +21,9 @@ How the set is derived: :func:`kernel_specs` calls the real launchers
 kernels replaced by recorders, so the argument order, types, constexprs, grids
 and launch options are exactly those of the JIT path (nothing is restated by
 hand except three CUDA-only launch choices the launchers make from the tensor's
-device, :func:`_cuda_launch`). :func:`compile_specs` then compiles each with
+device, :func:`_cuda_launch`), and each kernel is specialized as Triton's JIT
+specializes that launch (:func:`jit_specialization`: divisibility by 16 of the
+pointers and the engine-fixed integers, engine-fixed integers equal to 1 as constexprs). :func:`compile_specs` then compiles each with
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32))``
 for sm_80 and sm_90 and writes PTX, cubin and ``manifest.json``.
 
@@ -40,6 +42,7 @@ Manifest (``manifest.json``, version 1)::
                   "grid": ["num_seqs", "num_kv_heads", "num_partitions * NCHUNK"],
                   "sizes": {named sizes of the recorded launch}, "scalars": {runtime scalar: recorded value},
                   "options": {"num_warps", "num_stages", ...}, "select": "condition or null",
+                  "divisible": [params compiled with tt.divisibility=16, as the JIT specializes them],
                   "compiled": {"sm_90": {"kernel_name", "ptx", "cubin", "shared_bytes", "num_warps",
                                "num_stages", "global_scratch_bytes", "profile_scratch_bytes",
                                "extra_params": 2}}}]}
@@ -71,6 +74,25 @@ DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3  # Triton's CUDA defaults when a la
 _TORCH_TO_TRITON = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int8": "i8",
                     "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1"}
 _OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
+
+ENGINE_INTS = {
+    "_write_tokens_kernel": ("PAGE_BYTES", "KC", "KM", "VC", "VM", "SC", "PO"),
+    "_read_tokens_kernel": ("PAGE_BYTES", "KC", "KM", "VC", "VM", "SC", "PO"),
+    "_decode_partial_kernel": ("num_kv_heads", "num_parts"),
+    "_decode_merge_kernel": ("num_kv_heads", "num_parts"),
+    "_decode_score_kernel": ("num_kv_heads",),
+    "_prompt_lse_kernel": ("num_scoring", "num_heads", "num_kv_heads"),
+    "_prompt_lse_merge_kernel": ("num_heads",),
+    "_prompt_score_kernel": ("num_scoring", "num_heads", "num_kv_heads"),
+    "_count_kernel": ("G", "S", "R", "P_HIGH", "P_LOW", "P_MIN"),
+    "_reserve_apply_kernel": ("G", "S", "R", "P_MIN"),
+    "_commit_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
+    "_decode_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
+    "_release_apply_kernel": ("G", "S", "R"),
+}
+"""Runtime integer arguments fixed by the engine (model shape, page format, workspace partitions), which the
+AOT kernels specialize exactly as Triton's JIT does for the recorded value (:func:`jit_specialization`).
+Other integers (row and item counts, chunk counts, strides, pool size) vary per call: compiled unspecialized."""
 
 GRIDS = {
     "_write_tokens_kernel": ("n_rows",),
@@ -116,6 +138,7 @@ class KernelSpec:
     scalars: dict
     options: dict
     select: str | None = None
+    divisible: list[str] = field(default_factory=list)
     compiled: dict = field(default_factory=dict)
 
     @property
@@ -199,17 +222,53 @@ class _Fake:
         return launch
 
 
+def jit_specialization(launch) -> dict[str, str]:
+    """``{runtime argument: "D" | "1"}`` of a launch as Triton's JIT specializes it (``native_specialize_impl``,
+    the function ``JITFunction.run`` calls), for pointers and the :data:`ENGINE_INTS` integers.
+
+    ``"D"``: ``tt.divisibility=16`` (a pointer 16-byte aligned, an integer a multiple of 16); ``"1"``: an integer
+    equal to 1, which the JIT turns into the constexpr 1. Pointers of the ``meta`` tensors the specs are recorded
+    on count as aligned (``data_ptr() == 0``): the AOT kernels require 16-byte aligned buffers, as torch's CUDA
+    allocator and TensorRT hand out (the JIT compiles such launches with the same hint). Without these hints the
+    compiler picks other layouts (vector widths, reduction order), so the outputs differ in rounding.
+    """
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    kernel, _, args, kwargs = launch
+    name = getattr(kernel, "fn", kernel).__name__
+    params = kernel_parameters(kernel)
+    bound = {**dict(zip([n for n, _, _ in params], args)), **kwargs}
+    out = {}
+    for pname, is_constexpr, default in params:
+        value = bound.get(pname, default)
+        if is_constexpr or isinstance(value, (bool, float)):
+            continue
+        if not hasattr(value, "data_ptr") and pname not in ENGINE_INTS.get(name, ()):
+            continue
+        kind, attr = native_specialize_impl(CUDABackend, value, False, True, True)[:2]
+        if kind == "constexpr":
+            out[pname] = "1"
+        elif attr:
+            out[pname] = attr
+    return out
+
+
 def launch_signature(launch) -> tuple[dict, dict, dict, dict]:
-    """(signature, constexprs, runtime scalars, options) of one recorded launch ``(kernel, grid, args, kwargs)``."""
+    """(signature, constexprs, runtime scalars, options) of one recorded launch ``(kernel, grid, args, kwargs)``.
+
+    An :data:`ENGINE_INTS` integer equal to 1 is a constexpr, as in the JIT (:func:`jit_specialization`).
+    """
     kernel, grid, args, kwargs = launch
     params = kernel_parameters(kernel)
     names = [n for n, _, _ in params]
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
+    ones = {n for n, v in jit_specialization(launch).items() if v == "1"}
     signature, constexprs, scalars = {}, {}, {}
     for pname, is_constexpr, default in params:
         value = bound[pname] if pname in bound else default
-        if is_constexpr:
+        if is_constexpr or pname in ones:
             signature[pname] = "constexpr"
             constexprs[pname] = _encode(value)
         else:
@@ -231,9 +290,10 @@ def _spec(launch, op: str, sizes: dict, select: str | None = None) -> KernelSpec
     expected = eval_grid(GRIDS[name], sizes, constexprs)
     if expected != grid:  # the hand-written formula must describe what the launcher did
         raise AssertionError(f"{name}: grid formula {GRIDS[name]} gives {expected}, the launcher used {grid}")
+    divisible = [n for n, v in jit_specialization(launch).items() if v == "D"]
     return KernelSpec(name="", op=op, kernel=f"{fn.__module__}:{name}", arg_names=list(signature),
                       signature=signature, constexprs=constexprs, grid=list(GRIDS[name]), sizes=dict(sizes),
-                      scalars=scalars, options=options, select=select)
+                      scalars=scalars, options=options, select=select, divisible=divisible)
 
 
 def kernel_parameters(fn) -> list[tuple[str, bool, object]]:
@@ -416,7 +476,8 @@ def kernel_specs(shape: EngineShape, ops: tuple[str, ...] = ("write", "decode", 
     for op in ops:
         for spec in makers[op](shape):
             spec = _cuda_launch(spec)
-            key = json.dumps([spec.kernel, spec.signature, spec.constexprs, spec.options], sort_keys=True)
+            key = json.dumps([spec.kernel, spec.signature, spec.constexprs, spec.options, spec.divisible],
+                             sort_keys=True)
             digest = hashlib.sha256(key.encode()).hexdigest()[:10]
             if digest in seen:  # same kernel for another range of the longest prompt: widen its range
                 seen[digest].select = _merge_ranges(seen[digest].select, spec.select)
@@ -460,8 +521,10 @@ def compile_specs(specs: list[KernelSpec], out_dir: str | Path, targets=SUPPORTE
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
         constexprs = {k: decode_constexpr(v) for k, v in spec.constexprs.items()}
+        attrs = {(spec.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible}  # as the JIT's
         for cc in targets:
-            src = ASTSource(fn=spec.jit_function(), signature=dict(spec.signature), constexprs=constexprs)
+            src = ASTSource(fn=spec.jit_function(), signature=dict(spec.signature), constexprs=constexprs,
+                            attrs=attrs)
             try:
                 compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(spec.options))
             except Exception as exc:  # noqa: BLE001 - report which kernel and target

@@ -9,9 +9,11 @@ The graph (built and its plugin nodes inserted with onnx-graphsurgeon, opset 17)
   ``[num_requests]`` (as :meth:`PagedDiffKVCache.plan`); the cache state ``kv_pool`` uint8
   ``[num_pages, page_size_bytes]``, ``page_table`` int32 ``[num_rows, max_pages_per_row]``,
   ``tier_tokens`` int32 ``[num_rows, 2]``; ``cache_handle`` int64 ``[1]``.
-* one ``DiffKVPageUpdate`` node (the decode-step page update: the page manager's reserve /
-  decisions / append / moves of :meth:`PagedDiffKVCache.plan`), whose ``step_token`` output feeds
-  every attention node, so it runs first;
+* one ``DiffKVPageUpdate`` node ``(cache_handle, step_slots, step_seq_lens, step_positions,
+  step_is_prefill, page_table, tier_tokens) -> (step_token, page_table, tier_tokens)`` (the step's page
+  update: the page manager's reserve / decisions / append / moves of :meth:`PagedDiffKVCache.plan`), whose
+  ``step_token`` output feeds every attention node, so it runs first, and whose page table and tier
+  counts (aliased) feed the first layer's;
 * per layer, the projections, RoPE (cos/sin tables gathered by position) and MLP as standard ONNX
   ops, and one ``DiffKVAttention`` node: ``(q [T, H, D], k [T, Hkv, D], v, kv_pool, page_table,
   tier_tokens, cache_handle, step_token) -> (out [T, H, D], kv_pool, page_table, tier_tokens)``: scored prefill
@@ -21,9 +23,12 @@ The graph (built and its plugin nodes inserted with onnx-graphsurgeon, opset 17)
 * output: ``logits`` float32 ``[num_logits, vocab_size]`` plus the three state outputs.
 
 Plugin nodes: op type = plugin name, domain = ``diffkv`` (the plugin namespace), attributes
-``plugin_namespace="diffkv"``, ``plugin_version="1"``, the layer index, the model shape and the
-DiffKV configuration (:func:`~.fields.kv_config_to_fields`) - what TensorRT's ONNX parser turns
-into plugin fields. Weights are fp32 initializers (the ONNX file holds them; > 2 GB is refused).
+``plugin_namespace="diffkv"``, ``plugin_version="1"`` and exactly the plugin's fields (the layer index,
+the model shape and the DiffKV configuration, :func:`~.fields.kv_config_to_fields`) - what TensorRT's ONNX
+parser turns into plugin fields. The two node types are the composite plugins
+:data:`plugins.specs.STEP_PAGE_UPDATE` and :data:`plugins.specs.LAYER_ATTENTION`, which
+``plugins/trt_plugins.py`` registers like the per-operation ones. Weights are fp32 initializers (the
+ONNX file holds them; > 2 GB is refused).
 """
 from __future__ import annotations
 
@@ -32,13 +37,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from plugins import specs
+
 from ..config import DiffKVConfig
 from .fields import kv_config_to_fields
 
-PLUGIN_NAMESPACE = "diffkv"
-PLUGIN_VERSION = "1"
-ATTENTION_OP = "DiffKVAttention"
-PAGE_UPDATE_OP = "DiffKVPageUpdate"
+PLUGIN_NAMESPACE = specs.NAMESPACE
+PLUGIN_VERSION = specs.VERSION
+ATTENTION_OP = specs.LAYER_ATTENTION.name
+PAGE_UPDATE_OP = specs.STEP_PAGE_UPDATE.name
 OPSET = 17
 MAX_ONNX_BYTES = 2 * 1024**3 - 1
 
@@ -127,8 +134,11 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     b.graph.inputs = [ids, pos, sel, *step, pool, table, tokens, handle]
     update_attrs = {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION,
                     "num_layers": cfg.num_layers, "num_kv_heads": Hkv, "head_dim": D, **config_attrs(kv_config)}
-    step_token = b.op(PAGE_UPDATE_OP, [handle, *step, table, tokens], update_attrs, np.int64, [1],
-                      domain=PLUGIN_NAMESPACE, name="diffkv_page_update")
+    step_token, table, tokens = b.op(PAGE_UPDATE_OP, [handle, *step, table, tokens], update_attrs, outputs=3,
+                                     domain=PLUGIN_NAMESPACE, name="diffkv_page_update")
+    step_token.dtype, step_token.shape = np.int64, [1]
+    table.dtype, tokens.dtype = np.int32, np.int32
+    table.shape, tokens.shape = ["num_rows", "max_pages_per_row"], ["num_rows", 2]
     n_pos = max_positions or cfg.max_position_embeddings
     with torch.no_grad():
         cos, sin = model.model.rotary_emb(torch.arange(n_pos, device=model.device), torch.float32)

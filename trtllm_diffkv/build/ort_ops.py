@@ -1,12 +1,13 @@
 """onnxruntime custom ops for the DiffKV plugin nodes (onnxruntime-extensions Python ops).
 
-Route used (stated plainly): the cache state of record is a Python
-:class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` registered under an integer handle
-(:func:`register_cache`); the graph's ``cache_handle`` input selects it. The nodes call the
-cache's own code: ``DiffKVPageUpdate`` runs :meth:`PagedDiffKVCache.plan` (page manager reserve,
-decode decisions, one ``append_decode``, moves to the low tier) and ``DiffKVAttention`` runs
-:meth:`PagedDiffKVCache.forward` for its layer (scored prefill + compaction into the pool, paged
-decode attention + score update) - on the CPU, the torch ops path (``paged/torch_ops.py``).
+Route used (stated plainly): the nodes are the composite plugins ``diffkv::DiffKVPageUpdate`` and
+``diffkv::DiffKVAttention`` (:mod:`plugins.specs`), run by their implementations in :mod:`plugins.ops`:
+the cache state of record is a Python :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` registered
+under an integer handle (:func:`register_cache`); the graph's ``cache_handle`` input selects it.
+``DiffKVPageUpdate`` runs :meth:`PagedDiffKVCache.plan` (page manager reserve, decode decisions, one
+``append_decode``, moves to the low tier) and ``DiffKVAttention`` runs :meth:`PagedDiffKVCache.forward`
+for its layer (scored prefill + compaction into the pool, paged decode attention + score update) - on
+the CPU, the torch ops path (``paged/torch_ops.py``).
 The ``kv_pool`` / ``page_table`` / ``tier_tokens`` graph inputs are checked against the cache's
 shapes and dtypes; the nodes' state outputs are copies of the cache's tensors after the layer, so
 the graph's ``*_out`` outputs hold the real pool bytes and page table after the step (onnxruntime
@@ -23,48 +24,18 @@ raises ``ValueError`` with the recorded message after the session returns.
 """
 from __future__ import annotations
 
-import itertools
-import threading
-
 import numpy as np
 import torch
 
+from plugins import ops as plugin_ops
+from plugins import specs
+
 from .onnx_export import ATTENTION_OP, PAGE_UPDATE_OP, PLUGIN_NAMESPACE
 
-_CACHES: dict = {}
-_LOCK = threading.Lock()
-_NEXT = itertools.count(1)
 _REGISTERED = False
 _ERRORS: dict[int, str] = {}
-
-
-def register_cache(cache) -> int:
-    """Make ``cache`` reachable from the graph; returns its handle (feed it as ``cache_handle`` int64 ``[1]``)."""
-    with _LOCK:
-        handle = next(_NEXT)
-        _CACHES[handle] = cache
-    return handle
-
-
-def unregister_cache(handle: int) -> None:
-    """Forget a handle (its cache is not touched)."""
-    with _LOCK:
-        _CACHES.pop(int(handle), None)
-
-
-def _cache(handle: np.ndarray):
-    try:
-        return _CACHES[_handle(handle)]
-    except KeyError:
-        raise ValueError(f"cache_handle {_handle(handle)} is not registered (register_cache)") from None
-
-
-def _check_state(cache, pool, table, tokens) -> None:
-    want = ((tuple(cache.pool.pages().shape), np.uint8), (tuple(cache.manager.page_table.shape), np.int32),
-            (tuple(cache.manager.tokens.shape), np.int32))
-    for name, arr, (shape, dtype) in zip(("kv_pool", "page_table", "tier_tokens"), (pool, table, tokens), want):
-        if tuple(arr.shape) != shape or arr.dtype != dtype:
-            raise ValueError(f"{name} is {arr.dtype} {tuple(arr.shape)}; the cache's is {np.dtype(dtype)} {shape}")
+register_cache = plugin_ops.register_cache
+unregister_cache = plugin_ops.unregister_cache
 
 
 def _state_out(cache):
@@ -80,31 +51,36 @@ def _record(handle: np.ndarray, exc: Exception) -> None:
     _ERRORS.setdefault(_handle(handle), str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
 
-def page_update(handle, slots, seq_lens, positions, is_prefill, table, tokens) -> np.ndarray:
-    """``DiffKVPageUpdate``: :meth:`PagedDiffKVCache.plan` of the step; returns the step token int64 ``[1]``
-    (1 planned, 0 failed: the error is recorded under the handle). Never raises."""
+def _t(a: np.ndarray) -> torch.Tensor:
+    """A torch tensor owning a copy of ``a`` (the aliased outputs are written into it)."""
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+def page_update(handle, slots, seq_lens, positions, is_prefill, table, tokens):
+    """``DiffKVPageUpdate`` (:func:`plugins.ops.run_step_page_update`): returns (step token int64 ``[1]``,
+    page_table, tier_tokens); a failure returns token 0 and the input state (error recorded). Never raises."""
     try:
-        cache = _cache(handle)
-        cache.plan(slots.tolist(), seq_lens.tolist(), positions.tolist(), [bool(x) for x in is_prefill])
-        return np.array([1], dtype=np.int64)
+        token = torch.zeros(1, dtype=torch.int64)
+        state = [_t(table), _t(tokens)]
+        plugin_ops.run_step_page_update([_t(handle), _t(slots), _t(seq_lens), _t(positions), _t(is_prefill), *state],
+                                        token)
+        return token.numpy(), state[0].numpy(), state[1].numpy()
     except Exception as exc:  # noqa: BLE001 - an exception here would abort the process (module docstring)
         _record(handle, exc)
-        return np.array([0], dtype=np.int64)
+        return np.zeros(1, dtype=np.int64), table, tokens
 
 
 def attention(q, k, v, pool, table, tokens, handle, step_token, *, layer_idx: int, **_fields):
-    """``DiffKVAttention``: :meth:`PagedDiffKVCache.forward` for ``layer_idx``; returns (out, pool, table, tokens).
+    """``DiffKVAttention`` (:func:`plugins.ops.run_layer_attention`): returns (out, pool, table, tokens).
 
     A failed step (token 0) or a failure here returns zeros and the input state (error recorded). Never raises.
     """
     try:
-        if int(step_token.reshape(-1)[0]) != 1:
-            raise ValueError("the step's page update failed")
-        cache = _cache(handle)
-        _check_state(cache, pool, table, tokens)
-        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(cache.device, cache.dtype)  # noqa: E731
-        out = cache.forward(int(layer_idx), as_t(q), as_t(k), as_t(v))
-        return (out.float().cpu().numpy(), *_state_out(cache))
+        out = torch.empty(q.shape, dtype=torch.float32)
+        state = [_t(pool), _t(table), _t(tokens)]
+        plugin_ops.run_layer_attention([_t(q), _t(k), _t(v), *state, _t(handle), _t(step_token)], out,
+                                       {"layer_idx": int(layer_idx)})
+        return (out.numpy(), *(t.numpy() for t in state))
     except Exception as exc:  # noqa: BLE001 - an exception here would abort the process (module docstring)
         _record(handle, exc)
         return np.zeros(q.shape, dtype=np.float32), pool, table, tokens
@@ -127,35 +103,33 @@ def run_step(session, cache, handle: int, input_ids, positions, logits_indices, 
     return outs
 
 
-def _attr_types():
+_ORT_TYPES = {"float32": "dt_float", "int64": "dt_int64", "int32": "dt_int32", "uint8": "dt_uint8", "bool": "dt_bool"}
+
+
+def _op_types(plugin: specs.PluginSpec) -> tuple[list, list, dict]:
+    """onnxruntime-extensions input types, output types and attribute types of a composite plugin's node (fp32
+    activations: the exported graph's; the types from :mod:`plugins.specs`)."""
     from onnxruntime_extensions import PyCustomOpDef as P
 
-    from ..config import get_preset
-    from .onnx_export import config_attrs
-
-    ints = {"layer_idx", "num_layers", "num_heads", "num_kv_heads", "head_dim"}
-    attrs = {"plugin_namespace": P.dt_string, "plugin_version": P.dt_string, "sm_scale": P.dt_float}
-    attrs.update({k: P.dt_int64 for k in ints})
-    for k, v in config_attrs(get_preset("default")).items():
-        attrs[k] = P.dt_string if isinstance(v, str) else P.dt_int64
-    return attrs
+    pick = lambda t: getattr(P, _ORT_TYPES["float32" if "float32" in t.dtypes else t.dtypes[0]])  # noqa: E731
+    inputs = [pick(t) for t in plugin.inputs]
+    outputs = [inputs[plugin.aliases.get(j, 0)] for j in range(len(plugin.outputs))]
+    attrs = {n: P.dt_string for n in specs.RESERVED_ATTRIBUTES}
+    attrs.update({n: {int: P.dt_int64, float: P.dt_float, str: P.dt_string}[t] for n, t in plugin.fields.items()})
+    return inputs, outputs, attrs
 
 
 def register_ops() -> None:
-    """Register the two Python ops with onnxruntime-extensions (idempotent)."""
+    """Register the two composite plugins as onnxruntime-extensions Python ops (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
-    from onnxruntime_extensions import PyCustomOpDef as P
     from onnxruntime_extensions import onnx_op
 
-    attrs = _attr_types()
-    update_attrs = {k: v for k, v in attrs.items() if k not in ("layer_idx", "num_heads", "sm_scale")}
-    onnx_op(op_type=PAGE_UPDATE_OP, inputs=[P.dt_int64] * 4 + [P.dt_bool, P.dt_int32, P.dt_int32],
-            outputs=[P.dt_int64], attrs=update_attrs)(lambda *a, **kw: page_update(*a))
-    onnx_op(op_type=ATTENTION_OP,
-            inputs=[P.dt_float] * 3 + [P.dt_uint8, P.dt_int32, P.dt_int32, P.dt_int64, P.dt_int64],
-            outputs=[P.dt_float, P.dt_uint8, P.dt_int32, P.dt_int32], attrs=attrs)(attention)
+    inputs, outputs, attrs = _op_types(specs.STEP_PAGE_UPDATE)
+    onnx_op(op_type=PAGE_UPDATE_OP, inputs=inputs, outputs=outputs, attrs=attrs)(lambda *a, **kw: page_update(*a))
+    inputs, outputs, attrs = _op_types(specs.LAYER_ATTENTION)
+    onnx_op(op_type=ATTENTION_OP, inputs=inputs, outputs=outputs, attrs=attrs)(attention)
     _REGISTERED = True
 
 

@@ -165,8 +165,9 @@ def _tensorrt_engine(folder: Path, onnx_file: str | None) -> tuple[str | None, s
 
     Not run on this project's machines (TensorRT cannot be installed here): written against TensorRT
     10.x's documented Python API (Builder, OnnxParser with the plugins of ``plugins/`` registered).
-    Known gap: the graph's composite ``DiffKVAttention`` / ``DiffKVPageUpdate`` nodes have no TensorRT
-    plugin of that name yet (docs/PLUGINS.md), so the parse is expected to fail with a one-line error.
+    Never run (no TensorRT here). The graph's nodes are the composite plugins ``diffkv::DiffKVAttention``
+    / ``diffkv::DiffKVPageUpdate``, registered by ``plugins/trt_plugins.py``; their implementations need
+    the process's ``PagedDiffKVCache`` (docs/PLUGINS.md), so such an engine runs only inside Python.
     """
     try:
         import tensorrt as trt
