@@ -84,7 +84,7 @@ def _leftovers(parent):
     return sorted(p.name for p in parent.iterdir() if p.name.startswith(".out"))
 
 
-@pytest.mark.parametrize("case", ["plugin", "missing", "target", "head_dim", "exists", "compile"])
+@pytest.mark.parametrize("case", ["plugin", "missing", "target", "head_dim", "exists", "compile", "seq_len"])
 def test_bad_arguments_fail_in_one_line_and_leave_nothing(case, tmp_path, capsys, monkeypatch):
     if case == "head_dim":  # 4 heads of 32: no DiffKV kernels for head_dim 32
         monkeypatch.setitem(tiny_checkpoint.TINY_TEXT_CONFIG, "head_dim", 32)
@@ -100,14 +100,16 @@ def test_bad_arguments_fail_in_one_line_and_leave_nothing(case, tmp_path, capsys
             raise RuntimeError("write_tokens_kernel__x failed to compile for sm_90: boom")
         monkeypatch.setattr(aot, "build_kernels", fail)
     argv = ["--checkpoint", str(ckpt), "--output", str(out), "--plugin", "gpt_attention" if case == "plugin" else
-            "diffkv", "--targets", "75" if case == "target" else "90", "--dtype", "float32", "--max-seq-len", "64",
+            "diffkv", "--targets", "75" if case == "target" else "90", "--dtype", "float32", "--max-seq-len",
+            "100000" if case == "seq_len" else "64",
             "--no-onnx"]
     assert _run(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in err if "error:" in line]
     assert len(errors) == 1, err
     expect = {"plugin": "'gpt_attention' is not supported", "missing": "does not exist", "target": "sm_75",
-              "head_dim": "head_dim=32", "exists": "already exists", "compile": "failed to compile"}[case]
+              "head_dim": "head_dim=32", "exists": "already exists", "compile": "failed to compile",
+              "seq_len": "exceeds the model's"}[case]
     assert expect in errors[0]
     assert out.exists() == (case == "exists") and not (out / "config.json").exists()
     assert _leftovers(tmp_path) == []

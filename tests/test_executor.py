@@ -238,7 +238,7 @@ def test_bad_requests_fail_alone(model):
 
 
 def test_request_larger_than_the_pool_fails_alone(model):
-    """A prompt whose prefill reserve exceeds the whole pool, and one that outgrows it alone while decoding."""
+    """A prompt whose prefill reserve exceeds the whole pool, and one that would outgrow it alone while decoding."""
     ex = make(model, FP16, num_pages=60)
     rows = ex.cache.rows_per_slot
     long_prompt, short = _prompts((40, 6), seed=7)  # 40 tokens reserve (10 + 1) pages per row > 60 / 6
@@ -247,8 +247,9 @@ def test_request_larger_than_the_pool_fails_alone(model):
                      1: [("grows", grows, _greedy(20))]})
     assert got["long"][1].finish_reason == "error" and "whole pool has 60" in got["long"][1].error
     assert got["long"][0] == [] and ex.rm.prefill_pages_needed(40) == rows * 11
-    assert got["grows"][1].finish_reason == "error" and "more pages than the whole pool" in got["grows"][1].error
-    assert 0 < len(got["grows"][0]) < 20
+    # without tiers its growth is known: refused at admission, before any token (it used to stream, then fail)
+    assert got["grows"][1].finish_reason == "error" and "by its last decode step" in got["grows"][1].error
+    assert got["grows"][0] == []
     assert got["short"][0] == solo(model, FP16, short, _greedy(4))[0]
 
 
@@ -397,3 +398,18 @@ def test_triton_interpreter_path_matches_torch_path():
     want = drive(make(model, CFG, num_pages=200, max_seq_len=32), arrivals)
     got = drive(make(model, CFG, num_pages=200, max_seq_len=32, use_triton=True), arrivals)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+
+
+def test_fp16_request_that_can_never_finish_is_refused_before_any_token(model):
+    """Without tiers the end is known: a request whose last decode step can never be planned, even alone, fails at
+    admission (it used to be admitted, stream tokens, then fail); one that just fits runs to its end."""
+    ex = make(model, FP16, num_pages=60)
+    rows = ex.cache.rows_per_slot  # 3 layers x 2 KV heads = 6 rows; TPP = 4 tokens per page
+    fits = 4 * (60 - ex.rm.decode_pages_needed(1)) // rows  # tokens held before the last step when it still fits
+    got = drive(ex, {0: [("ok", _prompts((fits - 8,))[0], _greedy(9)),
+                         ("never", _prompts((fits - 8,), seed=2)[0], _greedy(9 + 2 * TPP))]})
+    assert got["ok"][1].finish_reason == "length" and len(got["ok"][0]) == 9
+    assert got["never"][1].finish_reason == "error" and got["never"][0] == []
+    assert "by its last decode step" in got["never"][1].error
+    check_pool(ex)
+    assert ex.cache.manager.free_pages() == 60

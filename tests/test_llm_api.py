@@ -248,3 +248,49 @@ def _wait_for(condition, timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.01)
     return condition()
+
+
+def test_submission_racing_shutdown_is_answered_not_lost(tmp_path):
+    """A request still being tokenized when shutdown() runs gets a final output (it hung before)."""
+    folder = write_tiny_text_checkpoint(tmp_path / "tiny")
+    llm = LLM(str(folder), "default", device="cpu", kv_memory_bytes=8 << 20)
+    prompt_ids = llm._prompt_ids
+    llm._prompt_ids = lambda *a, **k: (time.sleep(0.3), prompt_ids(*a, **k))[1]  # a long prompt on a busy CPU
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("req", llm.generate_async("hello there",
+                                                                                      SamplingParams(max_tokens=4))))
+    thread.start()
+    time.sleep(0.05)
+    llm.shutdown()
+    thread.join()
+    out = box["req"].result(timeout=10)
+    assert out.finished and out.outputs[0].finish_reason == "cancelled" and "shut down" in out.error
+    assert not llm._thread.is_alive()
+
+
+def test_result_timeout_bounds_the_whole_wait(text_llm):
+    """result(timeout) is a total bound, not a per-token one (it returned after every token before)."""
+    req = text_llm.generate_async("hello", SamplingParams(max_tokens=400, ignore_eos=True))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        req.result(timeout=0.3)
+    assert time.monotonic() - start < 2.0
+    req.abort()
+    req.result(timeout=60)
+
+
+def test_bad_stop_value_fails_its_request_without_raising(text_llm):
+    outs = text_llm.generate(["hello", "world"], [SamplingParams(max_tokens=2, stop=123), SamplingParams(max_tokens=2)])
+    assert outs[0].error and "stop must be" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
+
+
+def test_a_1d_tensor_or_array_is_one_prompt(text_llm):
+    import numpy as np
+
+    ids = text_llm.tokenizer("hello there")["input_ids"]
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    want = text_llm.generate(ids, greedy).outputs[0].token_ids
+    for prompt in (torch.tensor(ids), np.array(ids)):
+        out = text_llm.generate(prompt, greedy)  # one RequestOutput, not one failing request per id
+        assert out.error is None and out.outputs[0].token_ids == want

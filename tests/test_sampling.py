@@ -250,8 +250,10 @@ def test_sample_errors_and_remove():
     ({"top_p": 1.01}, "top_p", r"in \[0, 1\]"),
     ({"top_k": -1}, "top_k", ">= 0"),
     ({"top_k": 2.5}, "top_k", ">= 0"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
-    ({"repetition_penalty": -1.0}, "repetition_penalty", "> 0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty", r"in \[1e-6, 1e6\]"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty", r"in \[1e-6, 1e6\]"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty", r"in \[1e-6, 1e6\]"),    # 0 in float32
+    ({"repetition_penalty": 1e7}, "repetition_penalty", r"in \[1e-6, 1e6\]"),
     ({"max_tokens": 0}, "max_tokens", ">= 1"),
     ({"max_tokens": True}, "max_tokens", ">= 1"),
     ({"seed": -1}, "seed", "2\\*\\*64"),
@@ -410,3 +412,35 @@ def test_stop_ids_max_tokens_and_ignore_eos(byte_bpe):
     assert no_tok.check([1]) == (False, None, None) and no_tok.check([1, 1]) == (True, "length", None)
     with pytest.raises(ValueError, match="need a tokenizer"):
         StopChecker(SamplingParams(stop="x"), {eos}, None)
+
+
+def test_numpy_scalars_become_python_numbers_and_sample_like_them():
+    """np.float64 subclasses float: it must not reach a float32 tensor op as float64 (a batch-wide failure)."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(3), temperature=np.float64(0.7), top_p=np.float32(0.9),
+                            repetition_penalty=np.float64(1.2), top_k=np.int32(5), seed=np.uint64(11),
+                            stop_token_ids=[np.int64(4)])
+    params.validate(100)
+    assert (type(params.max_tokens), type(params.temperature), type(params.top_p), type(params.top_k),
+            type(params.seed), type(params.stop_token_ids[0])) == (int, float, float, int, int, int)
+    plain = SamplingParams(max_tokens=3, temperature=0.7, top_p=float(np.float32(0.9)), repetition_penalty=1.2,
+                           top_k=5, seed=11, stop_token_ids=[4])
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(3))
+    ours, ref = Sampler(100, "cpu"), Sampler(100, "cpu")
+    ours.add("n", params)
+    ours.add("g", SamplingParams.greedy_params())
+    ref.add("n", plain)
+    ref.add("g", SamplingParams.greedy_params())
+    assert torch.equal(ours.sample(logits, ["n", "g"], [[1, 2], [3]]), ref.sample(logits, ["n", "g"], [[1, 2], [3]]))
+
+
+def test_nan_and_inf_logits_never_draw_a_nan_token():
+    """A NaN logit never wins and +inf stays defined (the draw was index 0 when every probability was NaN)."""
+    logits = torch.tensor([[float("nan"), 1.0, 2.0, float("nan")], [0.0, float("inf"), 1.0, float("inf")]])
+    sampler = Sampler(4, "cpu")
+    sampler.add("a", SamplingParams(temperature=1.0, seed=1))
+    sampler.add("b", SamplingParams(temperature=1.0, seed=2))
+    for _ in range(20):
+        a, b = sampler.sample(logits, ["a", "b"], [[], []]).tolist()
+        assert a in (1, 2) and b in (1, 3)

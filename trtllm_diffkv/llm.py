@@ -161,6 +161,7 @@ class LLM:
                         "step_errors": 0}
         self._counts_lock = threading.Lock()
         self._closed = False
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="trtllm-diffkv-llm", daemon=True)
         self._thread.start()
 
@@ -181,8 +182,10 @@ class LLM:
         Raises:
             ValueError: ``sampling_params`` is a list whose length differs from the batch's.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
-                                              and all(_is_int(t) for t in prompts))
+        if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 1:  # a 1-D tensor / array: one prompt
+            prompts = prompts.tolist()
+        single = isinstance(prompts, (str, bytes)) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                                       and all(_is_int(t) for t in prompts))
         batch = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(batch):
@@ -235,7 +238,12 @@ class LLM:
             return request
         request = AsyncRequest(self, rid, text, ids, params, streaming, self.stop_token_ids, _listener)
         self._count("requests_submitted")
-        self._commands.put(("add", request))
+        with self._submit_lock:  # shutdown() cannot slip between this check and the put
+            if self._closed:  # shut down while the prompt was being tokenized: answer it here
+                request._channel.put(_Event([], True, "abort", "the LLM was shut down before the request started"))
+                self._count("requests_cancelled")
+            else:
+                self._commands.put(("add", request))
         return request
 
     def _prompt_ids(self, prompt, chat_template: bool) -> list[int]:
@@ -268,9 +276,10 @@ class LLM:
 
     def shutdown(self) -> None:
         """Cancel every unfinished request (freeing its pages), stop and join the loop thread. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._commands.put(("shutdown",))
+        with self._submit_lock:  # every "add" queued before this is handled or cancelled by the loop
+            if not self._closed:
+                self._closed = True
+                self._commands.put(("shutdown",))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
 

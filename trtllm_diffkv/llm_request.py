@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -213,8 +214,9 @@ class AsyncRequest:
         tokenizer = getattr(llm, "tokenizer", None)
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._stop_token_ids = set(stop_token_ids)
-        stop = getattr(sampling_params, "stop", None)
-        self._stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        stop = getattr(sampling_params, "stop", None)  # may be invalid here: the request then fails with its error
+        stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else []
+        self._stops = [s for s in stops if isinstance(s, str) and s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._ids: list[int] = []
         self._done = False
@@ -238,8 +240,10 @@ class AsyncRequest:
         Raises:
             TimeoutError: not finished within ``timeout`` seconds.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout  # a total bound, not per event
         while not self._done:
-            events = self._channel.take(timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            events = self._channel.take(left)
             if not events:
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
             self._apply(events)

@@ -102,6 +102,11 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         raise ValueError(f"output {output} already exists; choose a new directory")
     kv = get_preset(kv_config)
     model, _, mc = load_model(str(checkpoint), device="cpu", dtype=None if dtype == "auto" else getattr(torch, dtype))
+    from ..engine import position_limit
+
+    limit = position_limit(mc)
+    if max_seq_len > limit:
+        raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {limit} positions")
     dtype_name = str(model.dtype).removeprefix("torch.")
     shape = EngineShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                         head_dim=mc.head_dim, kv_config=kv, dtype=dtype_name, max_batch_size=max_batch_size,

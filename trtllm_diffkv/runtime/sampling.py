@@ -29,6 +29,8 @@ from .stop_checker import StopChecker
 __all__ = ["SamplingParams", "Sampler", "StopChecker"]
 
 _SEED_LIMIT = 2 ** 64
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+"""Allowed repetition penalties: dividing or multiplying float32 logits by a factor beyond this overflows them."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (see :attr:`SamplingParams.greedy`)."""
 
@@ -74,6 +76,21 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # NumPy scalars (np.float64 subclasses float, np.int64 does not subclass int) become Python numbers here,
+        # so that every later tensor is built from plain floats/ints; anything else is left for validate() to refuse
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)) and type(value) is not float:
+                object.__setattr__(self, name, float(value))
+        for name in ("max_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+                object.__setattr__(self, name, int(value))
+        ids = self.stop_token_ids
+        if isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids):
+            object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
 
     @property
     def greedy(self) -> bool:
@@ -133,7 +150,9 @@ class SamplingParams:
             _check_int("top_k", self.top_k, 0, None, ">= 0 (0 = off) or None")
         if self.top_p is not None:
             _check_float("top_p", self.top_p, 0 <= self.top_p <= 1, "in [0, 1] (1 = off, 0 = greedy) or None")
-        _check_float("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0 (1 = off)")
+        _check_float("repetition_penalty", self.repetition_penalty,
+                     REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+                     "in [1e-6, 1e6] (1 = off; beyond, float32 logits overflow)")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, _SEED_LIMIT - 1, "None or an int in [0, 2**64)")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -265,13 +284,16 @@ class Sampler:
 
     def _penalized(self, logits, params, request_ids, histories) -> torch.Tensor:
         """[B, V] float32 logits with the repetition penalty applied (may alias float32 ``logits``)."""
-        scores = logits.float()
+        # NaN logits never win (they would make every probability NaN and the draw index 0); +inf clamps to the
+        # largest float so that a row's softmax stays defined
+        scores = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=torch.finfo(torch.float32).max)
         rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
         if not rows:
             return scores
         scores = scores.clone()
         masks = torch.stack([self._seen_mask(request_ids[b], histories[b]) for b in rows])
-        penalty = torch.tensor([params[b].repetition_penalty for b in rows], device=scores.device).unsqueeze(1)
+        penalty = torch.tensor([params[b].repetition_penalty for b in rows], dtype=torch.float32,
+                               device=scores.device).unsqueeze(1)
         chosen = scores[rows]
         scores[rows] = torch.where(masks, torch.where(chosen < 0, chosen * penalty, chosen / penalty), chosen)
         return scores
@@ -307,12 +329,14 @@ class Sampler:
 def _filter(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, then top-p, per row; scores [R, V] float32 -> [R, V], dropped at -inf."""
     device = scores.device
-    scores = scores / torch.tensor([p.sampling_temperature for p in params], device=device).unsqueeze(1)
+    temperature = torch.tensor([p.sampling_temperature for p in params], dtype=torch.float32, device=device)
+    scores = scores / temperature.unsqueeze(1)
     top_k = [min(p.sampling_top_k, scores.shape[1]) for p in params]
     if any(top_k):
         scores = _top_k(scores, top_k)
     if any(p.sampling_top_p < 1.0 for p in params):
-        scores = _top_p(scores, torch.tensor([p.sampling_top_p for p in params], device=device).unsqueeze(1))
+        top_p = torch.tensor([p.sampling_top_p for p in params], dtype=torch.float32, device=device)
+        scores = _top_p(scores, top_p.unsqueeze(1))
     return scores
 
 
