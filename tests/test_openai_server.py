@@ -117,6 +117,143 @@ def test_bad_request_gets_an_error_and_the_next_succeeds(client, reference, body
     assert good.choices[0].text == reference(PROMPTS[4], 6)
 
 
+@pytest.mark.parametrize("path, content, message, param", [
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "not valid Unicode",
+     "messages[0].content"),
+    ("completions", b'{"prompt": "\\ud83d", "max_tokens": 2}', "'prompt' is not valid Unicode", "prompt"),
+    ("completions", b'{"prompt": "hi", "stop": ["a\\udc00"]}', "'stop[0]' is not valid Unicode", "stop[0]"),
+    ("completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', "cannot be parsed as JSON", None),
+    ("completions", b"[" * 5000 + b"]" * 5000, "cannot be parsed as JSON", None),
+    ("completions", b'{"prompt": "hi", "max_tokens": }', "not valid JSON (Expecting value at character 31)", None),
+    ("completions", b'{"prompt": "hi", "suffix": "end"}', "'suffix' = 'end' is not supported", "suffix"),
+])
+def test_bad_content_gets_a_400_in_openai_shape(server, client, reference, path, content, message, param):
+    answer = httpx.post(f"{server.base_url}/v1/{path}", content=content, timeout=60,
+                        headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert message in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
+    assert "Traceback" not in answer.text
+    good = client.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=6, temperature=0)
+    assert good.choices[0].text == reference(PROMPTS[4], 6)
+
+
+def test_explicit_neutral_values_are_accepted(server, client, reference):
+    neutral = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
+    response = client.completions.create(model=NAME, prompt=PROMPTS[7], max_tokens=6, temperature=0, best_of=1,
+                                         echo=False, suffix="", **neutral)
+    assert response.choices[0].text == reference(PROMPTS[7], 6)
+    messages = [{"role": "user", "content": "Hi"}]
+    text = reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = reference(list(reference.tokenizer(text, add_special_tokens=False)["input_ids"]), 4)
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0, logprobs=False,
+                                          **neutral)
+    assert chat.choices[0].message.content == expected
+    for body, name in (({"best_of": 2}, "best_of"), ({"logit_bias": {"5": 1}}, "logit_bias"), ({"n": 3}, "n")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2, **body)
+        assert info.value.body["param"] == name
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, logprobs=True)
+    assert info.value.body["param"] == "logprobs"
+
+
+def test_a_server_fault_is_a_logged_500_in_openai_shape(caplog):
+    from fastapi.testclient import TestClient
+
+    from trtllm_diffkv.serve.openai_server import create_app
+
+    class Broken:  # an LLM whose submission fails: a server bug, not the request's fault
+        tokenizer, max_seq_len = None, 64
+
+        def generate_async(self, *args, **kwargs):
+            raise RuntimeError("executor exploded")
+
+    with TestClient(create_app(Broken(), NAME), raise_server_exceptions=False) as http:
+        answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 500 and "Traceback" not in answer.text
+    assert answer.json() == {"error": {"message": "internal server error (RuntimeError)", "type": "internal_error",
+                                       "param": None, "code": None}}
+    assert any("executor exploded" in str(r.exc_info[1]) for r in caplog.records if r.exc_info), caplog.records
+
+
+@pytest.mark.parametrize("error, prompt_ids, status", [
+    ("RuntimeError: the step failed: CUDA error", [1, 2], 500),  # the executor's fault (llm.py / executor.py)
+    ("the LLM was shut down before the request finished", [1, 2], 500),
+    ("prompt needs 9 pages, the KV pool has 4", [1, 2], 400),  # refused by the executor's admission check
+    ("empty prompt", [], 400),  # refused before the executor
+])
+def test_llm_errors_map_to_the_right_status(error, prompt_ids, status):
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from trtllm_diffkv.serve.openai_server import create_app
+
+    failed = SimpleNamespace(error=error, prompt_token_ids=prompt_ids, finished=True,
+                             outputs=[SimpleNamespace(finish_reason="error", text="", token_ids=[])])
+
+    class Handle:
+        aborted = False
+
+        async def __anext__(self):
+            return failed
+
+        def abort(self):
+            Handle.aborted = True
+
+    class Failing:
+        tokenizer, max_seq_len = None, 64
+
+        def generate_async(self, *args, **kwargs):
+            return Handle()
+
+    with TestClient(create_app(Failing(), NAME), raise_server_exceptions=False) as http:
+        answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == status and answer.json()["error"]["message"] == error
+    assert answer.json()["error"]["type"] == ("internal_error" if status == 500 else "invalid_request_error")
+
+
+_HAS_CUDA = __import__("torch").cuda.is_available()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], "--port 99999 is not a TCP port (1-65535)"),
+    (["--port", "0"], "--port 0 is not a TCP port"),
+    (["--device", "meta"], "--device 'meta': only cpu and cuda are supported"),
+    (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+    pytest.param(["--device", "cuda"], "--device cuda: this torch build sees no CUDA GPU",
+                 marks=pytest.mark.skipif(_HAS_CUDA, reason="this machine has a CUDA GPU")),
+])
+def test_serve_refuses_bad_flags_before_loading(tmp_path, capsys, flags, message):
+    from trtllm_diffkv.commands.serve import main
+
+    assert main(["--model", str(tmp_path / "missing"), *flags]) == 2  # the model is never looked at
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "missing" not in err, err
+
+
+def test_serve_and_triton_repo_refuse_a_port_in_use(tmp_path, capsys):
+    import socket
+
+    from trtllm_diffkv.commands import serve, triton_repo
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve.main(["--model", str(tmp_path / "missing"), "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"trtllm-diffkv serve: cannot listen on 127.0.0.1:{port} (--port {port}): "
+                       "Address already in use\n")
+        assert triton_repo.main(["--model", str(tmp_path), "--out", str(tmp_path / "repo"), "--serve",
+                                 "--grpc-port", str(port)]) == 2
+        assert f"(--grpc-port {port})" in capsys.readouterr().err and not (tmp_path / "repo").exists()
+    assert triton_repo.main(["--model", str(tmp_path), "--out", str(tmp_path / "repo"), "--serve",
+                             "--metrics-port", "65536"]) == 2
+    assert "--metrics-port 65536 is not a TCP port" in capsys.readouterr().err
+
+
 def test_metrics_and_disconnect_frees_pages(server):
     before = _metrics(server)
     assert set(before) == {m.name for m in METRICS}

@@ -252,6 +252,37 @@ def test_bad_request_gets_an_error_and_the_next_succeeds(server, reference, body
     assert good["text_output"] == PROMPTS[4] + reference(PROMPTS[4], 6)
 
 
+@pytest.mark.parametrize("prompt, extra, message", [
+    (" ", {}, "empty prompt"),
+    ("hi", {"max_tokens": _column([0], np.int32)}, "max_tokens"),
+    ("hi", {"beam_width": _column([2], np.int32)}, "beam_width"),
+])
+def test_sync_model_answers_bad_requests_with_invalid_argument(server, reference, prompt, extra, message):
+    """The non-decoupled model's infer: a client error is HTTP 400 / gRPC INVALID_ARGUMENT (not 500 / INTERNAL)."""
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+    from tritonclient.utils import InferenceServerException
+
+    values = {"text_input": _column([prompt.encode()]), "max_tokens": _column([4], np.int32), **extra}
+    types = {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32"}
+    for module, url in ((http, server.http_url), (grpc, server.grpc_url)):
+        inputs = []
+        for name, array in values.items():
+            inputs.append(module.InferInput(name, list(array.shape), types[array.dtype]))
+            inputs[-1].set_data_from_numpy(array)
+        with module.InferenceServerClient(url) as client:
+            with pytest.raises(InferenceServerException) as info:
+                client.infer("diffkv_sync", inputs)
+            assert message in info.value.message()
+            assert info.value.status() == ("400" if module is http else "StatusCode.INVALID_ARGUMENT"), info.value
+    with http.InferenceServerClient(server.http_url) as client:  # the model still serves
+        inputs = [http.InferInput("text_input", [1, 1], "BYTES"), http.InferInput("max_tokens", [1, 1], "INT32")]
+        inputs[0].set_data_from_numpy(_column([PROMPTS[4].encode()]))
+        inputs[1].set_data_from_numpy(_column([6], np.int32))
+        text = client.infer("diffkv_sync", inputs).as_numpy("text_output")[0, 0].decode()
+    assert text == PROMPTS[4] + reference(PROMPTS[4], 6)
+
+
 def _metrics(server, model="diffkv") -> dict[str, float]:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     pattern = r'^(trtllm_diffkv_\w+)\{model="' + model + r'",version="1"\} (\S+)$'

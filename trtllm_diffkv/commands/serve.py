@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 
 
@@ -39,12 +40,56 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
 
 
+def check_port(port: int, flag: str = "--port") -> None:
+    """Refuse a TCP port outside 1-65535 (``ValueError`` naming ``flag``)."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{flag} {port} is not a TCP port (1-65535)")
+
+
+def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening; uvicorn listens on it), so that a port in use
+    is found before the model loads.
+
+    Raises:
+        ValueError: ``port`` outside 1-65535, or ``host:port`` cannot be bound (in use, not an address here).
+    """
+    check_port(port, flag)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} is not an address: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({flag} {port}): {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(args) -> int:
-    """Load the model, serve until interrupted, shut the LLM down. Returns 0, or 2 on a setup error."""
+    """Check the flags and bind the port, load the model, serve until interrupted, shut the LLM down.
+
+    Returns 0, or 2 on a setup error (a bad port or one in use, a device this machine lacks, a model that
+    cannot load), reported on one line before anything is loaded where it can be.
+    """
     from pathlib import Path
 
     try:
+        check_port(args.port)
         import torch
+
+        from ..cli import _device
+
+        _device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
+        sock = bind_socket(args.host, args.port)
+    except (ImportError, ValueError) as exc:
+        print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
+        return 2
+    try:
         import uvicorn
 
         from ..llm import LLM
@@ -54,6 +99,7 @@ def run(args) -> int:
                   dtype=getattr(torch, args.dtype) if args.dtype else None, max_batch_size=args.max_batch_size,
                   kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len)
     except (ImportError, OSError, ValueError) as exc:
+        sock.close()
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or (Path(args.model).name if args.model else "trtllm-diffkv-default")
@@ -62,11 +108,13 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
+        config = uvicorn.Config(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout_s)
         print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (kv_config {args.kv_config})", file=sys.stderr,
-              flush=True)
-        uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout_s)
+              flush=True)  # the port is bound already: uvicorn listens on this socket
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         llm.shutdown()
     return 0
 

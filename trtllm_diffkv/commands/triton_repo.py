@@ -63,6 +63,12 @@ def run(args) -> int:
         return 2
     from ..serve.triton_repo import write_repository
 
+    if args.serve:
+        try:
+            _check_serve_flags(args)
+        except ValueError as exc:
+            print(f"trtllm-diffkv triton-repo: {exc}", file=sys.stderr)
+            return 2
     try:
         model_dir = write_repository(args.out, model=args.model, name=args.name, kv_config=args.kv_config,
                                      max_batch_size=args.max_batch_size, kv_memory_bytes=args.kv_memory_bytes,
@@ -73,6 +79,23 @@ def run(args) -> int:
         return 2
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/model.py")
     return _serve(args) if args.serve else 0
+
+
+def _check_serve_flags(args) -> None:
+    """``--serve``: refuse, before anything is written or started, ports outside 1-65535, the same port
+    twice, a port that cannot be bound (in use) and a ``--device`` this machine lacks (``ValueError``)."""
+    from ..cli import _device
+    from .serve import bind_socket, check_port
+
+    ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port}
+    for flag, port in ports.items():
+        check_port(port, flag)
+    if len(set(ports.values())) < len(ports):
+        raise ValueError("--http-port, --grpc-port and --metrics-port must differ, got "
+                         + ", ".join(f"{flag} {port}" for flag, port in ports.items()))
+    _device(args.device)
+    for flag, port in ports.items():
+        bind_socket(args.host, port, flag).close()  # tritonserver binds it itself, a moment later
 
 
 def _serve(args) -> int:

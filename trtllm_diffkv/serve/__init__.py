@@ -6,3 +6,17 @@
 - :mod:`.openai_server`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 - :mod:`.metrics`: the Prometheus metrics both servers export; :mod:`.process`: server processes.
 """
+
+SERVER_FAULTS = ("the step failed", "the executor step failed", "the executor dropped the request", "abort failed",
+                 "the LLM was shut down")
+"""Markers of the LLM's error messages that are the server's fault, not the request's (llm.py, executor.py)."""
+
+
+def is_server_fault(output) -> bool:
+    """Whether the failed ``output`` (a :class:`~trtllm_diffkv.llm_request.RequestOutput` with ``error`` set)
+    failed through the server's fault (a failed executor step, a shutdown): an HTTP 500 / Triton ``INTERNAL``.
+    Every other error is the request's (bad prompt or sampling values, too long, cannot fit the KV pool):
+    a 400 / ``INVALID_ARG``. A request the LLM refused before it reached the executor (no prompt token ids)
+    is always the request's fault."""
+    error = output.error or ""
+    return bool(output.prompt_token_ids) and any(marker in error for marker in SERVER_FAULTS)

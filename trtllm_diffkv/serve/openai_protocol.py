@@ -1,8 +1,10 @@
 """Request and response bodies of the OpenAI-compatible server (pydantic models, OpenAI's field names).
 
-Only what the server implements is accepted: ``n``, ``best_of``, ``logprobs``, ``echo``,
-``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` at their neutral values (another
-value is a 400 error naming the field, never silently ignored). ``top_k``,
+Only what the server implements is accepted: ``n``, ``best_of``, ``logprobs``, ``top_logprobs``,
+``echo``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``suffix`` at their
+neutral values (:data:`NEUTRAL`: absent, ``null`` or the value that changes nothing, e.g.
+``"n": 1``, ``"logit_bias": {}``, ``"logprobs": false``); another value is a 400 error naming the
+field, never silently ignored. ``top_k``,
 ``repetition_penalty`` and ``ignore_eos`` are extensions (vLLM and TensorRT-LLM's
 ``trtllm-serve`` accept the same names). Unknown fields are ignored, as OpenAI's SDK may add some.
 """
@@ -15,11 +17,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "UsageInfo", "ErrorBody", "new_id",
-           "NEUTRAL"]
+           "NEUTRAL", "is_neutral"]
 
-NEUTRAL = {"n": 1, "best_of": None, "logprobs": None, "echo": False, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0, "logit_bias": None, "top_logprobs": None}
-"""Fields accepted only at these values (OpenAI features the server does not implement)."""
+NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+           "echo": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+           "logit_bias": (None, {}), "suffix": (None, "")}
+"""Fields accepted only at these values (OpenAI features the server does not implement): field -> the
+neutral values (``None`` = absent or ``null``). ``logprobs`` of a completion is an int (``0`` asks for
+the chosen tokens' log-probabilities, so only ``null`` is neutral there); ``False == 0`` in Python, so
+the server compares booleans and numbers by type as well (:func:`is_neutral`)."""
+
+
+def is_neutral(name: str, value) -> bool:
+    """Whether ``value`` of field ``name`` is one of its :data:`NEUTRAL` values (``True`` is never ``1``)."""
+    return any(value is None if neutral is None else
+               (type(value) is type(neutral) or {type(value), type(neutral)} <= {int, float}) and value == neutral
+               for neutral in NEUTRAL[name])
 
 
 def new_id(prefix: str) -> str:
@@ -42,9 +55,9 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict | None = Field(default=None, description='{"include_usage": true} adds a usage chunk')
     ignore_eos: bool = False
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict | None = None
     user: str | None = None
 
@@ -55,8 +68,8 @@ class CompletionRequest(_Request):
     prompt: str | list[str]
     best_of: int | None = None
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool | None = None
+    suffix: str | None = Field(default=None, description="refused unless empty (no fill-in-the-middle)")
 
 
 class ChatMessage(BaseModel):

@@ -5,22 +5,30 @@ server-sent events ``data: {chunk}`` and ends with ``data: [DONE]``), ``GET /v1/
 ``GET /health`` and ``GET /metrics`` (Prometheus text: :mod:`trtllm_diffkv.serve.metrics`).
 
 Every request is one ``llm.generate_async`` call; the LLM's executor batches all of them in
-flight. A bad request (empty prompt, bad sampling values, too long, an unsupported field) gets a
-400 response in OpenAI's error shape and fails alone; when a client disconnects its request is
-aborted, which frees its KV pages. Sampling defaults are OpenAI's (``temperature`` 1,
-``top_p`` 1; ``max_tokens`` 16 for completions, the rest of the context for chat).
+flight. A bad request (empty prompt, bad sampling values, too long, an unsupported field, text
+that is not valid Unicode, a body that is not JSON) gets a 400 response in OpenAI's error shape
+(``{"error": {"message", "type", "param", "code"}}``) and fails alone; every other error response
+(404, 405, and a 500 for a server fault, which is logged with its traceback) has the same
+shape. When a client disconnects its request is aborted, which frees its KV pages. Sampling
+defaults are OpenAI's (``temperature`` 1, ``top_p`` 1; ``max_tokens`` 16 for completions, the
+rest of the context for chat).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from . import is_server_fault
 from .metrics import prometheus_text
-from .openai_protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest, created, new_id
+from .openai_protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest, created, is_neutral, new_id
+
+LOG = logging.getLogger("trtllm_diffkv.serve")
 
 __all__ = ["create_app", "BadRequest"]
 
@@ -40,12 +48,31 @@ def _error(message: str, param: str | None = None, status: int = 400) -> JSONRes
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
 
 
+def _check_text(value, param: str) -> None:
+    """Refuse strings that are not valid Unicode (a lone surrogate such as ``"\\ud83d"``, which JSON allows)
+    anywhere in the body: they cannot be tokenized or encoded as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(f"'{param}' is not valid Unicode text: {exc.reason} at character {exc.start} "
+                             f"({value[exc.start]!a})", param) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, param)
+            _check_text(item, f"{param}.{key}" if param else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text(item, f"{param}[{index}]")
+
+
 def _sampling_params(body, max_tokens: int):
     from ..runtime.sampling import SamplingParams
 
-    for name, neutral in NEUTRAL.items():
-        if getattr(body, name, neutral) != neutral:
-            raise BadRequest(f"'{name}' = {getattr(body, name)!r} is not supported (only {neutral!r})", name)
+    for name, neutrals in NEUTRAL.items():
+        if name in type(body).model_fields and not is_neutral(name, getattr(body, name)):
+            allowed = " or ".join(repr(v) if v is not None else "null" for v in neutrals)
+            raise BadRequest(f"'{name}' = {getattr(body, name)!r} is not supported (only {allowed})", name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
@@ -86,12 +113,29 @@ def create_app(llm, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+        if first.get("type") == "json_invalid":  # loc is ("body", <character offset>)
+            offset = first.get("loc", (None, None))[-1]
+            reason = (first.get("ctx") or {}).get("error", "")
+            return _error(f"the request body is not valid JSON ({reason} at character {offset})"
+                          if reason else f"the request body is not valid JSON (at character {offset})")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), where or None)
 
     @app.exception_handler(BadRequest)
     async def _bad(_, exc: BadRequest):
         return _error(exc.message, exc.param, exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, exc: HTTPException):  # FastAPI's own: unparseable body (400), unknown path (404), 405
+        message = str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body cannot be parsed as JSON (not UTF-8, or nested too deeply)"
+        return _error(message, status=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # a server fault, never a traceback to the client
+        LOG.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(f"internal server error ({type(exc).__name__})", status=500)
 
     def check_model(body) -> None:
         if body.model is not None and body.model != model_name:
@@ -117,6 +161,7 @@ def create_app(llm, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
+        _check_text(body.model_dump(), "")
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         if not prompts:
             raise BadRequest("'prompt' is an empty list", "prompt")
@@ -137,6 +182,8 @@ def create_app(llm, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
+        _check_text(body.model_dump(), "")
+        params = _sampling_params(body, 1)  # refuses unsupported fields before the chat template runs
         ids = _chat_prompt_ids(llm, body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max(1, llm.max_seq_len - len(ids)) if max_tokens is None else max_tokens)
@@ -164,7 +211,10 @@ def _chat_prompt_ids(llm, body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     except ValueError as exc:
         raise BadRequest(str(exc), "messages") from None
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:  # the template may refuse a conversation (e.g. "roles must alternate"): the client's to fix
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError and what the template raises
+        raise BadRequest(f"the chat template refused the messages: {exc}", "messages") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -177,7 +227,10 @@ def _raise_first_error(finals, handles) -> None:
         if final.error is not None:
             for handle in handles:
                 handle.abort()
-            raise BadRequest(final.error, None, 400)
+            server_side = is_server_fault(final)  # a failed executor step, a shutdown: not the request's fault
+            if server_side:
+                LOG.error("request failed in the LLM: %s", final.error)
+            raise BadRequest(final.error, None, 500 if server_side else 400)
 
 
 async def _stream(handle, request: Request, body, meta: dict, chat: bool):

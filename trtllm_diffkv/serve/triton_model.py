@@ -10,6 +10,10 @@ every 0.1 s: a cancelled request is aborted in the LLM, which frees its pages be
 step. Input/output tensors: :mod:`trtllm_diffkv.serve.triton_requests`. The LLM's statistics are
 exported as Triton custom metrics (:mod:`trtllm_diffkv.serve.metrics`, labels ``model`` and
 ``version``) every 0.25 s.
+
+Errors: a request the model refuses (bad inputs, an empty or too long prompt, bad sampling values)
+is answered with ``TritonError.INVALID_ARG`` (HTTP 400, gRPC ``INVALID_ARGUMENT``); a failure of
+the server's own (a failed executor step) with ``INTERNAL`` (HTTP 500, gRPC ``INTERNAL``).
 """
 import asyncio
 import json
@@ -31,6 +35,26 @@ def _send(sender, response, final: bool = False) -> None:
         sender.send(response, flags=flags) if response is not None else sender.send(flags=flags)
     except Exception as exc:  # noqa: BLE001 - the request was cancelled or the stub is shutting down
         pb_utils.Logger.log_verbose(f"trtllm-diffkv: response not sent: {exc}")
+
+
+def _error(message: str, client: bool = True):
+    """A ``TritonError`` with code ``INVALID_ARG`` (``client``: the request's fault) or ``INTERNAL``; a stub
+    without error codes (Python backend before 23.xx) gets the plain error, which Triton reports as internal."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG" if client else "INTERNAL", None)
+    if code is not None:
+        try:
+            return pb_utils.TritonError(message, code)
+        except TypeError:  # a TritonError(message) only
+            pass
+    return pb_utils.TritonError(message)
+
+
+def _errors(finals) -> tuple[list[str], bool]:
+    """The failed rows' messages, and whether all are the client's (``trtllm_diffkv.serve.is_server_fault``)."""
+    from trtllm_diffkv.serve import is_server_fault  # importable once initialize() set the path
+
+    failed = [f for f in finals if f.error is not None and f.outputs[0].finish_reason == "error"]
+    return [f.error for f in failed], not any(is_server_fault(f) for f in failed)
 
 
 class TritonPythonModel:
@@ -92,25 +116,30 @@ class TritonPythonModel:
         try:
             rows = self._rows(request)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+            return pb_utils.InferenceResponse(error=_error(str(exc), isinstance(exc, ValueError)))
         handles = [self.llm.generate_async(row.prompt, row.sampling_params) for row in rows]
-        finals = await asyncio.gather(*(self._final(request, handle) for handle in handles))
-        return self._whole_response(rows, finals)
+        try:
+            finals = await asyncio.gather(*(self._final(request, handle) for handle in handles))
+            return self._whole_response(rows, finals)
+        except Exception as exc:  # noqa: BLE001 - the request fails alone
+            for handle in handles:
+                handle.abort()
+            return pb_utils.InferenceResponse(error=_error(f"internal error: {exc}", client=False))
 
     async def _serve(self, request):
         sender = request.get_response_sender()
         try:
             rows = self._rows(request)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), final=True)
+            _send(sender, pb_utils.InferenceResponse(error=_error(str(exc), isinstance(exc, ValueError))), final=True)
             return
         handles = [self.llm.generate_async(row.prompt, row.sampling_params, streaming=row.stream) for row in rows]
         try:
             if rows[0].stream:  # the end: the final flag alone, or with the error of the rows that failed
-                errors = await asyncio.gather(*(self._stream_row(request, sender, handle, index)
-                                                for index, handle in enumerate(handles)))
-                errors = [e for e in errors if e is not None]
-                _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError("; ".join(errors)))
+                ends = await asyncio.gather(*(self._stream_row(request, sender, handle, index)
+                                              for index, handle in enumerate(handles)))
+                errors, client = _errors([f for f in ends if f is not None])
+                _send(sender, pb_utils.InferenceResponse(error=_error("; ".join(errors), client))
                       if errors else None, final=True)
             else:
                 finals = await asyncio.gather(*(self._final(request, handle) for handle in handles))
@@ -118,7 +147,7 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - never leave a request without its final flag
             for handle in handles:
                 handle.abort()
-            _send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}")), final=True)
+            _send(sender, pb_utils.InferenceResponse(error=_error(f"internal error: {exc}", client=False)), final=True)
 
     async def _outputs(self, request, handle):
         """The request's outputs, aborting it in the LLM once Triton reports the client cancelled."""
@@ -147,11 +176,11 @@ class TritonPythonModel:
         return final
 
     async def _stream_row(self, request, sender, handle, index):
-        """Send one row's new text as it comes; returns the row's error message, or ``None``."""
+        """Send one row's new text as it comes; returns the row's failed output, or ``None``."""
         async for output in self._outputs(request, handle):
             completion = output.outputs[0]
             if output.error is not None and completion.finish_reason == "error":
-                return output.error
+                return output
             if completion.finish_reason == "cancelled":
                 return None  # the client is gone: nothing more to send but the final flag
             if completion.text_diff or output.finished:
@@ -159,9 +188,9 @@ class TritonPythonModel:
                                            [len(output.prompt_token_ids)], [len(completion.token_ids)], [index]))
 
     def _whole_response(self, rows, finals):
-        errors = [f.error for f in finals if f.error is not None and f.outputs[0].finish_reason == "error"]
+        errors, client = _errors(finals)
         if errors:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError("; ".join(errors)))
+            return pb_utils.InferenceResponse(error=_error("; ".join(errors), client))
         texts = [f.outputs[0].text if row.exclude_input else row.prompt + f.outputs[0].text
                  for row, f in zip(rows, finals)]
         return self._response(texts, [f.outputs[0].finish_reason or "" for f in finals],
