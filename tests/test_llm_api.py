@@ -294,3 +294,10 @@ def test_a_1d_tensor_or_array_is_one_prompt(text_llm):
     for prompt in (torch.tensor(ids), np.array(ids)):
         out = text_llm.generate(prompt, greedy)  # one RequestOutput, not one failing request per id
         assert out.error is None and out.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True])
+def test_bad_max_seq_len_is_refused_not_read_as_the_model_limit(bad):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        LLM.from_model(model, None, model.config, "default", kv_memory_bytes=4 << 20, max_seq_len=bad)

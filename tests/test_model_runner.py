@@ -178,3 +178,16 @@ def test_from_dir_reads_an_engine_dir_written_by_build(tmp_path):
             runner.generate([torch.ones(95, dtype=torch.int32)], max_new_tokens=5)
     finally:
         runner.shutdown()
+
+
+def test_numpy_rows_and_ids_are_accepted_like_lists(setup):
+    import numpy as np
+
+    runner, prompts, generated = setup
+    rows = [np.asarray(p.tolist(), dtype=np.int64) for p in prompts[:2]]
+    mixed = [rows[0], [np.int32(t) for t in prompts[1].tolist()]]
+    want = runner.generate(prompts[:2], max_new_tokens=MAX_NEW, pad_id=PAD)
+    assert torch.equal(runner.generate(rows, max_new_tokens=MAX_NEW, pad_id=PAD), want)
+    assert torch.equal(runner.generate(mixed, max_new_tokens=MAX_NEW, pad_id=PAD), want)
+    with pytest.raises(ValueError, match="integer array"):
+        runner.generate([np.asarray([1.0, 2.0])], max_new_tokens=2)

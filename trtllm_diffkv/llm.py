@@ -143,7 +143,11 @@ class LLM:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_ids) | ({eos} if eos is not None else set())
         limit = position_limit(model_config)
-        self.max_seq_len = min(limit, max_seq_len) if max_seq_len else limit
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                        or max_seq_len < 1):
+            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive integer, or None for the model's "
+                             f"{limit} positions")
+        self.max_seq_len = limit if max_seq_len is None else min(limit, max_seq_len)
         executor_kwargs = {k: v for k, v in executor_kwargs.items() if v is not None}
         device = executor_kwargs.get("device") or next(model.parameters()).device
         budget_given = {"kv_memory_bytes", "kv_memory_fraction", "resource_manager"} & executor_kwargs.keys()

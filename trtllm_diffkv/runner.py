@@ -17,6 +17,7 @@ only one beam, and tensors stay on the CPU (``.cuda()`` them if needed).
 """
 from __future__ import annotations
 
+import numbers
 import queue
 
 import torch
@@ -167,7 +168,11 @@ class ModelRunner:
                 raise ValueError(f"batch_input_ids[{index}]: a 1-D integer tensor is needed, got {ids.dtype} "
                                  f"of shape {tuple(ids.shape)}")
             ids = ids.tolist()
-        ids = list(ids)
+        elif hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a 1-D NumPy array
+            if getattr(getattr(ids, "dtype", None), "kind", "i") not in "iu":
+                raise ValueError(f"batch_input_ids[{index}]: an integer array is needed, got dtype {ids.dtype}")
+            ids = ids.tolist()
+        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
         if not ids:
             raise ValueError(f"batch_input_ids[{index}] is empty: at least one token is needed")
         vocab = self.vocab_size
