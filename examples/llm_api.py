@@ -26,6 +26,9 @@ def main() -> None:
         # 1. a batch, in-flight batched; outputs in the prompts' order
         greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         for out in llm.generate(PROMPTS, greedy, chat_template=True):
+            if out.error:  # a bad request fails alone: report it and go on
+                print(f"[batch] {out.prompt!r} -> error: {out.error}")
+                continue
             print(f"[batch] {out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason}, "
                   f"KV {out.metrics['kv_memory_fraction']:.1%} of FP16)")
 

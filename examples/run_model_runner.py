@@ -55,8 +55,13 @@ def print_output(tokenizer, output_ids, input_lengths, sequence_lengths, texts) 
 
 
 def main(args) -> None:
+    if args.streaming_interval < 1 or args.max_output_len < 1:
+        raise SystemExit("error: --streaming_interval and --max_output_len must be >= 1")
     runner = ModelRunner.from_dir(args.engine_dir, kv_config=args.kv_config, device=args.device)
     tokenizer = runner.tokenizer
+    if tokenizer is None:
+        runner.shutdown()
+        raise SystemExit(f"error: {args.engine_dir} has no tokenizer files; this script reads and prints text")
     texts = args.input_text
     if args.input_file:
         with open(args.input_file, encoding="utf-8") as f:
@@ -70,6 +75,8 @@ def main(args) -> None:
         words = [tokenizer.encode(w, add_special_tokens=False) for w in args.stop_words]
         stop_words_list = [words] * len(batch_input_ids)
     try:
+        if not texts:
+            raise SystemExit("error: no input text")
         with torch.no_grad():
             outputs = runner.generate(batch_input_ids, max_new_tokens=args.max_output_len, end_id=end_id,
                                       pad_id=pad_id, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -82,6 +89,8 @@ def main(args) -> None:
                         print_output(tokenizer, out["output_ids"], input_lengths, out["sequence_lengths"], texts)
                 outputs = out
             print_output(tokenizer, outputs["output_ids"], input_lengths, outputs["sequence_lengths"], texts)
+    except (ValueError, RuntimeError) as exc:  # a bad flag value, or a request that failed: one line, not a traceback
+        raise SystemExit(f"error: {exc}") from None
     finally:
         runner.shutdown()
 

@@ -87,6 +87,10 @@ def test_png_and_table(smoke, tmp_path, capsys):
     assert again.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not again.exists()
     assert capsys.readouterr().out.splitlines()[:len(table)] == table
     assert _run_cli(["--plot-from", str(tmp_path / "missing.json")]) == 2
+    for i, text in enumerate(('{"rows": [{"workload": "a"}]}', '{"rows": "x"}', '{"rows": [], "gpu": null}')):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        assert _run_cli(["--plot-from", str(bad), "--output", str(tmp_path / f"o{i}.json")]) == 2  # not 1, no traceback
 
 
 def _tiny_config():
@@ -132,7 +136,10 @@ def test_usage_errors(tmp_path, capsys):
     assert _run_cli(["--smoke", "--a-num-requests", "0", "--output", out]) == 2
     assert "num_requests=0 must be a positive integer" in capsys.readouterr().err
     assert _run_cli(["--smoke", "--workloads", "c", "--request-rates", "0", "--output", out]) == 2
-    assert "positive request rates" in capsys.readouterr().err
+    assert "positive, finite request rates" in capsys.readouterr().err
+    for rate in ("inf", "nan"):
+        assert _run_cli(["--smoke", "--workloads", "c", "--request-rates", rate, "--output", out]) == 2
+        assert "finite request rates" in capsys.readouterr().err
     assert _run_cli(["--smoke", "--preset", "nope", "--output", out]) == 2
     assert "unknown kv-config preset 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

@@ -172,3 +172,14 @@ def test_generate_paged_engine_static_batch_on_default_model(default_model, long
         assert p["pool_used_bytes"] >= p["kv_cache_bytes"] > 0
         assert p["pool_pages"] > 0
     assert paged[0]["kv_memory_fraction"] < 0.4
+
+
+def test_read_prompts_a_huge_integer_or_deep_nesting_fails_its_line_alone(tmp_path):
+    """json.loads raises ValueError (integer digit limit) or RecursionError, not JSONDecodeError, on these lines."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "n": 1' + "0" * 5000 + '}\n{"prompt": "b"}\n' + "[" * 100000 + "\n",
+                 encoding="utf-8")
+    first, second, third = read_prompts(f)
+    assert isinstance(first, ValueError) and "line 1" in str(first)
+    assert second == "b"
+    assert isinstance(third, ValueError) and "line 3" in str(third) and "nested too deeply" in str(third)

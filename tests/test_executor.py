@@ -413,3 +413,10 @@ def test_fp16_request_that_can_never_finish_is_refused_before_any_token(model):
     assert "by its last decode step" in got["never"][1].error
     check_pool(ex)
     assert ex.cache.manager.free_pages() == 60
+
+
+def test_unhashable_request_id_is_a_value_error(model):
+    ex = make(model, FP16, num_pages=60)
+    with pytest.raises(ValueError, match="hashable"):
+        ex.add_request([1, 2, 3], _greedy(2), request_id=["a"])
+    assert not ex.has_unfinished()

@@ -153,16 +153,7 @@ def test_from_dir_reads_an_engine_dir_written_by_build(tmp_path):
     """An engine dir (config.json with the diffkv section + model/): its preset, limits and model are used."""
     import json
 
-    from trtllm_diffkv.build.engine_dir import engine_config
-    from trtllm_diffkv.build.fields import EngineShape
-    from trtllm_diffkv.model.loader import load_model
-
-    engine = tmp_path / "engine"
-    write_tiny_text_checkpoint(engine / "model")
-    _, _, mc = load_model(engine / "model")
-    shape = EngineShape(mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, get_preset("k8v4"),
-                        dtype="float16", max_batch_size=3, max_seq_len=96)
-    config = engine_config(mc, shape, onnx_file=None, engine_file=None, targets=[], tensorrt_note="not built here")
+    engine, config = _tiny_engine_config(tmp_path)
     (engine / "config.json").write_text(json.dumps(config))
     runner = ModelRunner.from_dir(engine, device="cpu", kv_memory_bytes=16 << 20)
     try:
@@ -172,7 +163,8 @@ def test_from_dir_reads_an_engine_dir_written_by_build(tmp_path):
         assert runner.dtype == torch.float32  # the engine's float16 is for the GPU; the CPU runs float32
         prompt = torch.tensor([1, 2, 3, 4])
         out = runner.generate([prompt], max_new_tokens=5, pad_id=PAD)
-        ref = ReferenceGenerator(runner.llm.executor.model, None, mc, get_preset("k8v4")).generate_ids([1, 2, 3, 4], 5)
+        ref = ReferenceGenerator(runner.llm.executor.model, None, runner.llm.model_config,
+                                 get_preset("k8v4")).generate_ids([1, 2, 3, 4], 5)
         assert out[0, 0].tolist() == [1, 2, 3, 4] + ref.token_ids
         with pytest.raises(RuntimeError, match="exceeds max_seq_len 96"):
             runner.generate([torch.ones(95, dtype=torch.int32)], max_new_tokens=5)
@@ -191,3 +183,56 @@ def test_numpy_rows_and_ids_are_accepted_like_lists(setup):
     assert torch.equal(runner.generate(mixed, max_new_tokens=MAX_NEW, pad_id=PAD), want)
     with pytest.raises(ValueError, match="integer array"):
         runner.generate([np.asarray([1.0, 2.0])], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(top_p=1.5), "top_p"), (dict(top_p=-1.0), "top_p"), (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(pad_id=-5), "pad_id"), (dict(end_id=-2), "end_id"),
+])
+def test_bad_values_are_refused_even_when_decoding_is_greedy(setup, kwargs, field):
+    """top_k=1 (the default) decodes greedily, but a bad value given beside it is still an error, before any run."""
+    runner, prompts, _ = setup
+    with pytest.raises(ValueError, match=field):
+        runner.generate(prompts[:1], max_new_tokens=2, **kwargs)
+
+
+def test_end_id_minus_one_runs_to_max_new_tokens(setup):
+    """TensorRT-LLM's end_id=-1: no end token; every row gets exactly max_new_tokens."""
+    runner, prompts, _ = setup
+    out = runner.generate(prompts[:2], max_new_tokens=5, end_id=-1, pad_id=0, output_sequence_lengths=True,
+                          return_dict=True)
+    assert out["sequence_lengths"][:, 0].tolist() == [len(p) + 5 for p in prompts[:2]]
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda c: c["pretrained_config"].update(architecture="GPT2LMHeadModel"), "architecture"),
+    (lambda c: c["pretrained_config"].update(num_hidden_layers=7), "num_hidden_layers"),
+    (lambda c: c["pretrained_config"].update(num_key_value_heads=5), "num_key_value_heads"),
+    (lambda c: c["pretrained_config"].update(dtype="int3"), "dtype"),
+    (lambda c: c["diffkv"]["kv_config"].update(head_dim=128), "head_dim"),
+    (lambda c: c["build_config"].update(max_seq_len=10 ** 12), "max_seq_len"),
+])
+def test_an_engine_dir_that_disagrees_with_its_model_is_refused(tmp_path, edit, key):
+    import json
+
+    engine, config = _tiny_engine_config(tmp_path)
+    edit(config)
+    (engine / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=key):
+        ModelRunner.from_dir(engine, device="cpu", kv_memory_bytes=16 << 20)
+
+
+def _tiny_engine_config(tmp_path):
+    """A tiny checkpoint in ``tmp_path/engine/model`` and the engine config.json dict ``build`` would write for it
+    (k8v4, float16, 3 requests, 96 tokens); returns ``(engine_dir, config)``."""
+    from trtllm_diffkv.build.engine_dir import engine_config
+    from trtllm_diffkv.build.fields import EngineShape
+    from trtllm_diffkv.model.loader import load_model
+
+    engine = tmp_path / "engine"
+    write_tiny_text_checkpoint(engine / "model")
+    _, _, mc = load_model(engine / "model")
+    shape = EngineShape(mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, get_preset("k8v4"),
+                        dtype="float16", max_batch_size=3, max_seq_len=96)
+    return engine, engine_config(mc, shape, onnx_file=None, engine_file=None, targets=[],
+                                 tensorrt_note="not built here")

@@ -66,6 +66,9 @@ def _parse_json(line: str):
         return json.loads(line)
     except json.JSONDecodeError as exc:
         return exc
+    except (ValueError, RecursionError) as exc:  # a too-long integer, nesting deeper than Python's stack
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+        return json.JSONDecodeError(reason, line, 0)
 
 
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",

@@ -72,7 +72,7 @@ def load_source(model, kv_config, device, dtype):
             is_engine_dir = None
         if is_engine_dir is not None and is_engine_dir(model):
             info = read_engine_dir(model)
-            model = info.model_path
+            engine_dir, model = model, info.model_path
             kv_config = info.kv_config if kv_config is None else kv_config
             if dtype is None and device.type == "cuda":  # on the CPU: float32 (half matmuls are slow there)
                 dtype = getattr(torch, info.dtype)
@@ -81,6 +81,10 @@ def load_source(model, kv_config, device, dtype):
         kv_config = get_preset(kv_config)
     dtype = dtype if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     net, tokenizer, model_config = load_model(model, device=device, dtype=dtype)
+    if info is not None:
+        from .build.engine_dir import check_engine_matches_model
+
+        check_engine_matches_model(engine_dir, model_config)
     return net, tokenizer, model_config, kv_config, stop_token_ids(model), info
 
 

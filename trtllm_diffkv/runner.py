@@ -144,7 +144,17 @@ class ModelRunner:
         inputs = [self._as_ids(i, ids) for i, ids in enumerate(batch_input_ids)]
         if not inputs:
             raise ValueError("batch_input_ids is empty")
+        for name, value, allowed in (("end_id", end_id, "an int in [0, 2**31), or -1: no end token"),
+                                     ("pad_id", pad_id, "an int in [0, 2**31)")):
+            if value is None or (name == "end_id" and value == -1):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < 2 ** 31:
+                raise ValueError(f"{name}={value!r} must be a token id ({allowed})")
+        no_end = end_id == -1  # TensorRT-LLM's convention: no end token, run to max_new_tokens
+        end_id = None if no_end else end_id
         params = self._params(max_new_tokens, end_id, temperature, top_k, top_p, repetition_penalty, random_seed)
+        if no_end:
+            params = params.with_changes(ignore_eos=True)
         stops = _stop_words(stop_words_list, len(inputs))
         pad = _first_not_none(pad_id, end_id, getattr(self.tokenizer, "pad_token_id", None),
                               getattr(self.tokenizer, "eos_token_id", None), 0)
@@ -184,6 +194,10 @@ class ModelRunner:
     def _params(self, max_new_tokens, end_id, temperature, top_k, top_p, repetition_penalty, random_seed):
         from .runtime.sampling import SamplingParams
 
+        # every value is checked as given, also where greedy decoding will not use it (a bad input never runs)
+        SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                       top_p=0.0 if top_p is None else top_p, repetition_penalty=repetition_penalty,
+                       seed=random_seed).validate(self.vocab_size)
         top_p_off = top_p is None or top_p == 0
         greedy = temperature == 0 or top_k == 1 or (top_k == 0 and top_p_off)
         top_p = 1.0 if top_p_off else top_p

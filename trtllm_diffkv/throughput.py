@@ -22,6 +22,7 @@ one with the same sizes runs two short requests, so Triton compiles outside the 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import subprocess
@@ -78,8 +79,9 @@ class Workload:
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"workload {self.name}: kv_memory_bytes={self.kv_memory_bytes!r} must be a positive "
                              "integer")
-        if self.name == "c" and (not self.request_rates or any(r <= 0 for r in self.request_rates)):
-            raise ValueError(f"workload c needs positive request rates, got {self.request_rates!r}")
+        if self.name == "c" and (not self.request_rates
+                                 or not all(math.isfinite(r) and r > 0 for r in self.request_rates)):
+            raise ValueError(f"workload c needs positive, finite request rates, got {self.request_rates!r}")
         for preset in self.presets:
             get_preset(preset)
 

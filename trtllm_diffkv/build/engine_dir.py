@@ -87,6 +87,46 @@ def read_engine_dir(path) -> EngineDirInfo:
     return info
 
 
+_MODEL_KEYS = {"architecture": "architecture", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
+               "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+               "num_key_value_heads": "num_kv_heads", "head_size": "head_dim", "rotary_scaling": "rope_scaling"}
+"""``pretrained_config`` keys that must equal the model folder's (engine key -> ModelConfig attribute)."""
+
+
+def check_engine_matches_model(path, model_config) -> None:
+    """Refuse an engine dir whose ``config.json`` disagrees with the model it holds.
+
+    Compares the ``pretrained_config`` keys the build wrote (architecture, vocabulary, layer and head
+    counts, head size, RoPE scaling) with the loaded model folder's config, the ``dtype`` with the
+    dtypes a build writes, and the ``diffkv.kv_config`` shape fields and ``build_config.max_seq_len``
+    with the model.
+
+    Raises:
+        ValueError: naming the first key that disagrees, its value in config.json and the model's.
+    """
+    data = _config(path) or {}
+    pretrained, build = data.get("pretrained_config") or {}, data.get("build_config") or {}
+    for key, attr in _MODEL_KEYS.items():
+        if key in pretrained and pretrained[key] != getattr(model_config, attr, pretrained[key]):
+            raise ValueError(f"{path}/config.json: pretrained_config.{key}={pretrained[key]!r} disagrees with its "
+                             f"model folder ({getattr(model_config, attr)!r})")
+    if pretrained.get("dtype") not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"{path}/config.json: pretrained_config.dtype={pretrained.get('dtype')!r} is not one of "
+                         "float32, float16, bfloat16")
+    fields = (data.get("diffkv") or {}).get("kv_config") or {}
+    for key, attr in (("num_layers", "num_layers"), ("num_heads", "num_heads"), ("num_kv_heads", "num_kv_heads"),
+                      ("head_dim", "head_dim")):
+        if key in fields and fields[key] != getattr(model_config, attr):
+            raise ValueError(f"{path}/config.json: diffkv.kv_config.{key}={fields[key]!r} disagrees with its model "
+                             f"folder ({getattr(model_config, attr)!r})")
+    from ..engine import position_limit
+
+    limit = position_limit(model_config)
+    if int(build.get("max_seq_len", 0)) > limit:
+        raise ValueError(f"{path}/config.json: build_config.max_seq_len={build['max_seq_len']!r} exceeds the model's "
+                         f"{limit} positions")
+
+
 def engine_config(model_config, shape, *, onnx_file: str | None, engine_file: str | None, targets: list[str],
                   tensorrt_note: str) -> dict:
     """The engine's config.json dict (TensorRT-LLM keys plus the ``diffkv`` section).

@@ -139,12 +139,14 @@ def _plot_from(source: Path, png: Path) -> int:
     try:
         result = json.loads(source.read_text())
         rows = result["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"trtllm-diffkv bench: error: --plot-from {source}: not a results JSON ({exc})", file=sys.stderr)
+        table = format_table(rows)  # every row must have the schema's keys
+        png.parent.mkdir(parents=True, exist_ok=True)
+        plot_results(result, png)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"trtllm-diffkv bench: error: --plot-from {source}: not a results JSON "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    print(format_table(rows))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    plot_results(result, png)
+    print(table)
     print(f"[bench] wrote {png}")
     return 0
 

@@ -244,9 +244,12 @@ def _read_config(folder: Path) -> dict:
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: not a Hugging Face checkpoint folder")
     try:
-        return json.loads(config_file.read_text())
+        data = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file} is a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -138,15 +138,20 @@ class Executor:
         greedy, 64 new tokens (TensorRT-LLM's default is greedy); ``request_id=None``: a new int.
 
         Raises:
-            ValueError: ``request_id`` is already live (the only error raised here).
+            ValueError: ``request_id`` is already live or not hashable (the only errors raised here).
         """
         with self._inbox_lock:
             if request_id is None:
                 request_id = next(self._ids)
                 while request_id in self.requests:
                     request_id = next(self._ids)
-            elif request_id in self.requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
+            else:
+                try:
+                    in_use = request_id in self.requests
+                except TypeError:
+                    raise ValueError(f"request id {request_id!r} must be hashable (an int or a str)") from None
+                if in_use:
+                    raise ValueError(f"request id {request_id!r} is already in use")
             params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
             request = Request(request_id, prompt_token_ids, params, arrival_time=time.perf_counter())
             self.requests[request_id] = request
