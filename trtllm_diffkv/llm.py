@@ -140,18 +140,11 @@ class LLM:
     def _start(self, model, tokenizer, model_config, kv_config, stop_ids, *, max_seq_len=None, **executor_kwargs):
         import torch
 
-        from .engine import position_limit
         from .runtime.executor import Executor
 
         self.tokenizer, self.model_config, self.kv_config = tokenizer, model_config, kv_config
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_ids) | ({eos} if eos is not None else set())
-        limit = position_limit(model_config)
-        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
-                                        or max_seq_len < 1):
-            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive integer, or None for the model's "
-                             f"{limit} positions")
-        self.max_seq_len = limit if max_seq_len is None else min(limit, max_seq_len)
         executor_kwargs = {k: v for k, v in executor_kwargs.items() if v is not None}
         device = executor_kwargs.get("device") or next(model.parameters()).device
         budget_given = {"kv_memory_bytes", "kv_memory_fraction", "resource_manager"} & executor_kwargs.keys()
@@ -160,8 +153,9 @@ class LLM:
         executor_kwargs.setdefault("max_batch_size", 64)
         self.max_batch_size = executor_kwargs["max_batch_size"]
         self.executor = Executor(model, model_config, kv_config, tokenizer=tokenizer,
-                                 stop_token_ids=tuple(self.stop_token_ids), max_seq_len=self.max_seq_len,
+                                 stop_token_ids=tuple(self.stop_token_ids), max_seq_len=max_seq_len,
                                  **executor_kwargs)
+        self.max_seq_len = self.executor.max_seq_len  # checked and capped at the model's positions there
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[int, AsyncRequest] = {}  # owned by the loop thread
         self._ids = itertools.count()

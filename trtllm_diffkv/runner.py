@@ -195,17 +195,15 @@ class ModelRunner:
         from .runtime.sampling import SamplingParams
 
         # every value is checked as given, also where greedy decoding will not use it (a bad input never runs)
-        SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                       top_p=0.0 if top_p is None else top_p, repetition_penalty=repetition_penalty,
-                       seed=random_seed).validate(self.vocab_size)
-        top_p_off = top_p is None or top_p == 0
+        given = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=0.0 if top_p is None else top_p, repetition_penalty=repetition_penalty,
+                               seed=random_seed, stop_token_ids=None if end_id is None else [end_id],
+                               ignore_eos=end_id is not None)
+        given.validate(self.vocab_size)
+        top_p_off = top_p is None or top_p == 0  # SamplingConfig's top_p=0 is "off", SamplingParams' is greedy
         greedy = temperature == 0 or top_k == 1 or (top_k == 0 and top_p_off)
-        top_p = 1.0 if top_p_off else top_p
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-                                top_k=0 if greedy else top_k, top_p=1.0 if greedy else top_p,
-                                repetition_penalty=repetition_penalty, seed=random_seed,
-                                stop_token_ids=None if end_id is None else [end_id], ignore_eos=end_id is not None)
-        params.validate(self.vocab_size)
+        params = given.with_changes(temperature=0.0 if greedy else temperature, top_k=0 if greedy else top_k,
+                                    top_p=1.0 if greedy or top_p_off else top_p)
         return params
 
 

@@ -60,7 +60,7 @@ class Executor:
         kv_memory_bytes, kv_memory_fraction: the KV budget (:class:`DiffKVResourceManager`).
         device: default the model's device.
         use_cuda_graphs: replay decode-only steps from CUDA graphs over bucketed batch sizes
-            (:class:`~.cuda_graphs.DecodeGraphRunner`, captured here, on the empty cache);
+            (:class:`~.cuda_graphs.DecodeGraphRunner`, its forward graphs captured here);
             prefill and mixed steps run eagerly. ``None`` (default): on when the device is CUDA
             and the cache runs the Triton kernels; a capture that fails warns and decodes
             eagerly. ``True`` on a CPU raises.
@@ -100,8 +100,8 @@ class Executor:
             raise ValueError(f"use_cuda_graphs=True needs a CUDA device, got {self.device}")
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda" and self.cache.use_triton
-        self.use_cuda_graphs, self.profile = bool(use_cuda_graphs), profile
-        self._graphs = self._capture_graphs() if self.use_cuda_graphs else None  # DecodeGraphRunner
+        self.profile = profile
+        self._graphs = self._capture_graphs() if use_cuda_graphs else None  # DecodeGraphRunner
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_token_ids or ()) | ({eos} if eos is not None else set())
         self.sampler = Sampler(model_config.vocab_size, self.device)
@@ -328,15 +328,19 @@ class Executor:
             else:
                 self._advance(request, int(token), t0, t4, updates)
 
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether decode-only steps replay CUDA graphs (False after a failed capture)."""
+        return self._graphs is not None
+
     def _capture_graphs(self):
-        """Capture the decode graphs on the still-empty cache (the plan graphs need it empty); ``None`` on failure."""
+        """Capture the decode forward graphs of every batch bucket; ``None`` (and a warning) on failure."""
         from .cuda_graphs import DecodeGraphRunner
 
         try:
             return DecodeGraphRunner(self.model, self.cache)
         except Exception as exc:  # noqa: BLE001 - serve eagerly rather than not at all
             self.cache.discard_step()
-            self.use_cuda_graphs = False
             warnings.warn(f"CUDA-graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}",
                           RuntimeWarning, stacklevel=3)
             return None
@@ -404,12 +408,12 @@ class Executor:
     def _result(self, request: Request, reason: str, stop_id, now: float) -> PagedGenerationResult:
         """The finished request's :class:`GenerationResult` fields + pool pages and bytes (read before release)."""
         stats = self.cache.request_stats(request.slot)
-        params, out = request.sampling_params, request.output_token_ids
-        stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.stop_token_ids)
-        text = self._checkers[request.request_id].text_for(out) if self.tokenizer is not None else ""
+        out, checker = request.output_token_ids, self._checkers[request.request_id]
+        text = checker.text_for(out) if self.tokenizer is not None else ""
         fields = result_fields(len(request.prompt_token_ids), out, stats, request.prefill_s,
                                now - request.first_token_time, kv_config=self.kv_config, tokenizer=self.tokenizer,
-                               stop_token_ids=stop_ids, finish_reason=reason, stop_token_id=stop_id, text=text)
+                               stop_token_ids=set(checker.stop_token_ids), finish_reason=reason,
+                               stop_token_id=stop_id, text=text)
         return PagedGenerationResult(**fields, pool_pages=stats.pool_pages, pool_used_bytes=stats.pool_used_bytes)
 
     def _fail(self, request: Request, exc: Exception, updates: list) -> None:

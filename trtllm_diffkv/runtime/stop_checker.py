@@ -74,6 +74,11 @@ class StopChecker:
             self._result = (True, "length", None)
         return self._result
 
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The ids that end this request: its own ``stop_token_ids`` plus the model's unless ``ignore_eos``."""
+        return frozenset(self._stop_ids)
+
     def text_for(self, generated_ids: list[int]) -> str:
         """The output text of ``generated_ids`` (special tokens skipped), cut before a matched
         stop string; a matched stop id's own text is left out.
