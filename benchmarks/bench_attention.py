@@ -82,11 +82,13 @@ def copy_bandwidth_gbps() -> float:
     return 2 * a.numel() * 4 / (t * 1e-6) / 1e9
 
 
-def check_small_on_gpu() -> None:
+def check_small_on_gpu(backend: str | None = None) -> None:
     """Kernels against the float64 reference on small caches of every preset format (raises on mismatch)."""
     from trtllm_diffkv.config import PRESETS
 
     for preset, dtype in (("default", torch.float16), ("k8v4", torch.bfloat16), ("fp16", torch.float16)):
+        if backend == "cuda" and preset == "fp16":
+            continue  # 16-bit tiers run on the Triton kernel
         cfg = PRESETS[preset]
         fmt = PageFormat.for_config(cfg, 128)
         rows = build_paged_rows(fmt, [(300, 500), (0, 0), (77, 0), (0, 1000), (33, 250), (200, 3)], device="cuda")
@@ -96,7 +98,7 @@ def check_small_on_gpu() -> None:
         update = cfg.compress
         before = [read_scores(rows, r) for r in range(6)] if update else None
         paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids, out,
-                               sm_scale=128**-0.5, update_scores=update)
+                               sm_scale=128**-0.5, update_scores=update, backend=backend)
         ref, deltas = decode_reference(q.float(), rows, row_ids.cpu(), 128**-0.5)
         err = rel_err(out, ref)
         assert err < 1e-2, (preset, err)
@@ -105,7 +107,7 @@ def check_small_on_gpu() -> None:
                 r = int(row_ids[s, kvh])
                 got = read_scores(rows, r) - before[r]
                 assert torch.allclose(got, dl, rtol=2e-2, atol=1e-4), (preset, r, (got - dl).abs().max())
-        print(f"  small check {preset} {dtype}: rel err {err:.2e}")
+        print(f"  small check {preset} {dtype} backend {backend or 'auto'}: rel err {err:.2e}")
 
 
 def fill_random_pages(fmt: PageFormat, pool: KVCachePool) -> None:
@@ -127,21 +129,23 @@ def fill_random_pages(fmt: PageFormat, pool: KVCachePool) -> None:
                 meta[..., 1].uniform_(-1.0, 0.0, generator=g)
 
 
-def decode_case(shape, mix_name, high_frac, tune):
+def decode_inputs(shape, high_frac):
+    """Random pages for every row of a decode shape at one tier split: (fmt, pool, table, tokens, row_ids, q).
+
+    Every (sequence, KV head) row holds ``seq_len`` tokens, ``high_frac`` of them high; page ids shuffled.
+    """
     name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = shape
     fmt = PageFormat.for_config(DiffKVConfig(), head_dim)
     n_high = int(round(seq_len * high_frac))
     n_low = seq_len - n_high
     hp, lp = fmt.high_tokens_per_page, fmt.low_tokens_per_page
-    pages_per_row = -(-n_high // hp) + -(-n_low // lp)
+    nhp, nlp = -(-n_high // hp), -(-n_low // lp)
     r_max = -(-seq_len // hp) + 2
     rows = num_seqs * num_kv_heads
-    pool = KVCachePool(fmt, rows * pages_per_row + 1, device="cuda")
+    pool = KVCachePool(fmt, rows * (nhp + nlp) + 1, device="cuda")
     fill_random_pages(fmt, pool)
-    perm = torch.randperm(rows * pages_per_row, device="cuda").int()
+    ids = torch.randperm(rows * (nhp + nlp), device="cuda").int().view(rows, nhp + nlp)
     table = torch.full((rows, r_max), -1, dtype=torch.int32, device="cuda")
-    nhp, nlp = -(-n_high // hp), -(-n_low // lp)
-    ids = perm.view(rows, pages_per_row)
     if nhp:
         table[:, :nhp] = ids[:, :nhp]
     if nlp:
@@ -149,11 +153,21 @@ def decode_case(shape, mix_name, high_frac, tune):
     tokens = torch.tensor([n_high, n_low], dtype=torch.int32, device="cuda").repeat(rows, 1).contiguous()
     row_ids = torch.arange(rows, dtype=torch.int32, device="cuda").view(num_seqs, num_kv_heads)
     q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=torch.float16)
+    return fmt, pool, table, tokens, row_ids, q
+
+
+def decode_case(shape, mix_name, high_frac, tune, backend="triton"):
+    name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = shape
+    fmt, pool, table, tokens, row_ids, q = decode_inputs(shape, high_frac)
+    n_high = int(tokens[0, 0])
+    n_low = int(tokens[0, 1])
+    r_max = table.shape[1]
+    rows = num_seqs * num_kv_heads
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
     configs = [tune] if isinstance(tune, tuple) else [DEFAULT_CONFIG]
     if tune is True:
-        configs = TUNE_CONFIGS
+        configs = TUNE_CONFIGS if backend == "triton" else [(64, 4, 2, pm, mb, 1) for pm in (1, 2) for mb in (-1, 4)]
     elif isinstance(tune, list):
         configs = tune
     from trtllm_diffkv.kernels import decode_attention as da
@@ -167,7 +181,8 @@ def decode_case(shape, mix_name, high_frac, tune):
         da.FAST_CONVERT = bool(fast)
         fn = lambda: paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out, sm_scale=scale,  # noqa: E731
                                             workspace=ws, num_warps=warps, num_stages=stages, tokens_per_step=tps,
-                                            max_registers=None if maxnreg < 0 else maxnreg)
+                                            max_registers=None if maxnreg < 0 else maxnreg, backend=backend,
+                                            cuda_min_blocks=_min_blocks(backend, maxnreg))
         try:
             out.fill_(float("nan"))
             fn()
@@ -185,7 +200,7 @@ def decode_case(shape, mix_name, high_frac, tune):
             best = (t, tps, warps, stages, part_mult, np_, maxnreg, fast)
     if best is None:
         da.FAST_CONVERT = True
-        return dict(kernel="decode", model=name, tier_mix=mix_name, error="every launch config failed")
+        return dict(kernel="decode", model=name, tier_mix=mix_name, backend=backend, error="every launch config failed")
     t, tps, warps, stages, part_mult, np_, maxnreg, fast = best
     fast = int(fast and FAST_OK)
     ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, r_max, "cuda", num_partitions=np_)
@@ -193,13 +208,14 @@ def decode_case(shape, mix_name, high_frac, tune):
     t_noscore = bench(lambda: paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out,
                                                      sm_scale=scale, update_scores=False, workspace=ws,
                                                      num_warps=warps, num_stages=stages, tokens_per_step=tps,
-                                                     max_registers=None if maxnreg < 0 else maxnreg))
+                                                     max_registers=None if maxnreg < 0 else maxnreg,
+                                                     backend=backend, cuda_min_blocks=_min_blocks(backend, maxnreg)))
     da.FAST_CONVERT = True
     del pool
     sdpa_t = sdpa_decode_time(num_seqs, num_heads, num_kv_heads, head_dim, seq_len)
     nbytes = decode_bytes(fmt, n_high * rows, n_low * rows)
     fp16_bytes = 2 * rows * seq_len * head_dim * 2
-    return dict(kernel="decode", model=name,
+    return dict(kernel="decode", model=name, backend=backend,
                 shape=f"{num_seqs}x{seq_len} tokens, {num_heads}/{num_kv_heads} heads, d{head_dim}",
                 tier_mix=mix_name, time_us=round(t, 2), time_no_score_update_us=round(t_noscore, 2),
                 sdpa_time_us=round(sdpa_t, 2), bytes=nbytes, sdpa_bytes=fp16_bytes,
@@ -209,6 +225,11 @@ def decode_case(shape, mix_name, high_frac, tune):
                 config_desc=dict(tokens_per_step=tps, num_warps=warps, num_stages=stages, num_partitions=np_,
                                  max_registers="default" if maxnreg < 0 else (maxnreg or None),
                                  fast_convert=bool(fast)))
+
+
+def _min_blocks(backend, maxnreg):
+    """The CUDA kernel reads the config's register field as blocks per multiprocessor (-1: its default)."""
+    return None if backend != "cuda" or maxnreg < 0 else maxnreg
 
 
 def sdpa_decode_time(num_seqs, num_heads, num_kv_heads, head_dim, seq_len) -> float:
@@ -287,6 +308,8 @@ def main() -> None:
     ap.add_argument("--configs", default=None,
                     help="decode configs to sweep instead of --tune's: 'tps/warps/stages/partmult/maxnreg/fast,...'")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill rows")
+    ap.add_argument("--backend", default="both", choices=["both", "cuda", "triton"],
+                    help="decode partial kernel: the CUDA C++ one, the Triton one, or both side by side")
     ap.add_argument("--shapes", default=None, help="decode shape indices to run, e.g. '0,3' (default: all or --quick)")
     args = ap.parse_args()
     t0 = time.time()
@@ -302,6 +325,9 @@ def main() -> None:
         FAST_OK = False
         check_small_on_gpu()
         da.FAST_CONVERT = True
+    backends = ["cuda", "triton"] if args.backend == "both" else [args.backend]
+    if "cuda" in backends:
+        check_small_on_gpu("cuda")
     bw = copy_bandwidth_gbps()
     print(f"copy bandwidth {bw:.0f} GB/s")
     rows = []
@@ -319,25 +345,29 @@ def main() -> None:
         head_dim = shape[4]
         mix_rows = []
         for mix, frac in MIXES.items():
-            r = decode_case(shape, mix, frac, tuned.get(head_dim, sweep or args.tune))
-            if "error" in r:
-                print(r)
+            for backend in backends:
+                r = decode_case(shape, mix, frac, tuned.get((head_dim, backend), sweep or args.tune), backend)
+                if "error" in r:
+                    print(r)
+                    rows.append(r)
+                    continue
+                r["pct_copy_bandwidth"] = round(100 * r["bytes"] / (r["time_us"] * 1e-6) / 1e9 / bw, 1)
+                r["sdpa_pct_copy_bandwidth"] = round(100 * r["sdpa_bytes"] / (r["sdpa_time_us"] * 1e-6) / 1e9 / bw, 1)
                 rows.append(r)
-                continue
-            r["pct_copy_bandwidth"] = round(100 * r["bytes"] / (r["time_us"] * 1e-6) / 1e9 / bw, 1)
-            r["sdpa_pct_copy_bandwidth"] = round(100 * r["sdpa_bytes"] / (r["sdpa_time_us"] * 1e-6) / 1e9 / bw, 1)
-            rows.append(r)
-            mix_rows.append(r)
-            _write(args.out, dict(meta, rows=rows))
-            print(f"{r['model']:11s} {r['shape']:40s} {mix:9s} {r['time_us']:9.1f} us (no score {r['time_no_score_update_us']:8.1f})"
-                  f" sdpa {r['sdpa_time_us']:9.1f}  {r['pct_copy_bandwidth']:5.1f}% copy  x{r['speedup_vs_sdpa']:.2f}"
-                  f" (ratio {r['compression_ratio']:.2f}) cfg {r['config_desc']}", flush=True)
-        if args.tune and head_dim not in tuned and mix_rows:
-            votes = {}
-            for r in mix_rows:
-                votes[r["config"]] = votes.get(r["config"], 0) + 1
-            tuned[head_dim] = max(votes, key=votes.get)
-            print(f"  tuned config for head_dim {head_dim}: {tuned[head_dim]}")
+                mix_rows.append(r)
+                _write(args.out, dict(meta, rows=rows))
+                print(f"{backend:6s} {r['model']:11s} {r['shape']:40s} {mix:9s} {r['time_us']:9.1f} us (no score {r['time_no_score_update_us']:8.1f})"
+                      f" sdpa {r['sdpa_time_us']:9.1f}  {r['pct_copy_bandwidth']:5.1f}% copy  x{r['speedup_vs_sdpa']:.2f}"
+                      f" (ratio {r['compression_ratio']:.2f}) cfg {r['config_desc']}", flush=True)
+        for backend in backends:
+            if args.tune and (head_dim, backend) not in tuned and mix_rows:
+                votes = {}
+                for r in mix_rows:
+                    if r["backend"] == backend:
+                        votes[r["config"]] = votes.get(r["config"], 0) + 1
+                if votes:
+                    tuned[(head_dim, backend)] = max(votes, key=votes.get)
+                    print(f"  tuned config for head_dim {head_dim}, {backend}: {tuned[(head_dim, backend)]}")
     for shape in ([] if args.decode_only else PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES):
         r = prefill_case(shape)
         rows.append(r)

@@ -44,7 +44,7 @@ def test_every_family_compiles_for_both_targets(aot_dir):
     assert EngineShape.from_fields(m["engine"]) == TINY
     ops = {k["op"] for k in m["kernels"]}
     assert ops == {"write_high", "write_low_prompt", "write_low_move", "read_high_move", "decode_attention",
-                   "prefill_scores", "page_manager"}
+                   "prefill_scores", "page_manager", "decode_plan"}
     kernels = {k["kernel"].split(":")[1] for k in m["kernels"]}
     assert set(aot.GRIDS) == kernels  # every kernel of the paged path, none forgotten
     for k in m["kernels"]:
@@ -75,7 +75,8 @@ def test_manifest_signatures_match_the_kernels(aot_dir):
         assert k["params"] == [n for n, c, _ in params if not c and n not in ones]
         assert set(k["divisible"]) <= set(k["params"]), k["name"]
         for name in k["params"]:
-            assert re.fullmatch(r"\*?(fp16|bf16|fp32|i1|i8|i16|i32|i64|u8)", k["signature"][name]), (k["name"], name)
+            assert re.fullmatch(r"\*?(fp16|bf16|fp32|fp64|i1|i8|i16|i32|i64|u8)", k["signature"][name]), \
+                (k["name"], name)
         ptx = (aot_dir / k["compiled"]["sm_90"]["ptx"]).read_text()
         entry = ptx[ptx.index(f".entry {k['compiled']['sm_90']['kernel_name']}("):]
         header = entry[:entry.index(")")]
@@ -181,7 +182,7 @@ target = GPUTarget("cuda", 90, 32)
 backend = CUDABackend(target)
 launches, record = [], aot._spec
 aot._spec = lambda launch, *a, **k: (launches.append(launch), record(launch, *a, **k))[1]
-specs = aot.kernel_specs(shape, ("decode",))
+specs = aot.kernel_specs(shape, tuple(sys.argv[3].split(",")))
 result = {}
 for spec, (kernel, grid, args, kwargs) in zip(specs, launches):
     kwargs = dict(kwargs)
@@ -212,6 +213,16 @@ def test_decode_kernels_compile_to_the_jit_paths_ptx(shape, tmp_path):
     ints, ints equal to 1 as constexprs) is recorded and used (H200: without it the AOT decode output differed
     from the JIT's in some bytes; the PTX differed in the layouts, hence in the reduction order). The JIT's
     bind / specialize / pack steps run in a child process without ``TRITON_INTERPRET`` (sm_90, no GPU)."""
+    result = _jit_vs_aot(shape, ("decode",), tmp_path)
+    assert set(result) == {"_decode_partial_kernel", "_decode_merge_kernel", "_decode_score_kernel"}
+    assert all(same for same, _, _ in result.values()), result
+    parts = result["_decode_partial_kernel"]
+    assert (parts[2] == 1) if shape is TINY else (parts[1] == 2)  # 1 partition: a constexpr, as in the JIT
+
+
+def _jit_vs_aot(shape, ops, tmp_path) -> dict:
+    """``{kernel: (AOT PTX == JIT PTX, num_parts scalar, num_parts constexpr)}`` for the families ``ops`` of
+    ``shape`` (sm_90), from :data:`_JIT_VS_AOT` run in a child process without ``TRITON_INTERPRET``."""
     import os
     import subprocess
     import sys
@@ -221,11 +232,47 @@ def test_decode_kernels_compile_to_the_jit_paths_ptx(shape, tmp_path):
     script.write_text(_JIT_VS_AOT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(aot.__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(script), json.dumps(shape.to_fields()), str(tmp_path / "k")],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(script), json.dumps(shape.to_fields()), str(tmp_path / "k"),
+                          ",".join(ops)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(result) == {"_decode_partial_kernel", "_decode_merge_kernel", "_decode_score_kernel"}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("preset", ["default", "fp16"])
+def test_decision_kernels_compile_to_the_jit_paths_ptx(preset, tmp_path):
+    """The decode plan's kernels (``_decide_kernel``, ``_locate_kernel``) in the manifest compile to exactly the
+    PTX Triton's JIT compiles for the launches ``paged/decode.py::plan_device`` makes (``default``: decisions
+    and moves; ``fp16``: ``COMPRESS=False`` / ``MOVES=False``), specialization included (sm_90, no GPU)."""
+    shape = EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, kv_config=get_preset(preset),
+                        dtype="float16", max_batch_size=4, max_seq_len=300)
+    result = _jit_vs_aot(shape, ("decision",), tmp_path)
+    assert set(result) == {"_decide_kernel", "_locate_kernel"}
     assert all(same for same, _, _ in result.values()), result
-    parts = result["_decode_partial_kernel"]
-    assert (parts[2] == 1) if shape is TINY else (parts[1] == 2)  # 1 partition: a constexpr, as in the JIT
+
+
+@pytest.mark.parametrize("preset", ["default", "fp16"])
+def test_decision_specs_follow_the_plan(preset):
+    """The recorded decision launches carry the preset's choices, the page format's offsets and the engine's ints
+    (as the runtime scalars the manifest states), with grids over the step's rows and the bucket's items."""
+    from trtllm_diffkv.kernels import decision_kernel as dk
+
+    kv = get_preset(preset)
+    shape = EngineShape(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=kv, dtype="float16",
+                        max_batch_size=4, max_seq_len=128)
+    fmt = shape.page_format
+    decide, locate = aot.kernel_specs(shape, ("decision",))
+    assert decide.kernel.endswith(":_decide_kernel") and locate.kernel.endswith(":_locate_kernel")
+    assert decide.op == locate.op == "decode_plan"
+    assert decide.constexprs == {"H_TOKENS": fmt.high_tokens_per_page, "L_TOKENS": fmt.low_tokens_per_page,
+                                 "BLOCK": dk.BLOCK_TOKENS, "COMPRESS": kv.compress}
+    assert decide.scalars == {"G": 6, "R": shape.max_pages_per_row, "PAGE_BYTES": fmt.page_size_bytes,
+                              "H_SC": fmt.high.score.offset_bytes, "H_PO": fmt.high.position.offset_bytes,
+                              "L_SC": fmt.low.score.offset_bytes, "L_PO": fmt.low.position.offset_bytes,
+                              "W": max(kv.recent_window_tokens, 1), "S": kv.prompt_score_window_tokens}
+    assert decide.signature["alpha_ptr"] == "*fp64" and decide.signature["new_ptr"] == "*i64"
+    assert locate.constexprs == {"P_HIGH": fmt.high_tokens_per_page, "P_LOW": fmt.low_tokens_per_page,
+                                 "MOVES": kv.compress, "BLOCK": dk.LOCATE_BLOCK}
+    assert locate.signature["src_page_out"] == ("*i32" if kv.compress else "*i64")  # fp16: slots stand in
+    assert aot.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (18,)
+    assert aot.eval_grid(locate.grid, {**locate.sizes, "bucket": 100}, locate.constexprs) == (3,)  # 600 items
+    assert set(locate.divisible) == {n for n in locate.params if n.endswith("_ptr") or n.endswith("_out")}

@@ -126,6 +126,16 @@ def _cache(model, kv, slots=2, pages=96, max_len=64):
                             max_slots=slots, max_seq_len_tokens=max_len, max_num_tokens=max_len * slots)
 
 
+def _prefill_inputs(prompts):
+    """The packed prefill step of ``prompts`` (one slot each): slots, lengths, ids, positions, last rows, plan."""
+    slots = list(range(len(prompts)))
+    lens = [len(p) for p in prompts]
+    ids = [t for p in prompts for t in p]
+    pos = [i for p in prompts for i in range(len(p))]
+    last = list(np.cumsum(lens) - 1)
+    return slots, lens, ids, pos, last, (slots, lens, [0] * len(prompts), [True] * len(prompts))
+
+
 def _run_both(model, kv, prompts, decode_steps, pages=96, max_len=64):
     """Prefill + decode steps on the PyTorch path and in onnxruntime; returns polygraphy RunResults and states."""
     proto = onnx_export.export_onnx(model, kv, max_positions=max_len)
@@ -133,12 +143,7 @@ def _run_both(model, kv, prompts, decode_steps, pages=96, max_len=64):
     handle = ort_ops.register_cache(mine)
     session = ort_ops.ort_session(proto)
     torch_iters, ort_iters, states = [], [], []
-    slots = list(range(len(prompts)))
-    lens = [len(p) for p in prompts]
-    ids = [t for p in prompts for t in p]
-    pos = [i for p in prompts for i in range(len(p))]
-    last = list(np.cumsum(lens) - 1)
-    plan = (slots, lens, [0] * len(prompts), [True] * len(prompts))
+    slots, lens, ids, pos, last, plan = _prefill_inputs(prompts)
     try:
         for step in range(decode_steps + 1):
             ref.plan(*plan)
@@ -218,3 +223,101 @@ def test_op_errors_are_reported_not_fatal():
         assert logits.shape == (1, model.config.vocab_size) and np.isfinite(logits).all()
     finally:
         ort_ops.unregister_cache(handle)
+
+
+# --------------------------------------------------------------------------- per-operation graphs
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_per_op_graph_nodes_are_the_per_operation_plugins(phase):
+    """``graph="per-op"``: per layer one ``prefill_attention`` / ``decode_attention`` node (plugins/specs.py's
+    per-operation plugins, no composite node, no cache handle), attributes exactly the plugin's fields, the step
+    plan's tensors graph inputs, the updated state chained layer to layer and out; specs.infer == ONNX shape
+    inference (the export runs onnx.checker and strict shape inference)."""
+    from plugins import specs
+
+    model, kv = tiny_llama(), get_preset("default")
+    proto = onnx_export.export_onnx(model, kv, max_positions=32, graph="per-op", phase=phase)
+    onnx.checker.check_model(proto)
+    plugin = specs.PREFILL if phase == "prefill" else specs.DECODE
+    nodes = onnx_export.plugin_nodes(proto)
+    assert [n.op_type for n in nodes] == [plugin.name] * model.config.num_layers
+    names = [i.name for i in proto.graph.input]
+    assert "cache_handle" not in names and set(onnx_export.PLAN_INPUTS[phase]) <= set(names)
+    updated = [plugin.inputs[plugin.aliases[j]].name for j in range(1, len(plugin.outputs))]
+    assert [o.name for o in proto.graph.output] == ["logits", *(f"{n}_out" for n in updated)]
+    typed = {v.name: v for v in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]}
+    for layer, node in enumerate(nodes):
+        attrs = {a.name: a for a in node.attribute}
+        fields = {n: _ONNX_TYPES[a.type] for n, a in attrs.items() if n not in specs.RESERVED_ATTRIBUTES}
+        assert fields == plugin.fields and onnx.helper.get_attribute_value(attrs["layer_idx"]) == layer
+        shapes, dtypes = [_dims(typed[i]) for i in node.input], [_elem(typed[i]) for i in node.input]
+        want = specs.infer(plugin, shapes, dtypes)
+        got = [(_dims(typed[o]), _elem(typed[o])) for o in node.output]
+        sym = lambda shapes: [(tuple(d if isinstance(d, int) else "?" for d in s), t) for s, t in shapes]  # noqa: E731
+        assert sym(got) == sym(want), node.name
+        state_in = list(node.input)[14 if phase == "prefill" else 8:]
+        if layer:  # the updated state comes from the previous layer's node
+            prev = dict(zip([plugin.inputs[plugin.aliases[j]].name for j in range(1, len(plugin.outputs))],
+                            list(nodes[layer - 1].output)[1:]))
+            assert all(i == prev.get(t.name, t.name) for i, t in zip(state_in, plugin.inputs[len(plugin.inputs) -
+                                                                                              len(state_in):]))
+
+
+def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64):
+    """As :func:`_run_both`, through the per-operation graphs (``ort_ops.run_per_op_step``, the host plan on the
+    cache of record ``mine``)."""
+    sessions = {ph: ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=max_len, graph="per-op",
+                                                                 phase=ph)) for ph in ("prefill", "decode")}
+    ref, mine = _cache(model, kv, len(prompts), pages, max_len), _cache(model, kv, len(prompts), pages, max_len)
+    torch_iters, ort_iters, states = [], [], []
+    slots, lens, ids, pos, last, plan = _prefill_inputs(prompts)
+    for step in range(decode_steps + 1):
+        ref.plan(*plan)
+        with torch.no_grad():
+            logits = model(torch.tensor(ids), torch.tensor(pos), ref, logits_indices=torch.tensor(last)).numpy()
+        got = ort_ops.run_per_op_step(sessions, mine, ids, pos, last, *plan)
+        torch_iters.append(IterationResult({"logits": logits}, runner_name="pytorch"))
+        ort_iters.append(IterationResult({"logits": got}, runner_name="onnxruntime"))
+        states.append(((mine.pool.pages().numpy().copy(), mine.manager.page_table.numpy().copy(),
+                        mine.manager.tokens.numpy().copy()),
+                       (ref.pool.pages().numpy().copy(), ref.manager.page_table.numpy().copy(),
+                        ref.manager.tokens.numpy().copy())))
+        nxt = logits.argmax(-1).tolist()
+        assert got.argmax(-1).tolist() == nxt, f"step {step}: greedy tokens differ"
+        plan = (slots, [n + 1 for n in lens], lens, [False] * len(prompts))
+        ids, pos, last = nxt, list(lens), list(range(len(prompts)))
+        lens = [n + 1 for n in lens]
+    results = RunResults()
+    results.append(("pytorch", torch_iters))
+    results.append(("onnxruntime", ort_iters))
+    return results, states, mine
+
+
+@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16"])
+def test_per_op_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
+    """Prefill + 4 decode steps through the per-operation graphs (plan tensors as graph inputs, one
+    prefill_attention / decode_attention node per layer) == the PyTorch path within the composite graph's
+    tolerances (prefill atol 1e-4, decode atol 2e-2, greedy tokens equal, page table and tier counts exact, pool
+    bytes >= 99 % equal); the plugin ops raised no error flag; both requests stay active in the cache of record."""
+    model = tiny_llama()
+    results, states, mine = _run_both_per_op(model, get_preset(preset), [[5, 9, 13, 200, 7, 3, 11], [42, 17, 99, 4]],
+                                             4)
+    _check(results, states)
+    assert len(results[0][1]) == 5 and states[-1][0][2].sum() > 0
+    assert mine.active_slots == [0, 1] and int(mine.error_flags.abs().sum()) == 0
+
+
+def test_per_op_bad_arguments_named():
+    model, kv = tiny_llama(), get_preset("default")
+    with pytest.raises(ValueError, match="graph='bogus'"):
+        onnx_export.export_onnx(model, kv, graph="bogus")
+    with pytest.raises(ValueError, match="phase=None"):
+        onnx_export.export_onnx(model, kv, graph="per-op")
+    with pytest.raises(ValueError, match="phase='decode' is for graph='per-op'"):
+        onnx_export.export_onnx(model, kv, phase="decode")
+    with pytest.raises(ValueError, match="mixed step"):
+        ort_ops.step_phase([True, False])
+    cache = _cache(model, kv)
+    with pytest.raises(ValueError, match="no planned decode step"):
+        ort_ops.plan_feeds(cache, "decode")

@@ -162,7 +162,10 @@ def quantize(x: torch.Tensor, bits: int, groups: int = 1, *, what: str = "kv", l
     xg = x.float().reshape(*x.shape[:-1], groups, head_dim // groups)
     lo, hi = xg.amin(-1), xg.amax(-1)
     qmax = 2**bits - 1
-    scale = ((hi - lo) / qmax).clamp_min(SCALE_EPSILON).to(torch.float16)
+    # A tensor divisor, not the Python int: torch on CUDA turns ``tensor / scalar`` into a multiplication
+    # by the reciprocal (one bit lost), whose fp16 rounding differs from the IEEE quotient at ties; the CPU
+    # and the Triton write kernels divide exactly, so this keeps every path's scales bit-equal.
+    scale = ((hi - lo) / torch.full_like(hi, float(qmax))).clamp_min(SCALE_EPSILON).to(torch.float16)
     zero = lo.to(torch.float16)
     codes = torch.round((xg - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, qmax)
     codes = codes.to(torch.uint8).reshape(x.shape)

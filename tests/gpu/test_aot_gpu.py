@@ -1,9 +1,9 @@
 """AOT cubins launched through the CUDA driver (CuPy ``RawModule``) with the manifest's parameters give the
 Triton JIT path's outputs bit for bit (write, read, paged decode attention partial + merge + score update,
-prompt-score kernels, page-manager decode update).
+prompt-score kernels, page-manager decode update, the decode plan's decision + locate kernels).
 
 How: each launcher (``write_tokens``, ``paged_decode_attention``, ``scored_prefill_attention``,
-``TritonPageManager.append_decode``) is called once under :class:`trtllm_diffkv.build.aot._Recorder`
+``TritonPageManager.append_decode``, ``decision_kernel.decide_rows`` / ``locate_rows``) is called once under :class:`trtllm_diffkv.build.aot._Recorder`
 (records, launches nothing) to get the real arguments; the launch must match a manifest entry exactly
 (signature, constexprs, options, and the JIT's divisibility specialization: this checks the CUDA-only launch
 choices and the specialization the manifest states); the
@@ -141,12 +141,6 @@ def test_write_and_read_kernels_bit_exact(built):
                  torch.zeros(n, dtype=torch.int32, device="cuda")])
 
 
-@pytest.mark.xfail(reason="H200, 2026-11-30: the AOT decode-attention output differed in some bytes from the JIT "
-                          "launch. Cause found statically: the AOT compile omitted the JIT's specialization "
-                          "(tt.divisibility=16 on the 16-byte aligned pointers and engine ints, ints == 1 as "
-                          "constexpr), which changes the kernels' layouts and so the reduction order; aot.py now "
-                          "records and compiles it (jit_specialization). Not re-run on a GPU yet: docs/PLUGINS.md",
-                   strict=False)
 def test_decode_attention_partial_merge_score_bit_exact(built):
     from trtllm_diffkv.kernels import decode_attention as da
 
@@ -164,7 +158,8 @@ def test_decode_attention_partial_merge_score_bit_exact(built):
     launches = _aot_vs_jit(
         built, [(da, "_decode_partial_kernel"), (da, "_decode_merge_kernel"), (da, "_decode_score_kernel")],
         lambda out, pool: da.paged_decode_attention(q, pool, shape.page_format, table, tokens, row_ids, out,
-                                                    sm_scale=shape.head_dim ** -0.5, workspace=ws),
+                                                    sm_scale=shape.head_dim ** -0.5, workspace=ws,
+                                                    backend="triton"),  # the AOT set holds the Triton kernels
         [torch.zeros_like(q), pages])  # the output and the pool (every token's score updated in place)
     assert len(launches) == 3
 
@@ -212,3 +207,108 @@ def test_page_manager_decode_update_bit_exact(built):
     torch.cuda.synchronize()
     for a, b in zip(aot_state, state):
         assert torch.equal(a, b)
+
+
+def _plan_state(shape, gen, device="cuda"):
+    """A pool whose rows hold distinct positions in both tiers with scores around the thresholds (ties, a NaN,
+    the candidate in the high tier, in the low tier, or absent), for the decode plan's kernels.
+
+    Returns (pages, table, tokens, slots, pos, prompt_len, alphas) as ``paged/decode.py::plan_device`` passes them.
+    """
+    from trtllm_diffkv.kernels import decision_kernel as dk
+    from trtllm_diffkv.kernels import quant_write as qw
+
+    cfg, fmt, R, D = shape.kv_config, shape.page_format, shape.max_pages_per_row, shape.head_dim
+    B, G = shape.max_batch_size, shape.num_layers * shape.num_kv_heads
+    W, S = max(cfg.recent_window_tokens, 1), cfg.prompt_score_window_tokens
+    table = torch.full((B * G, R), -1, dtype=torch.int32)
+    tokens = torch.zeros(B * G, 2, dtype=torch.int32)
+    pages = torch.zeros(B * G * R, fmt.page_size_bytes, dtype=torch.uint8, device=device)
+    slots = torch.tensor([0, 2, 3], dtype=torch.int64)  # slot 1 idle; the bucket of B = 4 has a padding sequence
+    pos_by_slot = {0: 150, 2: 97, 3: 180}
+    prompt_len = torch.tensor([40, 0, 90, 120], dtype=torch.int64)
+    nxt = 0
+    for slot, p_now in pos_by_slot.items():
+        cand, plen = p_now - W, int(prompt_len[slot])
+        thr = cfg.alpha_high / p_now
+        for r in range(slot * G, (slot + 1) * G):
+            kind = r % 4  # 0, 1: candidate high; 2: candidate low; 3: candidate absent
+            others = [int(x) for x in torch.randperm(p_now, generator=gen) if int(x) != cand]
+            n_high = int(torch.randint(1, 80, (1,), generator=gen))
+            n_low = int(torch.randint(0, 70, (1,), generator=gen))
+            high, low = others[:n_high], others[n_high:n_high + n_low]
+            if kind < 2:
+                high = [cand] + high[:-1]
+            elif kind == 2:
+                low = [cand] + low
+            for tier, col, toks in (("high", 0, high), ("low", 1, low)):
+                if not toks:
+                    continue
+                per = fmt.tier(tier).tokens_per_page
+                n = len(toks)
+                ids = torch.arange(nxt, nxt + -(-n // per), dtype=torch.int32)
+                nxt += ids.numel()
+                cols = torch.arange(ids.numel()) if tier == "high" else R - 1 - torch.arange(ids.numel())
+                table[r, cols] = ids
+                tokens[r, col] = n
+                counted = [max((min(plen - p, S) if p < plen else 0) + max(p_now - max(p, plen), 0), 1) for p in toks]
+                level = torch.tensor([0.25, 0.5, 1.0, 1.0, 2.0, 4.0])[torch.randint(0, 6, (n,), generator=gen)]
+                scores = (level * thr * torch.tensor(counted, dtype=torch.float64)).float()
+                if r == slot * G + 1 and tier == "low":
+                    scores[-1] = float("nan")
+                idx = torch.arange(n)
+                k = torch.randn(n, D, generator=gen).half().to(device)
+                qw.write_tokens(pages, fmt, tier, ids[idx // per].to(device), (idx % per).int().to(device), k,
+                                k * 0.5, scores=scores.to(device), positions=torch.tensor(toks, dtype=torch.int32,
+                                                                                           device=device))
+    pos = torch.tensor([pos_by_slot[int(s)] for s in slots], dtype=torch.int64)
+    alphas = dk.alpha_tensor(cfg.alpha_high, cfg.alpha_low, device)
+    return (pages, table.to(device), tokens.to(device), slots.to(device), pos.to(device), prompt_len.to(device),
+            alphas)
+
+
+def _plan_buffers(shape, n, device="cuda"):
+    """Output buffers of one decode plan: the actions (5), the bucket's step buffers (6), the moves (4)."""
+    L, B, H = shape.num_layers, shape.max_batch_size, shape.num_kv_heads
+    m = n * L * H
+    i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+    actions = [torch.full((m,), -5, **i32), torch.full((m,), -5, **i32),
+               *(torch.full((m,), -5, **i64) for _ in range(3))]
+    steps = [torch.zeros(L, B, H, **i64), torch.full((L, B, H), -1, **i32), torch.full((L, B, H), -1, **i32),
+             torch.zeros(L, B, H, **i32), torch.zeros(B * H, **i32), torch.zeros(B * H, **i32)]
+    moves = [torch.full((m,), -5, **i32) for _ in range(4)]
+    return actions + steps + moves
+
+
+def _plan_run(shape, state):
+    """``decide_rows`` then ``locate_rows`` on output buffers given positionally (as ``plan_device``, without the
+    page manager's ``append_decode`` between them: the kernels' equality is what is tested)."""
+    from trtllm_diffkv.kernels import decision_kernel as dk
+
+    pages, table, tokens, slots, pos, prompt_len, alphas = state
+    cfg, fmt, G = shape.kv_config, shape.page_format, shape.num_layers * shape.num_kv_heads
+
+    def run(*bufs):
+        act = dk.decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas, rows_per_slot=G,
+                             recent_window_tokens=cfg.recent_window_tokens,
+                             prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=tuple(bufs[:5]),
+                             compress=cfg.compress)
+        steps = dict(zip(("rows", "row_ids", "page", "slot", "positions", "err_idx"), bufs[5:11]))
+        dk.locate_rows(table, fmt, slots, pos, act, steps, tuple(bufs[11:15]), num_kv_heads=shape.num_kv_heads,
+                       rows_per_slot=G)
+    return run
+
+
+def test_decode_plan_kernels_bit_exact(built):
+    """The decode plan's kernels (``kernels/decision_kernel.py``: the DiffKV decisions, then the token and move
+    locations for a bucket with a padding sequence) launched from the AOT cubins == the JIT launches, every output
+    byte; the decisions are not trivial (appends, demotions and moves to the low tier all occur)."""
+    from trtllm_diffkv.kernels import decision_kernel as dk
+
+    shape = built[0]
+    state = _plan_state(shape, torch.Generator().manual_seed(3))
+    buffers = _plan_buffers(shape, state[3].numel())
+    launches = _aot_vs_jit(built, [(dk, "_decide_kernel"), (dk, "_locate_kernel")], _plan_run(shape, state), buffers)
+    assert len(launches) == 2
+    dh, dl, mf = buffers[0], buffers[1], buffers[3]
+    assert bool((dh == 1).any()) and bool((dh == 0).any()) and bool((dl == 1).any()) and bool((mf >= 0).any())

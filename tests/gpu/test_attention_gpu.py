@@ -20,7 +20,7 @@ FORMATS = {
 }
 
 
-def _decode_check(cfg, head_dim, num_heads, num_kv_heads, dtype, counts, seed, num_partitions=None):
+def _decode_check(cfg, head_dim, num_heads, num_kv_heads, dtype, counts, seed, num_partitions=None, backend=None):
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
     from trtllm_diffkv.kernels.attn_testing import build_paged_rows, decode_reference, read_scores, rel_err
 
@@ -37,7 +37,7 @@ def _decode_check(cfg, head_dim, num_heads, num_kv_heads, dtype, counts, seed, n
                                   num_partitions=num_partitions, update_scores=update)
     sm_scale = head_dim**-0.5
     paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids, out,
-                           sm_scale=sm_scale, update_scores=update, workspace=ws)
+                           sm_scale=sm_scale, update_scores=update, workspace=ws, backend=backend)
     ref, deltas = decode_reference(q.float(), rows, row_ids.cpu(), sm_scale)
     err = rel_err(out, ref)
     assert err < (1.5e-2 if dtype == torch.bfloat16 else 5e-3), err
@@ -49,28 +49,77 @@ def _decode_check(cfg, head_dim, num_heads, num_kv_heads, dtype, counts, seed, n
     return rows, out
 
 
+BACKENDS = ["auto", "triton"]  # auto: the CUDA C++ partial kernel where it covers the case (kernels/cuda_decode.py)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("heads", [(8, 8), (28, 4), (40, 8), (12, 2), (8, 1), (32, 1)])
-def test_decode_head_dims_and_groups(head_dim, heads):
+@pytest.mark.parametrize("heads", [(8, 8), (28, 4), (40, 8), (12, 2), (8, 1), (32, 1), (9, 3), (21, 3)])
+def test_decode_head_dims_and_groups(head_dim, heads, backend):
     num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(head_dim * 100 + num_heads)
     rows = 2 * num_kv_heads if num_kv_heads <= 4 else num_kv_heads
     counts = [(int(torch.randint(0, 700, (1,), generator=g)), int(torch.randint(0, 1500, (1,), generator=g)))
               for _ in range(rows)]
     dtype = torch.float16 if head_dim % 64 == 0 else torch.bfloat16
-    _decode_check(DiffKVConfig(), head_dim, num_heads, num_kv_heads, dtype, counts, seed=head_dim)
+    _decode_check(DiffKVConfig(), head_dim, num_heads, num_kv_heads, dtype, counts, seed=head_dim, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt_name", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_formats_long_rows(fmt_name, dtype):
+def test_decode_formats_long_rows(fmt_name, dtype, backend):
     """4096-8192-token rows, split into many partitions, every preset's tier formats."""
     counts = [(900, 3196), (4096, 0), (0, 8192), (1, 1), (0, 0), (2048, 2048), (17, 5000), (3000, 33)]
-    _decode_check(FORMATS[fmt_name], 128, 16, 2, dtype, counts, seed=3)
-    _decode_check(FORMATS[fmt_name], 128, 16, 2, dtype, counts, seed=4, num_partitions=37)
+    _decode_check(FORMATS[fmt_name], 128, 16, 2, dtype, counts, seed=3, backend=backend)
+    _decode_check(FORMATS[fmt_name], 128, 16, 2, dtype, counts, seed=4, num_partitions=37, backend=backend)
 
 
-def test_decode_cuda_graph_replay_matches_eager():
+def test_cuda_kernel_is_the_default_where_it_applies():
+    """On the device (CuPy present) auto picks the CUDA partial kernel for the presets' d64/d128 formats."""
+    from trtllm_diffkv.kernels.cuda_decode import resolve_backend, runtime_reason
+
+    assert runtime_reason() is None, runtime_reason()
+    q = torch.zeros(1, 8, 128, device="cuda", dtype=torch.float16)
+    for cfg in (DiffKVConfig(), PRESETS["k8v4"], DiffKVConfig(low=TierConfig(4, 2, 1, 1))):
+        assert resolve_backend(None, PageFormat.for_config(cfg, 128), 8, 2, q) == "cuda"
+    assert resolve_backend(None, PageFormat.for_config(PRESETS["fp16"], 128), 8, 2, q) == "triton"
+
+
+@pytest.mark.parametrize("head_dim,heads", [(128, (32, 8)), (128, (28, 4)), (64, (9, 3)), (64, (8, 1))])
+def test_cuda_and_triton_partial_kernels_agree(head_dim, heads):
+    """Both backends on the same pages: outputs and score updates agree to fp16 rounding, padding rows untouched."""
+    from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
+    from trtllm_diffkv.kernels.attn_testing import build_paged_rows, read_scores
+
+    num_heads, num_kv_heads = heads
+    fmt = PageFormat.for_config(DiffKVConfig(), head_dim)
+    counts = [(1, 0), (0, 1), (31, 0), (32, 52), (33, 53), (700, 0), (0, 900), (64, 2000), (0, 0), (1500, 47)]
+    counts = (counts * num_kv_heads)[: 3 * num_kv_heads]
+    num_seqs = len(counts) // num_kv_heads + 1  # + one padding sequence
+    ids = list(range(len(counts))) + [-1] * num_kv_heads
+    row_ids = torch.tensor(ids, dtype=torch.int32, device="cuda").view(num_seqs, num_kv_heads)
+    q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=torch.float16)
+    results = {}
+    for backend in ("cuda", "triton"):
+        rows = build_paged_rows(fmt, counts, device="cuda", seed=11)
+        before = [read_scores(rows, r) for r in range(len(counts))]
+        out = torch.full_like(q, float("nan"))
+        ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, rows.page_table.shape[1], "cuda")
+        paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids, out,
+                               sm_scale=head_dim**-0.5, workspace=ws, backend=backend)
+        deltas = [read_scores(rows, r) - before[r] for r in range(len(counts))]
+        results[backend] = (out, deltas)
+    (oc, dc), (ot, dt) = results["cuda"], results["triton"]
+    assert torch.isfinite(oc).all()
+    assert torch.equal(oc[-1], torch.zeros_like(oc[-1]))  # the padding sequence
+    assert torch.allclose(oc.float(), ot.float(), rtol=1e-2, atol=2e-3), float((oc.float() - ot.float()).abs().max())
+    for a, b in zip(dc, dt):
+        assert torch.allclose(a, b, rtol=2e-2, atol=2e-4), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_cuda_graph_replay_matches_eager(backend):
     """The call is graph-capturable with a preallocated workspace; replays give the eager result."""
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
     from trtllm_diffkv.kernels.attn_testing import build_paged_rows
@@ -82,7 +131,7 @@ def test_decode_cuda_graph_replay_matches_eager():
     out = torch.empty_like(q)
     ws = DecodeWorkspace.allocate(4, 8, 2, fmt, rows.page_table.shape[1], "cuda")
     call = lambda: paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids,  # noqa: E731
-                                          out, sm_scale=0.1, update_scores=False, workspace=ws)
+                                          out, sm_scale=0.1, update_scores=False, workspace=ws, backend=backend)
     call()
     eager = out.clone()
     stream = torch.cuda.Stream()

@@ -19,18 +19,11 @@ KV_ATOL = 1e-4
 # relative logit perturbation into ~1e-3 output differences within a few steps (measured on the CPU by
 # rounding q to TF32's mantissa); on the CPU both caches agree to 8e-6 over 40 steps.
 OUT_ATOL = 1e-3
-# Open item (issue 6): on the H200 (2026-11-30, commit 75c35ee) the lockstep outputs differ from the
-# reference by 0.0465 at decode step 1, layer 0, request 2 (edge case 4) and by 0.00397 at decode step
-# 22, layer 2, request 0 (default page size), with BOTH read paths (Triton kernels and torch gather), so
-# the difference is upstream of the attention kernels; with NVIDIA_TF32_OVERRIDE=0 it stays. The same
-# checks pass on the CPU bit for bit, and the default model on the GPU path agrees with the reference
-# (teacher-forced top-1 0.990, mean KL 0.0008 nats). The whole Triton path under the interpreter
-# agrees to 2.2e-6 at the failing configuration (build_scripts/repro_gpu_lockstep.py): the logic is
-# right; suspect a race between launches on the GPU. Marked xfail, not hidden: it must be found.
-GPU_LOCKSTEP_OPEN = pytest.mark.xfail(reason="open: paged-vs-reference output difference on the GPU only; not a "
-                                             "race (CUDA_LAUNCH_BLOCKING, initcheck); torch write/read ops agree, so "
-                                             "it is in the compiled quant_write kernels (docs/PERFORMANCE.md)",
-                                      strict=False)
+# Found (issue 6): on the H200 the lockstep outputs once differed from the reference by 0.0465 (edge case 4)
+# and 0.00397 (default page size). Cause: the reference cache's quantizer divided by a Python int, which
+# torch on CUDA computes as a multiplication by the reciprocal, so an fp16 scale at a rounding tie came out
+# one step off the IEEE quotient that the Triton write kernels (and the CPU) compute. quant.quantize now
+# divides by a tensor; on the H200 (2026-11-30) these tests then passed (they were xfail before).
 
 
 def _peaked_model():
@@ -80,7 +73,17 @@ def test_write_kernels_on_gpu_equal_the_torch_path(head_dim):
         assert all(torch.equal(a, b) for a, b in zip(*outs)), f"read_tokens differs: head_dim {head_dim}, {tier}"
 
 
-@GPU_LOCKSTEP_OPEN
+def test_quantize_on_gpu_equals_cpu_bit_for_bit():
+    """Scales, zeros and codes bit-equal on both devices (the scale is the IEEE quotient everywhere)."""
+    from trtllm_diffkv.quant import quantize
+
+    x = torch.randn(8, 4096, 128, generator=torch.Generator().manual_seed(0)) * 3
+    for bits, groups in ((8, 1), (4, 2), (2, 4)):
+        cpu, gpu = quantize(x, bits, groups), quantize(x.cuda(), bits, groups)
+        for name in ("scale", "zero", "codes"):
+            assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), (bits, groups, name)
+
+
 @pytest.mark.parametrize("read_path", ["auto", "torch"])
 def test_lockstep_with_reference_at_default_page_size(read_path):
     """``auto``: the read-path kernels; ``torch``: gather-then-dense attention (isolates the write path)."""
@@ -90,7 +93,6 @@ def test_lockstep_with_reference_at_default_page_size(read_path):
     assert sum(s.low_tokens for s in stats) > 0 and sum(s.pruned_tokens for s in stats) > 0
 
 
-@GPU_LOCKSTEP_OPEN
 @pytest.mark.parametrize("read_path", ["auto", "torch"])
 def test_page_boundaries_edge_case_4_on_gpu(read_path):
     probe = PagedDiffKVCache(CFG, 1, 8, 2, 64, num_pages=1, max_slots=1, max_seq_len_tokens=8, device="cuda")

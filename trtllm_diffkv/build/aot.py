@@ -11,13 +11,17 @@ formats, page-table width) runs a fixed set of kernel specializations:
   the prompt scores, one variant per range of the longest prompt of a step
   (the kernels' padded sizes depend on it);
 * page manager (``memory/triton_page_manager.py``): count, scan and apply of
-  reserve, commit, decode and release.
+  reserve, commit, decode and release;
+* decode plan (``kernels/decision_kernel.py``): the DiffKV tier decisions of every
+  row (``_decide_kernel``) and the locations of the new tokens and the moves
+  (``_locate_kernel``), as ``paged/decode.py::plan_device`` launches them.
 
 How the set is derived: :func:`kernel_specs` calls the real launchers
 (:func:`~trtllm_diffkv.kernels.quant_write.write_tokens`,
 :func:`~trtllm_diffkv.kernels.decode_attention.paged_decode_attention`,
 :func:`~trtllm_diffkv.kernels.prefill_attention.scored_prefill_attention`,
-``TritonPageManager``) on ``meta`` tensors of the engine's shapes with the
+``TritonPageManager``, :func:`~trtllm_diffkv.kernels.decision_kernel.decide_rows` /
+:func:`~trtllm_diffkv.kernels.decision_kernel.locate_rows`) on ``meta`` tensors of the engine's shapes with the
 kernels replaced by recorders, so the argument order, types, constexprs, grids
 and launch options are exactly those of the JIT path (nothing is restated by
 hand except three CUDA-only launch choices the launchers make from the tensor's
@@ -89,6 +93,8 @@ ENGINE_INTS = {
     "_commit_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
     "_decode_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
     "_release_apply_kernel": ("G", "S", "R"),
+    "_decide_kernel": ("G", "R", "PAGE_BYTES", "H_SC", "H_PO", "L_SC", "L_PO", "W", "S"),
+    "_locate_kernel": ("G", "H", "R"),
 }
 """Runtime integer arguments fixed by the engine (model shape, page format, workspace partitions), which the
 AOT kernels specialize exactly as Triton's JIT does for the recorded value (:func:`jit_specialization`).
@@ -109,6 +115,8 @@ GRIDS = {
     "_commit_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
     "_decode_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
     "_release_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
+    "_decide_kernel": ("num_seqs * rows_per_slot",),
+    "_locate_kernel": ("cdiv(bucket * rows_per_slot, BLOCK)",),
 }
 """Grid of every kernel as expressions of named sizes and constexprs (checked against recorded launches)."""
 
@@ -459,19 +467,59 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
     return specs
 
 
-def kernel_specs(shape: EngineShape, ops: tuple[str, ...] = ("write", "decode", "prefill", "page_manager")
-                 ) -> list[KernelSpec]:
+def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
+    """The decode plan's two kernels (``kernels/decision_kernel.py``), recorded as ``paged/decode.py::plan_device``
+    launches them: ``decide_rows`` (the DiffKV tier decisions of every row; ``COMPRESS`` = the preset's) and
+    ``locate_rows`` (token and move locations; ``MOVES`` = the preset compresses) for a bucket of
+    ``max_batch_size`` sequences. The moves themselves are the write family's ``read_high_move`` /
+    ``write_low_move``."""
+    import torch
+
+    from ..kernels import decision_kernel as dk
+
+    fmt, cfg, R = shape.page_format, shape.kv_config, shape.max_pages_per_row
+    L, H, B = shape.num_layers, shape.num_kv_heads, shape.max_batch_size
+    G = L * H
+    n = min(2, B)  # real sequences of the recorded step (any count: it only sets the grids)
+    i32, i64 = torch.int32, torch.int64
+    table, tokens = _meta((B * G, R), i32), _meta((B * G, 2), i32)
+    slots, pos = _meta((n,), i64), _meta((n,), i64)
+    m = n * G
+    actions = (_meta((m,), i32), _meta((m,), i32), _meta((m,), i64), _meta((m,), i64), _meta((m,), i64))
+    bufs = dict(rows=_meta((L, B, H), i64), row_ids=_meta((L, B, H), i32), page=_meta((L, B, H), i32),
+                slot=_meta((L, B, H), i32), positions=_meta((B * H,), i32), err_idx=_meta((B * H,), i32))
+    moves = tuple(_meta((m,), i32) for _ in range(4)) if cfg.compress else None
+    with _Recorder([(dk, "_decide_kernel"), (dk, "_locate_kernel")]) as rec:
+        act = dk.decide_rows(_meta((7, fmt.page_size_bytes), torch.uint8), fmt, table, tokens, slots, pos,
+                             _meta((B,), i64), _meta((2,), torch.float64), rows_per_slot=G,
+                             recent_window_tokens=cfg.recent_window_tokens,
+                             prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=actions,
+                             compress=cfg.compress)
+        dk.locate_rows(table, fmt, slots, pos, act, bufs, moves, num_kv_heads=H, rows_per_slot=G)
+    sizes = dict(num_seqs=n, bucket=B, rows_per_slot=G)
+    return [_spec(launch, "decode_plan", sizes) for launch in rec.launches]
+
+
+DEFAULT_OPS = ("write", "decode", "prefill", "page_manager", "decision")
+"""Every kernel family of an engine (:func:`kernel_specs`)."""
+
+
+def kernel_specs(shape: EngineShape, ops: tuple[str, ...] = DEFAULT_OPS) -> list[KernelSpec]:
     """Every kernel specialization ``shape`` needs (deduplicated), as launched on CUDA.
 
     Args:
         shape: the engine.
-        ops: which families: ``"write"`` (write/read), ``"decode"``, ``"prefill"``, ``"page_manager"``.
+        ops: which families: ``"write"`` (write/read), ``"decode"``, ``"prefill"``, ``"page_manager"``,
+            ``"decision"`` (the decode plan: DiffKV decisions and token locations).
+
+    Raises:
+        KeyError: an unknown family.
 
     Returns:
         Specs named ``<kernel>__<hash>`` (hash of signature, constexprs and options), in a stable order.
     """
     makers = {"write": _write_read_specs, "decode": _decode_specs, "prefill": _prefill_specs,
-              "page_manager": _page_manager_specs}
+              "page_manager": _page_manager_specs, "decision": _decision_specs}
     out, seen = [], {}
     for op in ops:
         for spec in makers[op](shape):
@@ -564,7 +612,7 @@ def manifest(shape: EngineShape, specs: list[KernelSpec], targets=SUPPORTED_TARG
 
 
 def build_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTED_TARGETS,
-                  ops: tuple[str, ...] = ("write", "decode", "prefill", "page_manager"), timeout_s: int = 1800) -> dict:
+                  ops: tuple[str, ...] = DEFAULT_OPS, timeout_s: int = 1800) -> dict:
     """Compile ``shape``'s kernels into ``out_dir`` and write ``out_dir/manifest.json``; returns the manifest.
 
     Runs in this process, or in a child process without ``TRITON_INTERPRET`` when it is set here.
@@ -598,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fields", required=True, help="EngineShape.to_fields() as JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--targets", default="80,90")
-    parser.add_argument("--ops", default="write,decode,prefill,page_manager")
+    parser.add_argument("--ops", default=",".join(DEFAULT_OPS))
     args = parser.parse_args(argv)
     shape = EngineShape.from_fields(json.loads(args.fields))
     targets = tuple(int(t) for t in args.targets.split(","))

@@ -29,6 +29,12 @@ parser turns into plugin fields. The two node types are the composite plugins
 :data:`plugins.specs.STEP_PAGE_UPDATE` and :data:`plugins.specs.LAYER_ATTENTION`, which
 ``plugins/trt_plugins.py`` registers like the per-operation ones. Weights are fp32 initializers (the
 ONNX file holds them; > 2 GB is refused).
+
+Per-operation graphs (``export_onnx(..., graph="per-op", phase="prefill" | "decode")``, :func:`export_per_op`):
+the same decoder with one ``diffkv::prefill_attention`` or ``diffkv::decode_attention`` node per layer (the
+per-operation plugins of :mod:`plugins.specs`) and the step plan's tensors (:data:`PLAN_INPUTS`) and the cache
+state (:data:`STATE_INPUTS`) as graph inputs; no composite node, no cache handle. The plan itself and the
+prompt commit stay on the host (``ort_ops.run_per_op_step``).
 """
 from __future__ import annotations
 
@@ -97,7 +103,8 @@ def attention_attrs(layer_idx: int, model_config, kv_config: DiffKVConfig, sm_sc
             "sm_scale": float(sm_scale), **config_attrs(kv_config)}
 
 
-def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, *, max_positions: int | None = None):
+def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, *, max_positions: int | None = None,
+                graph: str = "composite", phase: str | None = None):
     """Export ``model`` (``LlamaForCausalLM``) to an ONNX model with DiffKV plugin nodes.
 
     Args:
@@ -105,21 +112,28 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
         kv_config: the DiffKV configuration written into every plugin node.
         path: where to save the ``.onnx`` (``None``: only return it).
         max_positions: rows of the RoPE tables (default ``model.config.max_position_embeddings``).
+        graph: ``"composite"`` (the module docstring's graph: ``DiffKVPageUpdate`` + one ``DiffKVAttention`` per
+            layer on a registered cache) or ``"per-op"`` (:func:`export_per_op`: per-operation plugin nodes, the
+            step plan's tensors as graph inputs; one graph per ``phase``).
+        phase: ``"prefill"`` or ``"decode"`` with ``graph="per-op"``; ``None`` with ``"composite"``.
 
     Returns:
         The ``onnx.ModelProto`` (checked with ``onnx.checker`` and run through shape inference).
 
     Raises:
-        ValueError: a configuration that cannot run the model, or weights beyond 2 GB.
+        ValueError: a configuration that cannot run the model, weights beyond 2 GB, an unknown ``graph``, or a
+            ``phase`` that does not fit it.
     """
-    import onnx
+    if graph == "per-op":
+        return export_per_op(model, kv_config, phase, path, max_positions=max_positions)
+    if graph != "composite":
+        raise ValueError(f"graph={graph!r}: expected one of {list(GRAPHS)}")
+    if phase is not None:
+        raise ValueError(f"phase={phase!r} is for graph='per-op'; the composite graph runs every step")
     import onnx_graphsurgeon as gs
 
     cfg = model.config
-    kv_config.validate_for_model(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
-    if weight_bytes > MAX_ONNX_BYTES:
-        raise ValueError(f"the model's fp32 weights take {weight_bytes:,} bytes; one ONNX file holds < 2 GB")
+    _check_model(model, kv_config)
     b = _Builder(gs)
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     var = lambda name, dtype, shape: gs.Variable(name, dtype=dtype, shape=shape)  # noqa: E731
@@ -139,6 +153,192 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     step_token.dtype, step_token.shape = np.int64, [1]
     table.dtype, tokens.dtype = np.int32, np.int32
     table.shape, tokens.shape = ["num_rows", "max_pages_per_row"], ["num_rows", 2]
+    state = {"pool": pool, "table": table, "tokens": tokens}
+
+    def attend(i, q, k, v):
+        out, state["pool"], state["table"], state["tokens"] = b.op(
+            ATTENTION_OP, [q, k, v, state["pool"], state["table"], state["tokens"], handle, step_token],
+            attention_attrs(i, cfg, kv_config, D ** -0.5), outputs=4, domain=PLUGIN_NAMESPACE,
+            name=f"diffkv_attention_{i}")
+        _typed(out, np.float32, ["num_tokens", H, D])
+        _typed(state["pool"], np.uint8, ["num_pages", "page_size_bytes"])
+        _typed(state["table"], np.int32, ["num_rows", "max_pages_per_row"])
+        _typed(state["tokens"], np.int32, ["num_rows", 2])
+        return out
+
+    logits = _decoder(b, model, ids, pos, sel, max_positions, attend)
+    pool, table, tokens = state["pool"], state["table"], state["tokens"]
+    for v, name in ((pool, "kv_pool_out"), (table, "page_table_out"), (tokens, "tier_tokens_out")):
+        v.name = name
+    b.graph.outputs = [logits, pool, table, tokens]
+    return _finish(b, gs, path)
+
+
+def _check_model(model, kv_config: DiffKVConfig) -> None:
+    cfg = model.config
+    kv_config.validate_for_model(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    if weight_bytes > MAX_ONNX_BYTES:
+        raise ValueError(f"the model's fp32 weights take {weight_bytes:,} bytes; one ONNX file holds < 2 GB")
+
+
+def _finish(b: _Builder, gs, path):
+    """Clean up, export, check (``onnx.checker``, strict shape inference), optionally save."""
+    import onnx
+
+    b.graph.cleanup().toposort()
+    proto = gs.export_onnx(b.graph)
+    proto.opset_import.append(onnx.helper.make_opsetid(PLUGIN_NAMESPACE, 1))
+    proto.producer_name = "trtllm-diffkv"
+    onnx.checker.check_model(proto)
+    proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    if path is not None:
+        onnx.save(proto, str(path))
+    return proto
+
+
+GRAPHS = ("composite", "per-op")
+"""Graph forms :func:`export_onnx` writes."""
+PHASES = ("prefill", "decode")
+"""Per-operation graphs: one per step kind (:func:`export_per_op`)."""
+
+PLAN_INPUTS = {
+    "prefill": {"cu_seqlens": (np.int32, ["num_prompts_plus_1"]), "req": (np.int64, ["num_tokens"]),
+                "token_index": (np.int32, ["num_tokens"]), "score_count": (np.float32, ["num_tokens"]),
+                "thr_high": (np.float32, ["num_tokens"]), "thr_low": (np.float32, ["num_tokens"]),
+                "window": (np.bool_, ["num_tokens"]), "start": (np.int64, ["num_tokens"]),
+                "row_base": (np.int64, ["num_tokens"]), "reserved_pages": (np.int64, ["num_tokens"]),
+                "err_idx": (np.int32, ["num_token_heads"])},
+    "decode": {"row_ids": (np.int32, ["num_layers", "num_seqs", "num_kv_heads"]),
+               "dest_page": (np.int32, ["num_layers", "num_seq_heads"]),
+               "dest_slot": (np.int32, ["num_layers", "num_seq_heads"]),
+               "decode_positions": (np.int32, ["num_seq_heads"]), "err_idx": (np.int32, ["num_seq_heads"])},
+}
+"""The step plan's tensors, graph inputs of the per-operation graphs (name: dtype, dims): what
+``paged/prefill.py::plan_prefill`` / ``paged/decode.py::plan_decode`` build (``ort_ops.plan_feeds`` maps
+them). Decode's per-layer ``[L, ...]`` tensors are sliced per layer in the graph (``Gather``)."""
+
+STATE_INPUTS = {"kv_pool": (np.uint8, ["num_pages", "page_size_bytes"]),
+                "page_table": (np.int32, ["num_rows", "max_pages_per_row"]),
+                "tier_tokens": (np.int32, ["num_rows", 2]), "key_offsets": (np.float16, ["num_rows", "head_dim"]),
+                "tier_counts": (np.int32, ["num_prompts", "num_layers", "num_kv_heads", 2]),
+                "error_flags": (np.int32, ["max_slots"])}
+"""The cache state the per-operation graphs read and update (``tier_counts``: prefill only)."""
+
+
+def per_op_input_dtypes(phase: str) -> list:
+    """numpy dtypes of the ``prefill_attention`` (``phase="prefill"``) or ``decode_attention`` node's inputs, in
+    the plugin's order (q/k/v fp32, the plan's and the state's as :data:`PLAN_INPUTS` / :data:`STATE_INPUTS`).
+
+    Raises:
+        ValueError: an unknown phase."""
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r}: expected one of {list(PHASES)}")
+    plugin = specs.PREFILL if phase == "prefill" else specs.DECODE
+    plan = list(PLAN_INPUTS[phase].values())
+    out = []
+    for t in plugin.inputs:
+        if t.name in ("q", "k", "v"):
+            out.append(np.float32)
+        elif t.name in STATE_INPUTS:
+            out.append(STATE_INPUTS[t.name][0])
+        else:
+            out.append(plan.pop(0)[0])
+    return out
+
+
+def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path | None = None, *,
+                  max_positions: int | None = None):
+    """Export one step kind of ``model`` with the per-operation plugins as nodes and the step plan as graph inputs.
+
+    ``phase="prefill"`` (a step of prompts only): per layer one ``diffkv::prefill_attention`` node
+    (:data:`plugins.specs.PREFILL`) ``(q, k, v, cu_seqlens, req, token_index, score_count, thr_high, thr_low,
+    window, start, row_base, reserved_pages, err_idx, kv_pool, page_table, tier_tokens, key_offsets, tier_counts,
+    error_flags) -> (out, kv_pool, key_offsets, tier_counts, error_flags)``. ``phase="decode"`` (a step of decode
+    tokens only): per layer one ``diffkv::decode_attention`` node (:data:`plugins.specs.DECODE`) ``(q, k, v,
+    row_ids[l], dest_page[l], dest_slot[l], decode_positions, err_idx, kv_pool, page_table, tier_tokens,
+    key_offsets, error_flags) -> (out, kv_pool, error_flags)``. Graph inputs: ``input_ids``, ``positions``,
+    ``logits_indices`` (int64), the plan (:data:`PLAN_INPUTS`) and the state (:data:`STATE_INPUTS`); outputs
+    ``logits`` and ``<state>_out`` for every state the nodes update (chained layer to layer).
+
+    What the graph does not contain (the host does it, ``ort_ops.run_per_op_step``): the step plan itself
+    (``PagedDiffKVCache.plan``: prompt reservation; decode decisions, ``append_decode``, moves to the low tier,
+    token locations) and the prompt commit after the last layer. So the graph has no ``page_update`` node: the
+    page update precedes the moves and the locations the decode nodes read, which the plan computes.
+
+    Args:
+        model, kv_config, path, max_positions: as :func:`export_onnx`.
+        phase: ``"prefill"`` or ``"decode"``.
+
+    Returns:
+        The checked ``onnx.ModelProto`` (``onnx.checker``, strict shape inference).
+
+    Raises:
+        ValueError: an unknown phase, a configuration that cannot run the model, weights beyond 2 GB.
+    """
+    import onnx_graphsurgeon as gs
+
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r}: expected one of {list(PHASES)} with graph='per-op'")
+    cfg = model.config
+    _check_model(model, kv_config)
+    b = _Builder(gs)
+    H, D = cfg.num_heads, cfg.head_dim
+    var = lambda name, dtype, shape: gs.Variable(name, dtype=dtype, shape=shape)  # noqa: E731
+    ids, pos, sel = var("input_ids", np.int64, ["num_tokens"]), var("positions", np.int64, ["num_tokens"]), \
+        var("logits_indices", np.int64, ["num_logits"])
+    plan = {n: var(n, dt, list(dims)) for n, (dt, dims) in PLAN_INPUTS[phase].items()}
+    state_names = [n for n in STATE_INPUTS if phase == "prefill" or n != "tier_counts"]
+    state = {n: var(n, STATE_INPUTS[n][0], list(STATE_INPUTS[n][1])) for n in state_names}
+    b.graph.inputs = [ids, pos, sel, *plan.values(), *state.values()]
+    plugin = specs.PREFILL if phase == "prefill" else specs.DECODE
+    updated = [plugin.inputs[plugin.aliases[j]].name for j in range(1, len(plugin.outputs))]
+    attrs = lambda i: attention_attrs(i, cfg, kv_config, D ** -0.5)  # noqa: E731
+
+    def layer_plan(i):
+        if phase == "prefill":
+            return list(plan.values())
+        index = b.gs.Constant(f"plan.layer{i}", np.array(i, np.int64))  # a scalar: Gather drops the layer axis
+        per_layer = [b.op("Gather", [plan[n], index], {"axis": 0}) for n in ("row_ids", "dest_page", "dest_slot")]
+        return [*per_layer, plan["decode_positions"], plan["err_idx"]]
+
+    def attend(i, q, k, v):
+        s = [state[t.name] for t in plugin.inputs[14 if phase == "prefill" else 8:]]
+        outs = b.op(plugin.name, [q, k, v, *layer_plan(i), *s], attrs(i), outputs=len(plugin.outputs),
+                    domain=PLUGIN_NAMESPACE, name=f"diffkv_{plugin.name}_{i}")
+        _typed(outs[0], np.float32, ["num_tokens", H, D])
+        for name, o in zip(updated, outs[1:]):
+            _typed(o, STATE_INPUTS[name][0], list(STATE_INPUTS[name][1]))
+            state[name] = o
+        return outs[0]
+
+    logits = _decoder(b, model, ids, pos, sel, max_positions, attend)
+    for name in updated:
+        state[name].name = f"{name}_out"
+    b.graph.outputs = [logits, *(state[n] for n in updated)]
+    return _finish(b, gs, path)
+
+
+def _rope(b: _Builder, x, cos, sin, head_dim: int, name: str):
+    """``x * cos + rotate_half(x) * sin`` (rotate-half layout, as ``model/rope.py``)."""
+    half = head_dim // 2
+    c = lambda tag, v: b.const(f"{name}.{tag}", np.array(v, np.int64))  # noqa: E731
+    x1 = b.op("Slice", [x, c("s0", [0]), c("e0", [half]), c("ax0", [-1])])
+    x2 = b.op("Slice", [x, c("s1", [half]), c("e1", [head_dim]), c("ax1", [-1])])
+    rot = b.op("Concat", [b.op("Neg", [x2]), x1], {"axis": -1})
+    return b.op("Add", [b.op("Mul", [x, cos]), b.op("Mul", [rot, sin])], dtype=np.float32)
+
+
+def _typed(var, dtype, shape) -> None:
+    """Set a plugin output's dtype and shape (ONNX shape inference does not know the plugin ops)."""
+    var.dtype, var.shape = dtype, shape
+
+
+def _decoder(b: _Builder, model, ids, pos, sel, max_positions: int | None, attend):
+    """The Llama decoder over packed tokens with ``attend(layer, q, k, v) -> out [T, H, D]`` as each layer's
+    attention (q/k after RoPE); returns the ``logits`` variable ``[num_logits, vocab_size]``."""
+    cfg = model.config
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     n_pos = max_positions or cfg.max_position_embeddings
     with torch.no_grad():
         cos, sin = model.model.rotary_emb(torch.arange(n_pos, device=model.device), torch.float32)
@@ -146,7 +346,6 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     sin_t = b.op("Unsqueeze", [b.op("Gather", [b.const("rope.sin", _np(sin)), pos]), b.const("axis1_", np.array([1]))])
     x = b.op("Gather", [b.const("model.embed_tokens.weight", _np(model.model.embed_tokens.weight)), ids],
              dtype=np.float32)
-    sm_scale = D ** -0.5
     for i, layer in enumerate(model.model.layers):
         p, a = f"model.layers.{i}", layer.self_attn
         h = b.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, f"{p}.input_layernorm")
@@ -156,14 +355,7 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
             y = b.linear(h, proj.weight, proj.bias, f"{p}.self_attn.{name}_proj")
             y = b.op("Reshape", [y, b.const(f"{p}.{name}_shape", np.array([-1, n, D], np.int64))], dtype=np.float32)
             heads[name] = _rope(b, y, cos_t, sin_t, D, f"{p}.{name}") if name != "v" else y
-        out, pool, table, tokens = b.op(
-            ATTENTION_OP, [heads["q"], heads["k"], heads["v"], pool, table, tokens, handle, step_token],
-            attention_attrs(i, cfg, kv_config, sm_scale), outputs=4, domain=PLUGIN_NAMESPACE,
-            name=f"diffkv_attention_{i}")
-        out.dtype, out.shape = np.float32, ["num_tokens", H, D]
-        pool.dtype, table.dtype, tokens.dtype = np.uint8, np.int32, np.int32
-        pool.shape, table.shape, tokens.shape = ["num_pages", "page_size_bytes"], ["num_rows", "max_pages_per_row"], \
-            ["num_rows", 2]
+        out = attend(i, heads["q"], heads["k"], heads["v"])
         out = b.op("Reshape", [out, b.const(f"{p}.o_shape", np.array([-1, H * D], np.int64))])
         x = b.op("Add", [x, b.linear(out, a.o_proj.weight, None, f"{p}.self_attn.o_proj")], dtype=np.float32)
         h = b.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
@@ -177,28 +369,7 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     x = b.rms_norm(x, model.model.norm.weight, model.model.norm.eps, "model.norm")
     logits = b.linear(x, model.lm_head.weight, None, "lm_head")
     logits.name, logits.shape = "logits", ["num_logits", cfg.vocab_size]
-    for v, name in ((pool, "kv_pool_out"), (table, "page_table_out"), (tokens, "tier_tokens_out")):
-        v.name = name
-    b.graph.outputs = [logits, pool, table, tokens]
-    b.graph.cleanup().toposort()
-    proto = gs.export_onnx(b.graph)
-    proto.opset_import.append(onnx.helper.make_opsetid(PLUGIN_NAMESPACE, 1))
-    proto.producer_name = "trtllm-diffkv"
-    onnx.checker.check_model(proto)
-    proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
-    if path is not None:
-        onnx.save(proto, str(path))
-    return proto
-
-
-def _rope(b: _Builder, x, cos, sin, head_dim: int, name: str):
-    """``x * cos + rotate_half(x) * sin`` (rotate-half layout, as ``model/rope.py``)."""
-    half = head_dim // 2
-    c = lambda tag, v: b.const(f"{name}.{tag}", np.array(v, np.int64))  # noqa: E731
-    x1 = b.op("Slice", [x, c("s0", [0]), c("e0", [half]), c("ax0", [-1])])
-    x2 = b.op("Slice", [x, c("s1", [half]), c("e1", [head_dim]), c("ax1", [-1])])
-    rot = b.op("Concat", [b.op("Neg", [x2]), x1], {"axis": -1})
-    return b.op("Add", [b.op("Mul", [x, cos]), b.op("Mul", [rot, sin])], dtype=np.float32)
+    return logits
 
 
 def plugin_nodes(proto) -> list:

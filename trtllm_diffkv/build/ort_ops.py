@@ -30,7 +30,8 @@ import torch
 from plugins import ops as plugin_ops
 from plugins import specs
 
-from .onnx_export import ATTENTION_OP, PAGE_UPDATE_OP, PLUGIN_NAMESPACE
+from .onnx_export import (ATTENTION_OP, PAGE_UPDATE_OP, PLAN_INPUTS, PLUGIN_NAMESPACE, STATE_INPUTS,
+                          per_op_input_dtypes)
 
 _REGISTERED = False
 _ERRORS: dict[int, str] = {}
@@ -103,7 +104,8 @@ def run_step(session, cache, handle: int, input_ids, positions, logits_indices, 
     return outs
 
 
-_ORT_TYPES = {"float32": "dt_float", "int64": "dt_int64", "int32": "dt_int32", "uint8": "dt_uint8", "bool": "dt_bool"}
+_ORT_TYPES = {"float32": "dt_float", "int64": "dt_int64", "int32": "dt_int32", "uint8": "dt_uint8", "bool": "dt_bool",
+              "float16": "dt_float16"}
 
 
 def _op_types(plugin: specs.PluginSpec) -> tuple[list, list, dict]:
@@ -120,17 +122,151 @@ def _op_types(plugin: specs.PluginSpec) -> tuple[list, list, dict]:
 
 
 def register_ops() -> None:
-    """Register the two composite plugins as onnxruntime-extensions Python ops (idempotent)."""
+    """Register the two composite plugins and the per-operation attention plugins (``prefill_attention``,
+    ``decode_attention``) as onnxruntime-extensions Python ops (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
+    from onnxruntime_extensions import PyCustomOpDef as P
     from onnxruntime_extensions import onnx_op
 
     inputs, outputs, attrs = _op_types(specs.STEP_PAGE_UPDATE)
     onnx_op(op_type=PAGE_UPDATE_OP, inputs=inputs, outputs=outputs, attrs=attrs)(lambda *a, **kw: page_update(*a))
     inputs, outputs, attrs = _op_types(specs.LAYER_ATTENTION)
     onnx_op(op_type=ATTENTION_OP, inputs=inputs, outputs=outputs, attrs=attrs)(attention)
+    for phase, plugin in (("prefill", specs.PREFILL), ("decode", specs.DECODE)):
+        inputs = [getattr(P, _ORT_TYPES["float32" if t is np.float16 else np.dtype(t).name])  # see ort_model
+                  for t in per_op_input_dtypes(phase)]
+        outputs = [inputs[plugin.aliases.get(j, 0)] for j in range(len(plugin.outputs))]
+        _, _, attrs = _op_types(plugin)
+        onnx_op(op_type=plugin.name, inputs=inputs, outputs=outputs, attrs=attrs)(_per_op(plugin))
     _REGISTERED = True
+
+
+# --------------------------------------------------------------------------- per-operation graphs
+
+_PER_OP_ERRORS: list[str] = []
+_HALF_INPUTS = {p.name: {i for i, t in enumerate(per_op_input_dtypes(ph)) if t is np.float16}
+                for ph, p in (("prefill", specs.PREFILL), ("decode", specs.DECODE))}
+"""fp16 inputs (``key_offsets``) of the per-operation nodes, which onnxruntime-extensions' Python ops cannot take
+(``Type float16 not supported by python customops api``): :func:`ort_model` casts them to fp32 and the outputs
+that alias them back to fp16 around the node (exact both ways), the op converts them to fp16 for the kernels."""
+
+
+def _per_op(plugin: specs.PluginSpec):
+    """The onnxruntime op of ``prefill_attention`` / ``decode_attention``: :func:`plugins.ops.run_prefill` /
+    :func:`plugins.ops.run_decode` (torch ops path) on copies of the inputs, the aliased ones returned as the
+    updated state. Never raises (module docstring): a failure is recorded, zeros and the input state returned."""
+    run = plugin_ops.run_prefill if plugin is specs.PREFILL else plugin_ops.run_decode
+    half = _HALF_INPUTS[plugin.name]
+
+    def op(*arrays, **attrs):
+        try:
+            from .fields import kv_config_from_fields
+
+            fields = {n: attrs[n] for n in plugin.fields}
+            inputs = [_t(a).half() if i in half else _t(a) for i, a in enumerate(arrays)]
+            out = torch.zeros(inputs[0].shape, dtype=torch.float32)
+            run(inputs, out, kv_config_from_fields(fields), fields, use_triton=False)
+            return (out.numpy(), *(inputs[plugin.aliases[j]].float().numpy() if plugin.aliases[j] in half else
+                                   inputs[plugin.aliases[j]].numpy() for j in range(1, len(plugin.outputs))))
+        except Exception as exc:  # noqa: BLE001 - an exception here would abort the process (module docstring)
+            _PER_OP_ERRORS.append(f"{plugin.name} layer {attrs.get('layer_idx')}: {type(exc).__name__}: {exc}")
+            return (np.zeros(arrays[0].shape, dtype=np.float32),
+                    *(arrays[plugin.aliases[j]] for j in range(1, len(plugin.outputs))))
+    return op
+
+
+def step_phase(is_prefill) -> str:
+    """``"prefill"`` (every request brings its prompt) or ``"decode"`` (none does).
+
+    Raises:
+        ValueError: a mixed step (the per-operation graphs are one per step kind), or no requests.
+    """
+    flags = [bool(x) for x in is_prefill]
+    if not flags:
+        raise ValueError("a step needs at least one request")
+    if all(flags):
+        return "prefill"
+    if not any(flags):
+        return "decode"
+    raise ValueError("the per-operation graphs run prefill-only or decode-only steps; split a mixed step")
+
+
+def plan_feeds(cache, phase: str) -> dict[str, np.ndarray]:
+    """The plan and state inputs of a per-operation graph from a ``PagedDiffKVCache`` whose step of kind ``phase``
+    is planned (``cache.plan``) and whose layers have not run: :data:`~.onnx_export.PLAN_INPUTS` from the step's
+    prefill / decode tensors, :data:`~.onnx_export.STATE_INPUTS` from the cache (copies, numpy).
+
+    Raises:
+        ValueError: no step of that kind planned.
+    """
+    step = cache._step
+    part = None if step is None else (step.prefill if phase == "prefill" else step.decode)
+    if part is None or step.next_layer:
+        raise ValueError(f"no planned {phase} step whose layers have not run")
+    np_ = lambda t: t.detach().cpu().numpy().copy()  # noqa: E731
+    if phase == "prefill":
+        plan = [part[k] for k in ("cu", "req", "t", "count", "thr_h", "thr_l", "window", "start", "row_base",
+                                  "reserved", "err_idx")]
+    else:
+        L = part["row_ids"].shape[0]
+        plan = [part["row_ids"], part["page"].reshape(L, -1), part["slot"].reshape(L, -1), part["positions"],
+                part["err_idx"]]
+    state = {"kv_pool": cache.pool.pages(), "page_table": cache.manager.page_table,
+             "tier_tokens": cache.manager.tokens, "key_offsets": cache.row_meta.key_offsets,
+             "error_flags": cache.error_flags}
+    if phase == "prefill":
+        state["tier_counts"] = part["counts"]
+    feeds = {}
+    for (name, (dtype, _)), t in zip(PLAN_INPUTS[phase].items(), plan):
+        feeds[name] = np_(t).astype(dtype, copy=False)
+    for name in STATE_INPUTS:
+        if name in state:
+            feeds[name] = np_(state[name]).astype(STATE_INPUTS[name][0], copy=False)
+    return feeds
+
+
+def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices, slots, seq_lens, step_positions,
+                    is_prefill) -> np.ndarray:
+    """One step through the per-operation graphs (:func:`~.onnx_export.export_per_op`); returns the logits
+    ``[num_logits, vocab_size]`` float32.
+
+    The host part runs on ``cache`` (a ``PagedDiffKVCache``, the state of record): ``cache.plan`` (prompt
+    reservation; decode decisions, ``append_decode``, moves, token locations), then the graph of the step's kind
+    (``sessions[phase]``, :func:`ort_session`) on the plan's tensors and the cache's state, whose ``*_out``
+    outputs are copied back into the cache; then the step's end (the prompts' commit: the cache's own
+    ``_finish_step`` with the graph's tier counts).
+
+    Raises:
+        ValueError: a mixed step, a step the cache refuses (nothing planned), or a plugin op failed (the step is
+            discarded: ``cache.discard_step``).
+    """
+    phase = step_phase(is_prefill)
+    cache.plan(slots, seq_lens, step_positions, is_prefill)
+    try:
+        i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+        feeds = {"input_ids": i64(input_ids), "positions": i64(positions), "logits_indices": i64(logits_indices),
+                 **plan_feeds(cache, phase)}
+        session = sessions[phase]
+        _PER_OP_ERRORS.clear()
+        outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        if _PER_OP_ERRORS:
+            raise ValueError(_PER_OP_ERRORS[0])
+        step = cache._step
+        targets = {"kv_pool": cache.pool.pages(), "key_offsets": cache.row_meta.key_offsets,
+                   "error_flags": cache.error_flags}
+        if phase == "prefill":
+            targets["tier_counts"] = step.prefill["counts"]
+        for name, t in targets.items():
+            if f"{name}_out" in outs:
+                t.copy_(torch.from_numpy(outs[f"{name}_out"]))
+        step.next_layer = cache.num_layers
+        cache._finish_step(step)
+    except BaseException:
+        cache.discard_step()
+        raise
+    return outs["logits"]
 
 
 def ort_model(proto):
@@ -140,9 +276,24 @@ def ort_model(proto):
 
     model = onnx.ModelProto()
     model.CopyFrom(proto)
+    nodes = []
     for node in model.graph.node:
         if node.domain == PLUGIN_NAMESPACE:
             node.domain = default_opset_domain()
+        half = _HALF_INPUTS.get(node.op_type, set()) if node.domain == default_opset_domain() else set()
+        after = []
+        for i in sorted(half):  # fp16 -> fp32 around the node (per-operation graphs: key_offsets)
+            name = node.input[i]
+            nodes.append(onnx.helper.make_node("Cast", [name], [f"{node.name}.in{i}.fp32"], to=onnx.TensorProto.FLOAT))
+            node.input[i] = f"{node.name}.in{i}.fp32"
+        plugin = specs.PLUGINS.get(f"{PLUGIN_NAMESPACE}::{node.op_type}")
+        for j, out in enumerate(node.output):
+            if plugin is not None and plugin.aliases.get(j) in half:
+                node.output[j] = f"{node.name}.out{j}.fp32"
+                after.append(onnx.helper.make_node("Cast", [node.output[j]], [out], to=onnx.TensorProto.FLOAT16))
+        nodes += [node, *after]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     for opset in model.opset_import:
         if opset.domain == PLUGIN_NAMESPACE:
             opset.domain = default_opset_domain()

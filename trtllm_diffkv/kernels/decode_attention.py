@@ -12,7 +12,8 @@ Host side (:class:`DecodeWorkspace`) is separate from the launch: the
 workspace is allocated once for a maximum batch and reused; the call does no
 host synchronisation and no allocation when given one, so it can be captured
 in a CUDA graph (tested). Kernels (three launches: partial, merge, score):
-:mod:`.attn_decode_kernels`. Measured speed: ``docs/PERFORMANCE.md``.
+:mod:`.attn_decode_kernels`; the partial kernel also in CUDA C++ (:mod:`.cuda_decode`, the default on
+CUDA where it covers the configuration). Measured speed: ``docs/PERFORMANCE.md``.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import triton
 
 from ..memory.page_format import PageFormat, TierLayout
 from .attn_decode_kernels import LOG2E, _decode_merge_kernel, _decode_partial_kernel, _decode_score_kernel
+from .cuda_decode import launch_partial, resolve_backend
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUP = 64
@@ -178,7 +180,8 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
                            out: torch.Tensor, *, sm_scale: float, update_scores: bool = True,
                            workspace: DecodeWorkspace | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, tokens_per_step: int = 64,
-                           max_registers: int | None = None) -> None:
+                           max_registers: int | None = None, backend: str | None = None,
+                           cuda_min_blocks: int | None = None) -> None:
     """Decode attention of one query per sequence over its paged mixed-precision KV rows.
 
     Args:
@@ -204,14 +207,22 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
             of them, at least one), and a register cap per thread (Triton's
             ``maxnreg``; ``None``: :data:`DEFAULT_MAX_REGISTERS` with 4 warps and
             16 stacked product rows, else the compiler's choice; 0: the
-            compiler's choice; ignored on the CPU).
+            compiler's choice; ignored on the CPU). Triton backend only.
+        backend: which partial kernel runs (the merge and score kernels are Triton either way):
+            ``"cuda"`` the CUDA C++ kernel (:mod:`.cuda_decode`; head_dim 64/128, ratios 1-8,
+            fp16/bf16, 8/4-bit keys, 8/4/2-bit values), ``"triton"``, or ``None``/``"auto"``: the
+            environment variable ``TRTLLM_DIFFKV_DECODE_BACKEND``, default CUDA where it can run.
+        cuda_min_blocks: the CUDA kernel's ``__launch_bounds__`` blocks per multiprocessor (register
+            cap; default 3 at head_dim 128, 4 at 64).
 
     Precision: codes enter the products as exact fp16 integers (dequantization
     is folded out: per token and group, ``q.k = s (q.c) + z sum(q)`` in fp32,
     and the values' scale multiplies the probabilities, ``p s`` rounded to
     fp16, with ``sum(p z)`` kept in fp32); fp32 accumulation; a bf16 query is
     converted to fp16 for the products (exact within fp16's range, |q| < 65504).
-    Probabilities for the score update pass through fp16 (relative error 2**-11).
+    Probabilities for the score update pass through fp16 (relative error 2**-11). The CUDA kernel
+    folds the keys the same way (exact fp16 codes in the products, fp32 accumulation) and
+    dequantizes the values in fp16 registers (``s c + z`` rounded to fp16) before the second product.
 
     Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. A row
     with no tokens gives zeros; logits of any finite magnitude are exact (no
@@ -220,7 +231,8 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
 
     Raises:
         ValueError: wrong shapes/dtypes/devices, a tier format without a kernel,
-            a ratio above :data:`MAX_GROUP`, or a too-small workspace, before any launch.
+            a ratio above :data:`MAX_GROUP`, a too-small workspace, or ``backend="cuda"`` where
+            the CUDA kernel cannot run (the message says why), before any launch.
     """
     _check_inputs(q, pool_pages, page_format, page_table, tier_tokens, row_ids, out, update_scores)
     num_seqs, num_heads, head_dim = q.shape
@@ -256,19 +268,27 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
     per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM", "NG", "FOLD")
     if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16:
         max_registers = DEFAULT_MAX_REGISTERS  # 32 stacked rows need more registers than the cap (spills)
-    _decode_partial_kernel[(num_seqs, num_kv_heads, nparts * nchunk)](
-        q, pool_pages, page_table, tier_tokens, row_ids,
-        workspace.part_m, workspace.part_l, workspace.part_acc, workspace.page_probs, workspace.page_max,
-        float(sm_scale) * LOG2E, num_kv_heads, nparts, **common,
-        **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
-        DT=dt, IEEE=q.dtype == torch.float32, STORE_PROBS=update_scores,
-        FAST=FAST_CONVERT and q.is_cuda and dt == _tl_dtype("fp16"),
-        num_warps=num_warps or 4, num_stages=num_stages or 2,
-        **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
+    cuda_scores = None
+    if resolve_backend(backend, page_format, num_heads, num_kv_heads, q) == "cuda":
+        cuda_scores = launch_partial(q if q.dtype == torch.float16 else q.to(torch.float16), pool_pages, page_format, page_table,
+                       tier_tokens, row_ids, workspace, float(sm_scale) * LOG2E, update_scores, cuda_min_blocks)
+    else:
+        _decode_partial_kernel[(num_seqs, num_kv_heads, nparts * nchunk)](
+            q, pool_pages, page_table, tier_tokens, row_ids,
+            workspace.part_m, workspace.part_l, workspace.part_acc, workspace.page_probs, workspace.page_max,
+            float(sm_scale) * LOG2E, num_kv_heads, nparts, **common,
+            **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
+            DT=dt, IEEE=q.dtype == torch.float32, STORE_PROBS=update_scores,
+            FAST=FAST_CONVERT and q.is_cuda and dt == _tl_dtype("fp16"),
+            num_warps=num_warps or 4, num_stages=num_stages or 2,
+            **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
     _decode_merge_kernel[(num_seqs, num_kv_heads)](
         out, workspace.part_m, workspace.part_l, workspace.part_acc, workspace.lse, num_kv_heads, nparts,
         GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=_next_pow2(2 * nparts), num_warps=4)
     if not update_scores:
+        return
+    if cuda_scores is not None:
+        cuda_scores()
         return
     block_p = _next_pow2(pmax)
     gps = _next_pow2(group)

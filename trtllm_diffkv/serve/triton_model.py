@@ -57,6 +57,28 @@ def _errors(finals) -> tuple[list[str], bool]:
     return [f.error for f in failed], not any(is_server_fault(f) for f in failed)
 
 
+def _hide_packages_needing_numpy_2() -> list[str]:
+    """Hide SciPy and scikit-learn from this process when they cannot import under the stub's NumPy 1.
+
+    The stub environment holds NumPy 1 (the stub's C++ side needs it) over the machine's packages; where
+    the machine's SciPy needs NumPy 2 (the H200 image, 2026-11-30: SciPy refuses NumPy 1.26), transformers
+    5.17 imports scikit-learn -> SciPy while importing its generation module and fails. Neither package
+    is used here, so they are marked absent (``sys.modules[name] = None``: ``find_spec`` then returns
+    ``None`` and transformers treats them as not installed). Returns the names hidden.
+    """
+    if int(np.__version__.split(".")[0]) >= 2:
+        return []
+    try:
+        import scipy.sparse  # noqa: F401
+        return []
+    except Exception:  # noqa: BLE001 - an ImportError or SciPy's own NumPy version check
+        for name in [m for m in sys.modules if m in ("scipy", "sklearn") or m.startswith(("scipy.", "sklearn."))]:
+            del sys.modules[name]
+        sys.modules["scipy"] = None
+        sys.modules["sklearn"] = None
+        return ["scipy", "sklearn"]
+
+
 class TritonPythonModel:
     """The Python backend's model class (``initialize`` / ``execute`` / ``finalize``)."""
 
@@ -65,6 +87,7 @@ class TritonPythonModel:
         params = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
         if params.get("python_path") and params["python_path"] not in sys.path:
             sys.path.insert(0, params["python_path"])  # the trtllm_diffkv that wrote this repository
+        _hide_packages_needing_numpy_2()
         from trtllm_diffkv.llm import LLM
         from trtllm_diffkv.serve import metrics, triton_requests
 

@@ -1,0 +1,513 @@
+// DiffKV paged decode attention: the partial kernel in CUDA C++ (sm_80+: mma.sync m16n8k16, movmatrix).
+//
+// Same contract as _decode_partial_kernel in attn_decode_kernels.py (the Triton path): it fills the
+// DecodeWorkspace's part_m / part_l / part_acc (one slot per CTA) and, with STORE_PROBS, page_probs /
+// page_max, which the Triton merge and score kernels then consume unchanged.
+//
+// Layout of the work:
+//   grid (num_seqs, num_kv_heads, NSLOT); block WARPS warps. A row's pages, high tier then low tier
+//   (one list), are split in NSLOT contiguous chunks, one per CTA; the CTA's warps take the chunk's pages
+//   in turn (page u goes to warp u % WARPS). Each warp keeps its own online-softmax state over the pages
+//   it reads (no barrier in the page loop); at the end the warps merge through shared memory and the
+//   CTA writes one workspace slot.
+//   One page per loop step, in tiles of 16 tokens. Per tile:
+//     S^T[token, head] = K[token, :] . Q^T[:, head]: mma with A = key codes (16 tokens x 16 dims per
+//       k-step; codes loaded straight into the A fragment registers and made exact fp16 integers by
+//       the 0x64 exponent-byte trick, no shared memory) and B = the query (8 heads, the GQA group,
+//       n = 8). Dequantization is folded out: per token and key group, q.k = s (q.c) + z sum(q), so
+//       each key group accumulates its own product.
+//     out^T[dim, head] += V^T[dim, token] . P^T[token, head]: A = value codes dequantized in fp16
+//       registers (one fma per two elements), B = the probabilities, moved from the first product's
+//       accumulator layout into the B layout by movmatrix.trans.
+//   Element orders inside a fragment are free as long as both operands agree: keys use the order the
+//   bytes arrive in (key_dim() below, mirrored by the query fragments); values give each lane a
+//   contiguous run of HEAD_DIM / 8 dims (row g of value tile i is dim (HEAD_DIM / 8) * g + 2 i, row
+//   g + 8 is that + 1).
+//
+// Compile-time configuration (-D): HEAD_DIM (64 | 128), GROUP (<= 8), GROUP_PAD, BLOCK_D, PMAX,
+// PAGE_BYTES, STORE_PROBS, WARPS; per tier (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
+// VG, KC, KM, VC, VM (segment byte offsets inside a page). Supported combinations are checked by
+// kernels/cuda_decode.py before compiling.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// (x & mask) | 0x64006400: two codes under the fp16 exponent of 1024 (1024 + code << shift, exact)
+__device__ __forceinline__ u32 magic(u32 x, u32 mask) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(0x64006400u));
+    return r;
+}
+
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float h2f(u32 h) {
+    float f;
+    u16 x = (u16)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 movtrans(u32 x) {
+    u32 r;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// N consecutive 32-bit words from a 4N-byte aligned address (0 when !ok); N = 1 may be a half word.
+template <int BYTES>
+__device__ __forceinline__ void load_words(const unsigned char* p, bool ok, u32* w) {
+    if constexpr (BYTES == 2) {
+        w[0] = ok ? (u32)(*(const u16*)p) : 0u;
+    } else if constexpr (BYTES == 4) {
+        w[0] = ok ? *(const u32*)p : 0u;
+    } else if constexpr (BYTES == 8) {
+        uint2 v = ok ? *(const uint2*)p : make_uint2(0u, 0u);
+        w[0] = v.x; w[1] = v.y;
+    } else if constexpr (BYTES == 16) {
+        uint4 v = ok ? *(const uint4*)p : make_uint4(0u, 0u, 0u, 0u);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else {
+        static_assert(BYTES % 16 == 0, "chunk of 16-byte multiples");
+#pragma unroll
+        for (int i = 0; i < BYTES / 16; ++i) load_words<16>(p + 16 * i, ok, w + 4 * i);
+    }
+}
+
+// Slot pairs stay inside a head's PMAX probabilities and 4-byte aligned when every count is even.
+constexpr bool PAIR_STORES = PMAX % 2 == 0 && H_TOKENS % 2 == 0 && L_TOKENS % 2 == 0;
+constexpr int MT = HEAD_DIM / 16;  // value tiles (m16) per head; also key k-steps
+constexpr int DPT = HEAD_DIM / 8;  // value dims per lane
+
+// One tier's format and the fragment maps that follow from it.
+template <int TOKENS_, int KB_, int KG_, int VB_, int VG_, int KC_, int KM_, int VC_, int VM_>
+struct Tier {
+    static constexpr int TOKENS = TOKENS_, KB = KB_, KG = KG_, VB = VB_, VG = VG_;
+    static constexpr int KC = KC_, KM = KM_, VC = VC_, VM = VM_;
+    static constexpr int NT = (TOKENS + 15) / 16;          // 16-token tiles per page
+    // keys: each key group's bytes of a token are split over the 4 lanes of a quad
+    static constexpr int KROW = HEAD_DIM * KB / 8;         // key bytes per token
+    static constexpr int GS = HEAD_DIM / KG;               // dims per key group
+    static constexpr int GBY = GS * KB / 8;                // key bytes per token and group
+    static constexpr int CB = GBY / 4;                     // ... per lane
+    static constexpr int NW = CB / 4;                      // 32-bit words per lane, token and group
+    static constexpr int KSG = GS / 16;                    // k-steps per key group
+    // values: each lane holds DPT contiguous dims of a token
+    static constexpr int VROW = HEAD_DIM * VB / 8;
+    static constexpr int VCB = DPT * VB / 8;               // value bytes per lane and token
+    static constexpr int NVW = (VCB + 3) / 4;
+    static constexpr int GSV = HEAD_DIM / VG;
+    static_assert(KB == 8 || KB == 4, "key bits 8 or 4");
+    static_assert(VB == 8 || VB == 4 || VB == 2, "value bits 8, 4 or 2");
+    static_assert(CB >= 4 && CB % 4 == 0, "a lane's key chunk must be whole words");
+    static_assert(KB == 8 ? NW == KSG : 2 * NW == KSG, "key words per k-step");
+    static_assert(VCB >= 2 && GSV % DPT == 0, "a lane's value dims inside one group");
+
+    // head dim of element e (0..3: k = 2t, 2t+1, 2t+8, 2t+9) of k-step j for quad lane t
+    __device__ static int key_dim(int j, int t, int e) {
+        const int gk = j / KSG, js = j % KSG;
+        if (KB == 8) {
+            return gk * GBY + t * CB + 4 * js + e;               // byte = dim
+        } else {
+            const int o = gk * GBY + t * CB + 4 * (js / 2);      // the word's first byte
+            const int b = (e == 0) ? 0 : (e == 1) ? 2 : (e == 2) ? 1 : 3;
+            return 2 * (o + b) + (js % 2);                      // low nibble: even dim, high: odd
+        }
+    }
+};
+
+typedef Tier<H_TOKENS, H_KB, H_KG, H_VB, H_VG, H_KC, H_KM, H_VC, H_VM> HighTier;
+typedef Tier<L_TOKENS, L_KB, L_KG, L_VB, L_VG, L_KC, L_KM, L_VC, L_VM> LowTier;
+constexpr int MAX_KG = (H_KG > L_KG) ? H_KG : L_KG;
+
+struct WarpState {
+    float m[2];        // running max (base 2) of heads 2t, 2t+1
+    float l[2];        // this lane's part of the sums
+    float acc[MT][4];  // out^T fragments: dims (row g, g + 8 of tile i) x heads 2t, 2t+1
+};
+
+// Query fragments (B operand, n = head g) for one tier's key element order, and the per-group query sums
+// of heads 2t, 2t+1 (C layout).
+template <class T>
+__device__ __forceinline__ void load_query(const u16* __restrict__ qrow, int g, int t, u32 (&qf)[MT][2],
+                                           float (&qsum)[MAX_KG][2]) {
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+        u32 h[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) h[e] = (g < GROUP) ? (u32)qrow[g * HEAD_DIM + T::key_dim(j, t, e)] : 0u;
+        qf[j][0] = h[0] | (h[1] << 16);
+        qf[j][1] = h[2] | (h[3] << 16);
+    }
+#pragma unroll
+    for (int gk = 0; gk < MAX_KG; ++gk) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            float s = 0.f;
+            const int hh = 2 * t + c;
+            if (gk < T::KG && hh < GROUP) {
+                for (int d = gk * T::GS; d < (gk + 1) * T::GS; ++d) s += h2f(qrow[hh * HEAD_DIM + d]);
+            }
+            qsum[gk][c] = s;
+        }
+    }
+}
+
+// Codes of value element e of tokens A, B (their words wa, wb) dequantized: half2 (v_A, v_B).
+template <class T, int E>
+__device__ __forceinline__ u32 dequant_pair(const u32* wa, const u32* wb, u32 s2, u32 z2) {
+    constexpr int BIT = E * T::VB;
+    constexpr int BYTE = BIT >> 3, SH = BIT & 7, WORD = BYTE >> 2, BB = BYTE & 3;
+    constexpr u32 SEL = BB | (BB << 4) | ((BB + 4) << 8) | ((BB + 4) << 12);
+    constexpr u32 M = ((1u << T::VB) - 1u) << SH;
+    const u32 x = prmt(wa[WORD], wb[WORD], SEL);
+    const u32 h = magic(x, M | (M << 16));                                   // 1024 + code << SH
+    constexpr u32 SCALE = (u32)((15 - SH) << 10);                            // 2^-SH
+    constexpr u32 OFFS = 0x8000u | (u32)((25 - SH) << 10);                   // -1024 * 2^-SH
+    const u32 c = hfma2(h, SCALE | (SCALE << 16), OFFS | (OFFS << 16));      // the codes, exact
+    return hfma2(c, s2, z2);
+}
+
+template <class T>
+__device__ __forceinline__ void value_tile(const u32 (&vw)[4][T::NVW], const u32 (&vm)[4], u32 pb0, u32 pb1,
+                                           float (&acc)[MT][4]) {
+    const u32 s01 = prmt(vm[0], vm[1], 0x5410), z01 = prmt(vm[0], vm[1], 0x7632);
+    const u32 s89 = prmt(vm[2], vm[3], 0x5410), z89 = prmt(vm[2], vm[3], 0x7632);
+#define DIFFKV_VALUE_TILE(I)                                                                          \
+    if constexpr ((I) < MT) {                                                                         \
+        const u32 a0 = dequant_pair<T, 2 * (I)>(vw[0], vw[1], s01, z01);                              \
+        const u32 a1 = dequant_pair<T, 2 * (I) + 1>(vw[0], vw[1], s01, z01);                          \
+        const u32 a2 = dequant_pair<T, 2 * (I)>(vw[2], vw[3], s89, z89);                              \
+        const u32 a3 = dequant_pair<T, 2 * (I) + 1>(vw[2], vw[3], s89, z89);                          \
+        mma16816(acc[I], a0, a1, a2, a3, pb0, pb1);                                                   \
+    }
+    DIFFKV_VALUE_TILE(0) DIFFKV_VALUE_TILE(1) DIFFKV_VALUE_TILE(2) DIFFKV_VALUE_TILE(3)
+    DIFFKV_VALUE_TILE(4) DIFFKV_VALUE_TILE(5) DIFFKV_VALUE_TILE(6) DIFFKV_VALUE_TILE(7)
+#undef DIFFKV_VALUE_TILE
+}
+
+// One page of one tier: logits, the page's max, probabilities (stored for the score update), values.
+template <class T>
+__device__ __forceinline__ void page_step(const unsigned char* __restrict__ page, int count, int g, int t,
+                                          const u32 (&qf)[MT][2], const float (&qsum)[MAX_KG][2],
+                                          float qk_scale, WarpState& st, u16* __restrict__ probs_page,
+                                          float* __restrict__ max_page) {
+    constexpr int NT = T::NT;
+    u32 kw[NT][2][T::KG][T::NW];
+    u32 km[NT][2][T::KG];
+    u32 vw[NT][4][T::NVW];
+    u32 vm[NT][4];
+    const int vgrp = (DPT * g) / T::GSV;
+#pragma unroll
+    for (int tau = 0; tau < NT; ++tau) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int slot = 16 * tau + g + 8 * r;
+            const bool ok = slot < count;
+#pragma unroll
+            for (int gk = 0; gk < T::KG; ++gk) {
+                load_words<T::CB>(page + T::KC + slot * T::KROW + gk * T::GBY + t * T::CB, ok, kw[tau][r][gk]);
+                km[tau][r][gk] = ok ? *(const u32*)(page + T::KM + (slot * T::KG + gk) * 4) : 0u;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int slot = 16 * tau + 2 * t + (r & 1) + 8 * (r >> 1);
+            const bool ok = slot < count;
+            load_words<T::VCB>(page + T::VC + slot * T::VROW + g * T::VCB, ok, vw[tau][r]);
+            vm[tau][r] = ok ? *(const u32*)(page + T::VM + (slot * T::VG + vgrp) * 4) : 0u;
+        }
+    }
+    // logits [tile][c0..c3]: c0 (token g, head 2t), c1 (g, 2t+1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1)
+    float lg[NT][4];
+    const u32 K1024 = 0x64006400u;
+#pragma unroll
+    for (int tau = 0; tau < NT; ++tau) {
+        float c[T::KG][4];
+#pragma unroll
+        for (int gk = 0; gk < T::KG; ++gk) {
+            c[gk][0] = c[gk][1] = c[gk][2] = c[gk][3] = 0.f;
+#pragma unroll
+            for (int js = 0; js < T::KSG; ++js) {
+                u32 a0, a1, a2, a3;
+                if constexpr (T::KB == 8) {
+                    const u32 w0 = kw[tau][0][gk][js], w1 = kw[tau][1][gk][js];
+                    a0 = hsub2(prmt(w0, 0x64646464u, 0x4140), K1024);
+                    a1 = hsub2(prmt(w1, 0x64646464u, 0x4140), K1024);
+                    a2 = hsub2(prmt(w0, 0x64646464u, 0x4342), K1024);
+                    a3 = hsub2(prmt(w1, 0x64646464u, 0x4342), K1024);
+                } else {
+                    const int sh = 4 * (js & 1);
+                    const u32 w0 = kw[tau][0][gk][js >> 1] >> sh, w1 = kw[tau][1][gk][js >> 1] >> sh;
+                    a0 = hsub2(magic(w0, 0x000F000Fu), K1024);
+                    a1 = hsub2(magic(w1, 0x000F000Fu), K1024);
+                    a2 = hsub2(magic(w0 >> 8, 0x000F000Fu), K1024);
+                    a3 = hsub2(magic(w1 >> 8, 0x000F000Fu), K1024);
+                }
+                const int j = gk * T::KSG + js;
+                mma16816(c[gk], a0, a1, a2, a3, qf[j][0], qf[j][1]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = i >> 1;
+            float x = 0.f;
+#pragma unroll
+            for (int gk = 0; gk < T::KG; ++gk) {
+                const u32 meta = km[tau][r][gk];
+                x += h2f(meta & 0xFFFFu) * c[gk][i] + h2f(meta >> 16) * qsum[gk][i & 1];
+            }
+            const int slot = 16 * tau + g + 8 * r;
+            lg[tau][i] = (slot < count) ? x * qk_scale : NEG_INF;
+        }
+    }
+    // page max per head over the page's tokens (lanes of equal t hold one head's tokens)
+    float pm[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int tau = 0; tau < NT; ++tau) {
+        pm[0] = fmaxf(pm[0], fmaxf(lg[tau][0], lg[tau][2]));
+        pm[1] = fmaxf(pm[1], fmaxf(lg[tau][1], lg[tau][3]));
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        pm[c] = fmaxf(pm[c], __shfl_xor_sync(0xffffffffu, pm[c], 4));
+        pm[c] = fmaxf(pm[c], __shfl_xor_sync(0xffffffffu, pm[c], 8));
+        pm[c] = fmaxf(pm[c], __shfl_xor_sync(0xffffffffu, pm[c], 16));
+    }
+    float alpha[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const float m_new = fmaxf(st.m[c], pm[c]);  // finite: the page has >= 1 token
+        alpha[c] = ex2(st.m[c] - m_new);            // 0 on the first page (m = -inf)
+        st.m[c] = m_new;
+        st.l[c] *= alpha[c];
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        st.acc[i][0] *= alpha[0]; st.acc[i][1] *= alpha[1];
+        st.acc[i][2] *= alpha[0]; st.acc[i][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int tau = 0; tau < NT; ++tau) {
+        float p[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            p[i] = ex2(lg[tau][i] - st.m[i & 1]);
+            st.l[i & 1] += p[i];
+        }
+        const u32 pb0 = movtrans(pack_f16x2(p[0], p[1]));  // P^T: tokens 2t, 2t+1 of head g
+        const u32 pb1 = movtrans(pack_f16x2(p[2], p[3]));  // tokens 2t + 8, 2t + 9
+        if (STORE_PROBS && g < GROUP) {
+            // the transposed pairs are two adjacent slots of one head: one 4-byte store each, a quad
+            // writing 16 contiguous bytes (a store per probability from the first product's layout cost
+            // 33-49 us at Llama-3-8B 64 x 4096 / the default model's 256 x 4096 on the H200)
+            const int s0 = 16 * tau + 2 * t;
+            u16* hp = probs_page + g * PMAX;
+            if constexpr (PAIR_STORES) {
+                if (s0 < count) *(u32*)(hp + s0) = pb0;
+                if (s0 + 8 < count) *(u32*)(hp + s0 + 8) = pb1;
+            } else {
+                if (s0 < count) hp[s0] = (u16)pb0;
+                if (s0 + 1 < count) hp[s0 + 1] = (u16)(pb0 >> 16);
+                if (s0 + 8 < count) hp[s0 + 8] = (u16)pb1;
+                if (s0 + 9 < count) hp[s0 + 9] = (u16)(pb1 >> 16);
+            }
+        }
+        value_tile<T>(vw[tau], vm[tau], pb0, pb1, st.acc);
+    }
+    if (STORE_PROBS && g == 0) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+            if (2 * t + c < GROUP) max_page[2 * t + c] = st.m[c];
+    }
+}
+
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict__ pool,
+                      const int* __restrict__ table, const int* __restrict__ tier_tokens,
+                      const int* __restrict__ row_ids, float* __restrict__ part_m, float* __restrict__ part_l,
+                      float* __restrict__ part_acc, u16* __restrict__ page_probs, float* __restrict__ page_max,
+                      float qk_scale, int num_kv_heads, int num_slots, int R) {
+    __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
+    __shared__ float sm_acc[WARPS][8][HEAD_DIM];
+    const int seq = blockIdx.x, kvh = blockIdx.y, cslot = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int rs = seq * num_kv_heads + kvh;
+    const int row = row_ids[rs];
+    int n_high = 0, n_low = 0;
+    if (row >= 0) {
+        n_high = tier_tokens[2 * (long long)row];
+        n_low = tier_tokens[2 * (long long)row + 1];
+    }
+    const int hp = (n_high + HighTier::TOKENS - 1) / HighTier::TOKENS;
+    const int lp = (n_low + LowTier::TOKENS - 1) / LowTier::TOKENS;
+    const int total = hp + lp;
+    const int per = (total + num_slots - 1) / num_slots;
+    const int u0 = cslot * per;
+    const int u1 = min(u0 + per, total);
+    const u16* qrow = q + (long long)(seq * num_kv_heads + kvh) * GROUP * HEAD_DIM;
+    const int* trow = table + (long long)(row < 0 ? 0 : row) * R;
+    u16* probs_row = page_probs + (long long)rs * R * GROUP * PMAX;
+    float* max_row = page_max + (long long)rs * R * GROUP;
+
+    WarpState st;
+    st.m[0] = st.m[1] = NEG_INF;
+    st.l[0] = st.l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < MT; ++i) st.acc[i][0] = st.acc[i][1] = st.acc[i][2] = st.acc[i][3] = 0.f;
+    u32 qf[MT][2];
+    float qsum[MAX_KG][2];
+
+    const int h_end = min(u1, hp);
+    if (u0 + warp < h_end) {
+        load_query<HighTier>(qrow, g, t, qf, qsum);
+        for (int u = u0 + warp; u < h_end; u += WARPS) {
+            const int page = trow[u];
+            const int count = min(n_high - u * HighTier::TOKENS, HighTier::TOKENS);
+            page_step<HighTier>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
+                                probs_row + (long long)u * GROUP * PMAX, max_row + (long long)u * GROUP);
+        }
+    }
+    const int l_start = max(u0, hp) + warp;
+    if (l_start < u1) {
+        load_query<LowTier>(qrow, g, t, qf, qsum);
+        for (int u = l_start; u < u1; u += WARPS) {
+            const int j = u - hp;
+            const int pos = R - 1 - j;
+            const int page = trow[pos];
+            const int count = min(n_low - j * LowTier::TOKENS, LowTier::TOKENS);
+            page_step<LowTier>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
+                               probs_row + (long long)pos * GROUP * PMAX, max_row + (long long)pos * GROUP);
+        }
+    }
+    // finish the sums over the lanes of a head, then merge the warps
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        st.l[c] += __shfl_xor_sync(0xffffffffu, st.l[c], 4);
+        st.l[c] += __shfl_xor_sync(0xffffffffu, st.l[c], 8);
+        st.l[c] += __shfl_xor_sync(0xffffffffu, st.l[c], 16);
+    }
+    if (g == 0) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            sm_m[warp][2 * t + c] = st.m[c];
+            sm_l[warp][2 * t + c] = st.l[c];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const int d0 = DPT * g + 2 * i;
+        sm_acc[warp][2 * t][d0] = st.acc[i][0];
+        sm_acc[warp][2 * t + 1][d0] = st.acc[i][1];
+        sm_acc[warp][2 * t][d0 + 1] = st.acc[i][2];
+        sm_acc[warp][2 * t + 1][d0 + 1] = st.acc[i][3];
+    }
+    __syncthreads();
+    const long long slot_idx = (long long)rs * num_slots + cslot;
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += WARPS * 32) {
+        const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][h]);
+        float a = 0.f, l = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = sm_m[w][h];
+            const float wt = (mw == NEG_INF) ? 0.f : ex2(mw - mx);
+            a += wt * sm_acc[w][h][d];
+            l += wt * sm_l[w][h];
+        }
+        part_acc[(slot_idx * GROUP_PAD + h) * BLOCK_D + d] = a;
+        if (d == 0) {
+            part_m[slot_idx * GROUP_PAD + h] = mx;
+            part_l[slot_idx * GROUP_PAD + h] = l;
+        }
+    }
+}
+
+// The score update after the merge (replaces the Triton _decode_score_kernel on this backend): adds to
+// every stored token's fp32 score the max over the group's query heads of its final probability,
+// p_h * 2^(page_max_h - lse_h) (page_probs holds p_h relative to page_max_h). One warp per page, lanes
+// over the page's slots, so the fp16 probabilities and the scores are read and written in whole
+// sectors. Grid (num_seqs, num_kv_heads, ceil(R / SCORE_PAGES_PER_CTA)), SCORE_WARPS warps.
+#ifndef SCORE_WARPS
+#define SCORE_WARPS 8
+#endif
+#define SCORE_PAGES_PER_CTA (2 * SCORE_WARPS)
+
+extern "C" __global__ void __launch_bounds__(SCORE_WARPS * 32)
+diffkv_decode_scores(unsigned char* __restrict__ pool, const int* __restrict__ table,
+                     const int* __restrict__ tier_tokens, const int* __restrict__ row_ids,
+                     const u16* __restrict__ page_probs, const float* __restrict__ page_max,
+                     const float* __restrict__ lse, int num_kv_heads, int R) {
+    const int seq = blockIdx.x, kvh = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rs = seq * num_kv_heads + kvh;
+    const int row = row_ids[rs];
+    if (row < 0) return;
+    const int n_high = tier_tokens[2 * (long long)row], n_low = tier_tokens[2 * (long long)row + 1];
+    const int hp = (n_high + H_TOKENS - 1) / H_TOKENS;
+    const int lp = (n_low + L_TOKENS - 1) / L_TOKENS;
+    for (int u = blockIdx.z * SCORE_PAGES_PER_CTA + warp; u < min(hp + lp, (int)(blockIdx.z + 1) * SCORE_PAGES_PER_CTA);
+         u += SCORE_WARPS) {
+        const bool high = u < hp;
+        const int j = high ? u : u - hp;
+        const int pos = high ? u : R - 1 - j;
+        const int count = high ? min(n_high - j * H_TOKENS, H_TOKENS) : min(n_low - j * L_TOKENS, L_TOKENS);
+        const long long cell = (long long)rs * R + pos;
+        float factor[GROUP];
+#pragma unroll
+        for (int h = 0; h < GROUP; ++h) factor[h] = ex2(page_max[cell * GROUP + h] - lse[(long long)rs * GROUP_PAD + h]);
+        const int page = table[(long long)row * R + pos];
+        float* score = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
+        const u16* probs = page_probs + cell * GROUP * PMAX;
+        for (int slot = lane; slot < count; slot += 32) {
+            float best = 0.f;
+#pragma unroll
+            for (int h = 0; h < GROUP; ++h) best = fmaxf(best, h2f(probs[h * PMAX + slot]) * factor[h]);
+            score[slot] += best;
+        }
+    }
+}

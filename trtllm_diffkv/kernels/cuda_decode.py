@@ -1,0 +1,212 @@
+"""The decode attention's partial kernel in CUDA C++ (``cuda/decode_partial.cu``), compiled with NVRTC.
+
+Why a second implementation: the Triton partial kernel stalls at 43 % of the copy bandwidth (Llama-3-8B
+shape, all-high) and 11-24 % on the low tier (docs/PERFORMANCE.md, issue 6), because Triton moves every
+dequantized tile through shared memory into the matrix-unit layout. The CUDA kernel loads the codes
+straight into the ``mma.sync`` fragment registers, keeps the probabilities in registers
+(``movmatrix`` turns the first product's accumulator into the second product's operand) and has no
+barrier in its page loop; see the header of the ``.cu`` file for the design.
+
+It writes the same :class:`~.decode_attention.DecodeWorkspace` buffers as the Triton partial kernel
+(one slot per CTA: ``2 * num_partitions`` CTAs per row), so the Triton merge and score kernels run
+after it unchanged, and the Triton kernel stays the portable path for everything this one does not
+cover (:func:`unsupported_reason`).
+
+Compilation: NVRTC through CuPy (``cupy.RawModule``), a few seconds per configuration on first use,
+cached per process; no torch headers, no ninja. Launches go on torch's current stream, so they are
+captured by CUDA graphs like the Triton launches.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from ..memory.page_format import PageFormat, TierLayout
+
+SOURCE_PATH = Path(__file__).with_name("cuda") / "decode_partial.cu"
+WARPS = 4
+BACKEND_ENV = "TRTLLM_DIFFKV_DECODE_BACKEND"
+"""Environment override of the decode backend: ``auto`` (default), ``cuda`` or ``triton``."""
+BACKENDS = ("auto", "cuda", "triton")
+
+
+def _tier_reason(lay: TierLayout, head_dim: int) -> str | None:
+    tier = lay.tier
+    if tier.key_bits not in (8, 4):
+        return f"tier {tier.name}: key_bits={tier.key_bits} (the CUDA kernel reads 8- or 4-bit keys)"
+    if tier.value_bits not in (8, 4, 2):
+        return f"tier {tier.name}: value_bits={tier.value_bits} (the CUDA kernel reads 8-, 4- or 2-bit values)"
+    if head_dim % tier.key_groups or head_dim % tier.value_groups:
+        return f"tier {tier.name}: groups do not divide head_dim={head_dim}"
+    key_group_bytes = head_dim // tier.key_groups * tier.key_bits // 8
+    if key_group_bytes % 16:
+        return f"tier {tier.name}: {tier.key_groups} key groups of {tier.key_bits} bits are not 16-byte chunks"
+    dims_per_lane = head_dim // 8
+    if (head_dim // tier.value_groups) % dims_per_lane:
+        return f"tier {tier.name}: {tier.value_groups} value groups are narrower than {dims_per_lane} dims"
+    return None
+
+
+def unsupported_reason(page_format: PageFormat, num_heads: int, num_kv_heads: int,
+                       q_dtype: torch.dtype) -> str | None:
+    """Why the CUDA kernel cannot run this configuration, or ``None`` when it can.
+
+    Covered: head_dim 64 or 128, query:KV head ratio 1-8, fp16 or bf16 queries (bf16 is converted
+    to fp16 for the products, as the Triton path does), tiers with 8- or 4-bit keys and 8-, 4- or
+    2-bit values whose groups fit the lanes' chunks (every compressing preset of ``config.PRESETS``).
+    Everything else runs on the Triton kernel.
+    """
+    head_dim = page_format.head_dim
+    if head_dim not in (64, 128):
+        return f"head_dim={head_dim} (the CUDA kernel covers 64 and 128)"
+    if num_kv_heads < 1 or num_heads % num_kv_heads or num_heads // num_kv_heads > 8:
+        return f"query:KV head ratio {num_heads}/{num_kv_heads} (the CUDA kernel covers 1-8)"
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        return f"query dtype {q_dtype} (the CUDA kernel takes fp16/bf16)"
+    for lay in (page_format.high, page_format.low):
+        reason = _tier_reason(lay, head_dim)
+        if reason:
+            return reason
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_reason() -> str | None:
+    """Why the CUDA kernel cannot be compiled and launched in this process (``None``: it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"compute capability {major}.x (mma.sync m16n8k16 and movmatrix need sm_80+)"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # ImportError, or a CuPy build that does not match the driver
+        return f"CuPy (NVRTC) is not importable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_backend(backend: str | None, page_format: PageFormat, num_heads: int, num_kv_heads: int,
+                    q: torch.Tensor) -> str:
+    """``"cuda"`` or ``"triton"`` for one call.
+
+    ``backend``: ``"auto"``/``None`` (the environment variable :data:`BACKEND_ENV`, default ``auto``:
+    CUDA where it can run, else Triton), ``"cuda"`` (required: raises when it cannot run), ``"triton"``.
+
+    Raises:
+        ValueError: an unknown backend name, or ``"cuda"`` for a configuration or machine it cannot run
+            (the message names the reason).
+    """
+    if backend is None:
+        backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"decode backend {backend!r} is not one of {BACKENDS}")
+    if backend == "triton":
+        return "triton"
+    reason = None if q.is_cuda else "the tensors are not on a CUDA device"
+    reason = reason or unsupported_reason(page_format, num_heads, num_kv_heads, q.dtype) or runtime_reason()
+    if reason is None:
+        return "cuda"
+    if backend == "cuda":
+        raise ValueError(f"the CUDA decode kernel cannot run here: {reason}")
+    return "triton"
+
+
+def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, pmax: int,
+                    store_probs: bool, min_blocks: int | None = None) -> dict[str, int]:
+    """The ``-D`` macros of one configuration (also used by the CPU compile test with nvcc)."""
+    head_dim = page_format.head_dim
+    if min_blocks is None:
+        min_blocks = 3 if head_dim == 128 else 4  # no spills at these register caps (ptxas, sm_90a)
+    d = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_D=block_d, PMAX=pmax,
+             PAGE_BYTES=page_format.page_size_bytes, STORE_PROBS=int(store_probs), WARPS=WARPS,
+             MIN_BLOCKS=min_blocks)
+    for prefix, lay in (("H", page_format.high), ("L", page_format.low)):
+        t = lay.tier
+        d.update({f"{prefix}_TOKENS": lay.tokens_per_page, f"{prefix}_KB": t.key_bits,
+                  f"{prefix}_KG": t.key_groups, f"{prefix}_VB": t.value_bits, f"{prefix}_VG": t.value_groups,
+                  f"{prefix}_KC": lay.key_codes.offset_bytes, f"{prefix}_KM": lay.key_meta.offset_bytes,
+                  f"{prefix}_VC": lay.value_codes.offset_bytes, f"{prefix}_VM": lay.value_meta.offset_bytes,
+                  f"{prefix}_SC": lay.score.offset_bytes})
+    return d
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(defines: tuple[tuple[str, int], ...], arch: str):
+    import cupy
+
+    # CuPy picks the -arch of the current device itself; ``arch`` only keys the cache
+    options = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines)
+    module = cupy.RawModule(code=SOURCE_PATH.read_text(), options=options)
+    return module.get_function("diffkv_decode_partial"), module.get_function("diffkv_decode_scores")
+
+
+@functools.lru_cache(maxsize=16)
+def _stream(ptr: int, device: int):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.cuda.ExternalStream(ptr)
+
+
+def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageFormat,
+                   page_table: torch.Tensor, tier_tokens: torch.Tensor, row_ids: torch.Tensor, workspace,
+                   qk_scale: float, update_scores: bool, min_blocks: int | None = None):
+    """Fill ``workspace``'s partial states (and probabilities) for ``q`` on the current stream.
+
+    Returns, when ``update_scores``, a callable that launches the CUDA score update
+    (``diffkv_decode_scores``: one warp per page, replaces the Triton score kernel); the caller runs it
+    after the merge kernel has written ``workspace.lse``. ``None`` otherwise.
+
+    Arguments as :func:`~.decode_attention.paged_decode_attention` (already checked there);
+    ``q`` is fp16 ``[num_seqs, num_heads, head_dim]`` contiguous; ``qk_scale`` is the softmax scale
+    times log2(e). Grid ``(num_seqs, num_kv_heads, 2 * workspace.num_partitions)``.
+    """
+    import numpy as np
+
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = row_ids.shape[1]
+    group = num_heads // num_kv_heads
+    group_pad = workspace.part_m.shape[-1]
+    block_d = workspace.part_acc.shape[-1]
+    pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+    defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks)
+    defines["SCORE_WARPS"] = SCORE_WARPS
+    major, minor = torch.cuda.get_device_capability(q.device)
+    arch = f"sm_{major}{minor}"
+    fn, score_fn = _kernel(tuple(sorted(defines.items())), arch)
+    num_slots = 2 * workspace.num_partitions
+    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+    args = (ptr(q), ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.part_m),
+            ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.page_probs), ptr(workspace.page_max),
+            np.float32(qk_scale), np.int32(num_kv_heads), np.int32(num_slots), np.int32(page_table.shape[1]))
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    with _stream(torch.cuda.current_stream(q.device).cuda_stream, device):
+        fn((num_seqs, num_kv_heads, num_slots), (32 * WARPS, 1, 1), args)
+    if update_scores:
+        # after the (Triton) merge has written lse: see launch_scores
+        return lambda: _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
+                                      num_seqs, num_kv_heads, device)
+    return None
+
+
+SCORE_WARPS = 4
+"""Warps of the score-update kernel (4: 18.7 us against 19.7 at 8 and 21.1 at 16, H200, Llama-3-8B 64 x 4096); each CTA covers ``2 * SCORE_WARPS`` page-table positions of a row."""
+
+
+def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, workspace, num_seqs, num_kv_heads,
+                   device) -> None:
+    import numpy as np
+
+    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+    max_pages = page_table.shape[1]
+    args = (ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.page_probs),
+            ptr(workspace.page_max), ptr(workspace.lse), np.int32(num_kv_heads), np.int32(max_pages))
+    with _stream(torch.cuda.current_stream(q.device).cuda_stream, device):
+        score_fn((num_seqs, num_kv_heads, -(-max_pages // (2 * SCORE_WARPS))), (32 * SCORE_WARPS, 1, 1), args)
+
+
+__all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "launch_partial", "compile_defines",
+           "SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]
