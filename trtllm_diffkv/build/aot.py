@@ -384,7 +384,8 @@ def _decode_specs(shape: EngineShape) -> list[KernelSpec]:
     with _Recorder([(da, "_decode_partial_kernel"), (da, "_decode_merge_kernel"), (da, "_decode_score_kernel")]) as rec:
         da.paged_decode_attention(q, _meta((7, fmt.page_size_bytes), torch.uint8), fmt, _meta((rows, R), torch.int32),
                                   _meta((rows, 2), torch.int32), _meta((B, H), torch.int32), torch.empty_like(q),
-                                  sm_scale=shape.head_dim ** -0.5, update_scores=shape.kv_config.compress, workspace=ws)
+                                  sm_scale=shape.head_dim ** -0.5, update_scores=shape.kv_config.compress, workspace=ws,
+                                  backend="triton")  # the AOT set holds the Triton kernels
     sizes = dict(num_seqs=B, num_kv_heads=H, num_partitions=ws.num_partitions, R=R)
     specs = [_spec(launch, "decode_attention", sizes) for launch in rec.launches]
     specs[0].scalars["qk_scale"] = f"sm_scale * {LOG2E}"  # the recorded value for head_dim ** -0.5, as a formula

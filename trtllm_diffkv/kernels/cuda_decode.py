@@ -12,6 +12,12 @@ It writes the same :class:`~.decode_attention.DecodeWorkspace` buffers as the Tr
 after it unchanged, and the Triton kernel stays the portable path for everything this one does not
 cover (:func:`unsupported_reason`).
 
+Known limit: the kernel dequantizes values in fp16 (``s c + z`` rounded to fp16), so a value group whose
+stored maximum ``zero + (2**bits - 1) * scale`` lies within one scale rounding of fp16's largest value
+(65504) reads back as ``inf`` here where the Triton kernel (fp32 accumulation of ``p s`` and ``p z``) stays
+finite. The page format's fp16 scale/zero already restrict stored K/V to fp16's range; this narrows it by
+about 0.1 % at the top.
+
 Compilation: NVRTC through CuPy (``cupy.RawModule``), a few seconds per configuration on first use,
 cached per process; no torch headers, no ninja. Launches go on torch's current stream, so they are
 captured by CUDA graphs like the Triton launches.
@@ -47,6 +53,11 @@ def _tier_reason(lay: TierLayout, head_dim: int) -> str | None:
     dims_per_lane = head_dim // 8
     if (head_dim // tier.value_groups) % dims_per_lane:
         return f"tier {tier.name}: {tier.value_groups} value groups are narrower than {dims_per_lane} dims"
+    # the lanes read codes with up to 16-byte vector loads and meta/scores as 4-byte words
+    for seg, need in (("key_codes", 16), ("value_codes", 16), ("key_meta", 4), ("value_meta", 4), ("score", 4)):
+        offset = lay.segment(seg).offset_bytes
+        if offset % need:
+            return f"tier {tier.name}: the {seg} segment starts at byte {offset}, not a multiple of {need}"
     return None
 
 
@@ -60,6 +71,8 @@ def unsupported_reason(page_format: PageFormat, num_heads: int, num_kv_heads: in
     Everything else runs on the Triton kernel.
     """
     head_dim = page_format.head_dim
+    if page_format.page_size_bytes % 16:
+        return f"page size {page_format.page_size_bytes} bytes is not a multiple of 16 (the kernel's vector loads)"
     if head_dim not in (64, 128):
         return f"head_dim={head_dim} (the CUDA kernel covers 64 and 128)"
     if num_kv_heads < 1 or num_heads % num_kv_heads or num_heads // num_kv_heads > 8:
@@ -88,6 +101,19 @@ def runtime_reason() -> str | None:
     return None
 
 
+def configured_backend() -> str:
+    """The decode backend named by :data:`BACKEND_ENV` (unset or empty: ``"auto"``; case and spaces ignored).
+
+    Raises:
+        ValueError: a value that is not one of :data:`BACKENDS`, naming the variable.
+    """
+    raw = os.environ.get(BACKEND_ENV, "")
+    value = raw.strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={raw!r} is not one of {BACKENDS}")
+    return value
+
+
 def resolve_backend(backend: str | None, page_format: PageFormat, num_heads: int, num_kv_heads: int,
                     q: torch.Tensor) -> str:
     """``"cuda"`` or ``"triton"`` for one call.
@@ -100,8 +126,8 @@ def resolve_backend(backend: str | None, page_format: PageFormat, num_heads: int
             (the message names the reason).
     """
     if backend is None:
-        backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
-    if backend not in BACKENDS:
+        backend = configured_backend()
+    elif backend not in BACKENDS:
         raise ValueError(f"decode backend {backend!r} is not one of {BACKENDS}")
     if backend == "triton":
         return "triton"
@@ -208,5 +234,5 @@ def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, wo
         score_fn((num_seqs, num_kv_heads, -(-max_pages // (2 * SCORE_WARPS))), (32 * SCORE_WARPS, 1, 1), args)
 
 
-__all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "launch_partial", "compile_defines",
+__all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "configured_backend", "launch_partial", "compile_defines",
            "SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]

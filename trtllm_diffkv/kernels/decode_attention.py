@@ -245,6 +245,7 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
         workspace = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, page_format, max_pages,
                                              q.device, update_scores=update_scores)
     _check_workspace(workspace, num_seqs, num_kv_heads, group, max_pages, page_format, update_scores)
+    use_cuda = resolve_backend(backend, page_format, num_heads, num_kv_heads, q) == "cuda"
     if num_seqs == 0:
         return
     q = q.contiguous()
@@ -269,7 +270,7 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
     if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16:
         max_registers = DEFAULT_MAX_REGISTERS  # 32 stacked rows need more registers than the cap (spills)
     cuda_scores = None
-    if resolve_backend(backend, page_format, num_heads, num_kv_heads, q) == "cuda":
+    if use_cuda:
         cuda_scores = launch_partial(q if q.dtype == torch.float16 else q.to(torch.float16), pool_pages, page_format, page_table,
                        tier_tokens, row_ids, workspace, float(sm_scale) * LOG2E, update_scores, cuda_min_blocks)
     else:

@@ -69,7 +69,8 @@ class Executor:
             ``bookkeeping_fraction`` measures device time (slower; benchmarks only).
 
     Raises:
-        ValueError: a bad size or budget, or ``kv_config`` cannot run this model.
+        ValueError: a bad size or budget, ``kv_config`` cannot run this model, or a value of
+            ``TRTLLM_DIFFKV_DECODE_BACKEND`` that is not ``auto``/``cuda``/``triton``.
     """
 
     def __init__(self, model, model_config, kv_config, *, tokenizer=None, stop_token_ids=(),
@@ -78,6 +79,9 @@ class Executor:
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None, device=None,
                  use_cuda_graphs: bool | None = None, high_tokens_per_page: int = 32,
                  use_triton: bool | None = None, profile: bool = False) -> None:
+        from ..kernels.cuda_decode import configured_backend
+
+        configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, not mid-step
         param = next(model.parameters())
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
         self.device = torch.device(device) if device is not None else param.device

@@ -64,14 +64,17 @@ def _hide_packages_needing_numpy_2() -> list[str]:
     the machine's SciPy needs NumPy 2 (the H200 image, 2026-11-30: SciPy refuses NumPy 1.26), transformers
     5.17 imports scikit-learn -> SciPy while importing its generation module and fails. Neither package
     is used here, so they are marked absent (``sys.modules[name] = None``: ``find_spec`` then returns
-    ``None`` and transformers treats them as not installed). Returns the names hidden.
+    ``None`` and transformers treats them as not installed; a dotted ``find_spec("scipy.x")`` raises
+    ``ModuleNotFoundError`` instead, and they stay hidden for the life of the stub process). Returns the
+    names hidden.
     """
     if int(np.__version__.split(".")[0]) >= 2:
         return []
     try:
         import scipy.sparse  # noqa: F401
+        import sklearn  # noqa: F401  (built for NumPy 2 beside a SciPy that still imports: hide both)
         return []
-    except Exception:  # noqa: BLE001 - an ImportError or SciPy's own NumPy version check
+    except Exception:  # noqa: BLE001 - an ImportError or the packages' own NumPy version checks
         for name in [m for m in sys.modules if m in ("scipy", "sklearn") or m.startswith(("scipy.", "sklearn."))]:
             del sys.modules[name]
         sys.modules["scipy"] = None
