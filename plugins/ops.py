@@ -7,9 +7,12 @@ of those tensors, so a plugin computes exactly what :class:`~trtllm_diffkv.paged
 computes. ``use_triton``: the Triton kernels (CUDA; the TensorRT ``@trtp.impl`` path) or their torch
 versions (``paged/torch_ops.py``; the CPU).
 
-The host-side plan (``PagedDiffKVCache.plan``: prompt reservation, decode decisions, the moves to the
-low tier) is the executor's; its per-token / per-row tensors arrive as plugin inputs
-(:data:`.specs.PREFILL`, :data:`.specs.DECODE`).
+The prompt's host-side plan (``PagedDiffKVCache.plan``: prompt reservation) is the executor's; its per-token
+tensors arrive as plugin inputs (:data:`.specs.PREFILL`). The decode step's plan can run as three plugins
+(:func:`run_decode_decide`, :func:`run_page_update`, :func:`run_decode_locate`: ``paged/decode.py::plan_device``
+split where the graph needs the page update's result), whose outputs are the :data:`.specs.DECODE` plugin's
+plan inputs; they launch the Triton kernels of ``kernels/decision_kernel.py`` and ``TritonPageManager`` (CUDA, or
+the CPU under ``TRITON_INTERPRET=1``).
 
 The composite plugins of the exported ONNX graph (:data:`.specs.STEP_PAGE_UPDATE`,
 :data:`.specs.LAYER_ATTENTION`) run a whole :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` registered
@@ -183,3 +186,85 @@ def run_page_update(inputs: list, cfg, attrs: dict) -> None:
     mgr.page_table, mgr.tokens, mgr.pages, mgr.slot_state, mgr.ring, mgr.ring_state = \
         table, tokens, pages, slot_state, ring, ring_state
     mgr.append_decode(slots, dh, dl)
+
+
+def _plan_shape(cfg, attrs: dict):
+    from trtllm_diffkv.memory import PageFormat
+
+    fmt = PageFormat.for_config(cfg, attrs["head_dim"], attrs.get("high_tokens_per_page", 32))
+    L, H = int(attrs["num_layers"]), int(attrs["num_kv_heads"])
+    return fmt, L, H, L * H
+
+
+def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict) -> None:
+    """``diffkv::decode_decide``: the DiffKV decisions of every row of the step's ``n`` decode sequences
+    (``kernels/decision_kernel.py::decide_rows``, as ``paged/decode.py::plan_device`` calls it; bit-identical to
+    ``paged/decisions.py::decide``).
+
+    Args:
+        inputs: the tensors of :data:`.specs.DECODE_DECIDE`: slots, positions int64 ``[n]``, kv_pool uint8,
+            page_table / tier_tokens int32 (the state before the step), prompt_len int64 ``[max_slots]``.
+        outputs: high_delta, low_delta int32 ``[n, L, Hkv]``, new_index, move_from, move_to int64 ``[n * L * Hkv]``
+            (written; contiguous).
+        cfg: the :class:`~trtllm_diffkv.config.DiffKVConfig`; attrs: the plugin fields (``num_layers``,
+            ``num_kv_heads``, ``head_dim``).
+
+    Raises:
+        ValueError: outputs too small, or a compressing preset whose pool format has no token metadata.
+    """
+    from trtllm_diffkv.kernels import decision_kernel
+
+    slots, positions, pool, table, tokens, prompt_len = inputs
+    fmt, _L, _H, G = _plan_shape(cfg, attrs)
+    dh, dl, new, move_from, move_to = outputs
+    alphas = decision_kernel.alpha_tensor(cfg.alpha_high, cfg.alpha_low, pool.device)
+    decision_kernel.decide_rows(pool, fmt, table, tokens, slots, positions, prompt_len, alphas, rows_per_slot=G,
+                                recent_window_tokens=cfg.recent_window_tokens,
+                                prompt_score_window_tokens=cfg.prompt_score_window_tokens,
+                                out=(dh.view(-1), dl.view(-1), new, move_from, move_to), compress=cfg.compress)
+
+
+def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton: bool) -> None:
+    """``diffkv::decode_locate``: after the page update, the new tokens' high slots and the moves to the low tier
+    (``decision_kernel.locate_rows``, then ``read_tokens`` high / ``write_tokens`` low: the tail of
+    ``paged/decode.py::plan_device``).
+
+    Args:
+        inputs: the tensors of :data:`.specs.DECODE_LOCATE`: slots, positions int64 ``[n]``, token_positions int64
+            ``[B]`` (only ``B``, the bucket, is used), new_index / move_from / move_to int64 ``[n * L * Hkv]``,
+            page_table int32 (after the page update), kv_pool uint8 (moves written in place).
+        outputs: kv_pool (the input itself), row_ids int32 ``[L, B, Hkv]``, dest_page / dest_slot int32
+            ``[L, B * Hkv]``, decode_positions / err_idx int32 ``[B * Hkv]`` (written; sequences ``b >= n``:
+            row id and page -1).
+        use_triton: the moves' read/write kernels (Triton) or their torch versions (``paged/torch_ops.py``).
+
+    Raises:
+        ValueError: a bucket ``B`` smaller than the ``n`` sequences.
+    """
+    import torch
+
+    from trtllm_diffkv.kernels import decision_kernel
+    from trtllm_diffkv.paged.cache import _kernels
+
+    slots, positions, token_positions, new, move_from, move_to, table, pool = inputs
+    fmt, L, H, G = _plan_shape(cfg, attrs)
+    B, n = token_positions.shape[0], slots.numel()
+    if B < n:
+        raise ValueError(f"decode_locate: {B} tokens for {n} sequences (the bucket must hold every sequence)")
+    row_ids, page, slot, dpos, err_idx = outputs[1:]
+    bufs = dict(rows=torch.empty(L, B, H, dtype=torch.int64, device=pool.device), row_ids=row_ids,
+                page=page.view(L, B, H), slot=slot.view(L, B, H), positions=dpos, err_idx=err_idx)
+    m = n * G
+    moves = tuple(torch.empty(m, dtype=torch.int32, device=pool.device) for _ in range(4)) if cfg.compress else None
+    decision_kernel.locate_rows(table, fmt, slots, positions, (None, None, new, move_from, move_to), bufs, moves,
+                                num_kv_heads=H, rows_per_slot=G)
+    if moves is not None and m:
+        ops = _kernels(use_triton)[0]
+        src_page, src_slot, dst_page, dst_slot = moves
+        D = int(attrs["head_dim"])
+        k = torch.empty(m, D, dtype=torch.float32, device=pool.device)
+        v = torch.empty_like(k)
+        score = torch.empty(m, dtype=torch.float32, device=pool.device)
+        pos = torch.empty(m, dtype=torch.int32, device=pool.device)
+        ops.read_tokens(pool, fmt, "high", src_page, src_slot, k, v, score, pos)
+        ops.write_tokens(pool, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)

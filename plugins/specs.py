@@ -7,7 +7,15 @@ Three per-operation plugins (namespace ``diffkv``):
 * ``diffkv::decode_attention`` - the decode token written at high precision, then paged
   mixed-precision decode attention with the score update (``paged/decode.py``);
 * ``diffkv::page_update`` - the decode-step page update: one ``append_decode`` of every row's tier
-  deltas (``memory/triton_page_manager.py``).
+  deltas (``memory/triton_page_manager.py``);
+* ``diffkv::decode_decide`` - the decode step's DiffKV tier decisions of every row
+  (``kernels/decision_kernel.py::decide_rows``), the page update's deltas;
+* ``diffkv::decode_locate`` - after the page update: the new tokens' high slots (the
+  ``decode_attention`` nodes' plan tensors) and the moves to the low tier done in the pool
+  (``decision_kernel.locate_rows``, then the write ops' ``read_tokens`` / ``write_tokens``).
+
+``decode_decide -> page_update -> decode_locate`` is ``paged/decode.py::plan_device`` as three nodes (the
+per-operation decode graph's plan, ``build/onnx_export.py``).
 
 and the two composite plugins the exported ONNX graph is made of (``build/onnx_export.py``), which run
 the paged cache's own per-layer code on a cache registered under a handle (:mod:`.ops`):
@@ -26,7 +34,7 @@ Dtypes are strings: ``"float16" "bfloat16" "float32" "int32" "int64" "uint8" "bo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,14 +72,17 @@ class PluginSpec:
     """A plugin: ``namespace::name`` (version :data:`VERSION`), its inputs, which outputs alias which inputs
     (in place), and its fields (``{name: int | float | str}``: TensorRT plugin fields, ONNX attributes).
 
-    An output that aliases no input takes the first input's shape and dtype (the attention output: q's; the
-    page update's step token: the cache handle's, int64 ``[1]``)."""
+    An output that aliases no input takes the shape and dtype ``new_outputs`` gives it (``{output index: (dtype,
+    shape function)}``, the function called as ``f(input shapes, fields)`` with dims that support ``+ - * //``),
+    else the first input's (the attention output: q's; the page update's step token: the cache handle's, int64
+    ``[1]``)."""
 
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[str, ...]
     aliases: dict
     fields: dict
+    new_outputs: dict = field(default_factory=dict)
 
     @property
     def full_name(self) -> str:
@@ -144,6 +155,68 @@ PAGE_UPDATE = PluginSpec(
 """Inputs: slots ``[n]``, high/low deltas ``[n, L, Hkv]`` in {0, 1}, then the page manager's state
 (``TritonPageManager``: page_table, tokens, pages, slot_state, ring, ring_state); every output is its input, in place."""
 
+_I64 = lambda name: TensorSpec(name, ("int64",), 1)  # noqa: E731
+
+
+def _items(shapes, f):
+    """``[n * L * Hkv]``: one item per (sequence, layer, KV head) row of the step's ``n`` sequences."""
+    return (shapes[0][0] * (f["num_layers"] * f["num_kv_heads"]),)
+
+
+def _per_head(shapes, f):
+    """``[n, L, Hkv]``: the page update's delta layout."""
+    return (shapes[0][0], f["num_layers"], f["num_kv_heads"])
+
+
+DECODE_DECIDE = PluginSpec(
+    "decode_decide",
+    (_I64("slots"), _I64("positions"), *_STATE, _I64("prompt_len")),
+    ("high_delta", "low_delta", "new_index", "move_from", "move_to"),
+    {},
+    MANAGER_FIELDS,
+    {0: ("int32", _per_head), 1: ("int32", _per_head), 2: ("int64", _items), 3: ("int64", _items),
+     4: ("int64", _items)},
+)
+"""The decode step's DiffKV decisions (``kernels/decision_kernel.py::decide_rows``, one ``_decide_kernel`` launch).
+Inputs: slots int64 ``[n]`` (the decode sequences' slots), positions int64 ``[n]`` (the position each writes = its
+tokens stored), the state before the step (kv_pool: scores and positions; page_table; tier_tokens), prompt_len
+int64 ``[max_slots]``. Outputs (new): high_delta / low_delta int32 ``[n, L, Hkv]`` (the page update's deltas),
+new_index / move_from / move_to int64 ``[n * L * Hkv]`` (``paged/decisions.py::StepActions``). Nothing in place;
+the alphas come from the fields (an fp64 buffer of the plugin: TensorRT has no fp64 tensors)."""
+
+
+def _layer_major(shapes, f):
+    """``[L, B, Hkv]`` with ``B`` = the step's tokens (``token_positions``: sequences plus padding)."""
+    return (f["num_layers"], shapes[2][0], f["num_kv_heads"])
+
+
+def _layer_heads(shapes, f):
+    return (f["num_layers"], shapes[2][0] * f["num_kv_heads"])
+
+
+def _heads(shapes, f):
+    return (shapes[2][0] * f["num_kv_heads"],)
+
+
+DECODE_LOCATE = PluginSpec(
+    "decode_locate",
+    (_I64("slots"), _I64("positions"), _I64("token_positions"), _I64("new_index"), _I64("move_from"),
+     _I64("move_to"), TensorSpec("page_table", ("int32",), 2), TensorSpec("kv_pool", ("uint8",), 2)),
+    ("kv_pool", "row_ids", "dest_page", "dest_slot", "decode_positions", "err_idx"),
+    {0: 7},
+    MANAGER_FIELDS,
+    {1: ("int32", _layer_major), 2: ("int32", _layer_heads), 3: ("int32", _layer_heads), 4: ("int32", _heads),
+     5: ("int32", _heads)},
+)
+"""After the page update (``decision_kernel.locate_rows``, one ``_locate_kernel`` launch, then the moves: the
+write ops' ``read_tokens`` high / ``write_tokens`` low, ``paged/decode.py::plan_device``). Inputs: slots, positions
+(as :data:`DECODE_DECIDE`), token_positions int64 ``[B]`` (the step's token positions; only its length ``B >= n``,
+the bucket, is read: sequences ``b >= n`` are padding), the decisions' new_index / move_from / move_to, the page
+table after the page update, kv_pool. Outputs: kv_pool in place (every move dequantized from its high slot and
+requantized into its low slot), then the ``decode_attention`` nodes' plan tensors: row_ids int32 ``[L, B, Hkv]``,
+dest_page / dest_slot int32 ``[L, B * Hkv]``, decode_positions and err_idx int32 ``[B * Hkv]`` (padding: row id
+and page -1)."""
+
 _HANDLE = TensorSpec("cache_handle", ("int64",), 1)
 
 STEP_PAGE_UPDATE = PluginSpec(
@@ -170,22 +243,45 @@ LAYER_ATTENTION = PluginSpec(
 tier_tokens), cache_handle, step_token (the page update's: orders the node after it). Outputs: out ``[T, H, D]``
 (q's dtype), the state in place."""
 
-PLUGINS = {p.full_name: p for p in (PREFILL, DECODE, PAGE_UPDATE, STEP_PAGE_UPDATE, LAYER_ATTENTION)}
+PLAN_KERNELS = {
+    "decode_decide": (("_decide_kernel", "decode_plan"),),
+    "page_update": (("_count_kernel", "page_manager"), ("_scan_kernel", "page_manager"),
+                    ("_decode_apply_kernel", "page_manager")),
+    "decode_locate": (("_locate_kernel", "decode_plan"), ("_read_tokens_kernel", "read_high_move"),
+                      ("_write_tokens_kernel", "write_low_move")),
+}
+"""The AOT kernels (manifest ``(kernel function, op)``, ``build/aot.py``) each decode-plan plugin launches, in order:
+``page_update`` runs ``_scan_kernel`` only when its block sums exceed one chunk (the manifest's ``select``);
+``decode_locate``'s two move kernels only for a compressing preset (the fp16 preset moves nothing)."""
+
+PLUGINS = {p.full_name: p for p in (PREFILL, DECODE, PAGE_UPDATE, DECODE_DECIDE, DECODE_LOCATE, STEP_PAGE_UPDATE,
+                                    LAYER_ATTENTION)}
 """Every DiffKV plugin, by ``namespace::name``: what ``trt_plugins`` registers and the ONNX export may use."""
 
 
-def infer(plugin: PluginSpec, shapes: list[tuple], dtypes: list[str]) -> list[tuple[tuple, str]]:
+def infer(plugin: PluginSpec, shapes: list[tuple], dtypes: list[str], fields: dict | None = None) -> list[tuple[tuple, str]]:
     """Output ``(shape, dtype)`` of ``plugin`` for inputs of these shapes (dims: ints or shape expressions).
 
+    Args:
+        plugin: the plugin; shapes, dtypes: its inputs', in order.
+        fields: the plugin fields (the node's attributes); needed by plugins with ``new_outputs`` (the decode plan's
+            ``decode_decide`` / ``decode_locate``, whose outputs are sized by ``num_layers`` and ``num_kv_heads``).
+
     Raises:
-        ValueError: an input of a wrong dtype or rank, or (for integer dims) q/k/v that disagree.
+        ValueError: an input of a wrong dtype or rank, (for integer dims) q/k/v that disagree, or no ``fields``
+            for a plugin that needs them.
     """
     plugin.check(dtypes, [len(s) for s in shapes])
+    if plugin.new_outputs and fields is None:
+        raise ValueError(f"{plugin.full_name}: output shapes need the plugin fields (num_layers, num_kv_heads)")
     out = []
     for j, name in enumerate(plugin.outputs):
         if j in plugin.aliases:
             i = plugin.aliases[j]
             out.append((tuple(shapes[i]), dtypes[i]))
+        elif j in plugin.new_outputs:
+            dtype, shape = plugin.new_outputs[j]
+            out.append((tuple(shape(shapes, fields)), dtype))
         else:  # the attention output: q's shape and dtype
             out.append((tuple(shapes[0]), dtypes[0]))
     if plugin.inputs[0].name == "q":

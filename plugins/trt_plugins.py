@@ -3,8 +3,9 @@ be installed on this project's machines; written against the documented API (``@
 ``@trtp.impl``, ``@trtp.aot_impl``, ``TensorDesc.like()/aliased()``, ``KernelLaunchParams``,
 ``SymIntExprs``), with its plain-Python parts (:mod:`.specs`) tested on the CPU.
 
-Importing this module registers, for each plugin of :data:`.specs.PLUGINS` (the three per-operation
-plugins and the two composite ones the exported ONNX graph is made of, ``DiffKVPageUpdate`` and
+Importing this module registers, for each plugin of :data:`.specs.PLUGINS` (the five per-operation
+plugins - ``decode_decide``, ``page_update`` and ``decode_locate`` being the decode step's plan, whose outputs of
+new shapes are described with ``trtp.from_shape_expr`` - and the two composite ones the exported ONNX graph is made of, ``DiffKVPageUpdate`` and
 ``DiffKVAttention``, whose implementations run a ``PagedDiffKVCache`` registered in this process, so they
 need Python at run time and have no AOT form):
 
@@ -27,6 +28,7 @@ import json
 import os
 from pathlib import Path
 
+import tensorrt as trt
 import tensorrt.plugin as trtp  # noqa: F401 - this module needs TensorRT (import it only where it exists)
 
 from . import ops, specs
@@ -52,7 +54,14 @@ def _descriptor(plugin: specs.PluginSpec):
     def desc(*inputs, **attrs):
         outs = []
         for j, _ in enumerate(plugin.outputs):
-            outs.append(inputs[plugin.aliases[j]].aliased() if j in plugin.aliases else inputs[0].like())
+            if j in plugin.aliases:
+                outs.append(inputs[plugin.aliases[j]].aliased())
+            elif j in plugin.new_outputs:  # the decode plan's outputs: sized by input dims and the fields
+                dtype, shape = plugin.new_outputs[j]
+                dims = shape([list(t.shape_expr) for t in inputs], attrs)
+                outs.append(trtp.from_shape_expr(trtp.ShapeExprs.from_tuple(tuple(dims)), dtype=getattr(trt, dtype)))
+            else:
+                outs.append(inputs[0].like())
         return tuple(outs)
     return _with_signature(desc, plugin, "register")
 
@@ -72,6 +81,11 @@ def _impl(plugin: specs.PluginSpec):
                 ops.run_layer_attention(tensors, torch.as_tensor(outputs[0], device="cuda"), attrs)
             elif plugin is specs.PAGE_UPDATE:
                 ops.run_page_update(tensors, cfg, attrs)  # every output aliases its input: updated in place
+            elif plugin is specs.DECODE_DECIDE:
+                ops.run_decode_decide(tensors, [torch.as_tensor(o, device="cuda") for o in outputs], cfg, attrs)
+            elif plugin is specs.DECODE_LOCATE:
+                ops.run_decode_locate(tensors, [tensors[7], *(torch.as_tensor(o, device="cuda") for o in outputs[1:])],
+                                      cfg, attrs, use_triton=True)
             else:
                 run = ops.run_prefill if plugin is specs.PREFILL else ops.run_decode
                 run(tensors, torch.as_tensor(outputs[0], device="cuda"), cfg, attrs, use_triton=True)

@@ -276,3 +276,18 @@ def test_decision_specs_follow_the_plan(preset):
     assert aot.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (18,)
     assert aot.eval_grid(locate.grid, {**locate.sizes, "bucket": 100}, locate.constexprs) == (3,)  # 600 items
     assert set(locate.divisible) == {n for n in locate.params if n.endswith("_ptr") or n.endswith("_out")}
+
+
+@pytest.mark.parametrize("preset", ["default", "fp16"])
+def test_decode_plan_plugins_kernels_are_in_the_aot_set(preset):
+    """Every kernel a decode-plan plugin node launches (plugins/specs.py PLAN_KERNELS: decode_decide, page_update,
+    decode_locate) has a manifest entry of its op in the engine's AOT set (the moves' kernels: compressing presets)."""
+    from plugins import specs
+
+    shape = EngineShape(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset(preset),
+                        max_batch_size=2, max_seq_len=96)
+    have = {(s.kernel.split(":")[1], s.op) for s in aot.kernel_specs(shape)}
+    for node, kernels in specs.PLAN_KERNELS.items():
+        for kernel in kernels:
+            moves = kernel[1] in ("read_high_move", "write_low_move")
+            assert (kernel in have) == (not moves or get_preset(preset).compress), (node, kernel)

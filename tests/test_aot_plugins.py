@@ -154,6 +154,7 @@ def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch
     class Desc:
         def __init__(self, i):
             self.i = i
+            self.shape_expr = (7 + i, 3, 5, 2)  # stand-in dims (ints: the shape functions take + - * //)
 
         def like(self):
             return ("like", self.i)
@@ -166,8 +167,11 @@ def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch
     trtp.register = lambda name: lambda fn: registered.setdefault(name, fn)
     trtp.impl = lambda name: lambda fn: impls.setdefault(name, fn)
     trtp.aot_impl = lambda name: lambda fn: fn
+    trtp.ShapeExprs = types.SimpleNamespace(from_tuple=tuple)
+    trtp.from_shape_expr = lambda shape, dtype: ("new", tuple(shape), dtype)
     tensorrt = types.ModuleType("tensorrt")
     tensorrt.plugin = trtp
+    tensorrt.int32, tensorrt.int64 = "trt.int32", "trt.int64"
     monkeypatch.setitem(sys.modules, "tensorrt", tensorrt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
     monkeypatch.delitem(sys.modules, "plugins.trt_plugins", raising=False)
@@ -179,13 +183,75 @@ def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch
 
         plugins.__dict__.pop("trt_plugins", None)
     assert set(registered) == set(impls) == set(specs.PLUGINS)
-    assert {"diffkv::DiffKVAttention", "diffkv::DiffKVPageUpdate"} <= set(registered)
+    assert {"diffkv::DiffKVAttention", "diffkv::DiffKVPageUpdate", "diffkv::decode_decide",
+            "diffkv::decode_locate"} <= set(registered)
     for name, plugin in specs.PLUGINS.items():
         params = inspect.signature(registered[name]).parameters
         inputs = [p for p in params.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
         assert [p.name for p in inputs] == [t.name for t in plugin.inputs], name
         assert {p.name: p.annotation for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY} == \
             plugin.fields, name
-        outs = registered[name](*[Desc(i) for i in range(len(plugin.inputs))])
-        assert outs == tuple(("aliased", plugin.aliases[j]) if j in plugin.aliases else ("like", 0)
-                             for j in range(len(plugin.outputs))), name
+        fields = {"num_layers": 3, "num_kv_heads": 2}
+        descs = [Desc(i) for i in range(len(plugin.inputs))]
+        outs = registered[name](*descs, **fields)
+        inferred = specs.infer(plugin, [d.shape_expr[:t.rank] for d, t in zip(descs, plugin.inputs)],
+                               [t.dtypes[0] for t in plugin.inputs], fields) if plugin.new_outputs else None
+        assert outs == tuple(("aliased", plugin.aliases[j]) if j in plugin.aliases else
+                             ("new", inferred[j][0], f"trt.{inferred[j][1]}") if j in plugin.new_outputs else
+                             ("like", 0) for j in range(len(plugin.outputs))), name
+
+
+@pytest.mark.parametrize("preset", ["demote", "fp16"])
+def test_decode_plan_ops_compute_what_plan_computes(preset):
+    """ops.run_decode_decide -> run_page_update -> run_decode_locate (the decode graph's plan nodes; the Triton
+    kernels under the interpreter, the moves on the torch ops path) on copies of a cache's state == the cache's own
+    decode plan (``PagedDiffKVCache.plan``: torch decisions, CpuPageManager, moves), bit for bit: the pool (moves to
+    the low tier), the whole page-manager state, and the decode_attention nodes' plan tensors. ``demote`` (recent
+    window 2, alpha_high 1.5) moves tokens in this step."""
+    import dataclasses
+
+    from plugins import ops
+    from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4
+
+    patch_interpreter_for_numpy_2_4()
+    kv = dataclasses.replace(get_preset("default"), recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3) \
+        if preset == "demote" else get_preset(preset)
+    cache = _cache(kv)
+    L, H, Hkv, D = 2, 4, 2, 64
+    g = torch.Generator().manual_seed(1)
+    lens = [37, 5]
+    cache.plan([0, 2], lens, [0, 0], [True, True])
+    for layer in range(L):
+        T = sum(lens)
+        cache.forward(layer, torch.randn(T, H, D, generator=g) * 2, torch.randn(T, Hkv, D, generator=g) * 2,
+                      torch.randn(T, Hkv, D, generator=g))
+    man = cache.manager
+    slots, positions, tokens_pos = torch.tensor([0, 2]), torch.tensor(lens), torch.tensor(lens + [0])  # + 1 padding
+    state = dict(pool=cache.pool.pages().clone(), table=man.page_table.clone(), tokens=man.tokens.clone(),
+                 pages=man.pages.clone(), slot_state=man.slot_state.clone(), ring=man.ring.clone(),
+                 ring_state=torch.tensor(man.snapshot_counters(), dtype=torch.int64))
+    attrs = {"num_layers": L, "num_kv_heads": Hkv, "head_dim": D}
+    n, G, B = 2, L * Hkv, 3
+    decided = [torch.zeros(n, L, Hkv, dtype=torch.int32), torch.zeros(n, L, Hkv, dtype=torch.int32),
+               *(torch.zeros(n * G, dtype=torch.int64) for _ in range(3))]
+    ops.run_decode_decide([slots, positions, state["pool"], state["table"], state["tokens"], cache._prompt_len_dev],
+                          decided, kv, attrs)
+    ops.run_page_update([slots, decided[0], decided[1], state["table"], state["tokens"], state["pages"],
+                         state["slot_state"], state["ring"], state["ring_state"]], kv, attrs)
+    located = [state["pool"], torch.zeros(L, B, Hkv, dtype=torch.int32), torch.zeros(L, B * Hkv, dtype=torch.int32),
+               torch.zeros(L, B * Hkv, dtype=torch.int32), torch.zeros(B * Hkv, dtype=torch.int32),
+               torch.zeros(B * Hkv, dtype=torch.int32)]
+    ops.run_decode_locate([slots, positions, tokens_pos, *decided[2:], state["table"], state["pool"]], located, kv,
+                          attrs, use_triton=False)
+    cache.plan([0, 2], [n + 1 for n in lens], lens, [False, False], pad_to=B)
+    d = cache._step.decode
+    assert torch.equal(state["pool"], cache.pool.pages())
+    for name, ref in (("table", man.page_table), ("tokens", man.tokens), ("pages", man.pages),
+                      ("slot_state", man.slot_state), ("ring", man.ring)):
+        assert torch.equal(state[name], ref), name
+    assert state["ring_state"].tolist() == list(man.snapshot_counters())
+    assert torch.equal(located[1], d["row_ids"]) and torch.equal(located[2], d["page"].reshape(L, -1))
+    assert torch.equal(located[3], d["slot"].reshape(L, -1))
+    assert torch.equal(located[4], d["positions"]) and torch.equal(located[5], d["err_idx"])
+    if preset == "demote":
+        assert int((decided[3] >= 0).sum()) > 0  # moves to the low tier in this step

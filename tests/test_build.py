@@ -80,11 +80,59 @@ def test_model_runner_on_engine_dir_matches_generate(built, capsys):
     assert len(expected) >= 1 and got[:len(expected)] == expected
 
 
+def test_per_op_graphs_build(built, tmp_path):
+    """``--graph per-op``: model_prefill.onnx + model_decode.onnx (checker and shape inference pass on the saved files;
+    the decode graph holds its plan nodes), recorded in config.json, the weights stored once in one shared
+    model.onnx.data that both graphs point into; ModelRunner.from_dir runs the directory (PyTorch executor) with the
+    same greedy tokens as the composite build's directory."""
+    import numpy as np
+    import onnx
+    from onnx.numpy_helper import to_array
+
+    from trtllm_diffkv import ModelRunner
+
+    ckpt, composite = built
+    out = tmp_path / "engine"
+    assert _run(["--checkpoint", str(ckpt), "--output", str(out), "--plugin", "diffkv", "--max-batch-size", "4",
+                 "--max-seq-len", "96", "--dtype", "float32", "--targets", "90", "--graph", "per-op"]) == 0
+    dk = json.loads((out / "config.json").read_text())["diffkv"]
+    assert (dk["graph"], dk["onnx"], dk["onnx_data"]) == \
+        ("per-op", {"prefill": "model_prefill.onnx", "decode": "model_decode.onnx"}, "model.onnx.data")
+    assert json.loads((composite / "config.json").read_text())["diffkv"]["graph"] == "composite"
+    assert not (out / "model.onnx").exists() and sorted(p.name for p in out.glob("*.onnx*")) == \
+        ["model.onnx.data", "model_decode.onnx", "model_prefill.onnx"]
+    protos = {}
+    for phase, name in dk["onnx"].items():
+        onnx.checker.check_model(str(out / name))  # by path: the external data is checked too
+        onnx.shape_inference.infer_shapes_path(str(out / name), str(tmp_path / f"{phase}.inferred.onnx"), strict_mode=True)
+        protos[phase] = onnx.load(str(out / name))
+    ops = [n.op_type for n in protos["decode"].graph.node if n.domain == "diffkv"]
+    assert ops == ["decode_decide", "page_update", "decode_locate"] + ["decode_attention"] * 2
+    assert [n.op_type for n in protos["prefill"].graph.node if n.domain == "diffkv"] == ["prefill_attention"] * 2
+    weights = {phase: {t.name: to_array(t) for t in p.graph.initializer} for phase, p in protos.items()}
+    shared = [n for n, a in weights["prefill"].items() if a.nbytes >= 1024 and n in weights["decode"]]
+    assert shared and all(np.array_equal(weights["prefill"][n], weights["decode"][n]) for n in shared)
+    largest = sum(a.nbytes for a in weights["decode"].values() if a.nbytes >= 1024)
+    assert largest <= (out / "model.onnx.data").stat().st_size < largest * 1.01  # stored once, not twice
+    runners = [ModelRunner.from_dir(d, device="cpu", kv_memory_bytes=16 << 20) for d in (out, composite)]
+    try:
+        got = []
+        for runner in runners:
+            ids = runner.tokenizer("The quick brown fox", return_tensors="pt")["input_ids"][0]
+            res = runner.generate([ids], max_new_tokens=4, end_id=runner.tokenizer.eos_token_id, return_dict=True)
+            got.append(res["output_ids"][0, 0].tolist())
+    finally:
+        for runner in runners:
+            runner.shutdown()
+    assert got[0] == got[1]
+
+
 def _leftovers(parent):
     return sorted(p.name for p in parent.iterdir() if p.name.startswith(".out"))
 
 
-@pytest.mark.parametrize("case", ["plugin", "missing", "target", "head_dim", "exists", "compile", "seq_len"])
+@pytest.mark.parametrize("case", ["plugin", "missing", "target", "head_dim", "exists", "compile", "seq_len", "graph",
+                                  "per_op_no_onnx"])
 def test_bad_arguments_fail_in_one_line_and_leave_nothing(case, tmp_path, capsys, monkeypatch):
     if case == "head_dim":  # 4 heads of 32: no DiffKV kernels for head_dim 32
         monkeypatch.setitem(tiny_checkpoint.TINY_TEXT_CONFIG, "head_dim", 32)
@@ -102,14 +150,15 @@ def test_bad_arguments_fail_in_one_line_and_leave_nothing(case, tmp_path, capsys
     argv = ["--checkpoint", str(ckpt), "--output", str(out), "--plugin", "gpt_attention" if case == "plugin" else
             "diffkv", "--targets", "75" if case == "target" else "90", "--dtype", "float32", "--max-seq-len",
             "100000" if case == "seq_len" else "64",
-            "--no-onnx"]
+            "--no-onnx", *{"graph": ["--graph", "bogus"], "per_op_no_onnx": ["--graph", "per-op"]}.get(case, [])]
     assert _run(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in err if "error:" in line]
     assert len(errors) == 1, err
     expect = {"plugin": "'gpt_attention' is not supported", "missing": "does not exist", "target": "sm_75",
               "head_dim": "head_dim=32", "exists": "already exists", "compile": "failed to compile",
-              "seq_len": "exceeds the model's"}[case]
+              "seq_len": "exceeds the model's", "graph": "--graph 'bogus': expected one of composite, per-op",
+              "per_op_no_onnx": "cannot be combined with --no-onnx"}[case]
     assert expect in errors[0]
     assert out.exists() == (case == "exists") and not (out / "config.json").exists()
     assert _leftovers(tmp_path) == []

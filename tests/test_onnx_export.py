@@ -231,58 +231,85 @@ def test_op_errors_are_reported_not_fatal():
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_per_op_graph_nodes_are_the_per_operation_plugins(phase):
     """``graph="per-op"``: per layer one ``prefill_attention`` / ``decode_attention`` node (plugins/specs.py's
-    per-operation plugins, no composite node, no cache handle), attributes exactly the plugin's fields, the step
-    plan's tensors graph inputs, the updated state chained layer to layer and out; specs.infer == ONNX shape
-    inference (the export runs onnx.checker and strict shape inference)."""
+    per-operation plugins, no composite node, no cache handle), the decode graph's plan as its first three nodes
+    (``decode_decide``, ``page_update``, ``decode_locate``), attributes exactly the plugin's fields, the updated state
+    chained node to node and out; specs.infer == ONNX shape inference (the export runs onnx.checker and strict shape
+    inference). The decode graph's host inputs are the tokens, the slots and positions, and the state."""
     from plugins import specs
 
     model, kv = tiny_llama(), get_preset("default")
     proto = onnx_export.export_onnx(model, kv, max_positions=32, graph="per-op", phase=phase)
     onnx.checker.check_model(proto)
+    onnx.shape_inference.infer_shapes(proto, strict_mode=True)
     plugin = specs.PREFILL if phase == "prefill" else specs.DECODE
     nodes = onnx_export.plugin_nodes(proto)
-    assert [n.op_type for n in nodes] == [plugin.name] * model.config.num_layers
+    plan_nodes = [] if phase == "prefill" else ["decode_decide", "page_update", "decode_locate"]
+    assert [n.op_type for n in nodes] == plan_nodes + [plugin.name] * model.config.num_layers
     names = [i.name for i in proto.graph.input]
-    assert "cache_handle" not in names and set(onnx_export.PLAN_INPUTS[phase]) <= set(names)
-    updated = [plugin.inputs[plugin.aliases[j]].name for j in range(1, len(plugin.outputs))]
-    assert [o.name for o in proto.graph.output] == ["logits", *(f"{n}_out" for n in updated)]
+    assert names == ["input_ids", "positions", "logits_indices", *onnx_export.PLAN_INPUTS[phase],
+                     *onnx_export.PHASE_STATE[phase]]
+    if phase == "decode":
+        assert onnx_export.PLAN_INPUTS["decode"].keys() == {"step_slots", "step_positions"}
+    updated = {plugin.inputs[plugin.aliases[j]].name for j in range(1, len(plugin.outputs))}
+    if phase == "decode":
+        updated |= {"page_table", "tier_tokens", "row_pages", "slot_state", "ring", "ring_state"}
+    assert [o.name for o in proto.graph.output] == ["logits", *(f"{n}_out" for n in onnx_export.PHASE_STATE[phase]
+                                                               if n in updated)]
     typed = {v.name: v for v in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]}
-    for layer, node in enumerate(nodes):
+    producer = {o: node for node in proto.graph.node for o in node.output}
+    for node in nodes:
+        spec = specs.PLUGINS[f"diffkv::{node.op_type}"]
         attrs = {a.name: a for a in node.attribute}
         fields = {n: _ONNX_TYPES[a.type] for n, a in attrs.items() if n not in specs.RESERVED_ATTRIBUTES}
-        assert fields == plugin.fields and onnx.helper.get_attribute_value(attrs["layer_idx"]) == layer
+        assert fields == spec.fields, node.name
+        values = {n: onnx.helper.get_attribute_value(a) for n, a in attrs.items()}
         shapes, dtypes = [_dims(typed[i]) for i in node.input], [_elem(typed[i]) for i in node.input]
-        want = specs.infer(plugin, shapes, dtypes)
+        want = specs.infer(spec, shapes, dtypes, values)
         got = [(_dims(typed[o]), _elem(typed[o])) for o in node.output]
         sym = lambda shapes: [(tuple(d if isinstance(d, int) else "?" for d in s), t) for s, t in shapes]  # noqa: E731
         assert sym(got) == sym(want), node.name
+    attention = [n for n in nodes if n.op_type == plugin.name]
+    for layer, node in enumerate(attention):
+        assert onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "layer_idx")) == layer
         state_in = list(node.input)[14 if phase == "prefill" else 8:]
         if layer:  # the updated state comes from the previous layer's node
             prev = dict(zip([plugin.inputs[plugin.aliases[j]].name for j in range(1, len(plugin.outputs))],
-                            list(nodes[layer - 1].output)[1:]))
-            assert all(i == prev.get(t.name, t.name) for i, t in zip(state_in, plugin.inputs[len(plugin.inputs) -
-                                                                                              len(state_in):]))
+                            list(attention[layer - 1].output)[1:]))
+            first_in = list(attention[0].input)[14 if phase == "prefill" else 8:]  # what the others share
+            assert all(i == prev.get(t.name, f) for i, t, f in
+                       zip(state_in, plugin.inputs[len(plugin.inputs) - len(state_in):], first_in))
+    if phase == "decode":  # the plan: decide -> page_update -> locate -> layer 0
+        decide, update, locate = nodes[:3]
+        assert list(update.input)[1:3] == list(decide.output)[:2] and list(locate.input)[3:6] == list(decide.output)[2:]
+        assert locate.input[6] == update.output[0] and locate.input[2] == "positions"
+        first = attention[0]
+        assert first.input[8] == locate.output[0] and list(first.input)[9:11] == list(update.output)[:2]
+        assert producer[producer[first.input[3]].input[0]] is locate  # row_ids[0] = Gather(locate's row_ids)
 
 
-def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64):
-    """As :func:`_run_both`, through the per-operation graphs (``ort_ops.run_per_op_step``, the host plan on the
-    cache of record ``mine``)."""
+def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64, pad_step=None):
+    """As :func:`_run_both`, through the per-operation graphs (``ort_ops.run_per_op_step``: the prefill plan on the
+    host, the decode graph planning its own steps, on the cache of record ``mine``). Decode step ``pad_step`` carries
+    one padding token (the reference: ``plan(pad_to=...)``). States: (mine, reference) per step, each (pool, page
+    table, tier tokens, manager snapshot)."""
     sessions = {ph: ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=max_len, graph="per-op",
                                                                  phase=ph)) for ph in ("prefill", "decode")}
-    ref, mine = _cache(model, kv, len(prompts), pages, max_len), _cache(model, kv, len(prompts), pages, max_len)
+    slots_ = len(prompts) + (pad_step is not None)  # a free slot: the padded bucket is at most max_slots
+    ref, mine = _cache(model, kv, slots_, pages, max_len), _cache(model, kv, slots_, pages, max_len)
     torch_iters, ort_iters, states = [], [], []
     slots, lens, ids, pos, last, plan = _prefill_inputs(prompts)
+    state = lambda c: (c.pool.pages().numpy().copy(), c.manager.page_table.numpy().copy(),  # noqa: E731
+                       c.manager.tokens.numpy().copy(), c.manager.snapshot())
     for step in range(decode_steps + 1):
-        ref.plan(*plan)
+        pad = 1 if step == pad_step else 0
+        ref.plan(*plan, **({"pad_to": len(prompts) + pad} if pad else {}))
+        ids_, pos_ = ids + [0] * pad, pos + [0] * pad
         with torch.no_grad():
-            logits = model(torch.tensor(ids), torch.tensor(pos), ref, logits_indices=torch.tensor(last)).numpy()
-        got = ort_ops.run_per_op_step(sessions, mine, ids, pos, last, *plan)
+            logits = model(torch.tensor(ids_), torch.tensor(pos_), ref, logits_indices=torch.tensor(last)).numpy()
+        got = ort_ops.run_per_op_step(sessions, mine, ids_, pos_, last, *plan)
         torch_iters.append(IterationResult({"logits": logits}, runner_name="pytorch"))
         ort_iters.append(IterationResult({"logits": got}, runner_name="onnxruntime"))
-        states.append(((mine.pool.pages().numpy().copy(), mine.manager.page_table.numpy().copy(),
-                        mine.manager.tokens.numpy().copy()),
-                       (ref.pool.pages().numpy().copy(), ref.manager.page_table.numpy().copy(),
-                        ref.manager.tokens.numpy().copy())))
+        states.append((state(mine), state(ref)))
         nxt = logits.argmax(-1).tolist()
         assert got.argmax(-1).tolist() == nxt, f"step {step}: greedy tokens differ"
         plan = (slots, [n + 1 for n in lens], lens, [False] * len(prompts))
@@ -294,18 +321,59 @@ def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64):
     return results, states, mine
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16"])
+_DEMOTE = dict(recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3)
+"""A configuration under which the tiny model's decode steps move tokens to the low tier every step (recent window
+2, thresholds above its near-uniform attention)."""
+
+
+def _preset(name):
+    import dataclasses
+
+    return dataclasses.replace(get_preset("default"), **_DEMOTE) if name == "demote" else get_preset(name)
+
+
+@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16", "demote"])
 def test_per_op_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
-    """Prefill + 4 decode steps through the per-operation graphs (plan tensors as graph inputs, one
-    prefill_attention / decode_attention node per layer) == the PyTorch path within the composite graph's
-    tolerances (prefill atol 1e-4, decode atol 2e-2, greedy tokens equal, page table and tier counts exact, pool
-    bytes >= 99 % equal); the plugin ops raised no error flag; both requests stay active in the cache of record."""
+    """Prefill + 4 decode steps through the per-operation graphs (prefill: plan tensors as graph inputs; decode: the
+    graph's own decode_decide / page_update / decode_locate nodes from the slots and positions, then one
+    decode_attention node per layer) == the PyTorch path within the composite graph's tolerances (prefill atol 1e-4,
+    decode atol 2e-2, greedy tokens equal, page table and tier counts exact, pool bytes >= 99 % equal) and the whole
+    page-manager state (ring, counters, pages, slot states) equal after every step; decode step 2 carries a padding
+    token. ``demote``: every decode step moves tokens to the low tier (the low count grows while the high count
+    stays). The plugin ops raised no error flag; both requests stay active in the cache of record."""
     model = tiny_llama()
-    results, states, mine = _run_both_per_op(model, get_preset(preset), [[5, 9, 13, 200, 7, 3, 11], [42, 17, 99, 4]],
-                                             4)
-    _check(results, states)
+    results, states, mine = _run_both_per_op(model, _preset(preset), [[5, 9, 13, 200, 7, 3, 11], [42, 17, 99, 4]],
+                                             4, pad_step=2)
+    _check(results, [(m[:3], r[:3]) for m, r in states])
+    for (_, _, _, snap), (_, _, _, ref_snap) in states:
+        assert (snap.ring_start, snap.ring_end, snap.status) == (ref_snap.ring_start, ref_snap.ring_end, ref_snap.status)
+        for name in ("ring", "page_table", "pages", "tokens", "slot_state"):
+            assert torch.equal(getattr(snap, name), getattr(ref_snap, name)), name
     assert len(results[0][1]) == 5 and states[-1][0][2].sum() > 0
     assert mine.active_slots == [0, 1] and int(mine.error_flags.abs().sum()) == 0
+    assert mine.seq_len[:2] == [11, 8]
+    if preset == "demote":
+        low = [int(r[2][:, 1].sum()) for _, r in states]
+        high = [int(r[2][:, 0].sum()) for _, r in states]
+        assert all(b > a for a, b in zip(low[1:], low[2:])) and high[1:] == [high[1]] * 4, (low, high)
+
+
+def test_per_op_decode_step_errors_leave_the_cache_unchanged():
+    """A decode step the host checks refuse (a slot without a prompt, a wrong position) raises ValueError before the
+    graph runs; the cache of record is unchanged and the next valid step runs."""
+    model, kv = tiny_llama(), get_preset("default")
+    sessions = {ph: ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=32, graph="per-op",
+                                                                 phase=ph)) for ph in ("prefill", "decode")}
+    cache = _cache(model, kv)
+    ort_ops.run_per_op_step(sessions, cache, [1, 2, 3], [0, 1, 2], [2], [0], [3], [0], [True])
+    before = cache.manager.snapshot()
+    with pytest.raises(ValueError, match="decode step"):
+        ort_ops.run_per_op_step(sessions, cache, [4], [3], [0], [1], [4], [3], [False])  # slot 1 has no prompt
+    with pytest.raises(ValueError, match="decode step"):
+        ort_ops.run_per_op_step(sessions, cache, [4], [5], [0], [0], [6], [5], [False])  # position 5, 3 stored
+    assert torch.equal(cache.manager.snapshot().page_table, before.page_table) and cache.seq_len[0] == 3
+    logits = ort_ops.run_per_op_step(sessions, cache, [4], [3], [0], [0], [4], [3], [False])
+    assert logits.shape == (1, model.config.vocab_size) and cache.seq_len[0] == 4
 
 
 def test_per_op_bad_arguments_named():
@@ -319,5 +387,7 @@ def test_per_op_bad_arguments_named():
     with pytest.raises(ValueError, match="mixed step"):
         ort_ops.step_phase([True, False])
     cache = _cache(model, kv)
-    with pytest.raises(ValueError, match="no planned decode step"):
+    with pytest.raises(ValueError, match="plan_feeds is for the prefill graph"):
         ort_ops.plan_feeds(cache, "decode")
+    with pytest.raises(ValueError, match="no planned prefill step"):
+        ort_ops.plan_feeds(cache, "prefill")

@@ -8,7 +8,9 @@ Layout (``ENGINE_DIR/``)::
                            (the DiffKVConfig fields, the engine shape, file names, what was built)
     model/                 the model as a Hugging Face folder: config.json, model.safetensors (weights in
                            the build dtype), tokenizer and generation_config files copied from the checkpoint
-    model.onnx (+ .data)   the graph with one DiffKV plugin node per layer (build/onnx_export.py)
+    model.onnx (+ .data)   the graph with one DiffKV plugin node per layer (build/onnx_export.py); with
+                           ``--graph per-op`` instead model_prefill.onnx + model_decode.onnx (per-operation plugin
+                           nodes) sharing one model.onnx.data
     kernels/               AOT PTX + cubins for sm_80 / sm_90 and manifest.json (build/aot.py)
     rank0.engine           the serialized TensorRT engine, only where ``import tensorrt`` works
 
@@ -127,14 +129,16 @@ def check_engine_matches_model(path, model_config) -> None:
                          f"{limit} positions")
 
 
-def engine_config(model_config, shape, *, onnx_file: str | None, engine_file: str | None, targets: list[str],
-                  tensorrt_note: str) -> dict:
+def engine_config(model_config, shape, *, onnx_file: str | dict | None, engine_file: str | None, targets: list[str],
+                  tensorrt_note: str, graph: str | None = "composite") -> dict:
     """The engine's config.json dict (TensorRT-LLM keys plus the ``diffkv`` section).
 
     Args:
         model_config: the :class:`~trtllm_diffkv.model.llama.ModelConfig`.
         shape: the :class:`~.fields.EngineShape`.
-        onnx_file, engine_file: file names in the directory (``None``: not written).
+        onnx_file, engine_file: file names in the directory (``None``: not written); ``onnx_file`` of per-operation
+            graphs: ``{"prefill": ..., "decode": ...}``.
+        graph: the ONNX graph form (``"composite"``, ``"per-op"``; ``None``: no graph), recorded as ``diffkv.graph``.
         targets: AOT targets (``["sm_80", "sm_90"]``).
         tensorrt_note: what happened with TensorRT (built, or why not).
     """
@@ -159,7 +163,8 @@ def engine_config(model_config, shape, *, onnx_file: str | None, engine_file: st
     }
     diffkv = {
         "format": ENGINE_FORMAT, "trtllm_diffkv_version": __version__, "kv_config": shape.to_fields(),
-        "model_dir": "model", "onnx": onnx_file, "engine": engine_file, "kernels_dir": "kernels",
+        "model_dir": "model", "onnx": onnx_file, "graph": graph if onnx_file is not None else None,
+        "onnx_data": None if onnx_file is None else "model.onnx.data", "engine": engine_file, "kernels_dir": "kernels",
         "aot_targets": targets, "plugin_namespace": "diffkv", "tensorrt": tensorrt_note,
     }
     return {"version": __version__, "pretrained_config": pretrained, "build_config": build, "diffkv": diffkv}

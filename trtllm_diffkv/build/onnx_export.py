@@ -32,9 +32,11 @@ ONNX file holds them; > 2 GB is refused).
 
 Per-operation graphs (``export_onnx(..., graph="per-op", phase="prefill" | "decode")``, :func:`export_per_op`):
 the same decoder with one ``diffkv::prefill_attention`` or ``diffkv::decode_attention`` node per layer (the
-per-operation plugins of :mod:`plugins.specs`) and the step plan's tensors (:data:`PLAN_INPUTS`) and the cache
-state (:data:`STATE_INPUTS`) as graph inputs; no composite node, no cache handle. The plan itself and the
-prompt commit stay on the host (``ort_ops.run_per_op_step``).
+per-operation plugins of :mod:`plugins.specs`) and the cache state (:data:`STATE_INPUTS`) as graph inputs; no
+composite node, no cache handle. Prefill: the step plan's tensors (:data:`PLAN_INPUTS`) are graph inputs, the plan
+(prompt reservation) and the prompt commit stay on the host (``ort_ops.run_per_op_step``). Decode: the graph makes
+its plan itself (``decode_decide``, ``page_update``, ``decode_locate`` nodes) from the step's slots and positions
+and the page manager's state (graph inputs and aliased outputs).
 """
 from __future__ import annotations
 
@@ -103,6 +105,14 @@ def attention_attrs(layer_idx: int, model_config, kv_config: DiffKVConfig, sm_sc
             "sm_scale": float(sm_scale), **config_attrs(kv_config)}
 
 
+def manager_attrs(model_config, kv_config: DiffKVConfig) -> dict:
+    """Attributes of a page-manager node (``DiffKVPageUpdate``, and the decode plan's ``decode_decide``,
+    ``page_update``, ``decode_locate``): :data:`plugins.specs.MANAGER_FIELDS` plus the plugin's name attributes."""
+    return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION,
+            "num_layers": model_config.num_layers, "num_kv_heads": model_config.num_kv_heads,
+            "head_dim": model_config.head_dim, **config_attrs(kv_config)}
+
+
 def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, *, max_positions: int | None = None,
                 graph: str = "composite", phase: str | None = None):
     """Export ``model`` (``LlamaForCausalLM``) to an ONNX model with DiffKV plugin nodes.
@@ -135,7 +145,7 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     cfg = model.config
     _check_model(model, kv_config)
     b = _Builder(gs)
-    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    H, D = cfg.num_heads, cfg.head_dim
     var = lambda name, dtype, shape: gs.Variable(name, dtype=dtype, shape=shape)  # noqa: E731
     ids, pos, sel = var("input_ids", np.int64, ["num_tokens"]), var("positions", np.int64, ["num_tokens"]), \
         var("logits_indices", np.int64, ["num_logits"])
@@ -146,9 +156,8 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     tokens = var("tier_tokens", np.int32, ["num_rows", 2])
     handle = var("cache_handle", np.int64, [1])
     b.graph.inputs = [ids, pos, sel, *step, pool, table, tokens, handle]
-    update_attrs = {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION,
-                    "num_layers": cfg.num_layers, "num_kv_heads": Hkv, "head_dim": D, **config_attrs(kv_config)}
-    step_token, table, tokens = b.op(PAGE_UPDATE_OP, [handle, *step, table, tokens], update_attrs, outputs=3,
+    step_token, table, tokens = b.op(PAGE_UPDATE_OP, [handle, *step, table, tokens], manager_attrs(cfg, kv_config),
+                                     outputs=3,
                                      domain=PLUGIN_NAMESPACE, name="diffkv_page_update")
     step_token.dtype, step_token.shape = np.int64, [1]
     table.dtype, tokens.dtype = np.int32, np.int32
@@ -209,33 +218,42 @@ PLAN_INPUTS = {
                 "window": (np.bool_, ["num_tokens"]), "start": (np.int64, ["num_tokens"]),
                 "row_base": (np.int64, ["num_tokens"]), "reserved_pages": (np.int64, ["num_tokens"]),
                 "err_idx": (np.int32, ["num_token_heads"])},
-    "decode": {"row_ids": (np.int32, ["num_layers", "num_seqs", "num_kv_heads"]),
-               "dest_page": (np.int32, ["num_layers", "num_seq_heads"]),
-               "dest_slot": (np.int32, ["num_layers", "num_seq_heads"]),
-               "decode_positions": (np.int32, ["num_seq_heads"]), "err_idx": (np.int32, ["num_seq_heads"])},
+    "decode": {"step_slots": (np.int64, ["num_seqs"]), "step_positions": (np.int64, ["num_seqs"])},
 }
-"""The step plan's tensors, graph inputs of the per-operation graphs (name: dtype, dims): what
-``paged/prefill.py::plan_prefill`` / ``paged/decode.py::plan_decode`` build (``ort_ops.plan_feeds`` maps
-them). Decode's per-layer ``[L, ...]`` tensors are sliced per layer in the graph (``Gather``)."""
+"""The per-step host inputs of the per-operation graphs besides the tokens (name: dtype, dims). Prefill: the step
+plan's tensors, what ``paged/prefill.py::plan_prefill`` builds (``ort_ops.plan_feeds`` maps them). Decode: what a
+runtime feeds per step, the decode sequences' slots and the position each writes (= its tokens stored); the decode
+graph's own ``decode_decide`` / ``page_update`` / ``decode_locate`` nodes make the plan (``paged/decode.py::plan_device``)."""
 
 STATE_INPUTS = {"kv_pool": (np.uint8, ["num_pages", "page_size_bytes"]),
                 "page_table": (np.int32, ["num_rows", "max_pages_per_row"]),
                 "tier_tokens": (np.int32, ["num_rows", 2]), "key_offsets": (np.float16, ["num_rows", "head_dim"]),
                 "tier_counts": (np.int32, ["num_prompts", "num_layers", "num_kv_heads", 2]),
-                "error_flags": (np.int32, ["max_slots"])}
-"""The cache state the per-operation graphs read and update (``tier_counts``: prefill only)."""
+                "error_flags": (np.int32, ["max_slots"]), "row_pages": (np.int32, ["num_rows", 2]),
+                "slot_state": (np.int32, ["max_slots"]), "ring": (np.int32, ["num_pages"]),
+                "ring_state": (np.int64, [3]), "prompt_len": (np.int64, ["max_slots"])}
+"""The cache state the per-operation graphs read and update: the pool, the page manager's state (``page_table``,
+``tier_tokens``; ``row_pages``, ``slot_state``, ``ring``, ``ring_state`` = (start, end, status bits):
+``TritonPageManager``'s tensors), the row metadata's key offsets, the prompt tier counts, the error flags, and
+the prompt length per slot (read only)."""
+
+PHASE_STATE = {"prefill": ("kv_pool", "page_table", "tier_tokens", "key_offsets", "tier_counts", "error_flags"),
+               "decode": ("kv_pool", "page_table", "tier_tokens", "row_pages", "slot_state", "ring", "ring_state",
+                          "key_offsets", "error_flags", "prompt_len")}
+"""The state inputs of each per-operation graph, in graph-input order."""
 
 
 def per_op_input_dtypes(phase: str) -> list:
     """numpy dtypes of the ``prefill_attention`` (``phase="prefill"``) or ``decode_attention`` node's inputs, in
-    the plugin's order (q/k/v fp32, the plan's and the state's as :data:`PLAN_INPUTS` / :data:`STATE_INPUTS`).
+    the plugin's order (q/k/v fp32, the state's as :data:`STATE_INPUTS`, prefill's plan as :data:`PLAN_INPUTS`,
+    decode's plan int32: the ``decode_locate`` node's outputs).
 
     Raises:
         ValueError: an unknown phase."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}: expected one of {list(PHASES)}")
     plugin = specs.PREFILL if phase == "prefill" else specs.DECODE
-    plan = list(PLAN_INPUTS[phase].values())
+    plan = list(PLAN_INPUTS["prefill"].values())
     out = []
     for t in plugin.inputs:
         if t.name in ("q", "k", "v"):
@@ -243,28 +261,39 @@ def per_op_input_dtypes(phase: str) -> list:
         elif t.name in STATE_INPUTS:
             out.append(STATE_INPUTS[t.name][0])
         else:
-            out.append(plan.pop(0)[0])
+            out.append(plan.pop(0)[0] if phase == "prefill" else np.int32)
     return out
 
 
 def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path | None = None, *,
                   max_positions: int | None = None):
-    """Export one step kind of ``model`` with the per-operation plugins as nodes and the step plan as graph inputs.
+    """Export one step kind of ``model`` with the per-operation plugins as nodes.
 
     ``phase="prefill"`` (a step of prompts only): per layer one ``diffkv::prefill_attention`` node
     (:data:`plugins.specs.PREFILL`) ``(q, k, v, cu_seqlens, req, token_index, score_count, thr_high, thr_low,
     window, start, row_base, reserved_pages, err_idx, kv_pool, page_table, tier_tokens, key_offsets, tier_counts,
-    error_flags) -> (out, kv_pool, key_offsets, tier_counts, error_flags)``. ``phase="decode"`` (a step of decode
-    tokens only): per layer one ``diffkv::decode_attention`` node (:data:`plugins.specs.DECODE`) ``(q, k, v,
-    row_ids[l], dest_page[l], dest_slot[l], decode_positions, err_idx, kv_pool, page_table, tier_tokens,
-    key_offsets, error_flags) -> (out, kv_pool, error_flags)``. Graph inputs: ``input_ids``, ``positions``,
-    ``logits_indices`` (int64), the plan (:data:`PLAN_INPUTS`) and the state (:data:`STATE_INPUTS`); outputs
-    ``logits`` and ``<state>_out`` for every state the nodes update (chained layer to layer).
+    error_flags) -> (out, kv_pool, key_offsets, tier_counts, error_flags)``, the step plan's tensors
+    (:data:`PLAN_INPUTS`) graph inputs: the prompt's plan (reservation) and commit stay on the host
+    (``ort_ops.run_per_op_step``).
 
-    What the graph does not contain (the host does it, ``ort_ops.run_per_op_step``): the step plan itself
-    (``PagedDiffKVCache.plan``: prompt reservation; decode decisions, ``append_decode``, moves to the low tier,
-    token locations) and the prompt commit after the last layer. So the graph has no ``page_update`` node: the
-    page update precedes the moves and the locations the decode nodes read, which the plan computes.
+    ``phase="decode"`` (a step of decode tokens only) is self-contained for the plan: its host inputs are the
+    tokens (``input_ids``, ``positions`` int64 ``[num_tokens]``: the sequences, then any padding), ``logits_indices``,
+    ``step_slots`` / ``step_positions`` int64 ``[num_seqs]`` and the state (:data:`PHASE_STATE`); the plan is three
+    nodes (``paged/decode.py::plan_device``):
+
+    * ``diffkv::decode_decide (step_slots, step_positions, kv_pool, page_table, tier_tokens, prompt_len) ->
+      (high_delta, low_delta, new_index, move_from, move_to)`` - the DiffKV decisions of every row;
+    * ``diffkv::page_update (step_slots, high_delta, low_delta, page_table, tier_tokens, row_pages, slot_state, ring,
+      ring_state) -> (the six, in place)`` - one ``append_decode``;
+    * ``diffkv::decode_locate (step_slots, step_positions, positions, new_index, move_from, move_to, page_table,
+      kv_pool) -> (kv_pool, row_ids, dest_page, dest_slot, decode_positions, err_idx)`` - the moves to the low tier
+      in the pool and the new tokens' slots;
+
+    then per layer one ``diffkv::decode_attention`` node (:data:`plugins.specs.DECODE`) ``(q, k, v, row_ids[l],
+    dest_page[l], dest_slot[l], decode_positions, err_idx, kv_pool, page_table, tier_tokens, key_offsets,
+    error_flags) -> (out, kv_pool, error_flags)`` on the updated page table and tier counts.
+
+    Outputs: ``logits`` and ``<state>_out`` for every state the nodes update (chained node to node).
 
     Args:
         model, kv_config, path, max_positions: as :func:`export_onnx`.
@@ -288,19 +317,22 @@ def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path |
     ids, pos, sel = var("input_ids", np.int64, ["num_tokens"]), var("positions", np.int64, ["num_tokens"]), \
         var("logits_indices", np.int64, ["num_logits"])
     plan = {n: var(n, dt, list(dims)) for n, (dt, dims) in PLAN_INPUTS[phase].items()}
-    state_names = [n for n in STATE_INPUTS if phase == "prefill" or n != "tier_counts"]
-    state = {n: var(n, STATE_INPUTS[n][0], list(STATE_INPUTS[n][1])) for n in state_names}
+    state = {n: var(n, STATE_INPUTS[n][0], list(STATE_INPUTS[n][1])) for n in PHASE_STATE[phase]}
+    given = dict(state)
     b.graph.inputs = [ids, pos, sel, *plan.values(), *state.values()]
     plugin = specs.PREFILL if phase == "prefill" else specs.DECODE
     updated = [plugin.inputs[plugin.aliases[j]].name for j in range(1, len(plugin.outputs))]
     attrs = lambda i: attention_attrs(i, cfg, kv_config, D ** -0.5)  # noqa: E731
 
-    def layer_plan(i):
-        if phase == "prefill":
-            return list(plan.values())
-        index = b.gs.Constant(f"plan.layer{i}", np.array(i, np.int64))  # a scalar: Gather drops the layer axis
-        per_layer = [b.op("Gather", [plan[n], index], {"axis": 0}) for n in ("row_ids", "dest_page", "dest_slot")]
-        return [*per_layer, plan["decode_positions"], plan["err_idx"]]
+    if phase == "prefill":
+        layer_plan = lambda i: list(plan.values())  # noqa: E731
+    else:
+        located = _decode_plan_nodes(b, cfg, kv_config, plan, state, pos)
+
+        def layer_plan(i):
+            index = b.gs.Constant(f"plan.layer{i}", np.array(i, np.int64))  # a scalar: Gather drops the layer axis
+            per_layer = [b.op("Gather", [located[n], index], {"axis": 0}) for n in ("row_ids", "dest_page", "dest_slot")]
+            return [*per_layer, located["decode_positions"], located["err_idx"]]
 
     def attend(i, q, k, v):
         s = [state[t.name] for t in plugin.inputs[14 if phase == "prefill" else 8:]]
@@ -313,10 +345,43 @@ def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path |
         return outs[0]
 
     logits = _decoder(b, model, ids, pos, sel, max_positions, attend)
-    for name in updated:
+    changed = [n for n in PHASE_STATE[phase] if state[n] is not given[n]]
+    for name in changed:
         state[name].name = f"{name}_out"
-    b.graph.outputs = [logits, *(state[n] for n in updated)]
+    b.graph.outputs = [logits, *(state[n] for n in changed)]
     return _finish(b, gs, path)
+
+
+def _decode_plan_nodes(b: _Builder, cfg, kv_config: DiffKVConfig, plan: dict, state: dict, positions) -> dict:
+    """The decode graph's plan: ``decode_decide -> page_update -> decode_locate`` (:func:`export_per_op`). Updates
+    ``state`` (page manager state, pool) with the nodes' outputs; returns ``decode_locate``'s plan tensors by name."""
+    L, Hkv = cfg.num_layers, cfg.num_kv_heads
+    attrs = manager_attrs(cfg, kv_config)
+    slots, seq_pos = plan["step_slots"], plan["step_positions"]
+    spec = specs.DECODE_DECIDE
+    decided = b.op(spec.name, [slots, seq_pos, *(state[t.name] for t in spec.inputs[2:])], attrs,
+                   outputs=len(spec.outputs), domain=PLUGIN_NAMESPACE, name="diffkv_decode_decide")
+    dims = {0: ["num_seqs", L, Hkv], 1: ["num_seqs", L, Hkv], 2: ["num_seq_rows"], 3: ["num_seq_rows"],
+            4: ["num_seq_rows"]}
+    for j, o in enumerate(decided):
+        _typed(o, np.dtype(spec.new_outputs[j][0]).type, dims[j])
+    spec = specs.PAGE_UPDATE
+    manager = [t.name for t in spec.inputs[3:]]
+    outs = b.op(spec.name, [slots, decided[0], decided[1], *(state[n] for n in manager)], attrs,
+                outputs=len(spec.outputs), domain=PLUGIN_NAMESPACE, name="diffkv_page_update")
+    for name, o in zip(manager, outs):
+        _typed(o, STATE_INPUTS[name][0], list(STATE_INPUTS[name][1]))
+        state[name] = o
+    spec = specs.DECODE_LOCATE
+    outs = b.op(spec.name, [slots, seq_pos, positions, *decided[2:], state["page_table"], state["kv_pool"]], attrs,
+                outputs=len(spec.outputs), domain=PLUGIN_NAMESPACE, name="diffkv_decode_locate")
+    _typed(outs[0], np.uint8, list(STATE_INPUTS["kv_pool"][1]))
+    state["kv_pool"] = outs[0]
+    dims = {1: [L, "num_tokens", Hkv], 2: [L, "num_token_heads"], 3: [L, "num_token_heads"], 4: ["num_token_heads"],
+            5: ["num_token_heads"]}
+    for j in range(1, len(outs)):
+        _typed(outs[j], np.int32, dims[j])
+    return dict(zip(spec.outputs[1:], outs[1:]))
 
 
 def _rope(b: _Builder, x, cos, sin, head_dim: int, name: str):

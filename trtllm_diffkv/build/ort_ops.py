@@ -13,6 +13,11 @@ shapes and dtypes; the nodes' state outputs are copies of the cache's tensors af
 the graph's ``*_out`` outputs hold the real pool bytes and page table after the step (onnxruntime
 cannot alias an input in place as TensorRT does; the copies are what it costs here).
 
+The per-operation graphs' nodes run the per-operation plugins' implementations on their own inputs (no handle):
+``prefill_attention`` / ``decode_attention`` on the torch ops path, and the decode graph's plan nodes
+(``decode_decide``, ``page_update``, ``decode_locate``) with the Triton decision / page-manager kernels - on the
+CPU under ``TRITON_INTERPRET=1`` - and the moves on the torch ops path (:func:`run_per_op_step`).
+
 onnxruntime-extensions registers Python ops in its own domain (``ai.onnx.contrib``);
 :func:`ort_model` returns a copy of the exported model with the plugin nodes moved there.
 
@@ -30,7 +35,7 @@ import torch
 from plugins import ops as plugin_ops
 from plugins import specs
 
-from .onnx_export import (ATTENTION_OP, PAGE_UPDATE_OP, PLAN_INPUTS, PLUGIN_NAMESPACE, STATE_INPUTS,
+from .onnx_export import (ATTENTION_OP, PAGE_UPDATE_OP, PHASE_STATE, PLAN_INPUTS, PLUGIN_NAMESPACE, STATE_INPUTS,
                           per_op_input_dtypes)
 
 _REGISTERED = False
@@ -115,15 +120,17 @@ def _op_types(plugin: specs.PluginSpec) -> tuple[list, list, dict]:
 
     pick = lambda t: getattr(P, _ORT_TYPES["float32" if "float32" in t.dtypes else t.dtypes[0]])  # noqa: E731
     inputs = [pick(t) for t in plugin.inputs]
-    outputs = [inputs[plugin.aliases.get(j, 0)] for j in range(len(plugin.outputs))]
+    outputs = [getattr(P, _ORT_TYPES[plugin.new_outputs[j][0]]) if j in plugin.new_outputs else
+               inputs[plugin.aliases.get(j, 0)] for j in range(len(plugin.outputs))]
     attrs = {n: P.dt_string for n in specs.RESERVED_ATTRIBUTES}
     attrs.update({n: {int: P.dt_int64, float: P.dt_float, str: P.dt_string}[t] for n, t in plugin.fields.items()})
     return inputs, outputs, attrs
 
 
 def register_ops() -> None:
-    """Register the two composite plugins and the per-operation attention plugins (``prefill_attention``,
-    ``decode_attention``) as onnxruntime-extensions Python ops (idempotent)."""
+    """Register the two composite plugins, the per-operation attention plugins (``prefill_attention``,
+    ``decode_attention``) and the decode plan's plugins (``decode_decide``, ``page_update``, ``decode_locate``) as
+    onnxruntime-extensions Python ops (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -140,6 +147,9 @@ def register_ops() -> None:
         outputs = [inputs[plugin.aliases.get(j, 0)] for j in range(len(plugin.outputs))]
         _, _, attrs = _op_types(plugin)
         onnx_op(op_type=plugin.name, inputs=inputs, outputs=outputs, attrs=attrs)(_per_op(plugin))
+    for plugin in PLAN_PLUGINS:
+        inputs, outputs, attrs = _op_types(plugin)
+        onnx_op(op_type=plugin.name, inputs=inputs, outputs=outputs, attrs=attrs)(_plan_op(plugin))
     _REGISTERED = True
 
 
@@ -177,6 +187,121 @@ def _per_op(plugin: specs.PluginSpec):
     return op
 
 
+PLAN_PLUGINS = (specs.DECODE_DECIDE, specs.PAGE_UPDATE, specs.DECODE_LOCATE)
+"""The decode graph's plan nodes, in graph order."""
+
+
+def _plan_op(plugin: specs.PluginSpec):
+    """The onnxruntime op of a decode-plan node: :func:`plugins.ops.run_decode_decide`,
+    :func:`plugins.ops.run_page_update` or :func:`plugins.ops.run_decode_locate` (Triton kernels: on the CPU under
+    ``TRITON_INTERPRET=1``; the moves' read/write on the torch ops path) on copies of the inputs, the aliased ones
+    returned as the updated state. Never raises (module docstring): a failure is recorded, zeros and the input
+    state returned."""
+
+    def op(*arrays, **attrs):
+        fields = {n: attrs[n] for n in plugin.fields}
+        try:
+            shapes = specs.infer(plugin, [a.shape for a in arrays], [a.dtype.name for a in arrays], fields)
+        except Exception:  # noqa: BLE001 - reported by the run below
+            shapes = [((1,), "int32")] * len(plugin.outputs)
+        try:
+            from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4
+
+            from .fields import kv_config_from_fields
+
+            patch_interpreter_for_numpy_2_4()  # a no-op unless TRITON_INTERPRET=1
+            cfg = kv_config_from_fields(fields)
+            inputs = [_t(a) for a in arrays]
+            outputs = [inputs[plugin.aliases[j]] if j in plugin.aliases else
+                       torch.zeros(shape, dtype=getattr(torch, dtype)) for j, (shape, dtype) in enumerate(shapes)]
+            if plugin is specs.DECODE_DECIDE:
+                plugin_ops.run_decode_decide(inputs, outputs, cfg, fields)
+            elif plugin is specs.PAGE_UPDATE:
+                plugin_ops.run_page_update(inputs, cfg, fields)
+            else:
+                plugin_ops.run_decode_locate(inputs, outputs, cfg, fields, use_triton=False)
+            return tuple(o.numpy() for o in outputs)
+        except Exception as exc:  # noqa: BLE001 - an exception here would abort the process (module docstring)
+            _PER_OP_ERRORS.append(f"{plugin.name}: {type(exc).__name__}: {exc}")
+            return tuple(arrays[plugin.aliases[j]] if j in plugin.aliases else
+                         np.zeros(shape, dtype=np.dtype(dtype)) for j, (shape, dtype) in enumerate(shapes))
+    return op
+
+
+def decode_feeds(cache, slots, step_positions) -> dict[str, np.ndarray]:
+    """The decode graph's plan and state inputs (:data:`~.onnx_export.PLAN_INPUTS` ``["decode"]``,
+    :data:`~.onnx_export.PHASE_STATE` ``["decode"]``) from a ``PagedDiffKVCache`` (copies, numpy): the slots and
+    positions int64 ``[n]``, the pool, the page manager's state (a ``CpuPageManager``'s ring counters as
+    ``ring_state`` = (start, end, status)), key offsets, error flags and prompt lengths."""
+    man = cache.manager
+    np_ = lambda t: t.detach().cpu().numpy().copy()  # noqa: E731
+    state = {"kv_pool": cache.pool.pages(), "page_table": man.page_table, "tier_tokens": man.tokens,
+             "row_pages": man.pages, "slot_state": man.slot_state, "ring": man.ring,
+             "ring_state": torch.tensor(man.snapshot_counters(), dtype=torch.int64),
+             "key_offsets": cache.row_meta.key_offsets, "error_flags": cache.error_flags,
+             "prompt_len": cache._prompt_len_dev}
+    feeds = {"step_slots": np.asarray(slots, dtype=np.int64), "step_positions": np.asarray(step_positions, dtype=np.int64)}
+    for name in PHASE_STATE["decode"]:
+        feeds[name] = np_(state[name]).astype(STATE_INPUTS[name][0], copy=False)
+    return feeds
+
+
+def _check_decode_step(cache, num_tokens: int, slots, seq_lens, step_positions) -> None:
+    """The host checks ``cache.plan`` makes for a decode-only step (the graph plans it); raises as ``plan`` does."""
+    import os
+
+    from ..paged.cache import OutOfPagesError
+
+    if cache._step is not None:
+        raise ValueError("a step is already planned on the cache; run or discard it first")
+    n = len(slots)
+    if not n or len(seq_lens) != n or len(step_positions) != n:
+        raise ValueError("slots, seq_lens and positions must have the same nonzero length")
+    if len(set(int(s) for s in slots)) != n:
+        raise ValueError(f"slots must be distinct, got {list(slots)}")
+    if num_tokens < n:
+        raise ValueError(f"{num_tokens} tokens for {n} decode requests (one token each, then any padding)")
+    for i, (slot, total, first) in enumerate(zip(slots, seq_lens, step_positions)):
+        cache._check_request(i, int(slot), int(total), int(first), False)
+    need, free = cache.manager.worst_case_decode_pages(n), cache.manager.free_pages()
+    if need > free:
+        raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
+    if cache.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the decode graph's plan nodes run Triton kernels: on the CPU set TRITON_INTERPRET=1 before "
+                         "importing trtllm_diffkv")
+
+
+def _run_decode_graph(session, cache, input_ids, positions, logits_indices, slots, seq_lens,
+                      step_positions) -> np.ndarray:
+    """:func:`run_per_op_step` of a decode step: the graph plans it (no ``cache.plan``)."""
+    from ..memory.page_manager import PageTableSnapshot
+    from ..paged.cache import _Step
+
+    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    _check_decode_step(cache, len(input_ids), slots, seq_lens, step_positions)
+    feeds = {"input_ids": i64(input_ids), "positions": i64(positions), "logits_indices": i64(logits_indices),
+             **decode_feeds(cache, slots, step_positions)}
+    _PER_OP_ERRORS.clear()
+    outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    if _PER_OP_ERRORS:
+        raise ValueError(_PER_OP_ERRORS[0])
+    status_in, status = int(feeds["ring_state"][2]), int(outs["ring_state_out"][2])
+    if status & ~status_in:
+        raise ValueError(f"the page update refused the step (status bits {status}); the cache is unchanged")
+    man, shape = cache.manager, (cache.max_slots, cache.num_layers, cache.num_kv_heads)
+    t = lambda name: torch.from_numpy(outs[f"{name}_out"])  # noqa: E731
+    start, end, status = (int(x) for x in outs["ring_state_out"])
+    man.load_snapshot(PageTableSnapshot(ring=t("ring"), ring_start=start, ring_end=end,
+                                        page_table=t("page_table").reshape(*shape, -1),
+                                        pages=t("row_pages").reshape(*shape, 2), tokens=t("tier_tokens").reshape(*shape, 2),
+                                        slot_state=t("slot_state"), status=status))
+    cache.pool.pages().copy_(t("kv_pool"))
+    cache.error_flags.copy_(t("error_flags"))
+    slots, seq_lens, step_positions = ([int(x) for x in a] for a in (slots, seq_lens, step_positions))
+    cache._finish_step(_Step(slots, seq_lens, step_positions, 0, len(input_ids)))  # seq_len bookkeeping
+    return outs["logits"]
+
+
 def step_phase(is_prefill) -> str:
     """``"prefill"`` (every request brings its prompt) or ``"decode"`` (none does).
 
@@ -194,55 +319,59 @@ def step_phase(is_prefill) -> str:
 
 
 def plan_feeds(cache, phase: str) -> dict[str, np.ndarray]:
-    """The plan and state inputs of a per-operation graph from a ``PagedDiffKVCache`` whose step of kind ``phase``
-    is planned (``cache.plan``) and whose layers have not run: :data:`~.onnx_export.PLAN_INPUTS` from the step's
-    prefill / decode tensors, :data:`~.onnx_export.STATE_INPUTS` from the cache (copies, numpy).
+    """The plan and state inputs of the per-operation prefill graph from a ``PagedDiffKVCache`` whose prefill step
+    is planned (``cache.plan``) and whose layers have not run: :data:`~.onnx_export.PLAN_INPUTS` ``["prefill"]`` from
+    the step's prefill tensors, the state of :data:`~.onnx_export.PHASE_STATE` ``["prefill"]`` from the cache
+    (copies, numpy). (The decode graph plans its step itself: :func:`decode_feeds`.)
 
     Raises:
-        ValueError: no step of that kind planned.
+        ValueError: ``phase`` other than ``"prefill"``, or no prefill step planned.
     """
+    if phase != "prefill":
+        raise ValueError(f"phase={phase!r}: plan_feeds is for the prefill graph; the decode graph takes decode_feeds")
     step = cache._step
-    part = None if step is None else (step.prefill if phase == "prefill" else step.decode)
+    part = None if step is None else step.prefill
     if part is None or step.next_layer:
         raise ValueError(f"no planned {phase} step whose layers have not run")
     np_ = lambda t: t.detach().cpu().numpy().copy()  # noqa: E731
-    if phase == "prefill":
-        plan = [part[k] for k in ("cu", "req", "t", "count", "thr_h", "thr_l", "window", "start", "row_base",
-                                  "reserved", "err_idx")]
-    else:
-        L = part["row_ids"].shape[0]
-        plan = [part["row_ids"], part["page"].reshape(L, -1), part["slot"].reshape(L, -1), part["positions"],
-                part["err_idx"]]
+    plan = [part[k] for k in ("cu", "req", "t", "count", "thr_h", "thr_l", "window", "start", "row_base",
+                              "reserved", "err_idx")]
     state = {"kv_pool": cache.pool.pages(), "page_table": cache.manager.page_table,
              "tier_tokens": cache.manager.tokens, "key_offsets": cache.row_meta.key_offsets,
-             "error_flags": cache.error_flags}
-    if phase == "prefill":
-        state["tier_counts"] = part["counts"]
+             "error_flags": cache.error_flags, "tier_counts": part["counts"]}
     feeds = {}
     for (name, (dtype, _)), t in zip(PLAN_INPUTS[phase].items(), plan):
         feeds[name] = np_(t).astype(dtype, copy=False)
-    for name in STATE_INPUTS:
-        if name in state:
-            feeds[name] = np_(state[name]).astype(STATE_INPUTS[name][0], copy=False)
+    for name in PHASE_STATE[phase]:
+        feeds[name] = np_(state[name]).astype(STATE_INPUTS[name][0], copy=False)
     return feeds
 
 
 def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices, slots, seq_lens, step_positions,
                     is_prefill) -> np.ndarray:
     """One step through the per-operation graphs (:func:`~.onnx_export.export_per_op`); returns the logits
-    ``[num_logits, vocab_size]`` float32.
+    ``[num_logits, vocab_size]`` float32. ``cache`` (a ``PagedDiffKVCache``) holds the state of record.
 
-    The host part runs on ``cache`` (a ``PagedDiffKVCache``, the state of record): ``cache.plan`` (prompt
-    reservation; decode decisions, ``append_decode``, moves, token locations), then the graph of the step's kind
-    (``sessions[phase]``, :func:`ort_session`) on the plan's tensors and the cache's state, whose ``*_out``
-    outputs are copied back into the cache; then the step's end (the prompts' commit: the cache's own
-    ``_finish_step`` with the graph's tier counts).
+    Prefill (``sessions["prefill"]``): ``cache.plan`` (prompt reservation), the graph on :func:`plan_feeds`, its
+    ``*_out`` outputs copied back into the cache, then the cache's own step end (``_finish_step``: the prompts'
+    ``commit_prompt`` with the graph's tier counts).
+
+    Decode (``sessions["decode"]``): no host plan. The host checks the step as ``cache.plan`` would (active slots,
+    positions, free pages), feeds the slots, positions and the cache's state (:func:`decode_feeds`); the graph's
+    ``decode_decide`` / ``page_update`` / ``decode_locate`` nodes plan the step and the layers run; then the
+    ``*_out`` state (pool, page manager, error flags) is copied back and the host's sequence lengths advance.
+    ``input_ids`` / ``positions`` may be longer than ``slots`` (padding tokens after the sequences: their row ids
+    are -1, their outputs zeros).
 
     Raises:
-        ValueError: a mixed step, a step the cache refuses (nothing planned), or a plugin op failed (the step is
-            discarded: ``cache.discard_step``).
+        ValueError: a mixed step, a step the cache refuses, a plugin op failed or the page update refused the step
+            (prefill: the step is discarded, ``cache.discard_step``; decode: the cache is unchanged).
+        OutOfPagesError: too few free pages for a decode step (nothing changed).
     """
     phase = step_phase(is_prefill)
+    if phase == "decode":
+        return _run_decode_graph(sessions[phase], cache, input_ids, positions, logits_indices, slots, seq_lens,
+                                 step_positions)
     cache.plan(slots, seq_lens, step_positions, is_prefill)
     try:
         i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
@@ -255,9 +384,7 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
             raise ValueError(_PER_OP_ERRORS[0])
         step = cache._step
         targets = {"kv_pool": cache.pool.pages(), "key_offsets": cache.row_meta.key_offsets,
-                   "error_flags": cache.error_flags}
-        if phase == "prefill":
-            targets["tier_counts"] = step.prefill["counts"]
+                   "error_flags": cache.error_flags, "tier_counts": step.prefill["counts"]}
         for name, t in targets.items():
             if f"{name}_out" in outs:
                 t.copy_(torch.from_numpy(outs[f"{name}_out"]))

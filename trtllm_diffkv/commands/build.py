@@ -4,12 +4,14 @@
 
     trtllm-diffkv build --checkpoint DIR --output ENGINE_DIR --plugin diffkv [--kv-config PRESET]
                         [--max-batch-size N] [--max-seq-len N] [--dtype auto|float16|bfloat16|float32]
-                        [--targets 80,90] [--no-onnx]
+                        [--targets 80,90] [--no-onnx] [--graph composite|per-op]
 
 Steps (:func:`build_engine_dir`): load and check the checkpoint; fix the engine shape
 (:class:`~trtllm_diffkv.build.fields.EngineShape`: refuses an unsupported head_dim or query:KV ratio);
 write the model folder (weights as safetensors in the build dtype), the ONNX graph with one DiffKV
-plugin node per layer, the AOT kernels for ``--targets`` and their manifest, and config.json
+plugin node per layer (``--graph composite``, the default: ``model.onnx``; ``--graph per-op``: the per-operation
+graphs ``model_prefill.onnx`` and ``model_decode.onnx``, whose weights are one shared ``model.onnx.data``), the
+AOT kernels for ``--targets`` and their manifest, and config.json
 (:mod:`trtllm_diffkv.build.engine_dir`). Where ``import tensorrt`` works it would also parse the ONNX
 graph with the DiffKV plugins registered and serialize ``rank0.engine``; where not (this project's
 machines), it prints one line saying so. Everything is written into a temporary sibling directory that
@@ -45,6 +47,9 @@ def add_parser(subparsers) -> None:
                    help="activation dtype (default: auto = the checkpoint's)")
     p.add_argument("--targets", default="80,90", help="GPU compute capabilities to compile for (default: 80,90)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
+    p.add_argument("--graph", default="composite",
+                   help="ONNX graph form: 'composite' (model.onnx, the default) or 'per-op' (model_prefill.onnx + "
+                        "model_decode.onnx: per-operation plugin nodes, the decode graph plans its own steps)")
     p.set_defaults(run=run)
 
 
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = build_engine_dir(args.checkpoint, args.output, plugin=args.plugin, kv_config=args.kv_config,
                                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                               targets=_targets(args.targets), onnx=not args.no_onnx, log=_log)
+                               targets=_targets(args.targets), onnx=not args.no_onnx, graph=args.graph,
+                               log=_log)
     except Exception as exc:  # noqa: BLE001 - every failure is one line
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"trtllm-diffkv build: error: {msg}", file=sys.stderr)
@@ -75,12 +81,17 @@ def _targets(text: str) -> tuple[int, ...]:
 
 def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: str = "default",
                      max_batch_size: int = 8, max_seq_len: int = 2048, dtype: str = "auto",
-                     targets: tuple[int, ...] = (80, 90), onnx: bool = True, log=lambda line: None) -> Path:
+                     targets: tuple[int, ...] = (80, 90), onnx: bool = True, graph: str = "composite",
+                     log=lambda line: None) -> Path:
     """Write an engine directory (see the module docstring); returns its path.
+
+    Args:
+        graph: ``"composite"`` (``model.onnx``) or ``"per-op"`` (``model_prefill.onnx`` + ``model_decode.onnx``, one
+            shared ``model.onnx.data``); needs ``onnx=True``.
 
     Raises:
         ValueError: ``plugin`` other than ``diffkv``, an unsupported head_dim / architecture / GPU
-            target / dtype / size, an existing ``output``.
+            target / dtype / size, an existing ``output``, an unknown ``graph`` or ``per-op`` without ONNX.
         FileNotFoundError: a missing checkpoint.
         RuntimeError: a kernel failed to compile.
     """
@@ -94,6 +105,12 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
 
     if plugin != "diffkv":
         raise ValueError(f"--plugin {plugin!r} is not supported; the only plugin is 'diffkv'")
+    from ..build.onnx_export import GRAPHS
+
+    if graph not in GRAPHS:
+        raise ValueError(f"--graph {graph!r}: expected one of {', '.join(GRAPHS)}")
+    if graph == "per-op" and not onnx:
+        raise ValueError("--graph per-op writes ONNX graphs; it cannot be combined with --no-onnx")
     aot.check_targets(targets)
     checkpoint, output = Path(checkpoint), Path(output)
     if not checkpoint.exists():
@@ -116,19 +133,27 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     try:
         _write_model(model, resolve_model_path(str(checkpoint)), tmp / "model")
         onnx_file = None
-        if onnx:
+        if onnx and graph == "composite":
             log("exporting the ONNX graph with DiffKV plugin nodes")
             from ..build.onnx_export import export_onnx
 
             proto = export_onnx(model, kv, max_positions=max_seq_len)
             _save_onnx(proto, tmp / "model.onnx")
             onnx_file = "model.onnx"
+        elif onnx:
+            log("exporting the per-operation ONNX graphs (prefill, decode) with DiffKV plugin nodes")
+            from ..build.onnx_export import PHASES, export_onnx
+
+            protos = {ph: export_onnx(model, kv, max_positions=max_seq_len, graph="per-op", phase=ph) for ph in PHASES}
+            onnx_file = {ph: f"model_{ph}.onnx" for ph in PHASES}
+            _save_shared_onnx(protos, tmp, onnx_file, "model.onnx.data")
         log(f"compiling the kernels ahead of time for {', '.join(f'sm_{t}' for t in targets)}")
         aot.build_kernels(shape, tmp / "kernels", targets)
         engine_file, note = _tensorrt_engine(tmp, onnx_file)
         log(note)
         config = engine_config(mc, shape, onnx_file=onnx_file, engine_file=engine_file,
-                               targets=[f"sm_{t}" for t in targets], tensorrt_note=note)
+                               targets=[f"sm_{t}" for t in targets], tensorrt_note=note,
+                               graph=graph if onnx else None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.rename(tmp, output)
     except BaseException:
@@ -165,7 +190,40 @@ def _save_onnx(proto, path: Path) -> None:
               location=path.name + ".data", size_threshold=1024)
 
 
-def _tensorrt_engine(folder: Path, onnx_file: str | None) -> tuple[str | None, str]:
+def _save_shared_onnx(protos: dict, folder: Path, files: dict, data_name: str, size_threshold: int = 1024) -> None:
+    """Save ``protos[k]`` as ``folder / files[k]`` with every initializer of ``size_threshold`` bytes or more in one
+    external file ``data_name``, written once per distinct (name, bytes): the graphs' shared weights are stored once
+    and every graph's initializers point at the same offsets (ONNX external data: location, offset, length)."""
+    import hashlib
+
+    import onnx
+    from onnx.external_data_helper import set_external_data
+    from onnx.numpy_helper import to_array
+
+    offsets: dict = {}
+    with open(folder / data_name, "wb") as data:
+        for key, proto in protos.items():
+            for tensor in proto.graph.initializer:
+                raw = tensor.raw_data if tensor.HasField("raw_data") else to_array(tensor).tobytes()
+                if len(raw) < size_threshold:
+                    continue
+                ident = (tensor.name, hashlib.sha256(raw).hexdigest())
+                if ident not in offsets:
+                    data.seek(0, 2)
+                    pad = -data.tell() % 64  # aligned like onnx's own writer (page-aligned not needed here)
+                    data.write(b"\0" * pad)
+                    offsets[ident] = (data.tell(), len(raw))
+                    data.write(raw)
+                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                    tensor.ClearField(field)
+                tensor.raw_data = raw  # set_external_data wants the raw form
+                set_external_data(tensor, data_name, *offsets[ident])
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                tensor.ClearField("raw_data")
+            onnx.save(proto, str(folder / files[key]))
+
+
+def _tensorrt_engine(folder: Path, onnx_file) -> tuple[str | None, str]:
     """Serialize rank0.engine where TensorRT imports; else (None, the one line that says why not).
 
     Not run on this project's machines (TensorRT cannot be installed here): written against TensorRT
@@ -181,6 +239,8 @@ def _tensorrt_engine(folder: Path, onnx_file: str | None) -> tuple[str | None, s
                      "a serialized engine (rank0.engine)"
     if onnx_file is None:
         return None, "no ONNX graph (--no-onnx): no serialized engine"
+    if isinstance(onnx_file, dict):  # per-operation graphs: one engine per step kind is not written yet
+        return None, "per-operation graphs: serialized engines (one per step kind) are not built yet"
     import importlib
 
     importlib.import_module("plugins.trt_plugins")  # registers diffkv::* with tensorrt.plugin
