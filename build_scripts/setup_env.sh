@@ -17,3 +17,9 @@ fi
 # Triton's Python backend stub needs NumPy 1 (its pybind11 predates NumPy 2): a small venv over this
 # interpreter with numpy<2, put first on the server's PATH by trtllm_diffkv/serve/triton_server.py.
 "$PY" -m trtllm_diffkv.commands.triton_repo --setup-stub-env
+# On a CUDA machine: CuPy, which compiles the CUDA C++ decode kernel with NVRTC (without it the Triton kernels run).
+# The wheel matches torch's CUDA major (cupy-cuda12x / cupy-cuda13x); skipped without a GPU.
+cuda_major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0] if torch.cuda.is_available() and torch.version.cuda else '')")
+if [ -n "$cuda_major" ] && ! "$PY" -c "import cupy" 2>/dev/null; then
+    "$PY" -m pip install -q "cupy-cuda${cuda_major}x" || echo "setup_env: cupy-cuda${cuda_major}x did not install; decode attention uses the Triton kernels" >&2
+fi

@@ -37,7 +37,7 @@ def main() -> None:
     responses = queue.Queue()
     with grpcclient.InferenceServerClient(args.grpc) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        inputs = [tensor("text_input", "Write a haiku about memory.".encode(), "BYTES", object),
+        inputs = [tensor("text_input", "The capital of France is".encode(), "BYTES", object),
                   tensor("max_tokens", 32, "INT32", np.int32), tensor("stream", True, "BOOL", bool),
                   tensor("temperature", 0.0, "FP32", np.float32)]
         client.async_stream_infer(MODEL, inputs, request_id="1", enable_empty_final_response=True)

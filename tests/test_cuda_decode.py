@@ -137,3 +137,20 @@ def test_misaligned_page_formats_fall_back():
     fmt = PageFormat.for_config(DiffKVConfig(), 128, high_tokens_per_page=15, alignment_bytes=4)
     reason = unsupported_reason(fmt, 8, 2, torch.float16)
     assert reason is not None and ("not a multiple of" in reason), reason
+
+
+def test_executor_reports_its_decode_backend_and_refuses_a_forced_cuda_one(monkeypatch):
+    """The executor decides once at start: torch ops (no Triton), Triton, or the CUDA kernel; forcing CUDA where it
+    cannot run fails there, not at every request's first decode step."""
+    from conftest import tiny_llama
+    from trtllm_diffkv.runtime import Executor
+
+    model = tiny_llama()
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    kw = dict(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 22)
+    assert Executor(model, model.config, DiffKVConfig(), use_triton=False, **kw).decode_backend == "torch"
+    assert Executor(model, model.config, DiffKVConfig(), use_triton=True, **kw).decode_backend == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    assert Executor(model, model.config, DiffKVConfig(), use_triton=False, **kw).decode_backend == "torch"
+    with pytest.raises(ValueError, match=f"{BACKEND_ENV}=cuda, but the CUDA decode kernel cannot run"):
+        Executor(model, model.config, DiffKVConfig(), use_triton=True, **kw)

@@ -252,6 +252,7 @@ def generate_command(args: argparse.Namespace) -> int:
             raise ValueError("--kv-memory-bytes needs --engine executor")
         if engine == "executor":
             generator = _executor_llm(model, tokenizer, model_config, kv_config, args)
+            print(f"[trtllm-diffkv] decode attention: {generator.executor.decode_backend}", file=sys.stderr, flush=True)
         else:
             if engine == "paged":
                 from .paged.generator import PagedGenerator as generator_class

@@ -114,7 +114,7 @@ def write_repository(out: str | Path, *, model: str | Path | None = None, name: 
     model_dir = Path(out) / name
     if model_dir.exists():
         if not overwrite:
-            raise FileExistsError(f"{model_dir} exists; pass overwrite=True (--overwrite) to replace it")
+            raise FileExistsError(f"{model_dir} exists; pass --overwrite (Python: overwrite=True) to replace it")
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(text)
