@@ -151,28 +151,37 @@ def run_prefill(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: b
     prefill.prefill_layer(cache, step, int(attrs["layer_idx"]), q, k, v, out)
 
 
-def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bool) -> None:
+def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bool, scratch: dict | None = None) -> None:
     """``diffkv::decode_attention``: the new token written high into its planned slot, then paged decode
     attention with the score update.
 
     Args:
         inputs: the tensors of :data:`.specs.DECODE`, in order.
         out: ``[B, H, D]`` attention output (written).
+        scratch: the tensors this op otherwise allocates (the AOT graph's recording names them,
+            ``build/aot_graph.py``): ``rows`` int64 ``[B, Hkv]`` (``row_ids`` as int64: the key-offset rows),
+            ``scores`` fp32 ``[B * Hkv]`` zeros (the new tokens' scores), ``workspace`` (a ``DecodeWorkspace``).
     """
     from trtllm_diffkv.paged import decode
 
+    scratch = scratch or {}
     q, k, v, row_ids, page, slot, positions, err_idx, pool, table, tokens, key_offsets, flags = inputs
     cache = _cache_view(cfg, attrs, pool, table, tokens, key_offsets, flags, q.shape[0], use_triton)
-    step = SimpleNamespace(decode=dict(rows=row_ids.long()[None], row_ids=row_ids[None], page=page[None],
-                                       slot=slot[None], positions=positions,
-                                       scores=torch.zeros(positions.numel(), dtype=torch.float32, device=q.device),
-                                       err_idx=err_idx))
+    cache._workspace = scratch.get("workspace")
+    rows = scratch.get("rows")
+    scores = scratch.get("scores")
+    step = SimpleNamespace(decode=dict(rows=(row_ids.long() if rows is None else rows)[None], row_ids=row_ids[None],
+                                       page=page[None], slot=slot[None], positions=positions,
+                                       scores=torch.zeros(positions.numel(), dtype=torch.float32, device=q.device)
+                                       if scores is None else scores, err_idx=err_idx))
     decode.decode_layer(cache, step, 0, q, k, v, out)
 
 
-def run_page_update(inputs: list, cfg, attrs: dict) -> None:
+def run_page_update(inputs: list, cfg, attrs: dict, scratch: dict | None = None) -> None:
     """``diffkv::page_update``: one ``append_decode`` on a ``TritonPageManager`` whose state tensors are the
-    plugin's inputs (updated in place; CUDA, or the CPU under ``TRITON_INTERPRET=1``)."""
+    plugin's inputs (updated in place; CUDA, or the CPU under ``TRITON_INTERPRET=1``). ``scratch``: the manager's
+    own scratch tensors to use instead of fresh ones (``block_sum``, ``block_flag``, ``block_off``, ``ctrl``,
+    ``claim``; ``claim`` all zero), as the AOT graph's recording names them."""
     from trtllm_diffkv.memory import PageFormat
     from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
 
@@ -185,6 +194,8 @@ def run_page_update(inputs: list, cfg, attrs: dict) -> None:
         raise ValueError(f"page_table {tuple(table.shape)} does not fit the fields (expected {tuple(mgr.page_table.shape)})")
     mgr.page_table, mgr.tokens, mgr.pages, mgr.slot_state, mgr.ring, mgr.ring_state = \
         table, tokens, pages, slot_state, ring, ring_state
+    for name, t in (scratch or {}).items():
+        setattr(mgr, f"_{name}", t)
     mgr.append_decode(slots, dh, dl)
 
 
@@ -196,7 +207,7 @@ def _plan_shape(cfg, attrs: dict):
     return fmt, L, H, L * H
 
 
-def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict) -> None:
+def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict, alphas: torch.Tensor | None = None) -> None:
     """``diffkv::decode_decide``: the DiffKV decisions of every row of the step's ``n`` decode sequences
     (``kernels/decision_kernel.py::decide_rows``, as ``paged/decode.py::plan_device`` calls it; bit-identical to
     ``paged/decisions.py::decide``).
@@ -208,6 +219,7 @@ def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict) -> None:
             (written; contiguous).
         cfg: the :class:`~trtllm_diffkv.config.DiffKVConfig`; attrs: the plugin fields (``num_layers``,
             ``num_kv_heads``, ``head_dim``).
+        alphas: fp64 ``[2]`` (``decision_kernel.alpha_tensor`` of the configuration; default: made here).
 
     Raises:
         ValueError: outputs too small, or a compressing preset whose pool format has no token metadata.
@@ -217,14 +229,16 @@ def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict) -> None:
     slots, positions, pool, table, tokens, prompt_len = inputs
     fmt, _L, _H, G = _plan_shape(cfg, attrs)
     dh, dl, new, move_from, move_to = outputs
-    alphas = decision_kernel.alpha_tensor(cfg.alpha_high, cfg.alpha_low, pool.device)
+    if alphas is None:
+        alphas = decision_kernel.alpha_tensor(cfg.alpha_high, cfg.alpha_low, pool.device)
     decision_kernel.decide_rows(pool, fmt, table, tokens, slots, positions, prompt_len, alphas, rows_per_slot=G,
                                 recent_window_tokens=cfg.recent_window_tokens,
                                 prompt_score_window_tokens=cfg.prompt_score_window_tokens,
                                 out=(dh.view(-1), dl.view(-1), new, move_from, move_to), compress=cfg.compress)
 
 
-def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton: bool) -> None:
+def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton: bool,
+                      scratch: dict | None = None) -> None:
     """``diffkv::decode_locate``: after the page update, the new tokens' high slots and the moves to the low tier
     (``decision_kernel.locate_rows``, then ``read_tokens`` high / ``write_tokens`` low: the tail of
     ``paged/decode.py::plan_device``).
@@ -237,6 +251,9 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
             ``[L, B * Hkv]``, decode_positions / err_idx int32 ``[B * Hkv]`` (written; sequences ``b >= n``:
             row id and page -1).
         use_triton: the moves' read/write kernels (Triton) or their torch versions (``paged/torch_ops.py``).
+        scratch: the tensors this op otherwise allocates (as the AOT graph's recording names them): ``rows`` int64
+            ``[L, B, Hkv]``, ``moves`` (4 int32 ``[n * L * Hkv]``: source page/slot, destination page/slot), ``keys``,
+            ``values`` fp32 ``[n * L * Hkv, D]``, ``score`` fp32 and ``pos`` int32 ``[n * L * Hkv]``.
 
     Raises:
         ValueError: a bucket ``B`` smaller than the ``n`` sequences.
@@ -251,20 +268,67 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
     B, n = token_positions.shape[0], slots.numel()
     if B < n:
         raise ValueError(f"decode_locate: {B} tokens for {n} sequences (the bucket must hold every sequence)")
+    scratch = scratch or {}
     row_ids, page, slot, dpos, err_idx = outputs[1:]
-    bufs = dict(rows=torch.empty(L, B, H, dtype=torch.int64, device=pool.device), row_ids=row_ids,
-                page=page.view(L, B, H), slot=slot.view(L, B, H), positions=dpos, err_idx=err_idx)
+    rows = scratch.get("rows")
+    bufs = dict(rows=torch.empty(L, B, H, dtype=torch.int64, device=pool.device) if rows is None else rows,
+                row_ids=row_ids, page=page.view(L, B, H), slot=slot.view(L, B, H), positions=dpos, err_idx=err_idx)
     m = n * G
-    moves = tuple(torch.empty(m, dtype=torch.int32, device=pool.device) for _ in range(4)) if cfg.compress else None
+    moves = None
+    if cfg.compress:
+        moves = scratch.get("moves") or tuple(torch.empty(m, dtype=torch.int32, device=pool.device) for _ in range(4))
     decision_kernel.locate_rows(table, fmt, slots, positions, (None, None, new, move_from, move_to), bufs, moves,
                                 num_kv_heads=H, rows_per_slot=G)
     if moves is not None and m:
         ops = _kernels(use_triton)[0]
         src_page, src_slot, dst_page, dst_slot = moves
         D = int(attrs["head_dim"])
-        k = torch.empty(m, D, dtype=torch.float32, device=pool.device)
-        v = torch.empty_like(k)
-        score = torch.empty(m, dtype=torch.float32, device=pool.device)
-        pos = torch.empty(m, dtype=torch.int32, device=pool.device)
+        new_t = lambda name, *shape, dtype=torch.float32: scratch[name] if name in scratch else \
+            torch.empty(*shape, dtype=dtype, device=pool.device)  # noqa: E731
+        k, v = new_t("keys", m, D), new_t("values", m, D)
+        score, pos = new_t("score", m), new_t("pos", m, dtype=torch.int32)
         ops.read_tokens(pool, fmt, "high", src_page, src_slot, k, v, score, pos)
         ops.write_tokens(pool, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
+
+
+_TRITON_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i1": "bool",
+                  "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8"}
+
+
+def run_aot_kernel(tensors: list, attrs: dict) -> None:
+    """``diffkv::aot_<kernel>`` through Triton's JIT: launch the node's kernel with the node's launch parameters on its
+    input tensors (written in place; CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+
+    Args:
+        tensors: the node's inputs, one per pointer parameter (``attrs["pointer_params"]``), as bound in the graph:
+            a tensor whose dtype differs from the parameter's (``attrs["pointer_types"]``, e.g. the uint8 pool for an
+            ``*fp32`` view) is passed as a flat view of that dtype; an input with ``same_as[j] != j`` is replaced by
+            that input (one buffer named twice).
+        attrs: the node's attributes (``build/onnx_export.py::aot_node_attrs``; JSON strings or already decoded):
+            ``kernel`` ("module:function"), ``grid`` / ``scalars`` expressions of ``sizes``, whose expressions of the
+            step sizes are read from the inputs' dims (``dims``: ``[input, axis, divisor]``), ``constexprs``,
+            ``num_warps``, ``num_stages``.
+    """
+    import importlib
+    import json
+
+    from trtllm_diffkv.build.aot import decode_constexpr, eval_grid, kernel_parameters
+    from trtllm_diffkv.build.aot_graph import eval_dim
+
+    get = lambda k: json.loads(attrs[k]) if isinstance(attrs[k], str) else attrs[k]  # noqa: E731
+    same_as, types, params = get("same_as"), get("pointer_types"), get("pointer_params")
+    constexprs = {k: decode_constexpr(v) for k, v in get("constexprs").items()}
+    env = {"n": 0, "B": 0, "P": 0}
+    env.update({s: int(tensors[j].shape[axis]) // div for s, (j, axis, div) in get("dims").items()})
+    sizes = {k: eval_dim(v, **env) for k, v in get("sizes").items()}
+    grid = eval_grid(get("grid"), sizes, constexprs)
+    scalars = {p: eval_grid([v], sizes, constexprs)[0] if isinstance(v, str) else v for p, v in get("scalars").items()}
+    pointers = {}
+    for j, (p, t) in enumerate(zip(params, types)):
+        x, want = tensors[same_as[j]], getattr(torch, _TRITON_DTYPES[t.lstrip("*")])
+        pointers[p] = x if x.dtype == want else x.reshape(-1).view(want)
+    module, name = str(attrs["kernel"]).split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    values = {**constexprs, **scalars, **pointers}
+    args = [values[p] for p, _, _ in kernel_parameters(kernel)]
+    kernel[grid](*args, num_warps=int(attrs["num_warps"]), num_stages=int(attrs["num_stages"]))

@@ -113,12 +113,20 @@ def aot_launch(entry: dict, target: str, sizes: dict) -> tuple[str, str, dict, l
     ptx = (Path(MANIFEST).parent / c["ptx"]).read_text() if MANIFEST else ""
     params = dict(grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * c["num_warps"],
                   shared_mem=c["shared_bytes"])
-    return c["kernel_name"], ptx, params, [entry["scalars"].get(n) for n in entry["params"]
+    step = entry.get("step_scalars", {})  # per-call scalars (row counts...): evaluated for these sizes
+    return c["kernel_name"], ptx, params, [eval_grid([step[n]], sizes, entry["constexprs"])[0] if n in step
+                                          else entry["scalars"].get(n) for n in entry["params"]
                                           if not entry["signature"][n].startswith("*")]
 
 
 def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> list[str]:
-    """Register ``diffkv::aot_<kernel name>`` for every manifest entry (its pointer args as tensors); returns names.
+    """Register ``diffkv::aot_<kernel name>`` for every manifest entry (its pointer args as tensors, each output the
+    input of the same index, aliased: the AOT decode graph's nodes, ``build/onnx_export.py::export_aot``); returns names.
+
+    NOT RUN, and known not to fit TensorRT's AOT calling convention as it stands: ``tensorrt.plugin`` launches an AOT
+    kernel with the input pointers, then the ``extra_args`` (integers only), then the output pointers, whereas our
+    Triton kernels interleave pointers and scalars, take fp32 scalars (``qk_scale``) and fp64 data (the alphas), and
+    Triton 3.6 appends two scratch pointers; a wrapper kernel per entry (or reordered kernel parameters) is missing.
 
     The runtime sizes (grid) come from the first input's shape at build time through ``trtp.KernelLaunchParams``
     symbolic expressions; scalars recorded as constants in the manifest are passed as ``SymIntExprs``.
@@ -131,8 +139,8 @@ def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> li
         name = f"{specs.NAMESPACE}::aot_{entry['name']}"
         pointers = [n for n in entry["params"] if entry["signature"][n].startswith("*")]
 
-        def desc(*tensors, _n=len(pointers)):
-            return tensors[0].aliased()
+        def desc(*tensors, _n=len(pointers)):  # every pointer argument, updated in place (the AOT graph's nodes)
+            return tuple(t.aliased() for t in tensors)
 
         desc.__signature__ = inspect.Signature(
             [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc) for p in pointers])

@@ -44,7 +44,7 @@ def test_every_family_compiles_for_both_targets(aot_dir):
     assert EngineShape.from_fields(m["engine"]) == TINY
     ops = {k["op"] for k in m["kernels"]}
     assert ops == {"write_high", "write_low_prompt", "write_low_move", "read_high_move", "decode_attention",
-                   "prefill_scores", "page_manager", "decode_plan"}
+                   "prefill_scores", "page_manager", "decode_plan", "write_high_cache", "write_low_prompt_cache"}
     kernels = {k["kernel"].split(":")[1] for k in m["kernels"]}
     assert set(aot.GRIDS) == kernels  # every kernel of the paged path, none forgotten
     for k in m["kernels"]:
@@ -291,3 +291,34 @@ def test_decode_plan_plugins_kernels_are_in_the_aot_set(preset):
         for kernel in kernels:
             moves = kernel[1] in ("read_high_move", "write_low_move")
             assert (kernel in have) == (not moves or get_preset(preset).compress), (node, kernel)
+
+
+def test_cache_write_variants_and_step_scalars_follow_the_launchers():
+    """The paged cache passes the key-offset rows as int64 (prefill and decode): those write launches have their own
+    entries (``write_high_cache``, ``write_low_prompt_cache``; the int32 ones stay for direct callers). The per-call
+    scalars (``aot.STEP_SCALARS``) are recorded as expressions that give the recorded values, and a wrong expression
+    stops the build (as a wrong grid formula does)."""
+    import torch
+
+    from trtllm_diffkv.memory import triton_page_manager as tpm
+
+    specs = {(s.op, s.kernel.split(":")[1]): s for s in aot.kernel_specs(TINY)}
+    assert specs[("write_high_cache", "_write_tokens_kernel")].signature["off_row_ptr"] == "*i64"
+    assert specs[("write_high", "_write_tokens_kernel")].signature["off_row_ptr"] == "*i32"
+    apply = next(s for s in aot.kernel_specs(TINY, ("page_manager",)) if s.kernel.endswith(":_decode_apply_kernel"))
+    assert apply.step_scalars == {"n_items": "num_slots * rows_per_slot",
+                                  "num_blocks": "cdiv(num_slots * rows_per_slot, BLOCK)", "num_pages": "num_pages"}
+    assert aot.eval_grid([apply.step_scalars["n_items"]], {**apply.sizes, "num_slots": 7}, apply.constexprs) == (42,)
+    mgr = tpm.TritonPageManager(TINY.page_format, 64, 2, 3, 2, 128, device="meta")
+    meta = lambda *shape, dtype=torch.int32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    with aot._Recorder([(tpm, k) for k in ("_count_kernel", "_scan_kernel", "_decode_apply_kernel")]) as rec:
+        mgr.append_decode(meta(2, dtype=torch.int64), meta(2, 3, 2), meta(2, 3, 2))
+    sizes = {"num_slots": 2, "rows_per_slot": 6}
+    assert aot._spec(rec.launches[0], "page_manager", sizes).step_scalars == {"n_items": "num_slots * rows_per_slot"}
+    saved = aot.STEP_SCALARS["_count_kernel"]
+    aot.STEP_SCALARS["_count_kernel"] = {"n_items": "num_slots"}
+    try:
+        with pytest.raises(AssertionError, match="scalar n_items"):
+            aot._spec(rec.launches[0], "page_manager", sizes)
+    finally:
+        aot.STEP_SCALARS["_count_kernel"] = saved

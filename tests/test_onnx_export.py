@@ -287,13 +287,20 @@ def test_per_op_graph_nodes_are_the_per_operation_plugins(phase):
         assert producer[producer[first.input[3]].input[0]] is locate  # row_ids[0] = Gather(locate's row_ids)
 
 
-def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64, pad_step=None):
+def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64, pad_step=None, manifest=None):
     """As :func:`_run_both`, through the per-operation graphs (``ort_ops.run_per_op_step``: the prefill plan on the
     host, the decode graph planning its own steps, on the cache of record ``mine``). Decode step ``pad_step`` carries
     one padding token (the reference: ``plan(pad_to=...)``). States: (mine, reference) per step, each (pool, page
-    table, tier tokens, manager snapshot)."""
-    sessions = {ph: ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=max_len, graph="per-op",
-                                                                 phase=ph)) for ph in ("prefill", "decode")}
+    table, tier tokens, manager snapshot). ``manifest``: decode through the AOT graph of that engine
+    (``graph="aot"``) instead of the per-operation decode graph (its session made first: see
+    ``ort_ops.register_aot_ops``)."""
+    sessions = {}
+    if manifest is not None:
+        sessions["decode"] = ort_ops.ort_session(onnx_export.export_onnx(
+            model, kv, max_positions=max_len, graph="aot", phase="decode", manifest=manifest))
+    for ph in ("prefill", "decode"):
+        sessions.setdefault(ph, ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=max_len,
+                                                                             graph="per-op", phase=ph)))
     slots_ = len(prompts) + (pad_step is not None)  # a free slot: the padded bucket is at most max_slots
     ref, mine = _cache(model, kv, slots_, pages, max_len), _cache(model, kv, slots_, pages, max_len)
     torch_iters, ort_iters, states = [], [], []
@@ -330,6 +337,13 @@ def _preset(name):
     import dataclasses
 
     return dataclasses.replace(get_preset("default"), **_DEMOTE) if name == "demote" else get_preset(name)
+
+
+def _check_states(states):
+    for (_, _, _, snap), (_, _, _, ref_snap) in states:
+        assert (snap.ring_start, snap.ring_end, snap.status) == (ref_snap.ring_start, ref_snap.ring_end, ref_snap.status)
+        for name in ("ring", "page_table", "pages", "tokens", "slot_state"):
+            assert torch.equal(getattr(snap, name), getattr(ref_snap, name)), name
 
 
 @pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16", "demote"])
@@ -391,3 +405,134 @@ def test_per_op_bad_arguments_named():
         ort_ops.plan_feeds(cache, "decode")
     with pytest.raises(ValueError, match="no planned prefill step"):
         ort_ops.plan_feeds(cache, "prefill")
+
+
+# --------------------------------------------------------------------------- AOT decode graph
+
+
+def _engine(model, kv, max_batch_size=3, max_seq_len=64):
+    from trtllm_diffkv.build.fields import EngineShape
+
+    c = model.config
+    return EngineShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                       kv_config=kv, dtype="float32", max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+
+
+def _manifest(shape):
+    """The engine's manifest without compiling (the entries ``aot.build_kernels`` writes, ``compiled`` empty)."""
+    from trtllm_diffkv.build import aot
+
+    return {"engine": shape.to_fields(), "kernels": [s.to_json() for s in aot.kernel_specs(shape)]}
+
+
+_LAYER_KERNELS = ["_write_tokens_kernel", "_decode_partial_kernel", "_decode_merge_kernel"]
+
+
+@pytest.mark.parametrize("preset", ["default", "fp16"])
+def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
+    """``graph="aot"``: the per-op decode graph's inputs and outputs, its DiffKV nodes replaced by one
+    ``diffkv::aot_<entry>`` node per launch, in launch order (decide; count, decode apply; locate (+ read / write of the
+    moves); per layer write, partial, merge (+ score)); every node's kernel is an entry of the engine's manifest and its
+    attributes are that entry's (kernel, grid, warps, stages, constexprs) plus the launch's scalars and sizes; inputs
+    = one per pointer parameter, outputs the same tensors after the launch (typed as their inputs); no other
+    ``diffkv`` node; checker + strict shape inference."""
+    import json
+
+    from plugins import specs
+
+    model, kv = tiny_llama(), get_preset(preset)
+    manifest = _manifest(_engine(model, kv))
+    proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
+    onnx.checker.check_model(proto)
+    onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    per_op = onnx_export.export_onnx(model, kv, max_positions=64, graph="per-op", phase="decode")
+    assert [i.name for i in proto.graph.input] == [i.name for i in per_op.graph.input]
+    assert [o.name for o in proto.graph.output] == [o.name for o in per_op.graph.output]
+    nodes = onnx_export.aot_nodes(proto)
+    assert nodes == onnx_export.plugin_nodes(proto)  # nothing but AOT nodes in the diffkv domain
+    entries = {e["name"]: e for e in manifest["kernels"]}
+    plan = ["_decide_kernel", "_count_kernel", "_decode_apply_kernel", "_locate_kernel"]
+    plan += ["_read_tokens_kernel", "_write_tokens_kernel"] if kv.compress else []
+    layer = _LAYER_KERNELS + (["_decode_score_kernel"] if kv.compress else [])
+    kernels = [entries[n.op_type.removeprefix("aot_")]["kernel"].split(":")[1] for n in nodes]  # KeyError: not in it
+    assert kernels == plan + layer * model.config.num_layers
+    ops = {entries[n.op_type.removeprefix("aot_")]["op"] for n in nodes}
+    assert ops == {"decode_plan", "page_manager", "decode_attention", "write_high_cache" if kv.compress else
+                   "write_high", *(("read_high_move", "write_low_move") if kv.compress else ())}
+    assert {k for k, _ in specs.PLAN_KERNELS["decode_decide"]} <= set(kernels)
+    typed = {v.name: v for v in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]}
+    init = {t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name for t in proto.graph.initializer}
+    assert init["aot.alphas"] == "float64"  # decode_decide's alphas: an fp64 initializer
+    for node in nodes:
+        entry = entries[node.op_type.removeprefix("aot_")]
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        a = {k: v.decode() if isinstance(v, bytes) else v for k, v in a.items()}
+        assert node.domain == "diffkv" and (a["plugin_namespace"], a["plugin_version"]) == ("diffkv", "1")
+        assert (a["kernel_name"], a["kernel"], json.loads(a["grid"]), a["num_warps"], a["num_stages"]) == \
+            (entry["name"], entry["kernel"], entry["grid"], entry["options"]["num_warps"], entry["options"]["num_stages"])
+        assert json.loads(a["constexprs"]) == entry["constexprs"] and a["shared_mem"] == -1  # not compiled
+        pointers = [p for p in entry["params"] if entry["signature"][p].startswith("*")]
+        assert json.loads(a["pointer_params"]) == pointers and len(node.input) == len(node.output) == len(pointers)
+        assert set(json.loads(a["scalars"])) == set(entry["params"]) - set(pointers)
+        for p, v in json.loads(a["scalars"]).items():  # per-call scalars as expressions, the others as recorded
+            assert v == entry["step_scalars"].get(p, v) and (isinstance(v, str) or p == "qk_scale" or
+                                                               v == entry["scalars"][p]), (node.name, p)
+        for i, o in zip(node.input, node.output):
+            want = init[i] if i in init else _elem(typed[i])
+            assert _elem(typed[o]) == want, node.name
+
+
+@pytest.mark.parametrize("preset", ["default", "fp16", "demote"])
+def test_aot_decode_graph_in_onnxruntime_matches_pytorch_tiny_model(preset):
+    """Prefill through the per-op prefill graph, then 4 decode steps (step 2 padded) through the AOT decode graph,
+    every node launching its manifest kernel through Triton's JIT (interpreter) with the node's attributes as launch
+    parameters (``ort_ops.register_aot_ops``) == the PyTorch path, with the per-op decode tests' checks: greedy
+    tokens, decode logits within atol 2e-2, page table and tier counts exact, the whole page-manager state equal,
+    pool bytes >= 99 % equal; no error flag; ``demote`` moves tokens to the low tier every step."""
+    model, kv = tiny_llama(), _preset(preset)
+    results, states, mine = _run_both_per_op(model, kv, [[5, 9, 13, 200, 7, 3, 11], [42, 17, 99, 4]], 4, pad_step=2,
+                                             manifest=_manifest(_engine(model, kv)))
+    _check(results, [(m[:3], r[:3]) for m, r in states])
+    _check_states(states)
+    assert mine.active_slots == [0, 1] and int(mine.error_flags.abs().sum()) == 0 and mine.seq_len[:2] == [11, 8]
+    if preset == "demote":
+        low = [int(r[2][:, 1].sum()) for _, r in states]
+        assert all(b > a for a, b in zip(low[1:], low[2:])), low
+
+
+def test_aot_decode_graph_refuses_what_it_cannot_express():
+    """A manifest of another engine (fp16 activations, another preset) or a missing entry is refused by name."""
+    model, kv = tiny_llama(), get_preset("default")
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        onnx_export.export_onnx(model, kv, graph="aot", phase="decode",
+                                manifest=_manifest(_engine(model, get_preset("fp16"))))
+    manifest = _manifest(_engine(model, kv))
+    manifest["kernels"] = [e for e in manifest["kernels"] if not e["kernel"].endswith(":_locate_kernel")]
+    with pytest.raises(LookupError, match="locate_kernel__.* is not in the engine's manifest"):
+        onnx_export.export_onnx(model, kv, graph="aot", phase="decode", manifest=manifest)
+    with pytest.raises(ValueError, match="phase='prefill'"):
+        onnx_export.export_onnx(model, kv, graph="aot", phase="prefill", manifest=manifest)
+
+
+def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):
+    """With the engine's compiled manifest (``aot.build_kernels``, sm_90, the decode step's families): every node's
+    kernel is a compiled entry and its shared memory and warps are the compiled kernel's (what ``aot_impl`` returns)."""
+    import json
+
+    from trtllm_diffkv.build import aot
+
+    model, kv = tiny_llama(), get_preset("default")
+    try:
+        manifest = aot.build_kernels(_engine(model, kv), tmp_path, targets=(90,),
+                                     ops=("write", "decode", "page_manager", "decision"))
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot assemble here: {exc}")
+        raise
+    proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
+    entries = {e["name"]: e for e in manifest["kernels"]}
+    for node in onnx_export.aot_nodes(proto):
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        compiled = entries[a["kernel_name"].decode()]["compiled"]["sm_90"]
+        assert (a["shared_mem"], a["num_warps"]) == (compiled["shared_bytes"], compiled["num_warps"]), node.name
+        assert json.loads(a["grid"]) == entries[a["kernel_name"].decode()]["grid"]

@@ -46,6 +46,7 @@ Manifest (``manifest.json``, version 1)::
                   "grid": ["num_seqs", "num_kv_heads", "num_partitions * NCHUNK"],
                   "sizes": {named sizes of the recorded launch}, "scalars": {runtime scalar: recorded value},
                   "options": {"num_warps", "num_stages", ...}, "select": "condition or null",
+                  "step_scalars": {runtime scalar that varies per call: expression of sizes/constexprs},
                   "divisible": [params compiled with tt.divisibility=16, as the JIT specializes them],
                   "compiled": {"sm_90": {"kernel_name", "ptx", "cubin", "shared_bytes", "num_warps",
                                "num_stages", "global_scratch_bytes", "profile_scratch_bytes",
@@ -121,6 +122,22 @@ GRIDS = {
 """Grid of every kernel as expressions of named sizes and constexprs (checked against recorded launches)."""
 
 
+_BLOCKS = "cdiv(num_slots * rows_per_slot, BLOCK)"
+STEP_SCALARS = {
+    "_count_kernel": {"n_items": "num_slots * rows_per_slot"},
+    "_reserve_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_commit_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_decode_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_release_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_locate_kernel": {"n": "num_seqs", "B": "bucket"},
+}
+"""Runtime scalars that change per call, as expressions of the named sizes and constexprs (as :data:`GRIDS`;
+checked against every recorded launch). The manifest's ``scalars`` hold the recorded values; ``step_scalars`` these
+expressions, which a launch evaluates for its own sizes (``plugins/trt_plugins.py::aot_launch``, the AOT graph's
+nodes). ``_scan_kernel``'s ``num_blocks`` has none: the scan launch is only needed past one chunk of block sums,
+which the AOT decode graph refuses (``build/aot_graph.py``)."""
+
+
 def eval_grid(grid: list[str] | tuple[str, ...], sizes: dict, constexprs: dict) -> tuple[int, ...]:
     """Evaluate grid expressions with ``sizes`` and ``constexprs`` (``cdiv`` available; nothing else)."""
     names = {**{k: v for k, v in constexprs.items() if isinstance(v, int)}, **sizes,
@@ -148,6 +165,7 @@ class KernelSpec:
     select: str | None = None
     divisible: list[str] = field(default_factory=list)
     compiled: dict = field(default_factory=dict)
+    step_scalars: dict = field(default_factory=dict)
 
     @property
     def params(self) -> list[str]:
@@ -299,9 +317,14 @@ def _spec(launch, op: str, sizes: dict, select: str | None = None) -> KernelSpec
     if expected != grid:  # the hand-written formula must describe what the launcher did
         raise AssertionError(f"{name}: grid formula {GRIDS[name]} gives {expected}, the launcher used {grid}")
     divisible = [n for n, v in jit_specialization(launch).items() if v == "D"]
+    step_scalars = {p: e for p, e in STEP_SCALARS.get(name, {}).items() if p in scalars}
+    for param, expr in step_scalars.items():  # the hand-written expressions must give the recorded values
+        got = eval_grid([expr], sizes, constexprs)[0]
+        if got != scalars[param]:
+            raise AssertionError(f"{name}: scalar {param} = {expr} gives {got}, the launcher passed {scalars[param]}")
     return KernelSpec(name="", op=op, kernel=f"{fn.__module__}:{name}", arg_names=list(signature),
                       signature=signature, constexprs=constexprs, grid=list(GRIDS[name]), sizes=dict(sizes),
-                      scalars=scalars, options=options, select=select, divisible=divisible)
+                      scalars=scalars, options=options, select=select, divisible=divisible, step_scalars=step_scalars)
 
 
 def kernel_parameters(fn) -> list[tuple[str, bool, object]]:
@@ -353,10 +376,14 @@ def _write_read_specs(shape: EngineShape) -> list[KernelSpec]:
     meta = dict(scores=_meta((n,), torch.float32), positions=i32())
     err = dict(error_flags=_meta((n,), torch.int32), error_index=i32())
     offsets = dict(key_offsets=_meta((n, D), torch.float16), offset_rows=i32()) if centered else {}
-    calls = [("write_high", "high", dt, {**offsets, **meta, **err})]  # prompt tokens and the decode token
+    calls = [("write_high", "high", dt, {**offsets, **meta, **err})]  # prompt and decode tokens (int32 offset rows)
     if cfg.compress:
         calls += [("write_low_prompt", "low", dt, {**offsets, **meta, **err}),  # low-tier prompt tokens
                   ("write_low_move", "low", torch.float32, meta)]  # demotions: dequantized fp32 rows
+    if centered:  # the offset rows as PagedDiffKVCache passes them (int64 table rows: prefill and decode)
+        rows64 = dict(offsets, offset_rows=_meta((n,), torch.int64))
+        calls += [("write_high_cache", "high", dt, {**rows64, **meta, **err}),
+                  ("write_low_prompt_cache", "low", dt, {**rows64, **meta, **err})]
     specs = []
     for op, tier, kdt, kwargs in calls:
         with _Recorder([(qw, "_write_tokens_kernel")]) as rec:
@@ -457,7 +484,7 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
             mgr.commit_prompt(slots, per_head, per_head)
             mgr.append_decode(slots, per_head, per_head)
             mgr.release(slots)
-        sizes = dict(num_slots=n, rows_per_slot=mgr.rows_per_slot)
+        sizes = dict(num_slots=n, rows_per_slot=mgr.rows_per_slot, num_pages=mgr.num_pages)
         for launch in rec.launches:
             fused = launch[3].get("FUSED")
             select = None if fused is None else ("num_blocks <= CHUNK" if fused else "num_blocks > CHUNK")
@@ -525,16 +552,21 @@ def kernel_specs(shape: EngineShape, ops: tuple[str, ...] = DEFAULT_OPS) -> list
     for op in ops:
         for spec in makers[op](shape):
             spec = _cuda_launch(spec)
-            key = json.dumps([spec.kernel, spec.signature, spec.constexprs, spec.options, spec.divisible],
-                             sort_keys=True)
-            digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+            digest = spec_name(spec)
             if digest in seen:  # same kernel for another range of the longest prompt: widen its range
                 seen[digest].select = _merge_ranges(seen[digest].select, spec.select)
                 continue
-            spec.name = f"{spec.kernel.split(':')[1].strip('_')}__{digest}"
+            spec.name = digest
             seen[digest] = spec
             out.append(spec)
     return out
+
+
+def spec_name(spec: KernelSpec) -> str:
+    """``<kernel>__<hash>``: the manifest name of a spec (hash of kernel, signature, constexprs, options and
+    specialization: what the compiled code depends on)."""
+    key = json.dumps([spec.kernel, spec.signature, spec.constexprs, spec.options, spec.divisible], sort_keys=True)
+    return f"{spec.kernel.split(':')[1].strip('_')}__{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def _merge_ranges(a: str | None, b: str | None) -> str | None:

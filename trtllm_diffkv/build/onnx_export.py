@@ -37,6 +37,10 @@ composite node, no cache handle. Prefill: the step plan's tensors (:data:`PLAN_I
 (prompt reservation) and the prompt commit stay on the host (``ort_ops.run_per_op_step``). Decode: the graph makes
 its plan itself (``decode_decide``, ``page_update``, ``decode_locate`` nodes) from the step's slots and positions
 and the page manager's state (graph inputs and aliased outputs).
+
+AOT decode graph (``export_onnx(..., graph="aot", phase="decode", manifest=...)``, :func:`export_aot`): the per-operation
+decode graph with each DiffKV node replaced by one ``diffkv::aot_<manifest entry>`` node per kernel launch
+(``build/aot_graph.py`` records them), the nodes' inputs the tensors the kernels' pointer parameters name.
 """
 from __future__ import annotations
 
@@ -114,7 +118,8 @@ def manager_attrs(model_config, kv_config: DiffKVConfig) -> dict:
 
 
 def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, *, max_positions: int | None = None,
-                graph: str = "composite", phase: str | None = None):
+                graph: str = "composite", phase: str | None = None, manifest: dict | None = None,
+                target: str = "sm_90"):
     """Export ``model`` (``LlamaForCausalLM``) to an ONNX model with DiffKV plugin nodes.
 
     Args:
@@ -125,7 +130,13 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
         graph: ``"composite"`` (the module docstring's graph: ``DiffKVPageUpdate`` + one ``DiffKVAttention`` per
             layer on a registered cache) or ``"per-op"`` (:func:`export_per_op`: per-operation plugin nodes, the
             step plan's tensors as graph inputs; one graph per ``phase``).
-        phase: ``"prefill"`` or ``"decode"`` with ``graph="per-op"``; ``None`` with ``"composite"``.
+            ``"aot"`` (:func:`export_aot`: the decode step's DiffKV work as one ``diffkv::aot_<kernel>`` node per
+            kernel launch of ``manifest``; ``phase="decode"`` only).
+        phase: ``"prefill"`` or ``"decode"`` with ``graph="per-op"``; ``"decode"`` with ``"aot"``; ``None`` with
+            ``"composite"``.
+        manifest: the engine's kernel manifest (``aot.build_kernels``' ``manifest.json``, or ``{"engine": ...,
+            "kernels": [s.to_json() for s in aot.kernel_specs(shape)]}`` uncompiled), for ``graph="aot"``.
+        target: the compiled target whose shared memory the AOT nodes state (``graph="aot"``).
 
     Returns:
         The ``onnx.ModelProto`` (checked with ``onnx.checker`` and run through shape inference).
@@ -136,8 +147,14 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     """
     if graph == "per-op":
         return export_per_op(model, kv_config, phase, path, max_positions=max_positions)
+    if graph == "aot":
+        if phase != "decode":
+            raise ValueError(f"phase={phase!r}: graph='aot' has a decode graph only (phase='decode')")
+        if manifest is None:
+            raise ValueError("graph='aot' needs the engine's kernel manifest (manifest=...)")
+        return export_aot(model, kv_config, manifest, path, max_positions=max_positions, target=target)
     if graph != "composite":
-        raise ValueError(f"graph={graph!r}: expected one of {list(GRAPHS)}")
+        raise ValueError(f"graph={graph!r}: expected one of {list(EXPORT_GRAPHS)}")
     if phase is not None:
         raise ValueError(f"phase={phase!r} is for graph='per-op'; the composite graph runs every step")
     import onnx_graphsurgeon as gs
@@ -207,6 +224,9 @@ def _finish(b: _Builder, gs, path):
 
 
 GRAPHS = ("composite", "per-op")
+"""Graph forms ``trtllm-diffkv build --graph`` writes (:func:`export_onnx` also writes ``"aot"``, the decode step as
+AOT kernel nodes: :func:`export_aot`, which needs the engine's manifest and is not wired into the build command)."""
+EXPORT_GRAPHS = (*GRAPHS, "aot")
 """Graph forms :func:`export_onnx` writes."""
 PHASES = ("prefill", "decode")
 """Per-operation graphs: one per step kind (:func:`export_per_op`)."""
@@ -440,3 +460,195 @@ def _decoder(b: _Builder, model, ids, pos, sel, max_positions: int | None, atten
 def plugin_nodes(proto) -> list:
     """The DiffKV plugin nodes of an exported model (``NodeProto`` in graph order)."""
     return [n for n in proto.graph.node if n.domain == PLUGIN_NAMESPACE]
+
+
+# --------------------------------------------------------------------------- AOT decode graph
+
+AOT_OP_PREFIX = "aot_"
+"""Op type of an AOT node: ``aot_<manifest entry name>`` (domain ``diffkv``: the plugin ``diffkv::aot_<name>`` that
+``plugins/trt_plugins.py::register_aot_plugins`` registers for the entry)."""
+AOT_INT_ATTRS = ("num_warps", "num_stages", "shared_mem")
+AOT_STATE_OUTPUTS = ("kv_pool", "page_table", "tier_tokens", "row_pages", "slot_state", "ring", "ring_state",
+                     "error_flags")
+"""The state the AOT decode graph outputs (``<name>_out``): what the per-operation decode graph outputs."""
+
+
+def _dim_name(d):
+    from .aot_graph import SYMBOLS
+
+    if isinstance(d, int):
+        return d
+    if d in SYMBOLS:
+        return SYMBOLS[d]
+    sym, k = d.split("*")
+    return f"{SYMBOLS[sym]}_x{k}"
+
+
+def _size_source(infos: dict, bindings: list, sym: str) -> list:
+    """``[input index, axis, divisor]``: where a node reads step size ``sym`` (an input whose dim is ``sym`` or
+    ``sym*k``)."""
+    for j, name in enumerate(bindings):
+        for axis, d in enumerate(infos[name].dims):
+            if d == sym:
+                return [j, axis, 1]
+            if isinstance(d, str) and d.startswith(f"{sym}*"):
+                return [j, axis, int(d.split("*")[1])]
+    raise ValueError(f"no input of the node carries the size {sym}")
+
+
+def aot_node_attrs(launch, entry: dict, infos: dict, target: str) -> dict:
+    """Attributes of one AOT node: the manifest entry's name, kernel, grid (expressions of ``sizes``), warps, stages,
+    shared memory (``compiled[target]``; -1 for an uncompiled manifest), constexprs, and the launch's runtime scalars
+    (values, or expressions of the sizes), its sizes (expressions of the step sizes ``n``, ``B``, ``P``; ``dims``:
+    where each is read, ``[input, axis, divisor]``), the pointer parameters, their kernel types, the dtypes of the
+    bound graph tensors and ``same_as`` (the first input bound to the same tensor). Lists and dicts are JSON strings
+    (:data:`AOT_INT_ATTRS` are ints): onnxruntime-extensions' Python ops read string, int and float attributes only."""
+    import json
+
+    used = sorted({s for v in launch.sizes.values() if isinstance(v, str) for s in ("n", "B", "P") if s in v})
+    compiled = entry.get("compiled", {}).get(target)
+    return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION,
+            "kernel_name": entry["name"], "kernel": entry["kernel"], "grid": json.dumps(list(entry["grid"])),
+            "num_warps": int(entry["options"]["num_warps"]), "num_stages": int(entry["options"]["num_stages"]),
+            "shared_mem": int(compiled["shared_bytes"]) if compiled else -1,
+            "constexprs": json.dumps(entry["constexprs"], sort_keys=True), "scalars": json.dumps(launch.scalars),
+            "sizes": json.dumps(launch.sizes), "dims": json.dumps({s: _size_source(infos, launch.bindings, s)
+                                                                   for s in used}),
+            "pointer_params": json.dumps(list(launch.pointers)),
+            "pointer_types": json.dumps([entry["signature"][p] for p in launch.pointers]),
+            "bind_dtypes": json.dumps([infos[b].dtype for b in launch.bindings]),
+            "same_as": json.dumps([launch.bindings.index(b) for b in launch.bindings])}
+
+
+def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path | None = None, *,
+               max_positions: int | None = None, target: str = "sm_90"):
+    """The decode step with its DiffKV work as one ``diffkv::aot_<kernel>`` node per kernel launch.
+
+    The per-operation decode graph (:func:`export_per_op` ``phase="decode"``: same graph inputs and ``*_out``
+    outputs) with each DiffKV node replaced by the launches its implementation makes (``build/aot_graph.py``:
+    ``plugins/ops.py`` with ``use_triton=True`` recorded on ``meta`` tensors), in launch order:
+    ``decode_decide`` -> ``_decide_kernel``; ``page_update`` -> ``_count_kernel``, ``_decode_apply_kernel`` (the fused
+    scan); ``decode_locate`` -> ``_locate_kernel`` (+ ``_read_tokens_kernel``, ``_write_tokens_kernel`` for the moves
+    of a compressing preset); per layer ``decode_attention`` -> ``_write_tokens_kernel`` (the new token), then
+    ``_decode_partial_kernel``, ``_decode_merge_kernel`` (+ ``_decode_score_kernel`` when scores are updated).
+
+    Each node: op type ``aot_<manifest entry name>``, domain ``diffkv``, attributes :func:`aot_node_attrs`; inputs:
+    the tensor each pointer parameter names, in parameter order (a tensor named twice, e.g. the pool's four dtype
+    views, is given twice); outputs: one per input, the same tensor after the launch (aliased in place), which the
+    next node reading it takes. Tensors the implementations would allocate themselves are graph tensors: zeros made
+    per step by ``ConstantOfShape`` (the decisions, the page manager's scan scratch and claim counters, the moves'
+    rows, the new tokens' scores, the attention output, the decode workspace for ``max_batch_size`` sequences) and
+    the alphas (fp64 ``[2]`` initializer); the per-layer plan tensors are ``Gather`` slices (and a ``Cast`` of the
+    row ids to int64: the key-offset rows), as in the per-operation graph.
+
+    Args:
+        model, kv_config, path, max_positions: as :func:`export_onnx`.
+        manifest: the engine's manifest; its engine must be this model's shape, ``kv_config`` and ``dtype="float32"``
+            (the graph's activations).
+        target: whose compiled shared memory the nodes carry.
+
+    Raises:
+        ValueError: an engine that does not fit the model / configuration / fp32 graph.
+        LookupError: a recorded launch without a manifest entry (naming it).
+    """
+    import onnx
+    import onnx_graphsurgeon as gs
+
+    from .aot_graph import record_decode
+    from .fields import EngineShape
+
+    cfg = model.config
+    _check_model(model, kv_config)
+    engine = EngineShape.from_fields(manifest["engine"])
+    want = (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_config, "float32")
+    got = (engine.num_layers, engine.num_heads, engine.num_kv_heads, engine.head_dim, engine.kv_config, engine.dtype)
+    if got != want:
+        raise ValueError(f"the manifest's engine {got[:4]}, {got[5]} does not fit the model {want[:4]} with this "
+                         "kv_config and the fp32 graph (build the kernels with dtype='float32')")
+    infos, plan, layer = record_decode(engine)
+    entries = {e["name"]: e for e in manifest["kernels"]}
+    for launch in plan + layer:
+        if launch.entry not in entries:
+            raise LookupError(f"{launch.node}: {launch.entry} ({launch.spec.kernel}) is not in the engine's manifest")
+    b = _Builder(gs)
+    var = lambda name, dtype, shape: gs.Variable(name, dtype=dtype, shape=shape)  # noqa: E731
+    ids, pos, sel = var("input_ids", np.int64, ["num_tokens"]), var("positions", np.int64, ["num_tokens"]), \
+        var("logits_indices", np.int64, ["num_logits"])
+    plan_in = {n: var(n, dt, list(dims)) for n, (dt, dims) in PLAN_INPUTS["decode"].items()}
+    state = {n: var(n, STATE_INPUTS[n][0], list(STATE_INPUTS[n][1])) for n in PHASE_STATE["decode"]}
+    b.graph.inputs = [ids, pos, sel, *plan_in.values(), *state.values()]
+    cur = {"positions": pos, **plan_in, **state}
+    one = lambda x: b.op("Shape", [x], {"start": 0, "end": 1})  # noqa: E731 - [1] int64
+    step = {"n": one(plan_in["step_slots"]), "B": one(pos), "P": one(state["ring"])}
+
+    def shape_of(dims):
+        parts = []
+        for d in dims:
+            if isinstance(d, int):
+                parts.append(b.const(f"aot.dim{b.count}_{len(parts)}", np.array([d], np.int64)))
+                b.count += 1
+            elif "*" in d:
+                sym, k = d.split("*")
+                parts.append(b.op("Mul", [step[sym], b.const(f"aot.k{b.count}", np.array([int(k)], np.int64))]))
+            else:
+                parts.append(step[d])
+        return b.op("Concat", parts, {"axis": 0})
+
+    def get(name):
+        if name not in cur:
+            info = infos[name]
+            dt = np.dtype(info.dtype)
+            if info.kind == "const":
+                cur[name] = b.const(f"aot.{name}", np.array(info.value, dtype=dt))
+            elif info.kind == "scratch":
+                zero = gs.Constant(f"aot.{name}.zero", np.zeros(1, dt))
+                cur[name] = b.op("ConstantOfShape", [shape_of(info.dims)], {"value": zero}, dtype=dt.type,
+                                 shape=[_dim_name(d) for d in info.dims])
+            else:
+                raise KeyError(f"{name}: no graph tensor (a per-layer tensor outside a layer)")
+        return cur[name]
+
+    count = [0]
+
+    def emit(launch):
+        entry = entries[launch.entry]
+        inputs = [get(nm) for nm in launch.bindings]
+        outs = b.op(AOT_OP_PREFIX + launch.entry, inputs, aot_node_attrs(launch, entry, infos, target),
+                    outputs=len(inputs), domain=PLUGIN_NAMESPACE, name=f"aot_{count[0]}_{launch.node}")
+        count[0] += 1
+        outs = outs if isinstance(outs, list) else [outs]
+        for nm, o in zip(launch.bindings, outs):
+            info = infos[nm]
+            _typed(o, np.dtype(info.dtype).type, [_dim_name(d) for d in info.dims])
+            cur[nm] = o
+
+    for launch in plan:
+        emit(launch)
+
+    def attend(i, q, k, v):
+        for name in ("new_scores", "out"):  # fresh per layer (the implementation allocates them per call)
+            cur.pop(name, None)
+        cur.update(q=q, k=k, v=v)
+        index = b.gs.Constant(f"aot.layer{i}", np.array(i, np.int64))
+        for name in ("row_ids", "page", "slot"):
+            cur[f"layer_{name}"] = b.op("Gather", [cur[name], index], {"axis": 0})
+        cur["layer_rows"] = b.op("Cast", [cur["layer_row_ids"]], {"to": onnx.TensorProto.INT64})
+        for launch in layer:
+            emit(launch)
+        out = cur["out"]
+        for name in ("q", "k", "v", "layer_row_ids", "layer_page", "layer_slot", "layer_rows"):
+            cur.pop(name)
+        return out
+
+    logits = _decoder(b, model, ids, pos, sel, max_positions, attend)
+    outs = []
+    for name in AOT_STATE_OUTPUTS:
+        cur[name].name = f"{name}_out"
+        outs.append(cur[name])
+    b.graph.outputs = [logits, *outs]
+    return _finish(b, gs, path)
+
+
+def aot_nodes(proto) -> list:
+    """The AOT nodes of an exported model (``NodeProto`` in graph order)."""
+    return [n for n in proto.graph.node if n.domain == PLUGIN_NAMESPACE and n.op_type.startswith(AOT_OP_PREFIX)]

@@ -29,6 +29,9 @@ raises ``ValueError`` with the recorded message after the session returns.
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import torch
 
@@ -396,6 +399,86 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
     return outs["logits"]
 
 
+_AOT_OPS: dict[str, tuple] = {}
+"""AOT op types registered in this process: their input dtypes (onnxruntime-extensions registrations are global)."""
+_SESSIONS = weakref.WeakSet()
+"""The live sessions :func:`ort_session` made: registering a new Python op while one lives makes its next run
+crash the process (onnxruntime-extensions 0.15: segmentation fault, checked), so :func:`register_aot_ops` refuses."""
+
+
+def _aot_attr(node, name):
+    import onnx
+
+    value = onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == name))
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _aot_half(node) -> set:
+    """fp16 inputs of an AOT node (``key_offsets``): cast to fp32 around the node, as for the per-op nodes."""
+    import json
+
+    return {j for j, d in enumerate(json.loads(_aot_attr(node, "bind_dtypes"))) if d == "float16"}
+
+
+def register_aot_ops(proto) -> None:
+    """Register the AOT nodes of ``proto`` (``graph="aot"``) as onnxruntime-extensions Python ops: one per op type
+    (``aot_<manifest entry>``), each running :func:`plugins.ops.run_aot_kernel` (the node's kernel through Triton's
+    JIT with the node's launch parameters; on the CPU under ``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: an op type already registered with other input dtypes, or a new op type while a session made by
+            :func:`ort_session` is alive (registering then would crash that session's next run: make the AOT graph's
+            session first).
+    """
+    import json
+
+    from onnxruntime_extensions import PyCustomOpDef as P
+    from onnxruntime_extensions import onnx_op
+
+    from .onnx_export import AOT_INT_ATTRS, aot_nodes
+
+    for node in aot_nodes(proto):
+        dtypes = tuple("float32" if d == "float16" else d for d in json.loads(_aot_attr(node, "bind_dtypes")))
+        known = _AOT_OPS.get(node.op_type)
+        if known is not None:
+            if known != dtypes:
+                raise ValueError(f"{node.op_type}: registered with inputs {known}, this node has {dtypes}")
+            continue
+        gc.collect()
+        if len(_SESSIONS):
+            raise ValueError(f"{node.op_type} is a new Python op and {len(_SESSIONS)} onnxruntime session(s) are alive: "
+                             "registering it would crash them (onnxruntime-extensions); make the AOT graph's session "
+                             "first, or drop the others")
+        types = [getattr(P, {**_ORT_TYPES, "float64": "dt_double"}[d]) for d in dtypes]
+        attrs = {a.name: P.dt_int64 if a.name in AOT_INT_ATTRS else P.dt_string for a in node.attribute}
+        onnx_op(op_type=node.op_type, inputs=types, outputs=types, attrs=attrs)(_aot_op(node.op_type))
+        _AOT_OPS[node.op_type] = dtypes
+
+
+def _aot_op(op_type: str):
+    """The onnxruntime op of an AOT node: :func:`plugins.ops.run_aot_kernel` on copies of the inputs (fp16 ones
+    arrive as fp32, see :func:`ort_model`); returns every input after the launch (the aliased outputs). Never raises
+    (module docstring): a failure is recorded and the inputs returned."""
+
+    def op(*arrays, **attrs):
+        import json
+
+        try:
+            from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4
+
+            patch_interpreter_for_numpy_2_4()  # a no-op unless TRITON_INTERPRET=1
+            half = [d == "float16" for d in json.loads(attrs["bind_dtypes"])]
+            tensors = [_t(a).half() if h else _t(a) for a, h in zip(arrays, half)]
+            plugin_ops.run_aot_kernel(tensors, attrs)
+            same_as = json.loads(attrs["same_as"])
+            return tuple((tensors[same_as[j]].float() if half[j] else tensors[same_as[j]]).numpy()
+                         for j in range(len(arrays)))
+        except Exception as exc:  # noqa: BLE001 - an exception here would abort the process (module docstring)
+            _PER_OP_ERRORS.append(f"{op_type} ({attrs.get('kernel')}): {type(exc).__name__}: {exc}")
+            return tuple(arrays)
+    return op
+
+
 def ort_model(proto):
     """A copy of an exported model whose plugin nodes are in onnxruntime-extensions' domain."""
     import onnx
@@ -407,7 +490,9 @@ def ort_model(proto):
     for node in model.graph.node:
         if node.domain == PLUGIN_NAMESPACE:
             node.domain = default_opset_domain()
-        half = _HALF_INPUTS.get(node.op_type, set()) if node.domain == default_opset_domain() else set()
+        aot = node.op_type.startswith("aot_") and node.domain == default_opset_domain()
+        half = _aot_half(node) if aot else \
+            _HALF_INPUTS.get(node.op_type, set()) if node.domain == default_opset_domain() else set()
         after = []
         for i in sorted(half):  # fp16 -> fp32 around the node (per-operation graphs: key_offsets)
             name = node.input[i]
@@ -415,7 +500,7 @@ def ort_model(proto):
             node.input[i] = f"{node.name}.in{i}.fp32"
         plugin = specs.PLUGINS.get(f"{PLUGIN_NAMESPACE}::{node.op_type}")
         for j, out in enumerate(node.output):
-            if plugin is not None and plugin.aliases.get(j) in half:
+            if (j in half) if aot else (plugin is not None and plugin.aliases.get(j) in half):
                 node.output[j] = f"{node.name}.out{j}.fp32"
                 after.append(onnx.helper.make_node("Cast", [node.output[j]], [out], to=onnx.TensorProto.FLOAT16))
         nodes += [node, *after]
@@ -433,10 +518,13 @@ def ort_session(proto):
     from onnxruntime_extensions import get_library_path
 
     register_ops()
+    register_aot_ops(proto)
     options = ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     options.intra_op_num_threads = 1
-    return ort.InferenceSession(ort_model(proto).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(ort_model(proto).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    _SESSIONS.add(session)
+    return session
 
 
 def step_feeds(cache, handle: int, input_ids, positions, logits_indices, slots, seq_lens, step_positions,
