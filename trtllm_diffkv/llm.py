@@ -88,6 +88,19 @@ def load_source(model, kv_config, device, dtype):
     return net, tokenizer, model_config, kv_config, stop_token_ids(model), info
 
 
+
+def take_all(q: queue.Queue, block: bool) -> list:
+    """The queue's next item (waiting for one when ``block``) and every item already behind it; ``[]`` if none."""
+    try:
+        items = [q.get(block=block)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
 class LLM:
     """Generate with a DiffKV-compressed, in-flight batched KV cache (TensorRT-LLM ``LLM`` shape).
 
@@ -300,17 +313,7 @@ class LLM:
             torch.cuda.set_device(device)  # kernels launch on the thread's current device
         running = True
         while running:
-            block = not self._live
-            try:
-                commands = [self._commands.get(block=block)]
-            except queue.Empty:
-                commands = []
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            for command in commands:
+            for command in take_all(self._commands, block=not self._live):
                 running = self._handle(command) and running
             if running and self._live:
                 self._step()

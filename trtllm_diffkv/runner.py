@@ -22,7 +22,7 @@ import queue
 
 import torch
 
-from .llm import LLM
+from .llm import LLM, take_all
 
 # TensorRT-LLM generate() arguments we accept only at their "off" value (anything else is refused).
 _OFF_VALUES = {"num_beams": (1,), "num_return_sequences": (None, 1), "length_penalty": (1.0,),
@@ -238,12 +238,7 @@ class _BatchRun:
 
     def _advance(self) -> None:
         """Wait for at least one request's update, then take every pending one."""
-        changed = {self.events.get()}
-        while True:
-            try:
-                changed.add(self.events.get_nowait())
-            except queue.Empty:
-                break
+        changed = set(take_all(self.events, block=True))
         for rid in changed:
             i = self.index[rid]
             if self.done[i]:

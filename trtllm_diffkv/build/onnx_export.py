@@ -68,6 +68,21 @@ class _Builder:
     def __init__(self, gs) -> None:
         self.gs, self.graph, self.count = gs, gs.Graph(opset=OPSET), 0
 
+    def var(self, name: str, dtype, shape: list):
+        return self.gs.Variable(name, dtype=dtype, shape=shape)
+
+    def token_inputs(self) -> tuple:
+        """The inputs every step graph starts with: ``input_ids``, ``positions`` int64 ``[num_tokens]`` and
+        ``logits_indices`` int64 ``[num_logits]``."""
+        return (self.var("input_ids", np.int64, ["num_tokens"]), self.var("positions", np.int64, ["num_tokens"]),
+                self.var("logits_indices", np.int64, ["num_logits"]))
+
+    def step_inputs(self, phase: str) -> tuple[dict, dict]:
+        """A per-operation graph's plan inputs (:data:`PLAN_INPUTS`) and state inputs (:data:`PHASE_STATE`) of ``phase``."""
+        plan = {n: self.var(n, dt, list(dims)) for n, (dt, dims) in PLAN_INPUTS[phase].items()}
+        state = {n: self.var(n, STATE_INPUTS[n][0], list(STATE_INPUTS[n][1])) for n in PHASE_STATE[phase]}
+        return plan, state
+
     def const(self, name: str, array: np.ndarray):
         return self.gs.Constant(name, np.ascontiguousarray(array))
 
@@ -163,9 +178,8 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     _check_model(model, kv_config)
     b = _Builder(gs)
     H, D = cfg.num_heads, cfg.head_dim
-    var = lambda name, dtype, shape: gs.Variable(name, dtype=dtype, shape=shape)  # noqa: E731
-    ids, pos, sel = var("input_ids", np.int64, ["num_tokens"]), var("positions", np.int64, ["num_tokens"]), \
-        var("logits_indices", np.int64, ["num_logits"])
+    var = b.var
+    ids, pos, sel = b.token_inputs()
     step = [var(n, np.int64, ["num_requests"]) for n in ("step_slots", "step_seq_lens", "step_positions")]
     step.append(var("step_is_prefill", np.bool_, ["num_requests"]))
     pool = var("kv_pool", np.uint8, ["num_pages", "page_size_bytes"])
@@ -333,11 +347,8 @@ def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path |
     _check_model(model, kv_config)
     b = _Builder(gs)
     H, D = cfg.num_heads, cfg.head_dim
-    var = lambda name, dtype, shape: gs.Variable(name, dtype=dtype, shape=shape)  # noqa: E731
-    ids, pos, sel = var("input_ids", np.int64, ["num_tokens"]), var("positions", np.int64, ["num_tokens"]), \
-        var("logits_indices", np.int64, ["num_logits"])
-    plan = {n: var(n, dt, list(dims)) for n, (dt, dims) in PLAN_INPUTS[phase].items()}
-    state = {n: var(n, STATE_INPUTS[n][0], list(STATE_INPUTS[n][1])) for n in PHASE_STATE[phase]}
+    ids, pos, sel = b.token_inputs()
+    plan, state = b.step_inputs(phase)
     given = dict(state)
     b.graph.inputs = [ids, pos, sel, *plan.values(), *state.values()]
     plugin = specs.PREFILL if phase == "prefill" else specs.DECODE
@@ -571,11 +582,8 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
         if launch.entry not in entries:
             raise LookupError(f"{launch.node}: {launch.entry} ({launch.spec.kernel}) is not in the engine's manifest")
     b = _Builder(gs)
-    var = lambda name, dtype, shape: gs.Variable(name, dtype=dtype, shape=shape)  # noqa: E731
-    ids, pos, sel = var("input_ids", np.int64, ["num_tokens"]), var("positions", np.int64, ["num_tokens"]), \
-        var("logits_indices", np.int64, ["num_logits"])
-    plan_in = {n: var(n, dt, list(dims)) for n, (dt, dims) in PLAN_INPUTS["decode"].items()}
-    state = {n: var(n, STATE_INPUTS[n][0], list(STATE_INPUTS[n][1])) for n in PHASE_STATE["decode"]}
+    ids, pos, sel = b.token_inputs()
+    plan_in, state = b.step_inputs("decode")
     b.graph.inputs = [ids, pos, sel, *plan_in.values(), *state.values()]
     cur = {"positions": pos, **plan_in, **state}
     one = lambda x: b.op("Shape", [x], {"start": 0, "end": 1})  # noqa: E731 - [1] int64

@@ -61,6 +61,7 @@ def _tier_reason(lay: TierLayout, head_dim: int) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)  # asked per layer and step on eager paths; the answer depends on these alone
 def unsupported_reason(page_format: PageFormat, num_heads: int, num_kv_heads: int,
                        q_dtype: torch.dtype) -> str | None:
     """Why the CUDA kernel cannot run this configuration, or ``None`` when it can.
@@ -116,27 +117,35 @@ def configured_backend() -> str:
 
 def resolve_backend(backend: str | None, page_format: PageFormat, num_heads: int, num_kv_heads: int,
                     q: torch.Tensor) -> str:
-    """``"cuda"`` or ``"triton"`` for one call.
+    """``"cuda"`` or ``"triton"`` for one call on ``q``: :func:`choose_backend` with ``q``'s dtype and device."""
+    return choose_backend(backend, page_format, num_heads, num_kv_heads, q.dtype, q.is_cuda)
+
+
+def choose_backend(backend: str | None, page_format: PageFormat, num_heads: int, num_kv_heads: int,
+                   q_dtype: torch.dtype, on_cuda: bool) -> str:
+    """``"cuda"`` or ``"triton"`` for decode attention of this shape, query dtype and device.
 
     ``backend``: ``"auto"``/``None`` (the environment variable :data:`BACKEND_ENV`, default ``auto``:
     CUDA where it can run, else Triton), ``"cuda"`` (required: raises when it cannot run), ``"triton"``.
 
     Raises:
         ValueError: an unknown backend name, or ``"cuda"`` for a configuration or machine it cannot run
-            (the message names the reason).
+            (the message names the reason, and the environment variable when the choice came from it).
     """
+    source = "the CUDA decode kernel"
     if backend is None:
         backend = configured_backend()
+        source = f"{BACKEND_ENV}=cuda, but the CUDA decode kernel"
     elif backend not in BACKENDS:
         raise ValueError(f"decode backend {backend!r} is not one of {BACKENDS}")
     if backend == "triton":
         return "triton"
-    reason = None if q.is_cuda else "the tensors are not on a CUDA device"
-    reason = reason or unsupported_reason(page_format, num_heads, num_kv_heads, q.dtype) or runtime_reason()
+    reason = None if on_cuda else "the tensors are not on a CUDA device"
+    reason = reason or unsupported_reason(page_format, num_heads, num_kv_heads, q_dtype) or runtime_reason()
     if reason is None:
         return "cuda"
     if backend == "cuda":
-        raise ValueError(f"the CUDA decode kernel cannot run here: {reason}")
+        raise ValueError(f"{source} cannot run here: {reason}")
     return "triton"
 
 
@@ -148,7 +157,7 @@ def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d
         min_blocks = 3 if head_dim == 128 else 4  # no spills at these register caps (ptxas, sm_90a)
     d = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_D=block_d, PMAX=pmax,
              PAGE_BYTES=page_format.page_size_bytes, STORE_PROBS=int(store_probs), WARPS=WARPS,
-             MIN_BLOCKS=min_blocks)
+             MIN_BLOCKS=min_blocks, SCORE_WARPS=SCORE_WARPS)
     for prefix, lay in (("H", page_format.high), ("L", page_format.low)):
         t = lay.tier
         d.update({f"{prefix}_TOKENS": lay.tokens_per_page, f"{prefix}_KB": t.key_bits,
@@ -167,6 +176,13 @@ def _kernel(defines: tuple[tuple[str, int], ...], arch: str):
     options = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines)
     module = cupy.RawModule(code=SOURCE_PATH.read_text(), options=options)
     return module.get_function("diffkv_decode_partial"), module.get_function("diffkv_decode_scores")
+
+
+def _ptr(t: torch.Tensor):
+    """A tensor's device address as the kernel's pointer argument (8 bytes)."""
+    import numpy as np
+
+    return np.uint64(t.data_ptr())
 
 
 @functools.lru_cache(maxsize=16)
@@ -199,12 +215,11 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     block_d = workspace.part_acc.shape[-1]
     pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
     defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks)
-    defines["SCORE_WARPS"] = SCORE_WARPS
     major, minor = torch.cuda.get_device_capability(q.device)
     arch = f"sm_{major}{minor}"
     fn, score_fn = _kernel(tuple(sorted(defines.items())), arch)
     num_slots = 2 * workspace.num_partitions
-    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+    ptr = _ptr
     args = (ptr(q), ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.part_m),
             ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.page_probs), ptr(workspace.page_max),
             np.float32(qk_scale), np.int32(num_kv_heads), np.int32(num_slots), np.int32(page_table.shape[1]))
@@ -212,7 +227,7 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, device):
         fn((num_seqs, num_kv_heads, num_slots), (32 * WARPS, 1, 1), args)
     if update_scores:
-        # after the (Triton) merge has written lse: see launch_scores
+        # to run after the (Triton) merge has written lse: _launch_scores
         return lambda: _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
                                       num_seqs, num_kv_heads, device)
     return None
@@ -226,7 +241,7 @@ def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, wo
                    device) -> None:
     import numpy as np
 
-    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+    ptr = _ptr
     max_pages = page_table.shape[1]
     args = (ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.page_probs),
             ptr(workspace.page_max), ptr(workspace.lse), np.int32(num_kv_heads), np.int32(max_pages))
@@ -234,5 +249,5 @@ def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, wo
         score_fn((num_seqs, num_kv_heads, -(-max_pages // (2 * SCORE_WARPS))), (32 * SCORE_WARPS, 1, 1), args)
 
 
-__all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "configured_backend", "launch_partial", "compile_defines",
+__all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "choose_backend", "configured_backend", "launch_partial", "compile_defines",
            "SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]

@@ -81,7 +81,7 @@ class Executor:
                  use_triton: bool | None = None, profile: bool = False) -> None:
         from ..kernels.cuda_decode import configured_backend
 
-        backend = configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable
+        configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
         param = next(model.parameters())
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
         self.device = torch.device(device) if device is not None else param.device
@@ -98,7 +98,7 @@ class Executor:
                 high_tokens_per_page=high_tokens_per_page, use_triton=use_triton)
         self.rm = resource_manager
         self.cache = resource_manager.cache
-        self.decode_backend = self._decode_backend(backend, param.dtype)
+        self.decode_backend = self._decode_backend(param.dtype)
         self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens
         self.max_seq_len = min(resource_manager.max_seq_len_tokens, position_limit(model_config))
         if use_cuda_graphs and self.device.type != "cuda":
@@ -338,7 +338,7 @@ class Executor:
         """Whether decode-only steps replay CUDA graphs (False after a failed capture)."""
         return self._graphs is not None
 
-    def _decode_backend(self, configured: str, dtype: torch.dtype) -> str:
+    def _decode_backend(self, dtype: torch.dtype) -> str:
         """Which decode attention runs: ``"torch"`` (no Triton kernels), ``"triton"`` or ``"cuda"``.
 
         Raises:
@@ -347,14 +347,11 @@ class Executor:
         """
         if not self.cache.use_triton:
             return "torch"
-        from ..kernels.cuda_decode import BACKEND_ENV, runtime_reason, unsupported_reason
+        from ..kernels.cuda_decode import choose_backend
 
         mc = self.model_config
-        reason = "not a CUDA device" if self.device.type != "cuda" else \
-            unsupported_reason(self.cache.page_format, mc.num_heads, mc.num_kv_heads, dtype) or runtime_reason()
-        if configured == "cuda" and reason:
-            raise ValueError(f"{BACKEND_ENV}=cuda, but the CUDA decode kernel cannot run this model here: {reason}")
-        return "triton" if configured == "triton" or reason else "cuda"
+        return choose_backend(None, self.cache.page_format, mc.num_heads, mc.num_kv_heads, dtype,
+                              self.device.type == "cuda")
 
     def _capture_graphs(self):
         """Capture the decode forward graphs of every batch bucket; ``None`` (and a warning) on failure."""
