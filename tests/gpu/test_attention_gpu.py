@@ -75,6 +75,44 @@ def test_decode_formats_long_rows(fmt_name, dtype, backend):
     _decode_check(FORMATS[fmt_name], 128, 16, 2, dtype, counts, seed=4, num_partitions=37, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["tail-masking", "extreme-logits"])
+def test_decode_edge_cases_5_and_6a_fp16(case, backend):
+    """Edge case 5 (q = 0: the mean of exactly each head's stored V rows, lengths around 16) and 6a (every
+    logit near -6e4: the ordinary softmax, no sentinel) with fp16 queries, which the CUDA kernel takes.
+    (Added after the session's device time was spent: not run on a GPU yet.)"""
+    from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
+    from trtllm_diffkv.kernels.attn_testing import build_paged_rows, decode_reference, rel_err
+
+    fmt = PageFormat.for_config(DiffKVConfig(), 64, high_tokens_per_page=16)
+    if case == "tail-masking":
+        lengths = [1, 15, 16, 17, 255, 256, 257, 1]
+        rows = build_paged_rows(fmt, [(n // 3, n - n // 3) for n in lengths], device="cuda", seed=5)
+        q = torch.zeros(4, 8, 64, device="cuda", dtype=torch.float16)
+    else:
+        rows = build_paged_rows(fmt, [(10, 23), (40, 70)], device="cuda", seed=6, key_scale=0.5, key_shift=25.0)
+        q = torch.full((1, 4, 64), -300.0, device="cuda")
+        q[0, 1::2] = -310.0
+        q = q.to(torch.float16)
+    num_seqs, num_heads = q.shape[:2]
+    num_kv_heads = rows.page_table.shape[0] // num_seqs
+    row_ids = torch.arange(rows.page_table.shape[0], dtype=torch.int32, device="cuda").view(num_seqs, num_kv_heads)
+    out = torch.full_like(q, float("nan"))
+    ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, rows.page_table.shape[1], "cuda",
+                                  num_partitions=3)
+    paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids, out,
+                           sm_scale=64**-0.5, workspace=ws, backend=backend)
+    ref, _ = decode_reference(q.float().cpu(), rows, row_ids.cpu(), 64**-0.5)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 5e-3, rel_err(out, ref)
+    if case == "tail-masking":
+        for r in range(rows.page_table.shape[0]):
+            s, kvh = divmod(r, num_kv_heads)
+            group = num_heads // num_kv_heads
+            mean = rows.values[r].mean(0).to(out.device)
+            assert torch.allclose(out[s, kvh * group:(kvh + 1) * group].double(), mean.expand(group, -1), atol=5e-3)
+
+
 def test_cuda_kernel_is_the_default_where_it_applies():
     """On the device (CuPy present) auto picks the CUDA partial kernel for the presets' d64/d128 formats."""
     from trtllm_diffkv.kernels.cuda_decode import resolve_backend, runtime_reason
