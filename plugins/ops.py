@@ -291,44 +291,31 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
         ops.write_tokens(pool, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
 
 
-_TRITON_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i1": "bool",
-                  "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8"}
 
-
-def run_aot_kernel(tensors: list, attrs: dict) -> None:
-    """``diffkv::aot_<kernel>`` through Triton's JIT: launch the node's kernel with the node's launch parameters on its
-    input tensors (written in place; CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+def run_abi_kernel(tensors: list, attrs: dict) -> None:
+    """``diffkv::aot_<wrapper>`` through Triton's JIT: launch the node's TensorRT-convention wrapper
+    (``trtllm_diffkv/build/trt_abi.py``) with the argument list TensorRT passes - the inputs, the int32 extra args, the
+    outputs (the inputs again: aliased) - and the node's grid, warps and stages (CUDA, or the CPU under
+    ``TRITON_INTERPRET=1``). The inputs are written in place.
 
     Args:
-        tensors: the node's inputs, one per pointer parameter (``attrs["pointer_params"]``), as bound in the graph:
-            a tensor whose dtype differs from the parameter's (``attrs["pointer_types"]``, e.g. the uint8 pool for an
-            ``*fp32`` view) is passed as a flat view of that dtype; an input with ``same_as[j] != j`` is replaced by
-            that input (one buffer named twice).
-        attrs: the node's attributes (``build/onnx_export.py::aot_node_attrs``; JSON strings or already decoded):
-            ``kernel`` ("module:function"), ``grid`` / ``scalars`` expressions of ``sizes``, whose expressions of the
-            step sizes are read from the inputs' dims (``dims``: ``[input, axis, divisor]``), ``constexprs``,
-            ``num_warps``, ``num_stages``.
+        tensors: the node's inputs (the launch's distinct buffers, in the wrapper's input order and dtypes).
+        attrs: the node's attributes (``build/onnx_export.py::aot_node_attrs``; JSON strings or decoded): ``abi`` (the
+            wrapper), ``grid``, ``sizes``, ``dims``, ``extras``, ``constexprs``, ``num_warps``, ``num_stages``; the grid
+            and extras come from :func:`trtllm_diffkv.build.trt_abi.launch_plan`, as TensorRT's ``aot_impl`` gets them.
+
+    Raises:
+        ValueError: an input whose dtype is not the wrapper's.
     """
-    import importlib
-    import json
+    from trtllm_diffkv.build import trt_abi
+    from trtllm_diffkv.build.aot import decode_constexpr
 
-    from trtllm_diffkv.build.aot import decode_constexpr, eval_grid, kernel_parameters
-    from trtllm_diffkv.build.aot_graph import eval_dim
-
-    get = lambda k: json.loads(attrs[k]) if isinstance(attrs[k], str) else attrs[k]  # noqa: E731
-    same_as, types, params = get("same_as"), get("pointer_types"), get("pointer_params")
-    constexprs = {k: decode_constexpr(v) for k, v in get("constexprs").items()}
-    env = {"n": 0, "B": 0, "P": 0}
-    env.update({s: int(tensors[j].shape[axis]) // div for s, (j, axis, div) in get("dims").items()})
-    sizes = {k: eval_dim(v, **env) for k, v in get("sizes").items()}
-    grid = eval_grid(get("grid"), sizes, constexprs)
-    scalars = {p: eval_grid([v], sizes, constexprs)[0] if isinstance(v, str) else v for p, v in get("scalars").items()}
-    pointers = {}
-    for j, (p, t) in enumerate(zip(params, types)):
-        x, want = tensors[same_as[j]], getattr(torch, _TRITON_DTYPES[t.lstrip("*")])
-        pointers[p] = x if x.dtype == want else x.reshape(-1).view(want)
-    module, name = str(attrs["kernel"]).split(":")
-    kernel = getattr(importlib.import_module(module), name)
-    values = {**constexprs, **scalars, **pointers}
-    args = [values[p] for p, _, _ in kernel_parameters(kernel)]
-    kernel[grid](*args, num_warps=int(attrs["num_warps"]), num_stages=int(attrs["num_stages"]))
+    abi = trt_abi.AbiKernel.from_json(attrs["abi"])
+    for j, (t, want) in enumerate(zip(tensors, abi.input_dtypes)):
+        if trt_abi.TORCH_TO_TRITON[str(t.dtype).removeprefix("torch.")] != want:
+            raise ValueError(f"{abi.name}: input {j} is {t.dtype}, the wrapper takes {want}")
+    grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: int(tensors[j].shape[axis]))
+    kernel = getattr(trt_abi.load_wrappers([abi]), abi.function)
+    constexprs = {k: decode_constexpr(v) for k, v in abi.constexprs.items()}
+    kernel[grid](*tensors, *extras, *tensors, **constexprs, num_warps=int(attrs["num_warps"]),
+                 num_stages=int(attrs["num_stages"]))

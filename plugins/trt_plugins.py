@@ -13,10 +13,10 @@ need Python at run time and have no AOT form):
   :func:`.specs.infer` states and tests);
 * the Python implementation (``@trtp.impl``): wraps TensorRT's device tensors as torch tensors and calls
   the project's Triton kernels (``kernels/``, ``memory/triton_page_manager.py``) - the JIT path;
-* for the AOT route, one plugin per compiled kernel, ``diffkv::aot_<kernel>`` (``@trtp.aot_impl`` returns
-  one kernel per plugin, so a multi-kernel operation such as decode attention is three plugin nodes:
-  partial, merge, score): it returns the manifest's PTX, kernel name, grid and block, shared memory and the
-  runtime scalar arguments as symbolic expressions, so the engine runs without Python.
+* for the AOT route (:func:`register_aot_plugins`), one plugin per TensorRT-convention wrapper of the manifest,
+  ``diffkv::aot_<wrapper>`` (``@trtp.aot_impl`` returns one kernel per plugin, so a multi-kernel operation such as
+  decode attention is three plugin nodes: partial, merge, score): it returns the wrapper's PTX, kernel name, grid and
+  block, shared memory and the runtime scalar arguments as symbolic expressions, so the engine runs without Python.
 
 Node attributes (ONNX) / plugin fields: each plugin's ``fields`` (:mod:`.specs`: the model shape and the
 DiffKV configuration, ``trtllm_diffkv.build.fields.kv_config_to_fields``).
@@ -100,63 +100,57 @@ for _plugin in specs.PLUGINS.values():
 # --------------------------------------------------------------------------- AOT: one plugin per compiled kernel
 
 
-def aot_launch(entry: dict, target: str, sizes: dict) -> tuple[str, str, dict, list]:
-    """(kernel name, PTX, launch params dict, runtime scalar values) of a manifest entry for ``sizes``.
-
-    Plain Python (no TensorRT types) so the GPU test and the AOT plugins share it: grid from the manifest's
-    expressions, block ``num_warps * 32``, shared memory from the compiled metadata.
-    """
-    from trtllm_diffkv.build.aot import eval_grid
-
-    c = entry["compiled"][target]
-    grid = eval_grid(entry["grid"], sizes, entry["constexprs"]) + (1,) * (3 - len(entry["grid"]))
-    ptx = (Path(MANIFEST).parent / c["ptx"]).read_text() if MANIFEST else ""
-    params = dict(grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * c["num_warps"],
-                  shared_mem=c["shared_bytes"])
-    step = entry.get("step_scalars", {})  # per-call scalars (row counts...): evaluated for these sizes
-    return c["kernel_name"], ptx, params, [eval_grid([step[n]], sizes, entry["constexprs"])[0] if n in step
-                                          else entry["scalars"].get(n) for n in entry["params"]
-                                          if not entry["signature"][n].startswith("*")]
-
-
 def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> list[str]:
-    """Register ``diffkv::aot_<kernel name>`` for every manifest entry (its pointer args as tensors, each output the
-    input of the same index, aliased: the AOT decode graph's nodes, ``build/onnx_export.py::export_aot``); returns names.
+    """Register ``diffkv::aot_<wrapper>`` for every TensorRT-convention wrapper of the engine's manifest
+    (``manifest["trt_abi"]``, ``trtllm_diffkv/build/trt_abi.py``): the AOT decode graph's nodes
+    (``build/onnx_export.py::export_aot``). Returns the plugin names.
 
-    NOT RUN, and known not to fit TensorRT's AOT calling convention as it stands: ``tensorrt.plugin`` launches an AOT
-    kernel with the input pointers, then the ``extra_args`` (integers only), then the output pointers, whereas our
-    Triton kernels interleave pointers and scalars, take fp32 scalars (``qk_scale``) and fp64 data (the alphas), and
-    Triton 3.6 appends two scratch pointers; a wrapper kernel per entry (or reordered kernel parameters) is missing.
+    Per plugin: inputs = the wrapper's inputs (the launch's distinct buffers), every output aliased to its input
+    (updated in place); fields = the node's attributes (``onnx_export.AOT_ATTRS``: JSON strings and ints);
+    ``aot_impl`` returns the wrapper's PTX for ``target`` (its entry declares exactly the inputs, the int32 extra
+    args and the outputs: the convention TensorRT launches with), its name, the launch parameters - grid from the
+    node's expressions of the inputs' dims, ``num_warps * 32`` threads, the compiled shared memory - and the extra
+    args as ``SymInt32`` expressions (:func:`trtllm_diffkv.build.trt_abi.launch_plan`, the function onnxruntime's
+    ops use with integer dims). NOT RUN against TensorRT (not installable here); the wrappers' PTX ran on an H200
+    through the CUDA driver with this parameter list (``tests/gpu/test_aot_gpu.py``).
 
-    The runtime sizes (grid) come from the first input's shape at build time through ``trtp.KernelLaunchParams``
-    symbolic expressions; scalars recorded as constants in the manifest are passed as ``SymIntExprs``.
+    Raises:
+        KeyError: a manifest without compiled wrappers for ``target``.
     """
+    from trtllm_diffkv.build import trt_abi
+    from trtllm_diffkv.build.onnx_export import AOT_ATTRS
+
     global MANIFEST
     MANIFEST = str(manifest_path)
+    folder = Path(manifest_path).parent
     manifest = json.loads(Path(manifest_path).read_text())
+    attr_params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=t) for n, t in AOT_ATTRS.items()]
     names = []
-    for entry in manifest["kernels"]:
-        name = f"{specs.NAMESPACE}::aot_{entry['name']}"
-        pointers = [n for n in entry["params"] if entry["signature"][n].startswith("*")]
+    for data in manifest["trt_abi"]:
+        abi = trt_abi.AbiKernel.from_json(data)
+        compiled = abi.compiled[target]
+        name = f"{specs.NAMESPACE}::aot_{abi.name}"
+        tensors = [inspect.Parameter(f"in{j}", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc)
+                   for j in range(len(abi.input_dtypes))]
 
-        def desc(*tensors, _n=len(pointers)):  # every pointer argument, updated in place (the AOT graph's nodes)
-            return tuple(t.aliased() for t in tensors)
+        def desc(*inputs, **attrs):  # every output aliases its input: the kernels update in place
+            return tuple(t.aliased() for t in inputs)
 
-        desc.__signature__ = inspect.Signature(
-            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc) for p in pointers])
+        desc.__signature__ = inspect.Signature(tensors + attr_params)
         trtp.register(name)(desc)
 
-        def aot(*tensors, outputs, tactic, _entry=entry):
-            kernel_name, ptx, p, scalars = aot_launch(_entry, target, _entry["sizes"])
+        def aot(*inputs, outputs, tactic, _c=compiled, **attrs):
+            grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: inputs[j].shape_expr[axis], cdiv=trtp.cdiv)
             launch = trtp.KernelLaunchParams()
-            for key, value in p.items():
-                setattr(launch, key, value)
-            return kernel_name, ptx, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(int(s)) for s in scalars
-                                                                            if isinstance(s, int)])
+            launch.grid_x, launch.grid_y, launch.grid_z = grid
+            launch.block_x = 32 * _c["num_warps"]
+            launch.shared_mem = _c["shared_bytes"]
+            ptx = (folder / _c["ptx"]).read_text()
+            return _c["kernel_name"], ptx, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in extras])
+
         aot.__signature__ = inspect.Signature(
-            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc) for p in pointers]
-            + [inspect.Parameter("outputs", inspect.Parameter.KEYWORD_ONLY, annotation=tuple),
-               inspect.Parameter("tactic", inspect.Parameter.KEYWORD_ONLY, annotation=int)])
+            tensors + attr_params + [inspect.Parameter("outputs", inspect.Parameter.KEYWORD_ONLY, annotation=tuple),
+                                     inspect.Parameter("tactic", inspect.Parameter.KEYWORD_ONLY, annotation=int)])
         trtp.aot_impl(name)(aot)
         names.append(name)
     return names

@@ -322,3 +322,141 @@ def test_cache_write_variants_and_step_scalars_follow_the_launchers():
             aot._spec(rec.launches[0], "page_manager", sizes)
     finally:
         aot.STEP_SCALARS["_count_kernel"] = saved
+
+
+# --------------------------------------------------------------------------- TensorRT's calling convention
+
+
+def _ptx_instructions(ptx: str, kernel_name: str):
+    """Multiset of the entry's floating-point and memory instructions (opcodes): the arithmetic on values and every
+    global / shared access. Integer address arithmetic is left out: where one buffer reaches the wrapper once instead
+    of under several pointer types (the pool's views), the compiler may share an address computation."""
+    import collections
+
+    body = ptx[ptx.index(f".entry {kernel_name}("):]
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"^\s+([a-z][a-z0-9._]*)\s", body, re.M))
+    return collections.Counter({op: k for op, k in ops.items()
+                                if not op.startswith("ld.param") and
+                                (re.search(r"\.(f16|bf16|f32|f64|f16x2|bf16x2)\b", op) or
+                                 op.startswith(("ld.", "st.", "atom.", "red.", "mma", "cvt", "shfl", "bar")))})
+
+
+def test_trt_abi_wrappers_follow_tensorrts_calling_convention(aot_dir):
+    """Every manifest entry has its TensorRT-convention wrapper (``manifest["trt_abi"]``, ``build/trt_abi.py``),
+    compiled for both targets: the PTX entry declares exactly the inputs (``.u64``), the int32 extra args (``.u32``)
+    and the outputs (``.u64``, one per input) - Triton's scratch parameters cut - the pool's dtype views are one
+    input, TensorRT types only (no fp64), the cubin is an ELF of that PTX, warps and shared memory are the entry's,
+    and the wrapper's instructions are the original kernel's (same multiset of floating-point and memory opcodes: the
+    same code, inlined; the GPU test checks the outputs bit for bit)."""
+    from trtllm_diffkv.build import trt_abi
+
+    m = _manifest(aot_dir)
+    wrappers = {k["name"]: trt_abi.AbiKernel.from_json(k) for k in m["trt_abi"]}
+    for entry in m["kernels"]:
+        abi = wrappers[trt_abi.from_launcher(entry).name]  # KeyError: an entry without its wrapper
+        n, x = len(abi.input_dtypes), len(abi.extras)
+        assert sorted(set(abi.input_of.values())) == list(range(n)) and "fp64" not in abi.input_dtypes
+        if entry["kernel"].endswith(("_write_tokens_kernel", "_read_tokens_kernel")):
+            assert len({abi.input_of[p] for p in abi.pointers if p.startswith("pool_")}) == 1
+        for target in ("sm_80", "sm_90"):
+            c, orig = abi.compiled[target], entry["compiled"][target]
+            ptx = (aot_dir / c["ptx"]).read_text()
+            assert trt_abi.ptx_entry_params(ptx, c["kernel_name"]) == c["params"] == \
+                [".u64"] * n + [".u32"] * x + [".u64"] * n, abi.name
+            cubin = (aot_dir / c["cubin"]).read_bytes()
+            assert cubin[:4] == b"\x7fELF" and hashlib.sha256(cubin).hexdigest() == c["cubin_sha256"]
+            assert (c["num_warps"], c["shared_bytes"]) == (orig["num_warps"], orig["shared_bytes"]), abi.name
+            original = (aot_dir / orig["ptx"]).read_text()
+            assert _ptx_instructions(ptx, c["kernel_name"]) == _ptx_instructions(original, orig["kernel_name"]), \
+                f"{abi.name} ({target}): the wrapper's code differs from the kernel's"
+    assert (aot_dir / "trt_abi.py").read_text() == trt_abi.wrapper_source(list(wrappers.values()))
+
+
+def test_strip_scratch_cuts_only_unread_parameters():
+    from trtllm_diffkv.build import trt_abi
+
+    ptx = (".visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .u32 k_param_1,\n\t.param .u64 k_param_2,"
+           "\n\t.param .u64 k_param_3\n)\n{\n\tld.param.b64 %rd1, [k_param_0];\n\tret;\n}\n")
+    out = trt_abi.strip_scratch(ptx, "k", 2)
+    assert trt_abi.ptx_entry_params(out, "k") == [".u64", ".u32"] and out.endswith("ret;\n}\n")
+    with pytest.raises(ValueError, match="k_param_3 .scratch. is read"):
+        trt_abi.strip_scratch(ptx.replace("[k_param_0]", "[k_param_3]"), "k", 2)
+
+
+def test_scalar_bits_are_the_int32_extra_args():
+    """An fp32 scalar travels as its IEEE bits (signed int32: negative values and the fp32 rounding of a Python float
+    included), an int32 as itself; others refused."""
+    import numpy as np
+
+    from trtllm_diffkv.build import trt_abi
+
+    for value in (0.125 * 1.4426950408889634, -3.5, 1e-40, float("inf")):
+        bits = trt_abi.scalar_bits(value, "fp32")
+        assert -2**31 <= bits < 2**31 and np.int32(bits).view(np.float32) == np.float32(value)
+    assert trt_abi.scalar_bits(-7, "i32") == -7
+    with pytest.raises(ValueError, match="int32"):
+        trt_abi.scalar_bits(2**31, "i32")
+    with pytest.raises(ValueError, match="i64"):
+        trt_abi.scalar_bits(3, "i64")
+
+
+class _Sym:
+    """A stand-in for TensorRT's symbolic dims (``trtp`` shape expressions: + - * // with ints and expressions; no
+    other Python operation), evaluated later with concrete dims."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    @staticmethod
+    def lift(x):
+        return x if isinstance(x, _Sym) else _Sym(lambda env, x=x: x)
+
+    def _op(self, other, f):
+        other = _Sym.lift(other)
+        return _Sym(lambda env: f(self.fn(env), other.fn(env)))
+
+    def __add__(self, o):
+        return self._op(o, lambda a, b: a + b)
+
+    def __sub__(self, o):
+        return self._op(o, lambda a, b: a - b)
+
+    def __mul__(self, o):
+        return self._op(o, lambda a, b: a * b)
+
+    def __floordiv__(self, o):
+        return self._op(o, lambda a, b: a // b)
+
+    __radd__, __rmul__ = __add__, __mul__
+
+
+def test_launch_plan_is_the_same_with_symbolic_dims():
+    """``trt_abi.launch_plan`` (grid and extra args of an AOT node) evaluated on stand-in symbolic dims (what
+    ``aot_impl`` gets from TensorRT) and then on concrete dims == evaluated on the concrete dims directly, for every
+    node of a compressing preset's AOT decode graph at several step sizes."""
+    import onnx
+    from conftest import tiny_llama
+
+    from trtllm_diffkv.build import onnx_export, trt_abi
+
+    model, kv = tiny_llama(), get_preset("default")
+    c = model.config
+    shape = EngineShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                        head_dim=c.head_dim, kv_config=kv, dtype="float32", max_batch_size=4, max_seq_len=64)
+    manifest = {"engine": shape.to_fields(), "kernels": [s.to_json() for s in aot.kernel_specs(shape)]}
+    proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
+    nodes = onnx_export.aot_nodes(proto)
+    assert nodes
+    for node in nodes:
+        attrs = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        where = {(j, axis): (s, div) for s, (j, axis, div) in json.loads(attrs["dims"]).items()}
+        # the dim a node reads a step size from (input j, axis): that size times its divisor
+        sym = lambda j, axis: _Sym(lambda env, s=where[j, axis]: env[s[0]] * s[1])  # noqa: E731
+        sgrid, sextras = trt_abi.launch_plan(attrs, sym, cdiv=lambda a, b: (a + (b - 1)) // b)
+        for n, B, P in ((1, 1, 40), (3, 4, 97), (4, 4, 512)):
+            env = dict(n=n, B=B, P=P)
+            grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: env[where[j, axis][0]] * where[j, axis][1])
+            assert [_Sym.lift(g).fn(env) for g in sgrid] == list(grid), node.name
+            assert [_Sym.lift(e).fn(env) for e in sextras] == extras, node.name
+            assert all(isinstance(e, int) and -2**31 <= e < 2**31 for e in extras)

@@ -201,19 +201,12 @@ def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch
                              ("like", 0) for j in range(len(plugin.outputs))), name
 
 
-@pytest.mark.parametrize("preset", ["demote", "fp16"])
-def test_decode_plan_ops_compute_what_plan_computes(preset):
-    """ops.run_decode_decide -> run_page_update -> run_decode_locate (the decode graph's plan nodes; the Triton
-    kernels under the interpreter, the moves on the torch ops path) on copies of a cache's state == the cache's own
-    decode plan (``PagedDiffKVCache.plan``: torch decisions, CpuPageManager, moves), bit for bit: the pool (moves to
-    the low tier), the whole page-manager state, and the decode_attention nodes' plan tensors. ``demote`` (recent
-    window 2, alpha_high 1.5) moves tokens in this step."""
+def prompted_cache(preset: str):
+    """(kv config, a cache after one prompted step of two sequences (lens 37 and 5; 2 layers, 4 / 2 heads, head_dim
+    64), the lens). ``demote``: the default preset with recent window 2, alpha_high 1.5, alpha_low 0.3 (moves tokens
+    to the low tier on the next decode step)."""
     import dataclasses
 
-    from plugins import ops
-    from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4
-
-    patch_interpreter_for_numpy_2_4()
     kv = dataclasses.replace(get_preset("default"), recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3) \
         if preset == "demote" else get_preset(preset)
     cache = _cache(kv)
@@ -225,6 +218,22 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
         T = sum(lens)
         cache.forward(layer, torch.randn(T, H, D, generator=g) * 2, torch.randn(T, Hkv, D, generator=g) * 2,
                       torch.randn(T, Hkv, D, generator=g))
+    return kv, cache, lens
+
+
+@pytest.mark.parametrize("preset", ["demote", "fp16"])
+def test_decode_plan_ops_compute_what_plan_computes(preset):
+    """ops.run_decode_decide -> run_page_update -> run_decode_locate (the decode graph's plan nodes; the Triton
+    kernels under the interpreter, the moves on the torch ops path) on copies of a cache's state == the cache's own
+    decode plan (``PagedDiffKVCache.plan``: torch decisions, CpuPageManager, moves), bit for bit: the pool (moves to
+    the low tier), the whole page-manager state, and the decode_attention nodes' plan tensors. ``demote`` (recent
+    window 2, alpha_high 1.5) moves tokens in this step."""
+    from plugins import ops
+    from trtllm_diffkv.kernels.attn_testing import patch_interpreter_for_numpy_2_4
+
+    patch_interpreter_for_numpy_2_4()
+    kv, cache, lens = prompted_cache(preset)
+    L, Hkv, D = 2, 2, 64
     man = cache.manager
     slots, positions, tokens_pos = torch.tensor([0, 2]), torch.tensor(lens), torch.tensor(lens + [0])  # + 1 padding
     state = dict(pool=cache.pool.pages().clone(), table=man.page_table.clone(), tokens=man.tokens.clone(),
@@ -255,3 +264,95 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
     assert torch.equal(located[4], d["positions"]) and torch.equal(located[5], d["err_idx"])
     if preset == "demote":
         assert int((decided[3] >= 0).sum()) > 0  # moves to the low tier in this step
+
+
+def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path):
+    """plugins/trt_plugins.py's ``register_aot_plugins`` against a recording stand-in for ``tensorrt.plugin``
+    (TensorRT cannot be installed here; the stand-in's dims are ints): one ``diffkv::aot_<wrapper>`` per wrapper of the
+    manifest, its inputs and the AOT graph's node attributes as fields, every output aliased; for every node of the AOT
+    decode graph its ``aot_impl`` returns the compiled wrapper's name and PTX, ``num_warps * 32`` threads, the
+    compiled shared memory, and the grid and int32 extra args ``trt_abi.launch_plan`` gives for the node's input dims
+    (the launch onnxruntime's ops make)."""
+    import importlib
+    import inspect
+    import json
+    import sys
+    import types
+
+    import onnx
+
+    from conftest import tiny_llama
+    from trtllm_diffkv.build import onnx_export, trt_abi
+    from trtllm_diffkv.build.aot_graph import decode_graph_abi
+
+    model, kv = tiny_llama(), get_preset("default")
+    c = model.config
+    shape = EngineShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                        head_dim=c.head_dim, kv_config=kv, dtype="float32", max_batch_size=4, max_seq_len=64)
+    entries = [s.to_json() for s in aot.kernel_specs(shape)]
+    wrappers = {k.name: k for k in decode_graph_abi(shape, {e["name"]: e for e in entries})}
+    for j, k in enumerate(wrappers.values()):  # stand-in compiled entries (the PTX's text is not read by TensorRT here)
+        (tmp_path / f"w{j}.ptx").write_text(f"// ptx of {k.function}")
+        k.compiled["sm_90"] = dict(kernel_name=k.function, ptx=f"w{j}.ptx", num_warps=4 + j % 2, shared_bytes=64 * j)
+    manifest = {"engine": shape.to_fields(), "kernels": entries, "trt_abi": [k.to_json() for k in wrappers.values()]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+
+    registered, aot_impls = {}, {}
+
+    class Desc:
+        def __init__(self, dims):
+            self.shape_expr = dims
+
+        def aliased(self):
+            return ("aliased", self)
+
+    class Launch:
+        pass
+
+    trtp = types.ModuleType("tensorrt.plugin")
+    trtp.TensorDesc, trtp.Tensor, trtp.KernelLaunchParams = Desc, object, Launch
+    trtp.register = lambda name: lambda fn: registered.setdefault(name, fn)
+    trtp.impl = lambda name: lambda fn: fn
+    trtp.aot_impl = lambda name: lambda fn: aot_impls.setdefault(name, fn)
+    trtp.cdiv = lambda a, b: -(-a // b)
+    trtp.SymInt32 = lambda e: ("i32", e)
+    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=tuple)
+    trtp.ShapeExprs = types.SimpleNamespace(from_tuple=tuple)
+    tensorrt = types.ModuleType("tensorrt")
+    tensorrt.plugin = trtp
+    monkeypatch.setitem(sys.modules, "tensorrt", tensorrt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.delitem(sys.modules, "plugins.trt_plugins", raising=False)
+    try:
+        trt_plugins = importlib.import_module("plugins.trt_plugins")
+        names = trt_plugins.register_aot_plugins(tmp_path / "manifest.json", "sm_90")
+    finally:
+        sys.modules.pop("plugins.trt_plugins", None)
+        import plugins
+
+        plugins.__dict__.pop("trt_plugins", None)
+    assert names == [f"diffkv::aot_{n}" for n in wrappers] and set(aot_impls) == set(names)
+    proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
+    nodes = onnx_export.aot_nodes(proto)
+    assert {f"diffkv::{n.op_type}" for n in nodes} == set(names)
+    for node in nodes:
+        name = f"diffkv::{node.op_type}"
+        abi = wrappers[node.op_type.removeprefix("aot_")]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()
+                 if k not in ("plugin_namespace", "plugin_version")}
+        params = inspect.signature(registered[name]).parameters
+        assert [p for p in params if not p.startswith("in")] == list(onnx_export.AOT_ATTRS) == list(attrs)
+        dims = json.loads(attrs["dims"])
+        step = dict(n=3, B=4, P=97)
+        shapes = [[7] * 3 for _ in node.input]  # the dims a node reads its step sizes from, the rest arbitrary
+        for sym, (j, axis, div) in dims.items():
+            shapes[j][axis] = step[sym] * div
+        descs = [Desc(s) for s in shapes]
+        assert registered[name](*descs, **attrs) == tuple(("aliased", d) for d in descs)
+        kernel_name, ptx, launch, extras = aot_impls[name](*descs, outputs=(), tactic=0, **attrs)
+        c = abi.compiled["sm_90"]
+        grid, want = trt_abi.launch_plan(attrs, lambda j, axis: shapes[j][axis])
+        assert (kernel_name, ptx) == (abi.function, f"// ptx of {abi.function}")
+        assert (launch.grid_x, launch.grid_y, launch.grid_z) == grid and launch.block_x == 32 * c["num_warps"]
+        assert launch.shared_mem == c["shared_bytes"] and extras == tuple(("i32", e) for e in want)

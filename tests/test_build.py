@@ -89,8 +89,6 @@ def test_per_op_graphs_build(built, tmp_path):
     import onnx
     from onnx.numpy_helper import to_array
 
-    from trtllm_diffkv import ModelRunner
-
     ckpt, composite = built
     out = tmp_path / "engine"
     assert _run(["--checkpoint", str(ckpt), "--output", str(out), "--plugin", "diffkv", "--max-batch-size", "4",
@@ -114,7 +112,55 @@ def test_per_op_graphs_build(built, tmp_path):
     assert shared and all(np.array_equal(weights["prefill"][n], weights["decode"][n]) for n in shared)
     largest = sum(a.nbytes for a in weights["decode"].values() if a.nbytes >= 1024)
     assert largest <= (out / "model.onnx.data").stat().st_size < largest * 1.01  # stored once, not twice
-    runners = [ModelRunner.from_dir(d, device="cpu", kv_memory_bytes=16 << 20) for d in (out, composite)]
+    got = _greedy_tokens(out, composite)
+    assert got[0] == got[1]
+
+
+def test_aot_graph_build(built, tmp_path, capsys):
+    """``--graph aot``: the per-op prefill graph and the AOT decode graph (one ``diffkv::aot_<wrapper>`` node per kernel
+    launch, each wrapper compiled in the manifest's ``trt_abi`` with its PTX entry in TensorRT's convention and the
+    node's shared memory the compiled one), recorded in config.json; the CUDA C++ kernels are not compiled for a float32
+    engine and the build says why in one line; ModelRunner.from_dir gives the composite build's greedy tokens;
+    ``--graph aot`` without ``--dtype float32`` fails in one line and leaves nothing."""
+    import onnx
+
+    from trtllm_diffkv.build import trt_abi
+
+    ckpt, composite = built
+    out = tmp_path / "engine"
+    args = ["--checkpoint", str(ckpt), "--plugin", "diffkv", "--max-batch-size", "4", "--max-seq-len", "96",
+            "--targets", "90", "--graph", "aot"]
+    assert _run([*args, "--output", str(tmp_path / "bad"), "--dtype", "float16"]) == 2
+    assert "--graph aot: the AOT decode graph's activations are float32" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+    assert _run([*args, "--output", str(out), "--dtype", "float32"]) == 0
+    assert "CUDA C++ decode kernels not compiled ahead of time:" in capsys.readouterr().err
+    dk = json.loads((out / "config.json").read_text())["diffkv"]
+    assert (dk["graph"], dk["onnx"], dk["cuda_kernels"]) == \
+        ("aot", {"prefill": "model_prefill.onnx", "decode": "model_decode.onnx"}, None)
+    onnx.checker.check_model(str(out / "model_decode.onnx"))
+    proto = onnx.load(str(out / "model_decode.onnx"))
+    manifest = json.loads((out / "kernels" / "manifest.json").read_text())
+    wrappers = {k["name"]: trt_abi.AbiKernel.from_json(k) for k in manifest["trt_abi"]}
+    nodes = [n for n in proto.graph.node if n.domain == "diffkv"]
+    assert nodes and all(n.op_type.startswith("aot_") for n in nodes)
+    for node in nodes:
+        c = wrappers[node.op_type.removeprefix("aot_")].compiled["sm_90"]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["shared_mem"] == c["shared_bytes"] and len(node.input) == len(node.output)
+        ptx = (out / "kernels" / c["ptx"]).read_text()
+        n = len(node.input)
+        assert trt_abi.ptx_entry_params(ptx, c["kernel_name"]) == \
+            [".u64"] * n + [".u32"] * len(json.loads(attrs["extras"])) + [".u64"] * n
+    got = _greedy_tokens(out, composite)
+    assert got[0] == got[1]
+
+
+def _greedy_tokens(*dirs):
+    """ModelRunner.from_dir of each engine dir (CPU): 4 greedy tokens after the same prompt."""
+    from trtllm_diffkv import ModelRunner
+
+    runners = [ModelRunner.from_dir(d, device="cpu", kv_memory_bytes=16 << 20) for d in dirs]
     try:
         got = []
         for runner in runners:
@@ -124,7 +170,7 @@ def test_per_op_graphs_build(built, tmp_path):
     finally:
         for runner in runners:
             runner.shutdown()
-    assert got[0] == got[1]
+    return got
 
 
 def _leftovers(parent):

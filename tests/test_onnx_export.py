@@ -431,14 +431,16 @@ _LAYER_KERNELS = ["_write_tokens_kernel", "_decode_partial_kernel", "_decode_mer
 @pytest.mark.parametrize("preset", ["default", "fp16"])
 def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
     """``graph="aot"``: the per-op decode graph's inputs and outputs, its DiffKV nodes replaced by one
-    ``diffkv::aot_<entry>`` node per launch, in launch order (decide; count, decode apply; locate (+ read / write of the
-    moves); per layer write, partial, merge (+ score)); every node's kernel is an entry of the engine's manifest and its
-    attributes are that entry's (kernel, grid, warps, stages, constexprs) plus the launch's scalars and sizes; inputs
-    = one per pointer parameter, outputs the same tensors after the launch (typed as their inputs); no other
-    ``diffkv`` node; checker + strict shape inference."""
+    ``diffkv::aot_<wrapper>`` node per launch, in launch order (decide; count, decode apply; locate (+ read / write of
+    the moves); per layer write, partial, merge (+ score)); every node's kernel is an entry of the engine's manifest and
+    its attributes are that entry's (kernel, grid, warps, stages, constexprs) plus the launch's TensorRT-convention
+    wrapper (``abi``), extra args and sizes; inputs = the launch's distinct buffers (no tensor twice: the pool's four
+    dtype views are one input), outputs the same tensors after the launch (typed as their inputs); TensorRT types
+    only (the alphas as int64 bits); no other ``diffkv`` node; checker + strict shape inference."""
     import json
 
     from plugins import specs
+    from trtllm_diffkv.build import trt_abi
 
     model, kv = tiny_llama(), get_preset(preset)
     manifest = _manifest(_engine(model, kv))
@@ -451,35 +453,50 @@ def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
     nodes = onnx_export.aot_nodes(proto)
     assert nodes == onnx_export.plugin_nodes(proto)  # nothing but AOT nodes in the diffkv domain
     entries = {e["name"]: e for e in manifest["kernels"]}
+    attrs = [{k: v.decode() if isinstance(v, bytes) else v for k, v in
+              ((x.name, onnx.helper.get_attribute_value(x)) for x in node.attribute)} for node in nodes]
     plan = ["_decide_kernel", "_count_kernel", "_decode_apply_kernel", "_locate_kernel"]
     plan += ["_read_tokens_kernel", "_write_tokens_kernel"] if kv.compress else []
     layer = _LAYER_KERNELS + (["_decode_score_kernel"] if kv.compress else [])
-    kernels = [entries[n.op_type.removeprefix("aot_")]["kernel"].split(":")[1] for n in nodes]  # KeyError: not in it
+    kernels = [entries[a["kernel_name"]]["kernel"].split(":")[1] for a in attrs]  # KeyError: not in it
     assert kernels == plan + layer * model.config.num_layers
-    ops = {entries[n.op_type.removeprefix("aot_")]["op"] for n in nodes}
+    ops = {entries[a["kernel_name"]]["op"] for a in attrs}
     assert ops == {"decode_plan", "page_manager", "decode_attention", "write_high_cache" if kv.compress else
                    "write_high", *(("read_high_move", "write_low_move") if kv.compress else ())}
     assert {k for k, _ in specs.PLAN_KERNELS["decode_decide"]} <= set(kernels)
     typed = {v.name: v for v in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]}
     init = {t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name for t in proto.graph.initializer}
-    assert init["aot.alphas"] == "float64"  # decode_decide's alphas: an fp64 initializer
-    for node in nodes:
-        entry = entries[node.op_type.removeprefix("aot_")]
-        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        a = {k: v.decode() if isinstance(v, bytes) else v for k, v in a.items()}
+    assert init["aot.alphas"] == "int64"  # decode_decide's fp64 alphas, as their bits (TensorRT has no fp64)
+    assert onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == "aot.alphas")).view(
+        np.float64).tolist() == [kv.alpha_high, kv.alpha_low]
+    for node, a in zip(nodes, attrs):
+        entry = entries[a["kernel_name"]]
+        abi = trt_abi.AbiKernel.from_json(a["abi"])
+        assert node.op_type == "aot_" + abi.name and abi.entry == entry["name"]
         assert node.domain == "diffkv" and (a["plugin_namespace"], a["plugin_version"]) == ("diffkv", "1")
-        assert (a["kernel_name"], a["kernel"], json.loads(a["grid"]), a["num_warps"], a["num_stages"]) == \
-            (entry["name"], entry["kernel"], entry["grid"], entry["options"]["num_warps"], entry["options"]["num_stages"])
+        assert (a["kernel"], json.loads(a["grid"]), a["num_warps"], a["num_stages"]) == \
+            (entry["kernel"], entry["grid"], entry["options"]["num_warps"], entry["options"]["num_stages"])
         assert json.loads(a["constexprs"]) == entry["constexprs"] and a["shared_mem"] == -1  # not compiled
         pointers = [p for p in entry["params"] if entry["signature"][p].startswith("*")]
-        assert json.loads(a["pointer_params"]) == pointers and len(node.input) == len(node.output) == len(pointers)
-        assert set(json.loads(a["scalars"])) == set(entry["params"]) - set(pointers)
-        for p, v in json.loads(a["scalars"]).items():  # per-call scalars as expressions, the others as recorded
-            assert v == entry["step_scalars"].get(p, v) and (isinstance(v, str) or p == "qk_scale" or
-                                                               v == entry["scalars"][p]), (node.name, p)
-        for i, o in zip(node.input, node.output):
+        assert abi.pointers == pointers and sorted(set(abi.input_of.values())) == list(range(len(node.input)))
+        assert len(set(node.input)) == len(node.input) == len(node.output) == len(abi.input_dtypes)
+        if entry["kernel"].endswith(("_write_tokens_kernel", "_read_tokens_kernel")):  # the pool's views: one input
+            assert len({abi.input_of[p] for p in pointers if p.startswith("pool_")}) == 1
+        extras = json.loads(a["extras"])
+        assert [p for p, _ in extras] == [p for p in entry["params"] if p not in pointers]
+        for p, v in extras:  # per-call scalars as expressions, the others as recorded (fp32: its bits)
+            if p in entry["step_scalars"]:
+                assert v == entry["step_scalars"][p], (node.name, p)
+            elif entry["signature"][p] == "fp32":
+                assert np.int32(v).view(np.float32) == np.float32(model.config.head_dim ** -0.5 * 1.4426950408889634)
+            else:
+                assert v == entry["scalars"][p], (node.name, p)
+        dtypes = json.loads(a["bind_dtypes"])
+        for j, (i, o) in enumerate(zip(node.input, node.output)):
             want = init[i] if i in init else _elem(typed[i])
-            assert _elem(typed[o]) == want, node.name
+            assert _elem(typed[o]) == want == dtypes[j], node.name
+            assert trt_abi.TORCH_TO_TRITON[want] == abi.input_dtypes[j]
+            assert want != "float64"
 
 
 @pytest.mark.parametrize("preset", ["default", "fp16", "demote"])
@@ -516,7 +533,8 @@ def test_aot_decode_graph_refuses_what_it_cannot_express():
 
 def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):
     """With the engine's compiled manifest (``aot.build_kernels``, sm_90, the decode step's families): every node's
-    kernel is a compiled entry and its shared memory and warps are the compiled kernel's (what ``aot_impl`` returns)."""
+    kernel is a compiled entry, its wrapper is compiled (``manifest["trt_abi"]``) and the node's shared memory and
+    warps are the compiled wrapper's, equal to the entry's (what ``aot_impl`` returns)."""
     import json
 
     from trtllm_diffkv.build import aot
@@ -531,8 +549,11 @@ def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):
         raise
     proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
     entries = {e["name"]: e for e in manifest["kernels"]}
+    wrappers = {k["name"]: k for k in manifest["trt_abi"]}
     for node in onnx_export.aot_nodes(proto):
         a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
         compiled = entries[a["kernel_name"].decode()]["compiled"]["sm_90"]
-        assert (a["shared_mem"], a["num_warps"]) == (compiled["shared_bytes"], compiled["num_warps"]), node.name
+        wrapper = wrappers[node.op_type.removeprefix("aot_")]["compiled"]["sm_90"]  # KeyError: not compiled
+        assert (a["shared_mem"], a["num_warps"]) == (wrapper["shared_bytes"], wrapper["num_warps"]) == \
+            (compiled["shared_bytes"], compiled["num_warps"]), node.name
         assert json.loads(a["grid"]) == entries[a["kernel_name"].decode()]["grid"]

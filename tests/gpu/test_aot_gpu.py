@@ -1,4 +1,5 @@
-"""AOT cubins launched through the CUDA driver (CuPy ``RawModule``) with the manifest's parameters give the
+"""AOT cubins launched through the CUDA driver (CuPy ``RawModule``) with the manifest's parameters, and their
+TensorRT-convention wrappers (PTX and cubin, launched with TensorRT's parameter list: :data:`MODES`), give the
 Triton JIT path's outputs bit for bit (write, read, paged decode attention partial + merge + score update,
 prompt-score kernels, page-manager decode update, the decode plan's decision + locate kernels).
 
@@ -49,6 +50,43 @@ def _entry(manifest, launch):
     return found[0]
 
 
+MODES = ("manifest", "trt_ptx", "trt_cubin")
+"""How each recorded launch is replayed: the manifest's cubin with the kernel's own parameters (+ the two null
+scratch pointers), or its TensorRT-convention wrapper (``build/trt_abi.py``: inputs, int32 extra args, outputs, and
+nothing else), from the PTX (loaded and compiled by the CUDA driver: what TensorRT receives from ``aot_impl``) or from
+the cubin assembled from that PTX."""
+_MODE = ["manifest"]
+
+
+@pytest.fixture(params=MODES, autouse=True)
+def launch_mode(request):
+    """Every test runs once per :data:`MODES`."""
+    _MODE[0] = request.param
+    yield request.param
+    _MODE[0] = "manifest"
+
+
+def _trt_values(manifest, cc, entry, bound):
+    """(compiled wrapper, parameter values in TensorRT's order) of a launch: the wrapper of the entry as its launcher
+    binds it; each input the buffer of its pointer parameters (one buffer: the pool's dtype views), the extras as
+    int32 (fp32 as bits), the outputs = the inputs again (aliased)."""
+    from trtllm_diffkv.build import trt_abi
+
+    abi = trt_abi.from_launcher(entry)
+    data = next(k for k in manifest["trt_abi"] if k["name"] == abi.name)  # StopIteration: not compiled
+    c = data["compiled"][f"sm_{cc}"]
+    inputs = [None] * len(abi.input_dtypes)
+    for p in abi.pointers:
+        j = abi.input_of[p]
+        if inputs[j] is None:
+            inputs[j] = bound[p]
+        assert bound[p].data_ptr() == inputs[j].data_ptr(), f"{entry['name']}: {p} is not input {j}'s buffer"
+    ptrs = [np.uint64(t.data_ptr()) for t in inputs]
+    values = ptrs + [np.int32(trt_abi.scalar_bits(bound[p], abi.signature[p])) for p in abi.extras] + ptrs
+    assert c["params"] == [".u64"] * len(ptrs) + [".u32"] * len(abi.extras) + [".u64"] * len(ptrs)
+    return c, values
+
+
 def _launch_aot(out, manifest, cc, launch):
     entry = _entry(manifest, launch)
     c = entry["compiled"][f"sm_{cc}"]
@@ -56,13 +94,18 @@ def _launch_aot(out, manifest, cc, launch):
     kernel, grid, args, kwargs = launch
     names = [n for n, _, _ in aot.kernel_parameters(kernel)]
     bound = {**dict(zip(names, args)), **kwargs}
-    values = []
-    for name in entry["params"]:
-        t, v = entry["signature"][name], bound[name]
-        values.append(np.uint64(v.data_ptr()) if t.startswith("*") else np.float32(v) if t == "fp32" else
-                      np.int64(v) if t == "i64" else np.int32(v))
-    values += [np.uint64(0)] * c["extra_params"]
-    fn = cupy.RawModule(path=str(out / c["cubin"])).get_function(c["kernel_name"])
+    if _MODE[0] == "manifest":
+        values = []
+        for name in entry["params"]:
+            t, v = entry["signature"][name], bound[name]
+            values.append(np.uint64(v.data_ptr()) if t.startswith("*") else np.float32(v) if t == "fp32" else
+                          np.int64(v) if t == "i64" else np.int32(v))
+        values += [np.uint64(0)] * c["extra_params"]
+        path = out / c["cubin"]
+    else:
+        c, values = _trt_values(manifest, cc, entry, bound)
+        path = out / c["ptx" if _MODE[0] == "trt_ptx" else "cubin"]
+    fn = cupy.RawModule(path=str(path)).get_function(c["kernel_name"])
     if c["shared_bytes"] > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = c["shared_bytes"]
     fn(tuple(grid) + (1,) * (3 - len(grid)), (32 * c["num_warps"], 1, 1), tuple(values), shared_mem=c["shared_bytes"])

@@ -48,14 +48,17 @@ Manifest (``manifest.json``, version 1)::
                   "options": {"num_warps", "num_stages", ...}, "select": "condition or null",
                   "step_scalars": {runtime scalar that varies per call: expression of sizes/constexprs},
                   "divisible": [params compiled with tt.divisibility=16, as the JIT specializes them],
+                  "buffers": [per pointer param: its buffer among the launch's distinct buffers],
                   "compiled": {"sm_90": {"kernel_name", "ptx", "cubin", "shared_bytes", "num_warps",
                                "num_stages", "global_scratch_bytes", "profile_scratch_bytes",
-                               "extra_params": 2}}}]}
+                               "extra_params": 2}}}],
+     "trt_abi": [TensorRT-convention wrappers: build/trt_abi.py::AbiKernel.to_json()]}
 
 A compiled kernel takes its runtime arguments (``params``) followed by
 ``extra_params`` (2 in Triton 3.6: the global and profile scratch pointers; null
 when their sizes are 0). Block size: ``num_warps * 32`` threads. Grid expressions
-use ``cdiv`` and the named sizes of ``sizes`` plus the constexprs.
+use ``cdiv`` and the named sizes of ``sizes`` plus the constexprs. The ``trt_abi`` wrappers
+(:func:`abi_kernels`) take TensorRT's AOT parameter list instead: inputs, int32 extra args, outputs.
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import trt_abi
 from .fields import EngineShape
 
 SUPPORTED_TARGETS = (80, 90)
@@ -133,7 +137,7 @@ STEP_SCALARS = {
 }
 """Runtime scalars that change per call, as expressions of the named sizes and constexprs (as :data:`GRIDS`;
 checked against every recorded launch). The manifest's ``scalars`` hold the recorded values; ``step_scalars`` these
-expressions, which a launch evaluates for its own sizes (``plugins/trt_plugins.py::aot_launch``, the AOT graph's
+expressions, which a launch evaluates for its own sizes (``build/trt_abi.py::launch_plan``, the AOT graph's
 nodes). ``_scan_kernel``'s ``num_blocks`` has none: the scan launch is only needed past one chunk of block sums,
 which the AOT decode graph refuses (``build/aot_graph.py``)."""
 
@@ -166,6 +170,7 @@ class KernelSpec:
     divisible: list[str] = field(default_factory=list)
     compiled: dict = field(default_factory=dict)
     step_scalars: dict = field(default_factory=dict)
+    buffers: list = field(default_factory=list)
 
     @property
     def params(self) -> list[str]:
@@ -324,7 +329,22 @@ def _spec(launch, op: str, sizes: dict, select: str | None = None) -> KernelSpec
             raise AssertionError(f"{name}: scalar {param} = {expr} gives {got}, the launcher passed {scalars[param]}")
     return KernelSpec(name="", op=op, kernel=f"{fn.__module__}:{name}", arg_names=list(signature),
                       signature=signature, constexprs=constexprs, grid=list(GRIDS[name]), sizes=dict(sizes),
-                      scalars=scalars, options=options, select=select, divisible=divisible, step_scalars=step_scalars)
+                      scalars=scalars, options=options, select=select, divisible=divisible, step_scalars=step_scalars,
+                      buffers=_buffers(launch, signature))
+
+
+def _buffers(launch, signature: dict) -> list[int]:
+    """For each pointer parameter of a recorded launch, in order: the index of its buffer among the launch's distinct
+    buffers (views of one tensor - the pool's ``uint8``/``fp16``/``fp32``/``int32`` views - are one buffer), in
+    first-use order: the binding TensorRT's calling convention needs (``build/trt_abi.py``)."""
+    kernel, _, args, kwargs = launch
+    bound = {**dict(zip([n for n, _, _ in kernel_parameters(kernel)], args)), **kwargs}
+    seen, out = {}, []
+    for p, t in signature.items():
+        if t.startswith("*"):
+            key = bound[p].untyped_storage()._cdata
+            out.append(seen.setdefault(key, len(seen)))
+    return out
 
 
 def kernel_parameters(fn) -> list[tuple[str, bool, object]]:
@@ -446,12 +466,12 @@ def _prefill_specs(shape: EngineShape) -> list[KernelSpec]:
     for first, last in _prefill_variants(shape):
         n = last  # one prompt of the range's longest length: every constexpr of the range
         q = _meta((n, shape.num_heads, shape.head_dim), dt)
-        kv = _meta((n, shape.num_kv_heads, shape.head_dim), dt)
+        k, v = (_meta((n, shape.num_kv_heads, shape.head_dim), dt) for _ in range(2))  # distinct (the buffers)
         saved_f, pa.F = pa.F, fake_f
         try:
             with _Recorder([(pa, "_prompt_lse_kernel"), (pa, "_prompt_lse_merge_kernel"),
                             (pa, "_prompt_score_kernel")]) as rec:
-                pa.scored_prefill_attention(q, kv, kv, torch.tensor([0, n], dtype=torch.int32),
+                pa.scored_prefill_attention(q, k, v, torch.tensor([0, n], dtype=torch.int32),
                                             sm_scale=shape.head_dim ** -0.5,
                                             num_scoring_queries=shape.kv_config.prompt_score_window_tokens,
                                             out=torch.empty_like(q), score_sums=_meta((n, shape.num_kv_heads),
@@ -473,7 +493,7 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
                                 shape.max_seq_len, device="meta")
     n = min(2, shape.max_batch_size)
     slots = _meta((n,), torch.int64)  # the dtypes PagedDiffKVCache passes (paged/prefill.py, decode.py, cache.py)
-    per_head = _meta((n, shape.num_layers, shape.num_kv_heads), torch.int32)
+    per_head = lambda: _meta((n, shape.num_layers, shape.num_kv_heads), torch.int32)  # noqa: E731 - distinct buffers
     kernels = ["_count_kernel", "_scan_kernel", "_reserve_apply_kernel", "_commit_apply_kernel",
                "_decode_apply_kernel", "_release_apply_kernel"]
     specs = []
@@ -481,8 +501,8 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
         mgr.scan_chunk = scan_chunk
         with _Recorder([(tpm, k) for k in kernels]) as rec:
             mgr.reserve_prompt(slots, _meta((n,), torch.int64))
-            mgr.commit_prompt(slots, per_head, per_head)
-            mgr.append_decode(slots, per_head, per_head)
+            mgr.commit_prompt(slots, per_head(), per_head())
+            mgr.append_decode(slots, per_head(), per_head())
             mgr.release(slots)
         sizes = dict(num_slots=n, rows_per_slot=mgr.rows_per_slot, num_pages=mgr.num_pages)
         for launch in rec.launches:
@@ -669,8 +689,22 @@ def build_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTED_TAR
     specs = kernel_specs(shape, ops)
     compile_specs(specs, out, targets)
     data = manifest(shape, specs, targets)
+    abi = abi_kernels(shape, data["kernels"])
+    trt_abi.compile_abi(abi, out, targets)
+    data["trt_abi"] = [k.to_json() for k in abi]
     (out / "manifest.json").write_text(json.dumps(data, indent=1))
     return data
+
+
+def abi_kernels(shape: EngineShape, entries: list[dict]) -> list:
+    """The TensorRT-convention wrappers an engine needs (``build/trt_abi.py``): every entry as its launcher binds it,
+    plus the bindings of the AOT decode graph (fp32 engines, ``build/aot_graph.py::decode_graph_abi``), deduplicated."""
+    from .aot_graph import decode_graph_abi
+
+    out = {k.name: k for k in (trt_abi.from_launcher(e) for e in entries)}
+    for k in decode_graph_abi(shape, {e["name"]: e for e in entries}):
+        out.setdefault(k.name, k)
+    return list(out.values())
 
 
 def main(argv: list[str] | None = None) -> int:

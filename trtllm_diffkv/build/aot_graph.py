@@ -267,3 +267,23 @@ def _launch(node: str, launch, names: dict, sizes_of, nbp: tuple) -> Launch:
     scalars = {p: (spec.step_scalars[p] if p in spec.step_scalars else spec.scalars[p])
                for p in spec.params if not spec.signature[p].startswith("*")}
     return Launch(node, spec.name, spec, pointers, bindings, scalars, sym)
+
+
+def abi_of(launch: Launch, entry: dict, infos: dict):
+    """The TensorRT-convention wrapper (:class:`.trt_abi.AbiKernel`) of a recorded launch: its inputs are the distinct
+    named tensors it binds, in first-use order (``float64`` carried as ``int64``)."""
+    from . import trt_abi
+
+    return trt_abi.from_bindings(entry, launch.pointers, launch.bindings, {b: infos[b].dtype for b in launch.bindings})
+
+
+def decode_graph_abi(shape: EngineShape, entries: dict) -> list:
+    """The wrappers the AOT decode graph of ``shape`` launches (``[]`` when the graph cannot be recorded for it:
+    :func:`record_decode`'s ``ValueError``, or an engine whose activations are not fp32, the graph's)."""
+    if shape.dtype != "float32":
+        return []
+    try:
+        infos, plan, layer = record_decode(shape)
+    except ValueError:
+        return []
+    return [abi_of(launch, entries[launch.entry], infos) for launch in plan + layer if launch.entry in entries]

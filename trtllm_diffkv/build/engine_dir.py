@@ -10,8 +10,11 @@ Layout (``ENGINE_DIR/``)::
                            the build dtype), tokenizer and generation_config files copied from the checkpoint
     model.onnx (+ .data)   the graph with one DiffKV plugin node per layer (build/onnx_export.py); with
                            ``--graph per-op`` instead model_prefill.onnx + model_decode.onnx (per-operation plugin
-                           nodes) sharing one model.onnx.data
-    kernels/               AOT PTX + cubins for sm_80 / sm_90 and manifest.json (build/aot.py)
+                           nodes) sharing one model.onnx.data; ``--graph aot``: the same with the decode graph one
+                           node per kernel launch (TensorRT's AOT calling convention)
+    kernels/               AOT PTX + cubins for sm_80 / sm_90 and manifest.json (build/aot.py): the Triton kernels
+                           and their TensorRT-convention wrappers (build/trt_abi.py: trt_abi.py + *.trt.*); the CUDA
+                           C++ decode kernels where compiled (build/cuda_aot.py: cuda_kernels.json)
     rank0.engine           the serialized TensorRT engine, only where ``import tensorrt`` works
 
 :func:`read_engine_dir` gives what :class:`~trtllm_diffkv.runner.ModelRunner` needs to run the
@@ -130,7 +133,7 @@ def check_engine_matches_model(path, model_config) -> None:
 
 
 def engine_config(model_config, shape, *, onnx_file: str | dict | None, engine_file: str | None, targets: list[str],
-                  tensorrt_note: str, graph: str | None = "composite") -> dict:
+                  tensorrt_note: str, graph: str | None = "composite", cuda_kernels: str | None = None) -> dict:
     """The engine's config.json dict (TensorRT-LLM keys plus the ``diffkv`` section).
 
     Args:
@@ -138,7 +141,9 @@ def engine_config(model_config, shape, *, onnx_file: str | dict | None, engine_f
         shape: the :class:`~.fields.EngineShape`.
         onnx_file, engine_file: file names in the directory (``None``: not written); ``onnx_file`` of per-operation
             graphs: ``{"prefill": ..., "decode": ...}``.
-        graph: the ONNX graph form (``"composite"``, ``"per-op"``; ``None``: no graph), recorded as ``diffkv.graph``.
+        graph: the ONNX graph form (``"composite"``, ``"per-op"``, ``"aot"``; ``None``: no graph), recorded as
+            ``diffkv.graph``.
+        cuda_kernels: the CUDA C++ decode kernels' manifest in ``kernels/`` (``None``: not compiled).
         targets: AOT targets (``["sm_80", "sm_90"]``).
         tensorrt_note: what happened with TensorRT (built, or why not).
     """
@@ -165,6 +170,6 @@ def engine_config(model_config, shape, *, onnx_file: str | dict | None, engine_f
         "format": ENGINE_FORMAT, "trtllm_diffkv_version": __version__, "kv_config": shape.to_fields(),
         "model_dir": "model", "onnx": onnx_file, "graph": graph if onnx_file is not None else None,
         "onnx_data": None if onnx_file is None else "model.onnx.data", "engine": engine_file, "kernels_dir": "kernels",
-        "aot_targets": targets, "plugin_namespace": "diffkv", "tensorrt": tensorrt_note,
+        "aot_targets": targets, "cuda_kernels": cuda_kernels, "plugin_namespace": "diffkv", "tensorrt": tensorrt_note,
     }
     return {"version": __version__, "pretrained_config": pretrained, "build_config": build, "diffkv": diffkv}

@@ -478,7 +478,11 @@ def plugin_nodes(proto) -> list:
 AOT_OP_PREFIX = "aot_"
 """Op type of an AOT node: ``aot_<manifest entry name>`` (domain ``diffkv``: the plugin ``diffkv::aot_<name>`` that
 ``plugins/trt_plugins.py::register_aot_plugins`` registers for the entry)."""
-AOT_INT_ATTRS = ("num_warps", "num_stages", "shared_mem")
+AOT_ATTRS = {"kernel_name": str, "kernel": str, "abi": str, "grid": str, "num_warps": int, "num_stages": int,
+             "shared_mem": int, "constexprs": str, "sizes": str, "dims": str, "extras": str, "bind_dtypes": str}
+"""Attributes of an AOT node besides ``plugin_namespace`` / ``plugin_version`` (:func:`aot_node_attrs`), and their
+types: the TensorRT plugin's fields (``plugins/trt_plugins.py::register_aot_plugins``)."""
+AOT_INT_ATTRS = tuple(k for k, t in AOT_ATTRS.items() if t is int)
 AOT_STATE_OUTPUTS = ("kv_pool", "page_table", "tier_tokens", "row_pages", "slot_state", "ring", "ring_state",
                      "error_flags")
 """The state the AOT decode graph outputs (``<name>_out``): what the per-operation decode graph outputs."""
@@ -495,10 +499,10 @@ def _dim_name(d):
     return f"{SYMBOLS[sym]}_x{k}"
 
 
-def _size_source(infos: dict, bindings: list, sym: str) -> list:
+def _size_source(infos: dict, inputs: list, sym: str) -> list:
     """``[input index, axis, divisor]``: where a node reads step size ``sym`` (an input whose dim is ``sym`` or
     ``sym*k``)."""
-    for j, name in enumerate(bindings):
+    for j, name in enumerate(inputs):
         for axis, d in enumerate(infos[name].dims):
             if d == sym:
                 return [j, axis, 1]
@@ -507,28 +511,40 @@ def _size_source(infos: dict, bindings: list, sym: str) -> list:
     raise ValueError(f"no input of the node carries the size {sym}")
 
 
-def aot_node_attrs(launch, entry: dict, infos: dict, target: str) -> dict:
-    """Attributes of one AOT node: the manifest entry's name, kernel, grid (expressions of ``sizes``), warps, stages,
-    shared memory (``compiled[target]``; -1 for an uncompiled manifest), constexprs, and the launch's runtime scalars
-    (values, or expressions of the sizes), its sizes (expressions of the step sizes ``n``, ``B``, ``P``; ``dims``:
-    where each is read, ``[input, axis, divisor]``), the pointer parameters, their kernel types, the dtypes of the
-    bound graph tensors and ``same_as`` (the first input bound to the same tensor). Lists and dicts are JSON strings
-    (:data:`AOT_INT_ATTRS` are ints): onnxruntime-extensions' Python ops read string, int and float attributes only."""
+def aot_node_attrs(launch, entry: dict, abi, infos: dict, target: str) -> dict:
+    """Attributes of one AOT node, whose inputs are the launch's distinct buffers (``abi``, a
+    :class:`.trt_abi.AbiKernel`: its inputs in order): the manifest entry's name (``kernel_name``), the kernel
+    (``"module:function"``), ``abi`` (the wrapper, JSON), grid (expressions of ``sizes``), warps, stages, shared memory
+    (the compiled wrapper's for ``target``; the entry's when the wrapper is not compiled; -1 for an uncompiled
+    manifest), constexprs, the sizes (expressions of the step sizes ``n``, ``B``, ``P``; ``dims``: where each is read,
+    ``[input, axis, divisor]``), the extra args (``extras``: ``[param, int32 value or expression of the sizes]``,
+    an fp32 scalar as its bits: :func:`.trt_abi.scalar_bits`) and the inputs' graph dtypes (``bind_dtypes``).
+    Lists and dicts are JSON strings (:data:`AOT_INT_ATTRS` are ints): onnxruntime-extensions' Python ops read
+    string, int and float attributes only; the same strings are the TensorRT plugin's fields."""
     import json
 
+    from .trt_abi import scalar_bits
+
+    inputs = list(dict.fromkeys(launch.bindings))
     used = sorted({s for v in launch.sizes.values() if isinstance(v, str) for s in ("n", "B", "P") if s in v})
-    compiled = entry.get("compiled", {}).get(target)
+    compiled = abi.compiled.get(target) or entry.get("compiled", {}).get(target)
+    extras = [[p, v if isinstance(v, str) else scalar_bits(v, abi.signature[p])]
+              for p, v in ((p, launch.scalars[p]) for p in abi.extras)]
     return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION,
-            "kernel_name": entry["name"], "kernel": entry["kernel"], "grid": json.dumps(list(entry["grid"])),
+            "kernel_name": entry["name"], "kernel": entry["kernel"],
+            "abi": json.dumps({k: v for k, v in abi.to_json().items() if k != "compiled"}, sort_keys=True),
+            "grid": json.dumps(list(entry["grid"])),
             "num_warps": int(entry["options"]["num_warps"]), "num_stages": int(entry["options"]["num_stages"]),
             "shared_mem": int(compiled["shared_bytes"]) if compiled else -1,
-            "constexprs": json.dumps(entry["constexprs"], sort_keys=True), "scalars": json.dumps(launch.scalars),
-            "sizes": json.dumps(launch.sizes), "dims": json.dumps({s: _size_source(infos, launch.bindings, s)
-                                                                   for s in used}),
-            "pointer_params": json.dumps(list(launch.pointers)),
-            "pointer_types": json.dumps([entry["signature"][p] for p in launch.pointers]),
-            "bind_dtypes": json.dumps([infos[b].dtype for b in launch.bindings]),
-            "same_as": json.dumps([launch.bindings.index(b) for b in launch.bindings])}
+            "constexprs": json.dumps(entry["constexprs"], sort_keys=True),
+            "sizes": json.dumps(launch.sizes), "dims": json.dumps({s: _size_source(infos, inputs, s) for s in used}),
+            "extras": json.dumps(extras),
+            "bind_dtypes": json.dumps([_graph_dtype(infos[b].dtype) for b in inputs])}
+
+
+def _graph_dtype(dtype: str) -> str:
+    """The graph dtype of a bound tensor: ``float64`` data travels as ``int64`` bits (TensorRT has no fp64)."""
+    return "int64" if dtype == "float64" else dtype
 
 
 def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path | None = None, *,
@@ -543,14 +559,16 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     of a compressing preset); per layer ``decode_attention`` -> ``_write_tokens_kernel`` (the new token), then
     ``_decode_partial_kernel``, ``_decode_merge_kernel`` (+ ``_decode_score_kernel`` when scores are updated).
 
-    Each node: op type ``aot_<manifest entry name>``, domain ``diffkv``, attributes :func:`aot_node_attrs`; inputs:
-    the tensor each pointer parameter names, in parameter order (a tensor named twice, e.g. the pool's four dtype
-    views, is given twice); outputs: one per input, the same tensor after the launch (aliased in place), which the
-    next node reading it takes. Tensors the implementations would allocate themselves are graph tensors: zeros made
-    per step by ``ConstantOfShape`` (the decisions, the page manager's scan scratch and claim counters, the moves'
-    rows, the new tokens' scores, the attention output, the decode workspace for ``max_batch_size`` sequences) and
-    the alphas (fp64 ``[2]`` initializer); the per-layer plan tensors are ``Gather`` slices (and a ``Cast`` of the
-    row ids to int64: the key-offset rows), as in the per-operation graph.
+    Each node is a launch in TensorRT's AOT calling convention (``build/trt_abi.py``): op type
+    ``aot_<wrapper name>`` (``<manifest entry>__<binding hash>``), domain ``diffkv``, attributes
+    :func:`aot_node_attrs`; inputs: the distinct tensors its pointer parameters name, in first-use order (the pool's
+    four dtype views are one input); outputs: one per input, the same tensor after the launch (aliased in place),
+    which the next node reading it takes. Tensors the implementations would allocate themselves are graph tensors:
+    zeros made per step by ``ConstantOfShape`` (the decisions, the page manager's scan scratch and claim counters,
+    the moves' rows, the new tokens' scores, the attention output, the decode workspace for ``max_batch_size``
+    sequences) and the alphas (an ``int64 [2]`` initializer holding the fp64 bits: TensorRT has no fp64); the
+    per-layer plan tensors are ``Gather`` slices (and a ``Cast`` of the row ids to int64: the key-offset rows), as in
+    the per-operation graph. The manifest's compiled wrappers (``manifest["trt_abi"]``) give the nodes' shared memory.
 
     Args:
         model, kv_config, path, max_positions: as :func:`export_onnx`.
@@ -565,8 +583,9 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     import onnx
     import onnx_graphsurgeon as gs
 
-    from .aot_graph import record_decode
+    from .aot_graph import abi_of, record_decode
     from .fields import EngineShape
+    from .trt_abi import AbiKernel
 
     cfg = model.config
     _check_model(model, kv_config)
@@ -578,9 +597,13 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
                          "kv_config and the fp32 graph (build the kernels with dtype='float32')")
     infos, plan, layer = record_decode(engine)
     entries = {e["name"]: e for e in manifest["kernels"]}
+    compiled_abi = {k["name"]: AbiKernel.from_json(k) for k in manifest.get("trt_abi", [])}
+    abis = {}
     for launch in plan + layer:
         if launch.entry not in entries:
             raise LookupError(f"{launch.node}: {launch.entry} ({launch.spec.kernel}) is not in the engine's manifest")
+        abi = abi_of(launch, entries[launch.entry], infos)
+        abis[id(launch)] = compiled_abi.get(abi.name, abi)
     b = _Builder(gs)
     ids, pos, sel = b.token_inputs()
     plan_in, state = b.step_inputs("decode")
@@ -606,8 +629,8 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
         if name not in cur:
             info = infos[name]
             dt = np.dtype(info.dtype)
-            if info.kind == "const":
-                cur[name] = b.const(f"aot.{name}", np.array(info.value, dtype=dt))
+            if info.kind == "const":  # fp64 data as its int64 bits (_graph_dtype)
+                cur[name] = b.const(f"aot.{name}", np.array(info.value, dtype=dt).view(np.dtype(_graph_dtype(dt.name))))
             elif info.kind == "scratch":
                 zero = gs.Constant(f"aot.{name}.zero", np.zeros(1, dt))
                 cur[name] = b.op("ConstantOfShape", [shape_of(info.dims)], {"value": zero}, dtype=dt.type,
@@ -619,15 +642,16 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     count = [0]
 
     def emit(launch):
-        entry = entries[launch.entry]
-        inputs = [get(nm) for nm in launch.bindings]
-        outs = b.op(AOT_OP_PREFIX + launch.entry, inputs, aot_node_attrs(launch, entry, infos, target),
-                    outputs=len(inputs), domain=PLUGIN_NAMESPACE, name=f"aot_{count[0]}_{launch.node}")
+        entry, abi = entries[launch.entry], abis[id(launch)]
+        names = list(dict.fromkeys(launch.bindings))  # the distinct buffers: the wrapper's inputs
+        outs = b.op(AOT_OP_PREFIX + abi.name, [get(nm) for nm in names],
+                    aot_node_attrs(launch, entry, abi, infos, target),
+                    outputs=len(names), domain=PLUGIN_NAMESPACE, name=f"aot_{count[0]}_{launch.node}")
         count[0] += 1
         outs = outs if isinstance(outs, list) else [outs]
-        for nm, o in zip(launch.bindings, outs):
+        for nm, o in zip(names, outs):
             info = infos[nm]
-            _typed(o, np.dtype(info.dtype).type, [_dim_name(d) for d in info.dims])
+            _typed(o, np.dtype(_graph_dtype(info.dtype)).type, [_dim_name(d) for d in info.dims])
             cur[nm] = o
 
     for launch in plan:

@@ -422,8 +422,8 @@ def _aot_half(node) -> set:
 
 def register_aot_ops(proto) -> None:
     """Register the AOT nodes of ``proto`` (``graph="aot"``) as onnxruntime-extensions Python ops: one per op type
-    (``aot_<manifest entry>``), each running :func:`plugins.ops.run_aot_kernel` (the node's kernel through Triton's
-    JIT with the node's launch parameters; on the CPU under ``TRITON_INTERPRET=1``).
+    (``aot_<wrapper>``), each running :func:`plugins.ops.run_abi_kernel` (the node's TensorRT-convention wrapper
+    through Triton's JIT with the argument list TensorRT would pass; on the CPU under ``TRITON_INTERPRET=1``).
 
     Raises:
         ValueError: an op type already registered with other input dtypes, or a new op type while a session made by
@@ -449,14 +449,14 @@ def register_aot_ops(proto) -> None:
             raise ValueError(f"{node.op_type} is a new Python op and {len(_SESSIONS)} onnxruntime session(s) are alive: "
                              "registering it would crash them (onnxruntime-extensions); make the AOT graph's session "
                              "first, or drop the others")
-        types = [getattr(P, {**_ORT_TYPES, "float64": "dt_double"}[d]) for d in dtypes]
+        types = [getattr(P, _ORT_TYPES[d]) for d in dtypes]
         attrs = {a.name: P.dt_int64 if a.name in AOT_INT_ATTRS else P.dt_string for a in node.attribute}
         onnx_op(op_type=node.op_type, inputs=types, outputs=types, attrs=attrs)(_aot_op(node.op_type))
         _AOT_OPS[node.op_type] = dtypes
 
 
 def _aot_op(op_type: str):
-    """The onnxruntime op of an AOT node: :func:`plugins.ops.run_aot_kernel` on copies of the inputs (fp16 ones
+    """The onnxruntime op of an AOT node: :func:`plugins.ops.run_abi_kernel` on copies of the inputs (fp16 ones
     arrive as fp32, see :func:`ort_model`); returns every input after the launch (the aliased outputs). Never raises
     (module docstring): a failure is recorded and the inputs returned."""
 
@@ -469,10 +469,8 @@ def _aot_op(op_type: str):
             patch_interpreter_for_numpy_2_4()  # a no-op unless TRITON_INTERPRET=1
             half = [d == "float16" for d in json.loads(attrs["bind_dtypes"])]
             tensors = [_t(a).half() if h else _t(a) for a, h in zip(arrays, half)]
-            plugin_ops.run_aot_kernel(tensors, attrs)
-            same_as = json.loads(attrs["same_as"])
-            return tuple((tensors[same_as[j]].float() if half[j] else tensors[same_as[j]]).numpy()
-                         for j in range(len(arrays)))
+            plugin_ops.run_abi_kernel(tensors, attrs)
+            return tuple((t.float() if h else t).numpy() for t, h in zip(tensors, half))
         except Exception as exc:  # noqa: BLE001 - an exception here would abort the process (module docstring)
             _PER_OP_ERRORS.append(f"{op_type} ({attrs.get('kernel')}): {type(exc).__name__}: {exc}")
             return tuple(arrays)

@@ -4,14 +4,18 @@
 
     trtllm-diffkv build --checkpoint DIR --output ENGINE_DIR --plugin diffkv [--kv-config PRESET]
                         [--max-batch-size N] [--max-seq-len N] [--dtype auto|float16|bfloat16|float32]
-                        [--targets 80,90] [--no-onnx] [--graph composite|per-op]
+                        [--targets 80,90] [--no-onnx] [--graph composite|per-op|aot]
 
 Steps (:func:`build_engine_dir`): load and check the checkpoint; fix the engine shape
 (:class:`~trtllm_diffkv.build.fields.EngineShape`: refuses an unsupported head_dim or query:KV ratio);
 write the model folder (weights as safetensors in the build dtype), the ONNX graph with one DiffKV
 plugin node per layer (``--graph composite``, the default: ``model.onnx``; ``--graph per-op``: the per-operation
-graphs ``model_prefill.onnx`` and ``model_decode.onnx``, whose weights are one shared ``model.onnx.data``), the
-AOT kernels for ``--targets`` and their manifest, and config.json
+graphs ``model_prefill.onnx`` and ``model_decode.onnx``, whose weights are one shared ``model.onnx.data``;
+``--graph aot``: the per-operation prefill graph and the AOT decode graph - one node per kernel launch in TensorRT's
+AOT calling convention, ``build/onnx_export.py::export_aot`` - which needs ``--dtype float32``, the graph's
+activations), the AOT Triton kernels for ``--targets`` with their TensorRT-convention wrappers and the manifest
+(``kernels/manifest.json``), the CUDA C++ decode kernels in that convention where the engine's configuration has them
+and ``nvcc`` is present (``kernels/cuda_kernels.json``; else one line says why not), and config.json
 (:mod:`trtllm_diffkv.build.engine_dir`). Where ``import tensorrt`` works it would also parse the ONNX
 graph with the DiffKV plugins registered and serialize ``rank0.engine``; where not (this project's
 machines), it prints one line saying so. Everything is written into a temporary sibling directory that
@@ -48,8 +52,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--targets", default="80,90", help="GPU compute capabilities to compile for (default: 80,90)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
     p.add_argument("--graph", default="composite",
-                   help="ONNX graph form: 'composite' (model.onnx, the default) or 'per-op' (model_prefill.onnx + "
-                        "model_decode.onnx: per-operation plugin nodes, the decode graph plans its own steps)")
+                   help="ONNX graph form: 'composite' (model.onnx, the default), 'per-op' (model_prefill.onnx + "
+                        "model_decode.onnx: per-operation plugin nodes, the decode graph plans its own steps) or "
+                        "'aot' (as per-op, the decode graph one node per kernel launch; needs --dtype float32)")
     p.set_defaults(run=run)
 
 
@@ -86,8 +91,9 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     """Write an engine directory (see the module docstring); returns its path.
 
     Args:
-        graph: ``"composite"`` (``model.onnx``) or ``"per-op"`` (``model_prefill.onnx`` + ``model_decode.onnx``, one
-            shared ``model.onnx.data``); needs ``onnx=True``.
+        graph: ``"composite"`` (``model.onnx``), ``"per-op"`` (``model_prefill.onnx`` + ``model_decode.onnx``, one
+            shared ``model.onnx.data``) or ``"aot"`` (the decode graph as kernel launches; needs ``dtype="float32"``);
+            the last two need ``onnx=True``.
 
     Raises:
         ValueError: ``plugin`` other than ``diffkv``, an unsupported head_dim / architecture / GPU
@@ -105,12 +111,12 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
 
     if plugin != "diffkv":
         raise ValueError(f"--plugin {plugin!r} is not supported; the only plugin is 'diffkv'")
-    from ..build.onnx_export import GRAPHS
+    from ..build.onnx_export import EXPORT_GRAPHS
 
-    if graph not in GRAPHS:
-        raise ValueError(f"--graph {graph!r}: expected one of {', '.join(GRAPHS)}")
-    if graph == "per-op" and not onnx:
-        raise ValueError("--graph per-op writes ONNX graphs; it cannot be combined with --no-onnx")
+    if graph not in EXPORT_GRAPHS:
+        raise ValueError(f"--graph {graph!r}: expected one of {', '.join(EXPORT_GRAPHS)}")
+    if graph != "composite" and not onnx:
+        raise ValueError(f"--graph {graph} writes ONNX graphs; it cannot be combined with --no-onnx")
     aot.check_targets(targets)
     checkpoint, output = Path(checkpoint), Path(output)
     if not checkpoint.exists():
@@ -125,6 +131,9 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     if max_seq_len > limit:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {limit} positions")
     dtype_name = str(model.dtype).removeprefix("torch.")
+    if graph == "aot" and dtype_name != "float32":
+        raise ValueError(f"--graph aot: the AOT decode graph's activations are float32 and its kernels are compiled "
+                         f"for them; build with --dtype float32 (this build: {dtype_name})")
     shape = EngineShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                         head_dim=mc.head_dim, kv_config=kv, dtype=dtype_name, max_batch_size=max_batch_size,
                         max_seq_len=max_seq_len)
@@ -140,26 +149,44 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
             proto = export_onnx(model, kv, max_positions=max_seq_len)
             _save_onnx(proto, tmp / "model.onnx")
             onnx_file = "model.onnx"
-        elif onnx:
-            log("exporting the per-operation ONNX graphs (prefill, decode) with DiffKV plugin nodes")
+        log(f"compiling the kernels ahead of time for {', '.join(f'sm_{t}' for t in targets)}")
+        manifest = aot.build_kernels(shape, tmp / "kernels", targets)
+        cuda_kernels = _cuda_kernels(shape, tmp / "kernels", targets, log)
+        if onnx and graph != "composite":
+            log(f"exporting the {graph} ONNX graphs (prefill, decode) with DiffKV plugin nodes")
             from ..build.onnx_export import PHASES, export_onnx
 
             protos = {ph: export_onnx(model, kv, max_positions=max_seq_len, graph="per-op", phase=ph) for ph in PHASES}
+            if graph == "aot":  # the decode step as kernel launches (the compiled wrappers' launch parameters)
+                protos["decode"] = export_onnx(model, kv, max_positions=max_seq_len, graph="aot", phase="decode",
+                                               manifest=manifest, target=f"sm_{max(targets)}")
             onnx_file = {ph: f"model_{ph}.onnx" for ph in PHASES}
             _save_shared_onnx(protos, tmp, onnx_file, "model.onnx.data")
-        log(f"compiling the kernels ahead of time for {', '.join(f'sm_{t}' for t in targets)}")
-        aot.build_kernels(shape, tmp / "kernels", targets)
         engine_file, note = _tensorrt_engine(tmp, onnx_file)
         log(note)
         config = engine_config(mc, shape, onnx_file=onnx_file, engine_file=engine_file,
                                targets=[f"sm_{t}" for t in targets], tensorrt_note=note,
-                               graph=graph if onnx else None)
+                               graph=graph if onnx else None, cuda_kernels=cuda_kernels)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.rename(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output
+
+
+def _cuda_kernels(shape, folder: Path, targets, log) -> str | None:
+    """Compile the CUDA C++ decode kernels in TensorRT's AOT convention (``build/cuda_aot.py``) into ``folder``;
+    returns ``"cuda_kernels.json"``, or ``None`` with one logged line saying why not (a configuration the CUDA kernel
+    does not cover, no ``nvcc``): the Triton kernels cover every engine."""
+    from ..build import cuda_aot
+
+    try:
+        cuda_aot.build_cuda_kernels(shape, folder, targets)
+    except (ValueError, RuntimeError) as exc:
+        log(f"CUDA C++ decode kernels not compiled ahead of time: {str(exc).strip().splitlines()[0]}")
+        return None
+    return "cuda_kernels.json"
 
 
 def _write_model(model, source: Path, folder: Path) -> None:
