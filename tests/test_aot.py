@@ -460,3 +460,24 @@ def test_launch_plan_is_the_same_with_symbolic_dims():
             assert [_Sym.lift(g).fn(env) for g in sgrid] == list(grid), node.name
             assert [_Sym.lift(e).fn(env) for e in sextras] == extras, node.name
             assert all(isinstance(e, int) and -2**31 <= e < 2**31 for e in extras)
+
+
+@pytest.mark.parametrize("name", ["demote", "fp16"])
+def test_decode_step_through_the_wrappers_equals_the_plugins(name):
+    """One decode step of the AOT decode graph's launches, each run as its TensorRT-convention wrapper with the
+    argument list TensorRT passes (``plugins/ops.py::run_abi_kernel``, the onnxruntime op; Triton's interpreter) ==
+    the plugins' implementations (``@trtp.impl``'s path) on the same prefilled cache state: every state and plan
+    tensor and both layers' outputs, byte for byte (``tests/aot_step.py``; on the GPU through the CUDA driver:
+    ``tests/gpu/test_aot_graph_gpu.py``). ``demote`` moves tokens to the low tier in this step."""
+    import aot_step
+
+    from plugins import ops
+
+    kv = aot_step.preset(name)
+    manifest = {"kernels": [s.to_json() for s in aot.kernel_specs(aot_step.engine(kv))]}
+    mine, ref, outs_mine, outs_ref, launched = aot_step.run_decode_step(
+        kv, "cpu", manifest, lambda abi, attrs, inputs, grid, extras: ops.run_abi_kernel(inputs, attrs))
+    aot_step.check_equal(mine, ref, outs_mine, outs_ref)
+    assert len(launched) == (6 if kv.compress else 4) + aot_step.L * (4 if kv.compress else 3)
+    if name == "demote":
+        assert int((mine["move_from"] >= 0).sum()) > 0  # the step moved tokens

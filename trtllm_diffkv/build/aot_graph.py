@@ -146,8 +146,6 @@ def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None
     """
     import torch
 
-    from plugins import ops
-
     from ..kernels import decision_kernel as dk
     from ..kernels import decode_attention as da
     from ..kernels import quant_write as qw
@@ -155,7 +153,7 @@ def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None
 
     B = B or shape.max_batch_size
     n = n or max(1, B - 1)
-    L, H, G = shape.num_layers, shape.num_kv_heads, shape.num_layers * shape.num_kv_heads
+    H, G = shape.num_kv_heads, shape.num_layers * shape.num_kv_heads
     if -(-shape.max_batch_size * G // tpm.DECODE_BLOCK) > tpm.SCAN_CHUNK:
         raise ValueError(f"{shape.max_batch_size} sequences x {G} rows need the page manager's separate scan launch, "
                          "which the AOT decode graph does not have")
@@ -167,46 +165,58 @@ def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None
         t = torch.empty([eval_dim(d, n, B, P) for d in info.dims], dtype=getattr(torch, info.dtype), device="meta")
         tensors[name], names[_storage(t)] = t, name
     T = tensors
-    cfg = shape.kv_config
-    attrs = {"num_layers": L, "num_heads": shape.num_heads, "num_kv_heads": H, "head_dim": shape.head_dim,
-             "sm_scale": shape.head_dim ** -0.5, "layer_idx": 0}
     targets = [(dk, "_decide_kernel"), (dk, "_locate_kernel"), (qw, "_write_tokens_kernel"),
                (qw, "_read_tokens_kernel"), (tpm, "_count_kernel"), (tpm, "_scan_kernel"),
                (tpm, "_decode_apply_kernel"), (da, "_decode_partial_kernel"), (da, "_decode_merge_kernel"),
                (da, "_decode_score_kernel")]
     recorded = []
-
-    def run(node, fn):
+    for node, fn in decode_calls(shape, T, ws.num_partitions):
         with aot._Recorder(targets) as rec:
             fn()
         recorded.extend((node, launch) for launch in rec.launches)
-
-    dec = [T[k] for k in ("high_delta", "low_delta", "new_index", "move_from", "move_to")]
-    run("decode_decide", lambda: ops.run_decode_decide(
-        [T["step_slots"], T["step_positions"], T["kv_pool"], T["page_table"], T["tier_tokens"], T["prompt_len"]],
-        dec, cfg, attrs, alphas=T["alphas"]))
-    run("page_update", lambda: ops.run_page_update(
-        [T["step_slots"], T["high_delta"], T["low_delta"], T["page_table"], T["tier_tokens"], T["row_pages"],
-         T["slot_state"], T["ring"], T["ring_state"]], cfg, attrs,
-        scratch={k: T[k] for k in ("block_sum", "block_flag", "block_off", "ctrl", "claim")}))
-    moves = tuple(T[f"move_{k}"] for k in ("src_page", "src_slot", "dst_page", "dst_slot"))
-    run("decode_locate", lambda: ops.run_decode_locate(
-        [T["step_slots"], T["step_positions"], T["positions"], T["new_index"], T["move_from"], T["move_to"],
-         T["page_table"], T["kv_pool"]],
-        [T["kv_pool"], T["row_ids"], T["page"], T["slot"], T["decode_positions"], T["err_idx"]], cfg, attrs,
-        use_triton=True, scratch=dict(rows=T["rows"], moves=moves, keys=T["move_keys"], values=T["move_values"],
-                                      score=T["move_score"], pos=T["move_pos"])))
-    n_plan = len(recorded)
-    workspace = da.DecodeWorkspace(ws.num_partitions, T["ws_part_m"], T["ws_part_l"], T["ws_part_acc"],
-                                   T["ws_page_probs"], T["ws_page_max"], T["ws_lse"])
-    run("decode_attention", lambda: ops.run_decode(
-        [T["q"], T["k"], T["v"], T["layer_row_ids"], T["layer_page"], T["layer_slot"], T["decode_positions"],
-         T["err_idx"], T["kv_pool"], T["page_table"], T["tier_tokens"], T["key_offsets"], T["error_flags"]],
-        T["out"], cfg, attrs, use_triton=True,
-        scratch=dict(rows=T["layer_rows"], scores=T["new_scores"], workspace=workspace)))
+    n_plan = sum(node != "decode_attention" for node, _ in recorded)
     sizes_of = _sizes(shape, ws.num_partitions)
     launches = [_launch(node, launch, names, sizes_of, (n, B, P)) for node, launch in recorded]
     return infos, launches[:n_plan], launches[n_plan:]
+
+
+def decode_calls(shape: EngineShape, T: dict, num_partitions: int):
+    """The decode step's plugin implementations (``plugins/ops.py`` with ``use_triton=True``, what ``@trtp.impl``
+    runs) on the named tensors ``T`` (:func:`dims_of`'s names; ``q``/``k``/``v``, ``out``, ``new_scores`` and the
+    ``layer_*`` slices are one layer's), as ``[(node, call)]`` in order: ``decode_decide``, ``page_update``,
+    ``decode_locate``, then one layer's ``decode_attention``. :func:`record_decode` records their launches on ``meta``
+    tensors; the GPU test runs them on real ones (the JIT reference of the AOT graph's launches)."""
+    from plugins import ops
+
+    from ..kernels import decode_attention as da
+
+    cfg = shape.kv_config
+    attrs = {"num_layers": shape.num_layers, "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
+             "head_dim": shape.head_dim, "sm_scale": shape.head_dim ** -0.5, "layer_idx": 0}
+    dec = [T[k] for k in ("high_delta", "low_delta", "new_index", "move_from", "move_to")]
+    moves = tuple(T[f"move_{k}"] for k in ("src_page", "src_slot", "dst_page", "dst_slot"))
+    workspace = da.DecodeWorkspace(num_partitions, T["ws_part_m"], T["ws_part_l"], T["ws_part_acc"],
+                                   T["ws_page_probs"], T["ws_page_max"], T["ws_lse"])
+    return [
+        ("decode_decide", lambda: ops.run_decode_decide(
+            [T["step_slots"], T["step_positions"], T["kv_pool"], T["page_table"], T["tier_tokens"], T["prompt_len"]],
+            dec, cfg, attrs, alphas=T["alphas"])),
+        ("page_update", lambda: ops.run_page_update(
+            [T["step_slots"], T["high_delta"], T["low_delta"], T["page_table"], T["tier_tokens"], T["row_pages"],
+             T["slot_state"], T["ring"], T["ring_state"]], cfg, attrs,
+            scratch={k: T[k] for k in ("block_sum", "block_flag", "block_off", "ctrl", "claim")})),
+        ("decode_locate", lambda: ops.run_decode_locate(
+            [T["step_slots"], T["step_positions"], T["positions"], T["new_index"], T["move_from"], T["move_to"],
+             T["page_table"], T["kv_pool"]],
+            [T["kv_pool"], T["row_ids"], T["page"], T["slot"], T["decode_positions"], T["err_idx"]], cfg, attrs,
+            use_triton=True, scratch=dict(rows=T["rows"], moves=moves, keys=T["move_keys"], values=T["move_values"],
+                                          score=T["move_score"], pos=T["move_pos"]))),
+        ("decode_attention", lambda: ops.run_decode(
+            [T["q"], T["k"], T["v"], T["layer_row_ids"], T["layer_page"], T["layer_slot"], T["decode_positions"],
+             T["err_idx"], T["kv_pool"], T["page_table"], T["tier_tokens"], T["key_offsets"], T["error_flags"]],
+            T["out"], cfg, attrs, use_triton=True,
+            scratch=dict(rows=T["layer_rows"], scores=T["new_scores"], workspace=workspace))),
+    ]
 
 
 def _sizes(shape: EngineShape, num_partitions: int):
