@@ -299,21 +299,39 @@ def run_abi_kernel(tensors: list, attrs: dict) -> None:
     ``TRITON_INTERPRET=1``). The inputs are written in place.
 
     Args:
-        tensors: the node's inputs (the launch's distinct buffers, in the wrapper's input order and dtypes).
+        tensors: the node's inputs (the launch's distinct buffers, in the wrapper's input order and dtypes; torch
+            tensors, each its own memory).
         attrs: the node's attributes (``build/onnx_export.py::aot_node_attrs``; JSON strings or decoded): ``abi`` (the
             wrapper), ``grid``, ``sizes``, ``dims``, ``extras``, ``constexprs``, ``num_warps``, ``num_stages``; the grid
             and extras come from :func:`trtllm_diffkv.build.trt_abi.launch_plan`, as TensorRT's ``aot_impl`` gets them.
 
     Raises:
-        ValueError: an input whose dtype is not the wrapper's.
+        ValueError: not as many tensors as the wrapper has inputs; an input whose dtype is not the wrapper's (or has
+            no Triton element type); two inputs that share memory (the same ``data_ptr``, both non-empty: the inputs
+            are distinct buffers updated in place, so an optimizer that merged two identical inputs - e.g.
+            onnxruntime's common-subexpression elimination of two zero tensors - would make them one buffer);
+            as :func:`~trtllm_diffkv.build.trt_abi.launch_plan`.
     """
     from trtllm_diffkv.build import trt_abi
     from trtllm_diffkv.build.aot import decode_constexpr
 
     abi = trt_abi.AbiKernel.from_json(attrs["abi"])
+    tensors = list(tensors)
+    if len(tensors) != len(abi.input_dtypes):
+        raise ValueError(f"{abi.name}: {len(tensors)} tensors for a wrapper of {len(abi.input_dtypes)} inputs")
     for j, (t, want) in enumerate(zip(tensors, abi.input_dtypes)):
-        if trt_abi.TORCH_TO_TRITON[str(t.dtype).removeprefix("torch.")] != want:
+        have = trt_abi.TORCH_TO_TRITON.get(str(t.dtype).removeprefix("torch."))
+        if have != want:
             raise ValueError(f"{abi.name}: input {j} is {t.dtype}, the wrapper takes {want}")
+    first = {}
+    for j, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        i = first.setdefault(t.data_ptr(), j)
+        if i != j:
+            raise ValueError(f"{abi.name}: inputs {i} and {j} share memory (data_ptr {t.data_ptr():#x}); the wrapper "
+                             "updates its inputs in place as distinct buffers (were two identical inputs merged, e.g. "
+                             "by an optimizer's common-subexpression elimination?)")
     grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: int(tensors[j].shape[axis]))
     kernel = getattr(trt_abi.load_wrappers([abi]), abi.function)
     constexprs = {k: decode_constexpr(v) for k, v in abi.constexprs.items()}

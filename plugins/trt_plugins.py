@@ -34,20 +34,45 @@ import tensorrt.plugin as trtp  # noqa: F401 - this module needs TensorRT (impor
 from . import ops, specs
 
 MANIFEST = os.environ.get("TRTLLM_DIFFKV_MANIFEST")
-"""Path of the engine's kernels/manifest.json (set by ``trtllm-diffkv build`` before parsing the graph)."""
+"""Path of the engine's kernels/manifest.json: the environment's ``TRTLLM_DIFFKV_MANIFEST``, or the one
+:func:`register_aot_plugins` last registered (a deployment's loader calls that before deserializing an engine; the
+build command never builds an engine from the AOT graphs)."""
 
 
-def _with_signature(fn, plugin: specs.PluginSpec, kind: str):
-    """``fn(*tensors, **attrs)`` with the explicit signature ``tensorrt.plugin`` reads (tensor params, then attrs)."""
-    tensor_type = {"register": trtp.TensorDesc, "impl": trtp.Tensor}[kind]
-    params = [inspect.Parameter(t.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=tensor_type)
-              for t in plugin.inputs]
-    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a) for n, a in plugin.fields.items()]
+def signature(tensors: list[str], tensor_type, attrs: dict, kind: str, num_outputs: int) -> inspect.Signature:
+    """The signature ``tensorrt.plugin`` validates (``tensorrt/plugin/_validate.py``), for a function that takes
+    TensorRT's calls (``_plugin_class.py``, ``_lib.py``):
+
+    * ``"register"``: ``(tensors..., *, attrs...) -> Tuple[TensorDesc, ...]`` (the return annotation gives the output
+      count); TensorRT calls ``desc(*input_descs, **attrs)``;
+    * ``"impl"``: ``(tensors..., attrs..., outputs, stream)`` (``outputs`` unannotated: the validator wants a
+      ``typing.Tuple``, and the annotation is optional); TensorRT calls ``impl(*tensors, *attr_values, outputs,
+      stream=stream)``;
+    * ``"aot_impl"``: ``(tensors..., attrs..., outputs, tactic) -> Tuple[str | bytes, str | bytes,
+      KernelLaunchParams, SymIntExprs]``; TensorRT calls ``aot_impl(*input_descs, *attr_values, output_descs,
+      tactic)``.
+    """
+    from typing import Tuple, Union
+
+    P = inspect.Parameter
+    params = [P(n, P.POSITIONAL_OR_KEYWORD, annotation=tensor_type) for n in tensors]
+    if kind == "register":
+        params += [P(n, P.KEYWORD_ONLY, annotation=a) for n, a in attrs.items()]
+        return inspect.Signature(params, return_annotation=Tuple[(trtp.TensorDesc,) * num_outputs])
+    params += [P(n, P.POSITIONAL_OR_KEYWORD, annotation=a) for n, a in attrs.items()]
+    params.append(P("outputs", P.POSITIONAL_OR_KEYWORD))
     if kind == "impl":
-        params += [inspect.Parameter("outputs", inspect.Parameter.KEYWORD_ONLY, annotation=tuple),
-                   inspect.Parameter("stream", inspect.Parameter.KEYWORD_ONLY, annotation=int)]
-    fn.__signature__ = inspect.Signature(params)
-    return fn
+        return inspect.Signature(params + [P("stream", P.KEYWORD_ONLY, annotation=int)])
+    ret = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]
+    return inspect.Signature(params + [P("tactic", P.POSITIONAL_OR_KEYWORD, annotation=int)], return_annotation=ret)
+
+
+def split_call(args: tuple, num_tensors: int, attr_names: list[str]) -> tuple[list, dict, object]:
+    """``(tensors, attrs, outputs)`` of a positional ``impl`` / ``aot_impl`` call (tensors, attribute values in
+    registration order, outputs[, tactic])."""
+    n = len(attr_names)
+    return list(args[:num_tensors]), dict(zip(attr_names, args[num_tensors:num_tensors + n])), \
+        args[num_tensors + n]
 
 
 def _descriptor(plugin: specs.PluginSpec):
@@ -63,14 +88,18 @@ def _descriptor(plugin: specs.PluginSpec):
             else:
                 outs.append(inputs[0].like())
         return tuple(outs)
-    return _with_signature(desc, plugin, "register")
+    desc.__signature__ = signature([t.name for t in plugin.inputs], trtp.TensorDesc, plugin.fields, "register",
+                                   len(plugin.outputs))
+    return desc
 
 
 def _impl(plugin: specs.PluginSpec):
-    def impl(*inputs, outputs, stream, **attrs):
+    def impl(*args, stream, tactic=None):
         import torch
 
         from trtllm_diffkv.build.fields import kv_config_from_fields
+
+        inputs, attrs, outputs = split_call(args, len(plugin.inputs), list(plugin.fields))
 
         tensors = [torch.as_tensor(t, device="cuda") for t in inputs]
         cfg = kv_config_from_fields(attrs)
@@ -89,7 +118,9 @@ def _impl(plugin: specs.PluginSpec):
             else:
                 run = ops.run_prefill if plugin is specs.PREFILL else ops.run_decode
                 run(tensors, torch.as_tensor(outputs[0], device="cuda"), cfg, attrs, use_triton=True)
-    return _with_signature(impl, plugin, "impl")
+    impl.__signature__ = signature([t.name for t in plugin.inputs], trtp.Tensor, plugin.fields, "impl",
+                                   len(plugin.outputs))
+    return impl
 
 
 for _plugin in specs.PLUGINS.values():
@@ -115,7 +146,7 @@ def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> li
     through the CUDA driver with this parameter list (``tests/gpu/test_aot_gpu.py``).
 
     Raises:
-        KeyError: a manifest without compiled wrappers for ``target``.
+        KeyError: a manifest without wrappers (``trt_abi``) or a wrapper not compiled for ``target`` (naming it).
     """
     from trtllm_diffkv.build import trt_abi
     from trtllm_diffkv.build.onnx_export import AOT_ATTRS
@@ -124,22 +155,26 @@ def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> li
     MANIFEST = str(manifest_path)
     folder = Path(manifest_path).parent
     manifest = json.loads(Path(manifest_path).read_text())
-    attr_params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=t) for n, t in AOT_ATTRS.items()]
     names = []
+    if "trt_abi" not in manifest:
+        raise KeyError(f"{manifest_path}: no TensorRT-convention wrappers (manifest 'trt_abi'): rebuild the kernels "
+                       "with this version (aot.build_kernels)")
     for data in manifest["trt_abi"]:
         abi = trt_abi.AbiKernel.from_json(data)
+        if target not in abi.compiled:
+            raise KeyError(f"{abi.name}: not compiled for {target} (compiled: {sorted(abi.compiled)})")
         compiled = abi.compiled[target]
         name = f"{specs.NAMESPACE}::aot_{abi.name}"
-        tensors = [inspect.Parameter(f"in{j}", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc)
-                   for j in range(len(abi.input_dtypes))]
+        tensors = [f"in{j}" for j in range(len(abi.input_dtypes))]
 
         def desc(*inputs, **attrs):  # every output aliases its input: the kernels update in place
             return tuple(t.aliased() for t in inputs)
 
-        desc.__signature__ = inspect.Signature(tensors + attr_params)
+        desc.__signature__ = signature(tensors, trtp.TensorDesc, AOT_ATTRS, "register", len(tensors))
         trtp.register(name)(desc)
 
-        def aot(*inputs, outputs, tactic, _c=compiled, **attrs):
+        def aot(*args, _c=compiled, _n=len(tensors)):
+            inputs, attrs, _ = split_call(args, _n, list(AOT_ATTRS))
             grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: inputs[j].shape_expr[axis], cdiv=trtp.cdiv)
             launch = trtp.KernelLaunchParams()
             launch.grid_x, launch.grid_y, launch.grid_z = grid
@@ -148,9 +183,7 @@ def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> li
             ptx = (folder / _c["ptx"]).read_text()
             return _c["kernel_name"], ptx, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in extras])
 
-        aot.__signature__ = inspect.Signature(
-            tensors + attr_params + [inspect.Parameter("outputs", inspect.Parameter.KEYWORD_ONLY, annotation=tuple),
-                                     inspect.Parameter("tactic", inspect.Parameter.KEYWORD_ONLY, annotation=int)])
+        aot.__signature__ = signature(tensors, trtp.TensorDesc, AOT_ATTRS, "aot_impl", len(tensors))
         trtp.aot_impl(name)(aot)
         names.append(name)
     return names

@@ -401,8 +401,8 @@ def test_scalar_bits_are_the_int32_extra_args():
 
 
 class _Sym:
-    """A stand-in for TensorRT's symbolic dims (``trtp`` shape expressions: + - * // with ints and expressions; no
-    other Python operation), evaluated later with concrete dims."""
+    """A stand-in for TensorRT's symbolic dims (``trtp`` shape expressions: + - * // with an int or an expression on
+    the right; no reflected operators, no other Python operation), evaluated later with concrete dims."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -427,7 +427,12 @@ class _Sym:
     def __floordiv__(self, o):
         return self._op(o, lambda a, b: a // b)
 
-    __radd__, __rmul__ = __add__, __mul__
+
+def _sym_cdiv(a, b):
+    """TensorRT's ``trtp.cdiv``: refuses two ints (``tensorrt/plugin/_top_level.py``)."""
+    if isinstance(a, int) and isinstance(b, int):
+        raise ValueError("Both arguments cannot be 'int's")
+    return (_Sym.lift(a) + (b - 1)) // b
 
 
 def test_launch_plan_is_the_same_with_symbolic_dims():
@@ -453,7 +458,7 @@ def test_launch_plan_is_the_same_with_symbolic_dims():
         where = {(j, axis): (s, div) for s, (j, axis, div) in json.loads(attrs["dims"]).items()}
         # the dim a node reads a step size from (input j, axis): that size times its divisor
         sym = lambda j, axis: _Sym(lambda env, s=where[j, axis]: env[s[0]] * s[1])  # noqa: E731
-        sgrid, sextras = trt_abi.launch_plan(attrs, sym, cdiv=lambda a, b: (a + (b - 1)) // b)
+        sgrid, sextras = trt_abi.launch_plan(attrs, sym, cdiv=_sym_cdiv)
         for n, B, P in ((1, 1, 40), (3, 4, 97), (4, 4, 512)):
             env = dict(n=n, B=B, P=P)
             grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: env[where[j, axis][0]] * where[j, axis][1])

@@ -139,36 +139,12 @@ def test_select_kernel_picks_the_prefill_variant_for_the_longest_prompt():
         specs.select_kernel(manifest, "_write_tokens_kernel", {})  # three write variants: op must be given
 
 
-def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch):
-    """plugins/trt_plugins.py imported against a recording stand-in for ``tensorrt.plugin`` (TensorRT cannot be
-    installed here): it registers descriptor and impl for exactly the plugins of specs.PLUGINS (the exported
-    graph's composite nodes included), each with the spec's inputs in order and its fields as attributes, and
-    the descriptor's outputs alias the inputs specs states."""
+def _import_trt_plugins(monkeypatch, trtp):
+    """plugins/trt_plugins.py imported against the stand-in module ``trtp`` (then forgotten again)."""
     import importlib
-    import inspect
     import sys
     import types
 
-    registered, impls = {}, {}
-
-    class Desc:
-        def __init__(self, i):
-            self.i = i
-            self.shape_expr = (7 + i, 3, 5, 2)  # stand-in dims (ints: the shape functions take + - * //)
-
-        def like(self):
-            return ("like", self.i)
-
-        def aliased(self):
-            return ("aliased", self.i)
-
-    trtp = types.ModuleType("tensorrt.plugin")
-    trtp.TensorDesc, trtp.Tensor = Desc, object
-    trtp.register = lambda name: lambda fn: registered.setdefault(name, fn)
-    trtp.impl = lambda name: lambda fn: impls.setdefault(name, fn)
-    trtp.aot_impl = lambda name: lambda fn: fn
-    trtp.ShapeExprs = types.SimpleNamespace(from_tuple=tuple)
-    trtp.from_shape_expr = lambda shape, dtype: ("new", tuple(shape), dtype)
     tensorrt = types.ModuleType("tensorrt")
     tensorrt.plugin = trtp
     tensorrt.int32, tensorrt.int64 = "trt.int32", "trt.int64"
@@ -176,12 +152,31 @@ def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
     monkeypatch.delitem(sys.modules, "plugins.trt_plugins", raising=False)
     try:
-        importlib.import_module("plugins.trt_plugins")
+        return importlib.import_module("plugins.trt_plugins")
     finally:  # do not leave the module imported against the stand-in
         sys.modules.pop("plugins.trt_plugins", None)
         import plugins
 
         plugins.__dict__.pop("trt_plugins", None)
+
+
+def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch):
+    """plugins/trt_plugins.py imported against a stand-in for ``tensorrt.plugin`` that enforces TensorRT's own
+    validation and calling convention (``tests/trtp_standin.py``; TensorRT cannot be installed here): it registers
+    descriptor and impl for exactly the plugins of specs.PLUGINS (the exported graph's composite nodes included), each
+    with the spec's inputs in order, its fields as attributes and its output count, and the descriptor's outputs alias
+    the inputs specs states; impl takes TensorRT's positional call (tensors, attribute values, outputs) and hands the
+    ops the attributes by name."""
+    import inspect
+
+    import trtp_standin
+
+    trtp, plugins_ = trtp_standin.module()
+    mod = _import_trt_plugins(monkeypatch, trtp)
+    Desc = trtp_standin.TensorDesc
+    assert mod.split_call(("t0", "t1", 3, "x", ("o",), 0), 2, ["a", "b"]) == (["t0", "t1"], {"a": 3, "b": "x"}, ("o",))
+    registered = {name: p.desc for name, p in plugins_.items()}
+    impls = {name: p.impl for name, p in plugins_.items() if p.impl is not None}
     assert set(registered) == set(impls) == set(specs.PLUGINS)
     assert {"diffkv::DiffKVAttention", "diffkv::DiffKVPageUpdate", "diffkv::decode_decide",
             "diffkv::decode_locate"} <= set(registered)
@@ -191,8 +186,9 @@ def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch
         assert [p.name for p in inputs] == [t.name for t in plugin.inputs], name
         assert {p.name: p.annotation for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY} == \
             plugin.fields, name
+        assert plugins_[name].num_outputs == len(plugin.outputs), name
         fields = {"num_layers": 3, "num_kv_heads": 2}
-        descs = [Desc(i) for i in range(len(plugin.inputs))]
+        descs = [Desc((7 + i, 3, 5, 2), i) for i in range(len(plugin.inputs))]
         outs = registered[name](*descs, **fields)
         inferred = specs.infer(plugin, [d.shape_expr[:t.rank] for d, t in zip(descs, plugin.inputs)],
                                [t.dtypes[0] for t in plugin.inputs], fields) if plugin.new_outputs else None
@@ -267,17 +263,14 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
 
 
 def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path):
-    """plugins/trt_plugins.py's ``register_aot_plugins`` against a recording stand-in for ``tensorrt.plugin``
-    (TensorRT cannot be installed here; the stand-in's dims are ints): one ``diffkv::aot_<wrapper>`` per wrapper of the
+    """plugins/trt_plugins.py's ``register_aot_plugins`` against the stand-in for ``tensorrt.plugin`` that enforces
+    TensorRT's validation and calling convention (``tests/trtp_standin.py``: its ``cdiv`` refuses two ints; dims are
+    ints here; TensorRT cannot be installed): one ``diffkv::aot_<wrapper>`` per wrapper of the
     manifest, its inputs and the AOT graph's node attributes as fields, every output aliased; for every node of the AOT
     decode graph its ``aot_impl`` returns the compiled wrapper's name and PTX, ``num_warps * 32`` threads, the
     compiled shared memory, and the grid and int32 extra args ``trt_abi.launch_plan`` gives for the node's input dims
     (the launch onnxruntime's ops make)."""
-    import importlib
-    import inspect
     import json
-    import sys
-    import types
 
     import onnx
 
@@ -297,40 +290,13 @@ def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path)
     manifest = {"engine": shape.to_fields(), "kernels": entries, "trt_abi": [k.to_json() for k in wrappers.values()]}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
 
-    registered, aot_impls = {}, {}
+    import trtp_standin
 
-    class Desc:
-        def __init__(self, dims):
-            self.shape_expr = dims
-
-        def aliased(self):
-            return ("aliased", self)
-
-    class Launch:
-        pass
-
-    trtp = types.ModuleType("tensorrt.plugin")
-    trtp.TensorDesc, trtp.Tensor, trtp.KernelLaunchParams = Desc, object, Launch
-    trtp.register = lambda name: lambda fn: registered.setdefault(name, fn)
-    trtp.impl = lambda name: lambda fn: fn
-    trtp.aot_impl = lambda name: lambda fn: aot_impls.setdefault(name, fn)
-    trtp.cdiv = lambda a, b: -(-a // b)
-    trtp.SymInt32 = lambda e: ("i32", e)
-    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=tuple)
-    trtp.ShapeExprs = types.SimpleNamespace(from_tuple=tuple)
-    tensorrt = types.ModuleType("tensorrt")
-    tensorrt.plugin = trtp
-    monkeypatch.setitem(sys.modules, "tensorrt", tensorrt)
-    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    monkeypatch.delitem(sys.modules, "plugins.trt_plugins", raising=False)
-    try:
-        trt_plugins = importlib.import_module("plugins.trt_plugins")
-        names = trt_plugins.register_aot_plugins(tmp_path / "manifest.json", "sm_90")
-    finally:
-        sys.modules.pop("plugins.trt_plugins", None)
-        import plugins
-
-        plugins.__dict__.pop("trt_plugins", None)
+    trtp, plugins_ = trtp_standin.module()
+    trt_plugins = _import_trt_plugins(monkeypatch, trtp)
+    names = trt_plugins.register_aot_plugins(tmp_path / "manifest.json", "sm_90")
+    registered = {n: p.desc for n, p in plugins_.items()}
+    aot_impls = {n: p.aot_impl for n, p in plugins_.items() if p.aot_impl is not None}
     assert names == [f"diffkv::aot_{n}" for n in wrappers] and set(aot_impls) == set(names)
     proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
     nodes = onnx_export.aot_nodes(proto)
@@ -341,16 +307,16 @@ def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path)
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()
                  if k not in ("plugin_namespace", "plugin_version")}
-        params = inspect.signature(registered[name]).parameters
-        assert [p for p in params if not p.startswith("in")] == list(onnx_export.AOT_ATTRS) == list(attrs)
+        assert plugins_[name].attrs == list(onnx_export.AOT_ATTRS) == list(attrs)
+        assert plugins_[name].num_outputs == len(plugins_[name].tensors) == len(node.input)
         dims = json.loads(attrs["dims"])
         step = dict(n=3, B=4, P=97)
         shapes = [[7] * 3 for _ in node.input]  # the dims a node reads its step sizes from, the rest arbitrary
         for sym, (j, axis, div) in dims.items():
             shapes[j][axis] = step[sym] * div
-        descs = [Desc(s) for s in shapes]
-        assert registered[name](*descs, **attrs) == tuple(("aliased", d) for d in descs)
-        kernel_name, ptx, launch, extras = aot_impls[name](*descs, outputs=(), tactic=0, **attrs)
+        descs = [trtp_standin.TensorDesc(s, j) for j, s in enumerate(shapes)]
+        assert registered[name](*descs, **attrs) == tuple(("aliased", j) for j in range(len(descs)))
+        kernel_name, ptx, launch, extras = plugins_[name].call_aot_impl(descs, attrs, tuple(descs))
         c = abi.compiled["sm_90"]
         grid, want = trt_abi.launch_plan(attrs, lambda j, axis: shapes[j][axis])
         assert (kernel_name, ptx) == (abi.function, f"// ptx of {abi.function}")

@@ -1,7 +1,10 @@
-"""``trtllm-diffkv build``: the engine directory's layout and config, ModelRunner.from_dir on it gives the
-same greedy tokens as ``trtllm-diffkv generate``, and bad arguments fail in one line leaving nothing behind."""
+"""``trtllm-diffkv build``: the engine directory's layout, config and permissions (readable by other users),
+ModelRunner.from_dir on it gives the same greedy tokens as ``trtllm-diffkv generate``, and bad arguments fail in one
+line leaving nothing behind."""
 import argparse
 import json
+import os
+import stat
 
 import pytest
 
@@ -11,11 +14,28 @@ from trtllm_diffkv.build import engine_dir
 from trtllm_diffkv.commands import build as build_cmd
 
 
-def _run(argv):
+def _parser():
     parser = argparse.ArgumentParser(prog="trtllm-diffkv")
     build_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["build", *argv])
+    return parser
+
+
+def _run(argv):
+    args = _parser().parse_args(["build", *argv])
     return args.run(args)
+
+
+def _assert_readable_by_others(out):
+    """Every file of the engine dir readable by other users (o+r) and every directory, itself included, listable and
+    enterable by them (o+rx): tempfile.mkdtemp makes 0700 and some writers 0600."""
+    paths = [out, *out.rglob("*")]
+    assert len(paths) > 5
+    for path in paths:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode):
+            assert mode & 0o005 == 0o005, (path, oct(mode))
+        elif stat.S_ISREG(mode):
+            assert mode & 0o004, (path, oct(mode))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +59,13 @@ def test_engine_dir_layout_and_config(built, capsys):
             pc["num_key_value_heads"], pc["head_size"], pc["vocab_size"]) == \
         ("LlamaForCausalLM", "float32", 2, 2, 1, 64, 49152)
     assert (bc["max_batch_size"], bc["max_seq_len"], bc["plugin_config"]["diffkv_plugin"]) == (4, 96, "float32")
-    assert dk["onnx"] == "model.onnx" and dk["engine"] is None and "TensorRT is not importable" in dk["tensorrt"]
+    assert dk["onnx"] == "model.onnx" and dk["engine"] is None
+    assert dk["tensorrt"].startswith("TensorRT is not importable here (") and \
+        dk["tensorrt"].endswith("wrote the engine directory without a serialized engine (rank0.engine)")
+    assert dk["cuda_kernels"] is None and dk["cuda_kernels_note"].startswith(
+        "CUDA C++ decode kernels not compiled ahead of time: ")  # float32: not a CUDA kernel configuration
+    _assert_readable_by_others(out)
+    assert os.lstat(out / "model.onnx.data").st_mode & 0o777 == 0o644 and os.lstat(out).st_mode & 0o777 == 0o755
     manifest = json.loads((out / "kernels" / "manifest.json").read_text())
     assert manifest["targets"] == ["sm_90"] and manifest["engine"]["max_seq_len"] == 96
     for k in manifest["kernels"]:
@@ -112,16 +138,24 @@ def test_per_op_graphs_build(built, tmp_path):
     assert shared and all(np.array_equal(weights["prefill"][n], weights["decode"][n]) for n in shared)
     largest = sum(a.nbytes for a in weights["decode"].values() if a.nbytes >= 1024)
     assert largest <= (out / "model.onnx.data").stat().st_size < largest * 1.01  # stored once, not twice
+    assert dk["engine"] is None and dk["tensorrt"].startswith(
+        "--graph per-op: serialized engines for per-operation / AOT graphs are not built by this command (")
+    assert "TensorRT is not importable here" in dk["tensorrt"] or "is importable here" in dk["tensorrt"]
+    assert "\n" not in dk["tensorrt"]
+    _assert_readable_by_others(out)
     got = _greedy_tokens(out, composite)
     assert got[0] == got[1]
 
 
 def test_aot_graph_build(built, tmp_path, capsys):
-    """``--graph aot``: the per-op prefill graph and the AOT decode graph (one ``diffkv::aot_<wrapper>`` node per kernel
-    launch, each wrapper compiled in the manifest's ``trt_abi`` with its PTX entry in TensorRT's convention and the
-    node's shared memory the compiled one), recorded in config.json; the CUDA C++ kernels are not compiled for a float32
-    engine and the build says why in one line; ModelRunner.from_dir gives the composite build's greedy tokens;
-    ``--graph aot`` without ``--dtype float32`` fails in one line and leaves nothing."""
+    """``--graph aot``: the AOT prefill and decode graphs (their DiffKV work as standard ONNX operators and one
+    ``diffkv::aot_<wrapper>`` node per kernel launch - the prefill graph per layer three prompt-score launches and two
+    token writes, no ``prefill_attention`` node - each wrapper compiled in the manifest's ``trt_abi`` with its PTX entry
+    in TensorRT's convention and the node's shared memory the compiled one), recorded in config.json; the CUDA C++
+    kernels are not compiled for a float32 engine and the build says why in one line, also in config.json; the TensorRT
+    line says that this command builds no serialized engine for these graphs; ModelRunner.from_dir gives the composite
+    build's greedy tokens; ``--dtype auto`` on this float32 checkpoint is a float32 build and works, a float16 build
+    fails in one line and leaves nothing."""
     import onnx
 
     from trtllm_diffkv.build import trt_abi
@@ -131,20 +165,41 @@ def test_aot_graph_build(built, tmp_path, capsys):
     args = ["--checkpoint", str(ckpt), "--plugin", "diffkv", "--max-batch-size", "4", "--max-seq-len", "96",
             "--targets", "90", "--graph", "aot"]
     assert _run([*args, "--output", str(tmp_path / "bad"), "--dtype", "float16"]) == 2
-    assert "--graph aot: the AOT decode graph's activations are float32" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--graph aot: the AOT graphs' activations are float32" in err
+    assert "needs a float32 build (--dtype float32, or auto on a float32 checkpoint); this build: float16" in err
     assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
-    assert _run([*args, "--output", str(out), "--dtype", "float32"]) == 0
-    assert "CUDA C++ decode kernels not compiled ahead of time:" in capsys.readouterr().err
-    dk = json.loads((out / "config.json").read_text())["diffkv"]
+    assert _run([*args, "--output", str(out), "--dtype", "auto"]) == 0  # the checkpoint's weights are float32
+    err = capsys.readouterr().err
+    assert "CUDA C++ decode kernels not compiled ahead of time:" in err
+    config = json.loads((out / "config.json").read_text())
+    dk = config["diffkv"]
+    assert config["pretrained_config"]["dtype"] == "float32"
     assert (dk["graph"], dk["onnx"], dk["cuda_kernels"]) == \
         ("aot", {"prefill": "model_prefill.onnx", "decode": "model_decode.onnx"}, None)
-    onnx.checker.check_model(str(out / "model_decode.onnx"))
-    proto = onnx.load(str(out / "model_decode.onnx"))
+    note = dk["cuda_kernels_note"]
+    assert note.startswith("CUDA C++ decode kernels not compiled ahead of time: ") and len(note) > 52
+    assert "\n" not in note and note in err  # the line the build printed
+    assert dk["engine"] is None and dk["tensorrt"].startswith(
+        "--graph aot: serialized engines for per-operation / AOT graphs are not built by this command (")
+    assert "TensorRT is not importable here" in dk["tensorrt"] or "is importable here" in dk["tensorrt"]
+    _assert_readable_by_others(out)
     manifest = json.loads((out / "kernels" / "manifest.json").read_text())
     wrappers = {k["name"]: trt_abi.AbiKernel.from_json(k) for k in manifest["trt_abi"]}
-    nodes = [n for n in proto.graph.node if n.domain == "diffkv"]
-    assert nodes and all(n.op_type.startswith("aot_") for n in nodes)
-    for node in nodes:
+    protos = {}
+    for phase in ("prefill", "decode"):
+        onnx.checker.check_model(str(out / f"model_{phase}.onnx"))  # by path: the external data is checked too
+        protos[phase] = onnx.load(str(out / f"model_{phase}.onnx"))
+    nodes = {ph: [n for n in p.graph.node if n.domain == "diffkv"] for ph, p in protos.items()}
+    assert nodes["decode"] and all(n.op_type.startswith("aot_") for n in nodes["decode"])
+    prefill_ops = [n.op_type for n in protos["prefill"].graph.node]
+    assert "prefill_attention" not in prefill_ops
+    assert all(n.op_type.startswith("aot_") for n in nodes["prefill"])
+    layers = config["pretrained_config"]["num_hidden_layers"]
+    kernels = [wrappers[n.op_type.removeprefix("aot_")].kernel.rsplit(":", 1)[-1] for n in nodes["prefill"]]
+    score = ("_prompt_lse_kernel", "_prompt_lse_merge_kernel", "_prompt_score_kernel")
+    assert sorted(kernels) == sorted([*score, "_write_tokens_kernel", "_write_tokens_kernel"] * layers), kernels
+    for node in nodes["prefill"] + nodes["decode"]:
         c = wrappers[node.op_type.removeprefix("aot_")].compiled["sm_90"]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["shared_mem"] == c["shared_bytes"] and len(node.input) == len(node.output)
@@ -154,6 +209,21 @@ def test_aot_graph_build(built, tmp_path, capsys):
             [".u64"] * n + [".u32"] * len(json.loads(attrs["extras"])) + [".u64"] * n
     got = _greedy_tokens(out, composite)
     assert got[0] == got[1]
+
+
+def test_graph_help_lists_the_choices():
+    """``--graph``'s help and usage list every graph form ``onnx_export`` writes (the values are checked by the
+    command, so a bad one is its one-line error: test_bad_arguments_fail_in_one_line_and_leave_nothing)."""
+    from trtllm_diffkv.build.onnx_export import EXPORT_GRAPHS
+
+    assert build_cmd.GRAPH_CHOICES == EXPORT_GRAPHS
+    build = _parser()._subparsers._group_actions[0].choices["build"]
+    (action,) = [a for a in build._actions if "--graph" in a.option_strings]
+    assert action.metavar == "{composite,per-op,aot}"
+    assert "one of " + ", ".join(EXPORT_GRAPHS) + ":" in action.help
+    text = " ".join(build.format_help().split())
+    assert "--graph {composite,per-op,aot}" in text and "a float32 build: --dtype float32, or auto on a float32" \
+        " checkpoint" in text
 
 
 def _greedy_tokens(*dirs):

@@ -287,17 +287,21 @@ def test_per_op_graph_nodes_are_the_per_operation_plugins(phase):
         assert producer[producer[first.input[3]].input[0]] is locate  # row_ids[0] = Gather(locate's row_ids)
 
 
-def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64, pad_step=None, manifest=None):
+def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64, pad_step=None, manifest=None,
+                     aot_phases=("decode",)):
     """As :func:`_run_both`, through the per-operation graphs (``ort_ops.run_per_op_step``: the prefill plan on the
     host, the decode graph planning its own steps, on the cache of record ``mine``). Decode step ``pad_step`` carries
     one padding token (the reference: ``plan(pad_to=...)``). States: (mine, reference) per step, each (pool, page
     table, tier tokens, manager snapshot). ``manifest``: decode through the AOT graph of that engine
     (``graph="aot"``) instead of the per-operation decode graph (its session made first: see
-    ``ort_ops.register_aot_ops``)."""
+    ``ort_ops.register_aot_ops``) for the phases ``aot_phases``."""
     sessions = {}
     if manifest is not None:
-        sessions["decode"] = ort_ops.ort_session(onnx_export.export_onnx(
-            model, kv, max_positions=max_len, graph="aot", phase="decode", manifest=manifest))
+        protos = {ph: onnx_export.export_onnx(model, kv, max_positions=max_len, graph="aot", phase=ph,
+                                              manifest=manifest) for ph in aot_phases}
+        for proto in protos.values():  # every Python op registered before the first session
+            ort_ops.register_aot_ops(proto)
+        sessions.update({ph: ort_ops.ort_session(proto) for ph, proto in protos.items()})
     for ph in ("prefill", "decode"):
         sessions.setdefault(ph, ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=max_len,
                                                                              graph="per-op", phase=ph)))
@@ -425,6 +429,20 @@ def _manifest(shape):
     return {"engine": shape.to_fields(), "kernels": [s.to_json() for s in aot.kernel_specs(shape)]}
 
 
+def _aot_graph(model, kv, manifest, phase):
+    """The AOT graph of ``phase`` (checker + strict shape inference pass; the per-op graph's inputs and outputs;
+    nothing but AOT nodes in the ``diffkv`` domain) and its AOT nodes."""
+    proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase=phase, manifest=manifest)
+    onnx.checker.check_model(proto)
+    onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    per_op = onnx_export.export_onnx(model, kv, max_positions=64, graph="per-op", phase=phase)
+    assert [i.name for i in proto.graph.input] == [i.name for i in per_op.graph.input]
+    assert [o.name for o in proto.graph.output] == [o.name for o in per_op.graph.output]
+    nodes = onnx_export.aot_nodes(proto)
+    assert nodes == onnx_export.plugin_nodes(proto)
+    return proto, nodes
+
+
 _LAYER_KERNELS = ["_write_tokens_kernel", "_decode_partial_kernel", "_decode_merge_kernel"]
 
 
@@ -444,14 +462,7 @@ def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
 
     model, kv = tiny_llama(), get_preset(preset)
     manifest = _manifest(_engine(model, kv))
-    proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
-    onnx.checker.check_model(proto)
-    onnx.shape_inference.infer_shapes(proto, strict_mode=True)
-    per_op = onnx_export.export_onnx(model, kv, max_positions=64, graph="per-op", phase="decode")
-    assert [i.name for i in proto.graph.input] == [i.name for i in per_op.graph.input]
-    assert [o.name for o in proto.graph.output] == [o.name for o in per_op.graph.output]
-    nodes = onnx_export.aot_nodes(proto)
-    assert nodes == onnx_export.plugin_nodes(proto)  # nothing but AOT nodes in the diffkv domain
+    proto, nodes = _aot_graph(model, kv, manifest, "decode")
     entries = {e["name"]: e for e in manifest["kernels"]}
     attrs = [{k: v.decode() if isinstance(v, bytes) else v for k, v in
               ((x.name, onnx.helper.get_attribute_value(x)) for x in node.attribute)} for node in nodes]
@@ -499,16 +510,47 @@ def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
             assert want != "float64"
 
 
+@pytest.mark.parametrize("preset", ["default", "fp16"])
+def test_aot_prefill_graph_nodes(preset):
+    """``graph="aot", phase="prefill"``: the per-op prefill graph's inputs and outputs; per layer the five kernel
+    launches (prompt lse, merge, score, then the high and the low write) as ``diffkv::aot_<wrapper>`` nodes of the
+    engine's manifest entries (the score kernels: the ``max_seq_len`` variant), nothing else in the ``diffkv``
+    domain (the attention, tiers, counts and locations are standard operators); the engine's fixed dims on the state
+    inputs; checker + strict shape inference."""
+    import json
+
+    model, kv = tiny_llama(), get_preset(preset)
+    manifest = _manifest(_engine(model, kv))
+    proto, nodes = _aot_graph(model, kv, manifest, "prefill")
+    entries = {e["name"]: e for e in manifest["kernels"]}
+    kernels = []
+    for node in nodes:
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        entry = entries[a["kernel_name"].decode()]  # KeyError: not a manifest entry
+        kernels.append(entry["kernel"].split(":")[1])
+        if entry["op"] == "prefill_scores":
+            assert entry["select"].endswith(f"<= max_len <= {64}")  # the engine's longest-prompt variant
+        assert len(set(node.input)) == len(node.input) == len(json.loads(a["bind_dtypes"]))
+    layer = ["_prompt_lse_kernel", "_prompt_lse_merge_kernel", "_prompt_score_kernel", "_write_tokens_kernel",
+             "_write_tokens_kernel"]
+    assert kernels == layer * model.config.num_layers
+    shapes = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
+    engine = _engine(model, kv)
+    assert shapes["page_table"] == [engine.max_batch_size * engine.num_layers * engine.num_kv_heads,
+                                    engine.max_pages_per_row]
+
+
 @pytest.mark.parametrize("preset", ["default", "fp16", "demote"])
-def test_aot_decode_graph_in_onnxruntime_matches_pytorch_tiny_model(preset):
-    """Prefill through the per-op prefill graph, then 4 decode steps (step 2 padded) through the AOT decode graph,
-    every node launching its manifest kernel through Triton's JIT (interpreter) with the node's attributes as launch
-    parameters (``ort_ops.register_aot_ops``) == the PyTorch path, with the per-op decode tests' checks: greedy
-    tokens, decode logits within atol 2e-2, page table and tier counts exact, the whole page-manager state equal,
-    pool bytes >= 99 % equal; no error flag; ``demote`` moves tokens to the low tier every step."""
+def test_aot_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
+    """Prefill through the AOT prefill graph, then 4 decode steps (step 2 padded) through the AOT decode graph, every
+    kernel node launching its TensorRT-convention wrapper through Triton's JIT (interpreter) with TensorRT's argument
+    list (``ort_ops.register_aot_ops``) == the PyTorch path, with the per-op tests' checks: greedy tokens, logits
+    within atol 2e-2, page table and tier counts exact, the whole page-manager state equal, pool bytes >= 99 % equal;
+    no error flag; ``demote`` moves tokens to the low tier every step."""
     model, kv = tiny_llama(), _preset(preset)
     results, states, mine = _run_both_per_op(model, kv, [[5, 9, 13, 200, 7, 3, 11], [42, 17, 99, 4]], 4, pad_step=2,
-                                             manifest=_manifest(_engine(model, kv)))
+                                             manifest=_manifest(_engine(model, kv)),
+                                             aot_phases=("prefill", "decode"))
     _check(results, [(m[:3], r[:3]) for m, r in states])
     _check_states(states)
     assert mine.active_slots == [0, 1] and int(mine.error_flags.abs().sum()) == 0 and mine.seq_len[:2] == [11, 8]
@@ -518,7 +560,8 @@ def test_aot_decode_graph_in_onnxruntime_matches_pytorch_tiny_model(preset):
 
 
 def test_aot_decode_graph_refuses_what_it_cannot_express():
-    """A manifest of another engine (fp16 activations, another preset) or a missing entry is refused by name."""
+    """A manifest of another engine (fp16 activations, another preset) or a missing entry is refused by name; so is
+    a graph phase that does not exist and a cache whose sizes are not the engine's."""
     model, kv = tiny_llama(), get_preset("default")
     with pytest.raises(ValueError, match="dtype='float32'"):
         onnx_export.export_onnx(model, kv, graph="aot", phase="decode",
@@ -527,8 +570,12 @@ def test_aot_decode_graph_refuses_what_it_cannot_express():
     manifest["kernels"] = [e for e in manifest["kernels"] if not e["kernel"].endswith(":_locate_kernel")]
     with pytest.raises(LookupError, match="locate_kernel__.* is not in the engine's manifest"):
         onnx_export.export_onnx(model, kv, graph="aot", phase="decode", manifest=manifest)
-    with pytest.raises(ValueError, match="phase='prefill'"):
-        onnx_export.export_onnx(model, kv, graph="aot", phase="prefill", manifest=manifest)
+    with pytest.raises(ValueError, match="a prefill and a decode graph"):
+        onnx_export.export_onnx(model, kv, graph="aot", phase=None, manifest=manifest)
+    manifest = _manifest(_engine(model, kv))
+    with pytest.raises(ValueError, match=r"input page_table has dims .* \(an engine built for other sizes"):
+        # a cache of 2 slots against an engine of 3: refused at the inputs (onnxruntime would abort)
+        _run_both_per_op(model, kv, [[5, 9, 13], [42, 17]], 1, manifest=manifest, aot_phases=("prefill",))
 
 
 def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):

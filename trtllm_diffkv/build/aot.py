@@ -643,10 +643,15 @@ def compile_specs(specs: list[KernelSpec], out_dir: str | Path, targets=SUPPORTE
 
 
 def check_targets(targets) -> None:
-    """Raise ``ValueError`` for a compute capability outside :data:`SUPPORTED_TARGETS` (naming it)."""
+    """Raise ``ValueError`` for a compute capability outside :data:`SUPPORTED_TARGETS` (naming it), or one listed
+    twice (``--targets 90,90``: the same files would be compiled twice and listed twice in the manifest)."""
+    targets = list(targets)
     for cc in targets:
         if cc not in SUPPORTED_TARGETS:
             raise ValueError(f"target sm_{cc} is not supported; supported: {['sm_%d' % t for t in SUPPORTED_TARGETS]}")
+    repeated = sorted({cc for cc in targets if targets.count(cc) > 1})
+    if repeated:
+        raise ValueError(f"target(s) {', '.join('sm_%d' % cc for cc in repeated)} listed more than once: {targets}")
 
 
 def _extra_params(ptx: str, kernel_name: str, runtime_params: int) -> int:
@@ -698,11 +703,14 @@ def build_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTED_TAR
 
 def abi_kernels(shape: EngineShape, entries: list[dict]) -> list:
     """The TensorRT-convention wrappers an engine needs (``build/trt_abi.py``): every entry as its launcher binds it,
-    plus the bindings of the AOT decode graph (fp32 engines, ``build/aot_graph.py::decode_graph_abi``), deduplicated."""
+    plus the bindings of the AOT prefill and decode graphs (fp32 engines, ``build/aot_prefill.py::prefill_graph_abi``,
+    ``build/aot_graph.py::decode_graph_abi``), deduplicated."""
     from .aot_graph import decode_graph_abi
+    from .aot_prefill import prefill_graph_abi
 
     out = {k.name: k for k in (trt_abi.from_launcher(e) for e in entries)}
-    for k in decode_graph_abi(shape, {e["name"]: e for e in entries}):
+    by_name = {e["name"]: e for e in entries}
+    for k in [*prefill_graph_abi(shape, by_name), *decode_graph_abi(shape, by_name)]:
         out.setdefault(k.name, k)
     return list(out.values())
 

@@ -244,7 +244,7 @@ def _sizes(shape: EngineShape, num_partitions: int):
 _OPS = {("_write_tokens_kernel", "decode_locate"): "write_low_move", ("_read_tokens_kernel", "decode_locate"):
         "read_high_move", ("_write_tokens_kernel", "decode_attention"): "write_high"}
 _FAMILY = {"decode_attention": "decode_attention", "decode_decide": "decode_plan", "decode_locate": "decode_plan",
-           "page_update": "page_manager"}
+           "page_update": "page_manager", "prefill_attention": "write_high"}
 
 
 def _launch(node: str, launch, names: dict, sizes_of, nbp: tuple) -> Launch:

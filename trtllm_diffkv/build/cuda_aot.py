@@ -65,10 +65,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -347,14 +349,22 @@ def ptxas_info(log: str, function: str) -> dict:
 
 
 def _run(cmd: list[str], timeout_s: int) -> str:
-    """stdout + stderr of ``cmd``; RuntimeError (with the output's tail) on failure or timeout."""
+    """stdout + stderr of ``cmd``.
+
+    Raises:
+        RuntimeError: on failure, whose first line is the reason - the last non-empty line of the command's output
+            (nvcc / ptxas print the error last), or the exit status when it printed nothing - followed by the command
+            and the output's tail; on a timeout, naming the command and the limit.
+    """
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... ran past {timeout_s} s") from None
     if res.returncode != 0:
-        tail = (res.stdout + res.stderr)[-3000:]
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {res.returncode}):\n{tail}")
+        output = res.stdout + res.stderr
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"{Path(cmd[0]).name} exited with status {res.returncode}, printing nothing"
+        raise RuntimeError(f"{reason}\ncommand: {' '.join(cmd[:4])} ... (exit {res.returncode})\n{output[-3000:]}")
     return res.stdout + res.stderr
 
 
@@ -374,8 +384,11 @@ def build_cuda_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTE
     """Compile the CUDA decode kernels of ``shape`` in TensorRT's AOT plugin ABI; returns the manifest entries.
 
     Writes ``out_dir/NAME.cu``, ``NAME.sm<cc>.ptx`` / ``.cubin`` per target and ``out_dir/cuda_kernels.json``
-    (module docstring: entry format, ABI, nvcc commands). Kernels: ``diffkv_decode_partial`` (always) and
-    ``diffkv_decode_scores`` (when the preset compresses: the score update), each as its ABI entry
+    (module docstring: entry format, ABI, nvcc commands). Everything is compiled in a temporary subdirectory of
+    ``out_dir`` (``.cuda_aot.*``, removed afterwards) and moved into ``out_dir`` only when every step succeeded, the
+    manifest last: a failed build leaves the files of ``out_dir`` as they were (``out_dir`` itself is created).
+    Kernels: ``diffkv_decode_partial`` (always) and ``diffkv_decode_scores`` (when the preset compresses: the score
+    update), each as its ABI entry
     ``diffkv_trt_decode_partial`` / ``diffkv_trt_decode_scores``. Parameter order of an entry: ``inputs``
     (``.u64`` pointers), ``extras`` (``.u32``: int32), ``outputs`` (``.u64`` pointers aliased to inputs) - the
     order in which TensorRT's QDP AOT path passes input pointers, ``extra_args`` and output pointers.
@@ -389,7 +402,8 @@ def build_cuda_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTE
     Raises:
         ValueError: a configuration the CUDA kernel does not cover (naming why), or a target outside
             :data:`SUPPORTED_TARGETS`.
-        RuntimeError: ``nvcc`` is not on ``PATH``, or a compilation failed (its output's tail).
+        RuntimeError: ``nvcc`` is not on ``PATH``, or a compilation failed: the first line is nvcc's / ptxas'
+            reason (the last non-empty line of its output), then the command and the output's tail.
     """
     from .aot import check_targets
 
@@ -400,25 +414,34 @@ def build_cuda_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTE
         raise RuntimeError("nvcc is not on PATH: the CUDA decode kernels' AOT build needs the CUDA toolkit's nvcc")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for entry, text in plan:
-        cu = out / entry["generated_source"]
-        cu.write_text(text)
-        for cc in targets:
-            stem = out / f"{entry['name']}.sm{cc}"
-            ptx_cmd, cubin_cmd = nvcc_commands(cu, stem, cc, entry["defines"], nvcc)
-            _run(ptx_cmd, timeout_s)
-            log = _run(cubin_cmd, timeout_s)
-            ptx = Path(f"{stem}.ptx").read_bytes()
-            cubin = Path(f"{stem}.cubin").read_bytes()
-            version = re.search(rb"^\.version\s+(\S+)", ptx, re.M)
-            entry["compiled"][f"sm_{cc}"] = dict(
-                ptx=f"{stem.name}.ptx", cubin=f"{stem.name}.cubin", ptx_sha256=_sha(ptx), cubin_sha256=_sha(cubin),
-                ptx_version=version.group(1).decode() if version else None, **ptxas_info(log, entry["kernel_name"]))
-        entries.append(entry)
-    manifest = dict(version=MANIFEST_VERSION, nvcc_version=nvcc_version(nvcc), engine=shape.to_fields(),
-                    targets=[f"sm_{cc}" for cc in targets], cuda_kernels=entries)
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+    work = Path(tempfile.mkdtemp(prefix=".cuda_aot.", dir=out))  # moved into out only when everything compiled
+    try:
+        entries, written = [], []
+        for entry, text in plan:
+            cu = work / entry["generated_source"]
+            cu.write_text(text)
+            written.append(cu.name)
+            for cc in targets:
+                stem = work / f"{entry['name']}.sm{cc}"
+                ptx_cmd, cubin_cmd = nvcc_commands(cu, stem, cc, entry["defines"], nvcc)
+                _run(ptx_cmd, timeout_s)
+                log = _run(cubin_cmd, timeout_s)
+                ptx = Path(f"{stem}.ptx").read_bytes()
+                cubin = Path(f"{stem}.cubin").read_bytes()
+                written += [f"{stem.name}.ptx", f"{stem.name}.cubin"]
+                version = re.search(rb"^\.version\s+(\S+)", ptx, re.M)
+                entry["compiled"][f"sm_{cc}"] = dict(
+                    ptx=f"{stem.name}.ptx", cubin=f"{stem.name}.cubin", ptx_sha256=_sha(ptx),
+                    cubin_sha256=_sha(cubin), ptx_version=version.group(1).decode() if version else None,
+                    **ptxas_info(log, entry["kernel_name"]))
+            entries.append(entry)
+        manifest = dict(version=MANIFEST_VERSION, nvcc_version=nvcc_version(nvcc), engine=shape.to_fields(),
+                        targets=[f"sm_{cc}" for cc in targets], cuda_kernels=entries)
+        (work / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+        for name in written + [MANIFEST_NAME]:  # the manifest last: it lists the others
+            os.replace(work / name, out / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return entries
 
 

@@ -5,17 +5,21 @@ Layout (``ENGINE_DIR/``)::
     config.json            TensorRT-LLM's engine config: "version", "pretrained_config",
                            "build_config" (max_batch_size, max_input_len, max_seq_len, max_beam_width,
                            max_num_tokens, "plugin_config" with "diffkv_plugin"), plus a "diffkv" section
-                           (the DiffKVConfig fields, the engine shape, file names, what was built)
+                           (the DiffKVConfig fields, the engine shape, file names, what was built and
+                           one line each on TensorRT and the CUDA C++ kernels: built, or why not)
     model/                 the model as a Hugging Face folder: config.json, model.safetensors (weights in
                            the build dtype), tokenizer and generation_config files copied from the checkpoint
     model.onnx (+ .data)   the graph with one DiffKV plugin node per layer (build/onnx_export.py); with
                            ``--graph per-op`` instead model_prefill.onnx + model_decode.onnx (per-operation plugin
-                           nodes) sharing one model.onnx.data; ``--graph aot``: the same with the decode graph one
-                           node per kernel launch (TensorRT's AOT calling convention)
+                           nodes) sharing one model.onnx.data; ``--graph aot``: the same names, both graphs' DiffKV
+                           work as standard ONNX operators and one node per kernel launch (TensorRT's AOT calling
+                           convention)
     kernels/               AOT PTX + cubins for sm_80 / sm_90 and manifest.json (build/aot.py): the Triton kernels
                            and their TensorRT-convention wrappers (build/trt_abi.py: trt_abi.py + *.trt.*); the CUDA
                            C++ decode kernels where compiled (build/cuda_aot.py: cuda_kernels.json)
     rank0.engine           the serialized TensorRT engine, only where ``import tensorrt`` works
+
+Directories are mode 0755 and files 0644, so that a server running as another user can read the directory.
 
 :func:`read_engine_dir` gives what :class:`~trtllm_diffkv.runner.ModelRunner` needs to run the
 directory on the PyTorch executor: the model folder, the DiffKV config, the limits and dtype.
@@ -133,7 +137,8 @@ def check_engine_matches_model(path, model_config) -> None:
 
 
 def engine_config(model_config, shape, *, onnx_file: str | dict | None, engine_file: str | None, targets: list[str],
-                  tensorrt_note: str, graph: str | None = "composite", cuda_kernels: str | None = None) -> dict:
+                  tensorrt_note: str, graph: str | None = "composite", cuda_kernels: str | None = None,
+                  cuda_kernels_note: str | None = None) -> dict:
     """The engine's config.json dict (TensorRT-LLM keys plus the ``diffkv`` section).
 
     Args:
@@ -144,6 +149,8 @@ def engine_config(model_config, shape, *, onnx_file: str | dict | None, engine_f
         graph: the ONNX graph form (``"composite"``, ``"per-op"``, ``"aot"``; ``None``: no graph), recorded as
             ``diffkv.graph``.
         cuda_kernels: the CUDA C++ decode kernels' manifest in ``kernels/`` (``None``: not compiled).
+        cuda_kernels_note: one line on them, recorded as ``diffkv.cuda_kernels_note``: what was compiled, or why
+            they were not (as ``tensorrt_note`` for TensorRT).
         targets: AOT targets (``["sm_80", "sm_90"]``).
         tensorrt_note: what happened with TensorRT (built, or why not).
     """
@@ -170,6 +177,7 @@ def engine_config(model_config, shape, *, onnx_file: str | dict | None, engine_f
         "format": ENGINE_FORMAT, "trtllm_diffkv_version": __version__, "kv_config": shape.to_fields(),
         "model_dir": "model", "onnx": onnx_file, "graph": graph if onnx_file is not None else None,
         "onnx_data": None if onnx_file is None else "model.onnx.data", "engine": engine_file, "kernels_dir": "kernels",
-        "aot_targets": targets, "cuda_kernels": cuda_kernels, "plugin_namespace": "diffkv", "tensorrt": tensorrt_note,
+        "aot_targets": targets, "cuda_kernels": cuda_kernels, "cuda_kernels_note": cuda_kernels_note,
+        "plugin_namespace": "diffkv", "tensorrt": tensorrt_note,
     }
     return {"version": __version__, "pretrained_config": pretrained, "build_config": build, "diffkv": diffkv}

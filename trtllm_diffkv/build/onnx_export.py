@@ -163,11 +163,13 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     if graph == "per-op":
         return export_per_op(model, kv_config, phase, path, max_positions=max_positions)
     if graph == "aot":
-        if phase != "decode":
-            raise ValueError(f"phase={phase!r}: graph='aot' has a decode graph only (phase='decode')")
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r}: graph='aot' has a prefill and a decode graph (phase='prefill' or "
+                             "'decode')")
         if manifest is None:
             raise ValueError("graph='aot' needs the engine's kernel manifest (manifest=...)")
-        return export_aot(model, kv_config, manifest, path, max_positions=max_positions, target=target)
+        export = export_aot if phase == "decode" else export_aot_prefill
+        return export(model, kv_config, manifest, path, max_positions=max_positions, target=target)
     if graph != "composite":
         raise ValueError(f"graph={graph!r}: expected one of {list(EXPORT_GRAPHS)}")
     if phase is not None:
@@ -228,7 +230,8 @@ def _finish(b: _Builder, gs, path):
 
     b.graph.cleanup().toposort()
     proto = gs.export_onnx(b.graph)
-    proto.opset_import.append(onnx.helper.make_opsetid(PLUGIN_NAMESPACE, 1))
+    if not any(o.domain == PLUGIN_NAMESPACE for o in proto.opset_import):  # graphsurgeon may have added it
+        proto.opset_import.append(onnx.helper.make_opsetid(PLUGIN_NAMESPACE, 1))
     proto.producer_name = "trtllm-diffkv"
     onnx.checker.check_model(proto)
     proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
@@ -238,10 +241,10 @@ def _finish(b: _Builder, gs, path):
 
 
 GRAPHS = ("composite", "per-op")
-"""Graph forms ``trtllm-diffkv build --graph`` writes (:func:`export_onnx` also writes ``"aot"``, the decode step as
-AOT kernel nodes: :func:`export_aot`, which needs the engine's manifest and is not wired into the build command)."""
+"""Graph forms that need no kernel manifest."""
 EXPORT_GRAPHS = (*GRAPHS, "aot")
-"""Graph forms :func:`export_onnx` writes."""
+"""Graph forms :func:`export_onnx` and ``trtllm-diffkv build --graph`` write (``"aot"``: the prefill and decode steps
+with their kernels as AOT nodes, :func:`export_aot_prefill` / :func:`export_aot`, which need the engine's manifest)."""
 PHASES = ("prefill", "decode")
 """Per-operation graphs: one per step kind (:func:`export_per_op`)."""
 
@@ -495,6 +498,9 @@ def _dim_name(d):
         return d
     if d in SYMBOLS:
         return SYMBOLS[d]
+    if "+" in d:
+        sym, k = d.split("+")
+        return f"{SYMBOLS[sym]}_plus_{k}"
     sym, k = d.split("*")
     return f"{SYMBOLS[sym]}_x{k}"
 
@@ -547,6 +553,101 @@ def _graph_dtype(dtype: str) -> str:
     return "int64" if dtype == "float64" else dtype
 
 
+def _aot_engine(model, kv_config: DiffKVConfig, manifest: dict):
+    """The manifest's engine, checked against the model, ``kv_config`` and the fp32 graph (``ValueError`` else)."""
+    from .fields import EngineShape
+
+    cfg = model.config
+    _check_model(model, kv_config)
+    engine = EngineShape.from_fields(manifest["engine"])
+    want = (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_config, "float32")
+    got = (engine.num_layers, engine.num_heads, engine.num_kv_heads, engine.head_dim, engine.kv_config, engine.dtype)
+    if got != want:
+        raise ValueError(f"the manifest's engine {got[:4]}, {got[5]} does not fit the model {want[:4]} with this "
+                         "kv_config and the fp32 graph (build the kernels with dtype='float32')")
+    return engine
+
+
+def _engine_dims(state: dict, engine) -> None:
+    """Fix the dims of the state inputs the engine sizes (slots, rows, pages per row, ...) in an AOT graph: its
+    kernels' scratch is sized for that engine, so a cache of other sizes must be refused at the graph's inputs (the
+    key offsets stay symbolic: a preset without them feeds an empty tensor)."""
+    rows = engine.max_batch_size * engine.num_layers * engine.num_kv_heads
+    fixed = {"num_rows": rows, "max_pages_per_row": engine.max_pages_per_row, "max_slots": engine.max_batch_size,
+             "num_layers": engine.num_layers, "num_kv_heads": engine.num_kv_heads,
+             "page_size_bytes": engine.page_format.page_size_bytes}
+    for name, var in state.items():
+        if name != "key_offsets":
+            var.shape = [fixed.get(d, d) if isinstance(d, str) else d for d in var.shape]
+
+
+class _AotNodes:
+    """The AOT graphs' kernel nodes: ``cur`` maps each named tensor (``aot_graph.TensorInfo``) to its latest graph
+    tensor; :meth:`get` makes a missing one (an initializer, or per-step zeros sized from ``step``'s ``[1]`` int64
+    size tensors); :meth:`emit` adds a launch's node (its wrapper: the manifest's compiled one when present) and
+    advances ``cur`` to the node's outputs.
+
+    Raises (constructor):
+        LookupError: a launch without a manifest entry (naming it).
+    """
+
+    def __init__(self, b: _Builder, infos: dict, manifest: dict, launches: list, target: str, cur: dict, step: dict):
+        from .aot_graph import abi_of
+        from .trt_abi import AbiKernel
+
+        self.b, self.infos, self.target, self.cur, self.step, self.count = b, infos, target, cur, step, 0
+        self.entries = {e["name"]: e for e in manifest["kernels"]}
+        compiled = {k["name"]: AbiKernel.from_json(k) for k in manifest.get("trt_abi", [])}
+        self.abis = {}
+        for launch in launches:
+            if launch.entry not in self.entries:
+                raise LookupError(f"{launch.node}: {launch.entry} ({launch.spec.kernel}) is not in the engine's "
+                                  "manifest")
+            abi = abi_of(launch, self.entries[launch.entry], infos)
+            self.abis[id(launch)] = compiled.get(abi.name, abi)
+
+    def shape_of(self, dims):
+        b, parts = self.b, []
+        for d in dims:
+            if isinstance(d, int):
+                parts.append(b.const(f"aot.dim{b.count}_{len(parts)}", np.array([d], np.int64)))
+                b.count += 1
+            elif "*" in d:
+                sym, k = d.split("*")
+                parts.append(b.op("Mul", [self.step[sym], b.const(f"aot.k{b.count}", np.array([int(k)], np.int64))]))
+            else:
+                parts.append(self.step[d])
+        return b.op("Concat", parts, {"axis": 0})
+
+    def get(self, name):
+        if name not in self.cur:
+            info = self.infos[name]
+            dt = np.dtype(info.dtype)
+            if info.kind == "const":  # fp64 data as its int64 bits (_graph_dtype)
+                self.cur[name] = self.b.const(f"aot.{name}", np.array(info.value, dtype=dt).view(
+                    np.dtype(_graph_dtype(dt.name))))
+            elif info.kind == "scratch":
+                zero = self.b.gs.Constant(f"aot.{name}.zero.{self.b.count}", np.zeros(1, dt))
+                self.cur[name] = self.b.op("ConstantOfShape", [self.shape_of(info.dims)], {"value": zero},
+                                           dtype=dt.type, shape=[_dim_name(d) for d in info.dims])
+            else:
+                raise KeyError(f"{name}: no graph tensor (a per-layer tensor outside a layer)")
+        return self.cur[name]
+
+    def emit(self, launch):
+        entry, abi = self.entries[launch.entry], self.abis[id(launch)]
+        names = list(dict.fromkeys(launch.bindings))  # the distinct buffers: the wrapper's inputs
+        outs = self.b.op(AOT_OP_PREFIX + abi.name, [self.get(nm) for nm in names],
+                         aot_node_attrs(launch, entry, abi, self.infos, self.target),
+                         outputs=len(names), domain=PLUGIN_NAMESPACE, name=f"aot_{self.count}_{launch.node}")
+        self.count += 1
+        outs = outs if isinstance(outs, list) else [outs]
+        for nm, o in zip(names, outs):
+            info = self.infos[nm]
+            _typed(o, np.dtype(_graph_dtype(info.dtype)).type, [_dim_name(d) for d in info.dims])
+            self.cur[nm] = o
+
+
 def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path | None = None, *,
                max_positions: int | None = None, target: str = "sm_90"):
     """The decode step with its DiffKV work as one ``diffkv::aot_<kernel>`` node per kernel launch.
@@ -583,77 +684,19 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     import onnx
     import onnx_graphsurgeon as gs
 
-    from .aot_graph import abi_of, record_decode
-    from .fields import EngineShape
-    from .trt_abi import AbiKernel
+    from .aot_graph import record_decode
 
-    cfg = model.config
-    _check_model(model, kv_config)
-    engine = EngineShape.from_fields(manifest["engine"])
-    want = (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_config, "float32")
-    got = (engine.num_layers, engine.num_heads, engine.num_kv_heads, engine.head_dim, engine.kv_config, engine.dtype)
-    if got != want:
-        raise ValueError(f"the manifest's engine {got[:4]}, {got[5]} does not fit the model {want[:4]} with this "
-                         "kv_config and the fp32 graph (build the kernels with dtype='float32')")
+    engine = _aot_engine(model, kv_config, manifest)
     infos, plan, layer = record_decode(engine)
-    entries = {e["name"]: e for e in manifest["kernels"]}
-    compiled_abi = {k["name"]: AbiKernel.from_json(k) for k in manifest.get("trt_abi", [])}
-    abis = {}
-    for launch in plan + layer:
-        if launch.entry not in entries:
-            raise LookupError(f"{launch.node}: {launch.entry} ({launch.spec.kernel}) is not in the engine's manifest")
-        abi = abi_of(launch, entries[launch.entry], infos)
-        abis[id(launch)] = compiled_abi.get(abi.name, abi)
     b = _Builder(gs)
     ids, pos, sel = b.token_inputs()
     plan_in, state = b.step_inputs("decode")
+    _engine_dims(state, engine)
     b.graph.inputs = [ids, pos, sel, *plan_in.values(), *state.values()]
-    cur = {"positions": pos, **plan_in, **state}
     one = lambda x: b.op("Shape", [x], {"start": 0, "end": 1})  # noqa: E731 - [1] int64
-    step = {"n": one(plan_in["step_slots"]), "B": one(pos), "P": one(state["ring"])}
-
-    def shape_of(dims):
-        parts = []
-        for d in dims:
-            if isinstance(d, int):
-                parts.append(b.const(f"aot.dim{b.count}_{len(parts)}", np.array([d], np.int64)))
-                b.count += 1
-            elif "*" in d:
-                sym, k = d.split("*")
-                parts.append(b.op("Mul", [step[sym], b.const(f"aot.k{b.count}", np.array([int(k)], np.int64))]))
-            else:
-                parts.append(step[d])
-        return b.op("Concat", parts, {"axis": 0})
-
-    def get(name):
-        if name not in cur:
-            info = infos[name]
-            dt = np.dtype(info.dtype)
-            if info.kind == "const":  # fp64 data as its int64 bits (_graph_dtype)
-                cur[name] = b.const(f"aot.{name}", np.array(info.value, dtype=dt).view(np.dtype(_graph_dtype(dt.name))))
-            elif info.kind == "scratch":
-                zero = gs.Constant(f"aot.{name}.zero", np.zeros(1, dt))
-                cur[name] = b.op("ConstantOfShape", [shape_of(info.dims)], {"value": zero}, dtype=dt.type,
-                                 shape=[_dim_name(d) for d in info.dims])
-            else:
-                raise KeyError(f"{name}: no graph tensor (a per-layer tensor outside a layer)")
-        return cur[name]
-
-    count = [0]
-
-    def emit(launch):
-        entry, abi = entries[launch.entry], abis[id(launch)]
-        names = list(dict.fromkeys(launch.bindings))  # the distinct buffers: the wrapper's inputs
-        outs = b.op(AOT_OP_PREFIX + abi.name, [get(nm) for nm in names],
-                    aot_node_attrs(launch, entry, abi, infos, target),
-                    outputs=len(names), domain=PLUGIN_NAMESPACE, name=f"aot_{count[0]}_{launch.node}")
-        count[0] += 1
-        outs = outs if isinstance(outs, list) else [outs]
-        for nm, o in zip(names, outs):
-            info = infos[nm]
-            _typed(o, np.dtype(_graph_dtype(info.dtype)).type, [_dim_name(d) for d in info.dims])
-            cur[nm] = o
-
+    g = _AotNodes(b, infos, manifest, plan + layer, target, {"positions": pos, **plan_in, **state},
+                  {"n": one(plan_in["step_slots"]), "B": one(pos), "P": one(state["ring"])})
+    cur, emit = g.cur, g.emit
     for launch in plan:
         emit(launch)
 
@@ -677,6 +720,157 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     for name in AOT_STATE_OUTPUTS:
         cur[name].name = f"{name}_out"
         outs.append(cur[name])
+    b.graph.outputs = [logits, *outs]
+    return _finish(b, gs, path)
+
+
+def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path | None = None, *,
+                       max_positions: int | None = None, target: str = "sm_90"):
+    """The prefill step with its DiffKV work as standard ONNX operators and one ``diffkv::aot_<wrapper>`` node per
+    kernel launch: what ``paged/prefill.py::prefill_layer`` does per layer, with the per-operation prefill graph's
+    inputs and outputs (:func:`export_per_op` ``phase="prefill"``: the step plan's tensors as graph inputs; the
+    prompts' reservation before and commit after the step stay on the host, as for that graph).
+
+    Per layer: the causal attention of the packed prompts (``MatMul``/``Softmax`` under the mask "same prompt
+    (``req``), key position <= query position (``token_index``)"; grouped KV heads expanded), the prompt scores (the
+    AOT nodes of ``_prompt_lse_kernel``, ``_prompt_lse_merge_kernel``, ``_prompt_score_kernel``: the engine's
+    ``max_seq_len`` variant, ``build/aot_prefill.py``), the key offsets of a centering preset (each prompt's mean key
+    per KV head, ``ScatterElements`` + ``ScatterND``), the tiers (importance = score sum / ``score_count`` against
+    ``thr_high`` / ``thr_low``, the ``window`` tokens high), the tier counts (``ScatterElements`` add into
+    ``tier_counts``), each tier's token index in its row (exclusive ``CumSum`` less the prompt start's), its page (the
+    high tier from the left of the row, the low tier from the last reserved page leftwards, ``GatherND`` on the page
+    table) and slot, then the AOT nodes of the two ``_write_tokens_kernel`` launches (high, low).
+
+    Args and Raises: as :func:`export_aot`.
+    """
+    import onnx
+    import onnx_graphsurgeon as gs
+
+    from .aot_prefill import record_prefill
+
+    cfg = model.config
+    engine = _aot_engine(model, kv_config, manifest)
+    infos, launches = record_prefill(engine)
+    scores, writes = launches[:3], launches[3:]
+    L, Hq, H, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    fmt, R, cfgkv = engine.page_format, engine.max_pages_per_row, kv_config
+    b = _Builder(gs)
+    ids, pos, sel = b.token_inputs()
+    plan, state = b.step_inputs("prefill")
+    _engine_dims(state, engine)
+    b.graph.inputs = [ids, pos, sel, *plan.values(), *state.values()]
+    given = dict(state)
+    I64, I32, F32, F16 = onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    c = lambda name, value, dt=np.int64: b.const(f"pf.{name}.{b.count}", np.array(value, dt))  # noqa: E731
+    op = b.op
+    one = lambda x: op("Shape", [x], {"start": 0, "end": 1})  # noqa: E731 - [1] int64
+    n = op("Sub", [one(plan["cu_seqlens"]), c("one", [1])])
+    g = _AotNodes(b, infos, manifest, launches, target,
+                  {"kv_pool": state["kv_pool"], "key_offsets": state["key_offsets"], "error_flags": state["error_flags"],
+                   "cu_seqlens": plan["cu_seqlens"], "err_idx": plan["err_idx"]},
+                  {"n": n, "B": one(ids), "P": one(state["kv_pool"])})
+    cur = g.cur
+    req, tok = plan["req"], plan["token_index"]
+    col_ = lambda x: op("Unsqueeze", [x, c("ax1", [1])])  # noqa: E731 - [T] -> [T, 1]
+    same = op("Equal", [col_(req), op("Unsqueeze", [req, c("ax0", [0])])])
+    causal = op("LessOrEqual", [op("Unsqueeze", [tok, c("ax0", [0])]), col_(tok)])
+    mask = op("And", [same, causal])  # [T query, T key]
+    th = op("Concat", [one(ids), c("h", [H])], {"axis": 0})  # [T, H]
+    w_pos = op("Reshape", [op("Expand", [col_(tok), th]), c("flat", [-1])])
+    cur["w_pos"] = w_pos
+    count, thr_h, thr_l = (col_(plan[k]) for k in ("score_count", "thr_high", "thr_low"))
+    window = col_(plan["window"])
+    start, row_base = plan["start"], col_(plan["row_base"])
+    reserved = col_(plan["reserved_pages"])
+    starts = op("Slice", [plan["cu_seqlens"], c("s0", [0]), c("s1", [-1])])  # [n] int32: each prompt's first token
+    lens = op("Cast", [op("Sub", [op("Slice", [plan["cu_seqlens"], c("s1", [1]), c("big", [2**62])]), starts])],
+              {"to": F32})
+    tier_counts = state["tier_counts"]
+    centered = cfgkv.compress and cfgkv.center_keys
+    group = Hq // H
+
+    def attention(q, k, v):
+        qh = op("Transpose", [q], {"perm": [1, 0, 2]})  # [Hq, T, D]
+        kv = []
+        for x in (k, v):
+            x = op("Unsqueeze", [op("Transpose", [x], {"perm": [1, 0, 2]}), c("ax1", [1])])  # [H, 1, T, D]
+            x = op("Expand", [x, c("grp", [1, group, 1, 1])])
+            kv.append(op("Reshape", [x, c("hq", [Hq, -1, D])]))
+        s = op("Mul", [op("MatMul", [qh, op("Transpose", [kv[0]], {"perm": [0, 2, 1]})]),
+                       c("scale", D ** -0.5, np.float32)])
+        s = op("Where", [mask, s, c("ninf", -np.inf, np.float32)])
+        o = op("MatMul", [op("Softmax", [s], {"axis": -1}), kv[1]])
+        return op("Transpose", [o], {"perm": [1, 0, 2]}, dtype=np.float32, shape=["num_tokens", Hq, D])
+
+    def attend(i, q, k, v):
+        nonlocal tier_counts
+        out = attention(q, k, v)
+        cur.pop("sums", None)  # fresh per layer
+        cur.update(q=q, k=k, v=v)
+        for launch in scores:
+            g.emit(launch)
+        sums = cur["sums"]
+        rows = op("Add", [row_base, c("heads", i * H + np.arange(H))])  # [T, H] int64
+        cur["w_rows"] = op("Reshape", [rows, c("flat", [-1])])
+        if centered:  # each prompt's mean key per KV head, into its rows' key offsets
+            zeros = op("ConstantOfShape", [op("Concat", [n, c("hd", [H, D])], {"axis": 0})],
+                       {"value": gs.Constant(f"pf.z{b.count}", np.zeros(1, np.float32))})
+            idx = op("Expand", [op("Unsqueeze", [req, c("ax12", [1, 2])]), op("Shape", [k])])
+            mean = op("Div", [op("ScatterElements", [zeros, idx, k], {"axis": 0, "reduction": "add"}),
+                              op("Unsqueeze", [lens, c("ax12", [1, 2])])])
+            first_rows = op("Gather", [rows, op("Cast", [starts], {"to": I64})], {"axis": 0})  # [n, H]
+            cur["key_offsets"] = op("ScatterND", [cur["key_offsets"], op("Unsqueeze", [first_rows, c("ax2", [2])]),
+                                                  op("Cast", [mean], {"to": F16})], dtype=np.float16,
+                                    shape=list(STATE_INPUTS["key_offsets"][1]))
+        if cfgkv.compress:
+            importance = op("Div", [sums, count])
+            high = op("Or", [op("Greater", [importance, thr_h]), window])
+            low = op("And", [op("Not", [high]), op("GreaterOrEqual", [importance, thr_l])])
+        else:
+            high = op("ConstantOfShape", [th], {"value": gs.Constant(f"pf.t{b.count}", np.ones(1, np.bool_))})
+            low = op("Not", [high])
+        for ti, (tier, chosen) in enumerate((("high", high), ("low", low))):
+            per_page = fmt.tier(tier).tokens_per_page
+            chosen32 = op("Cast", [chosen], {"to": I32})
+            zeros = op("ConstantOfShape", [op("Concat", [n, c("hh", [H])], {"axis": 0})],
+                       {"value": gs.Constant(f"pf.zi{b.count}", np.zeros(1, np.int32))})
+            per_prompt = op("ScatterElements", [zeros, op("Expand", [col_(req), th]), chosen32],
+                            {"axis": 0, "reduction": "add"})  # [n, H]
+            onehot = np.zeros((1, L, 1, 2), np.int32)
+            onehot[0, i, 0, ti] = 1
+            tier_counts = op("Add", [tier_counts, op("Mul", [op("Unsqueeze", [per_prompt, c("ax13", [1, 3])]),
+                                                             c("onehot", onehot, np.int32)])], dtype=np.int32,
+                             shape=list(STATE_INPUTS["tier_counts"][1]))
+            chosen64 = op("Cast", [chosen], {"to": I64})
+            excl = op("CumSum", [chosen64, c("ax0s", 0)], {"exclusive": 1})
+            index = op("Sub", [excl, op("Gather", [excl, start], {"axis": 0})])  # [T, H] tier index in the row
+            col = op("Div", [index, c("pp", per_page)])
+            if tier == "high":
+                col = op("Clip", [col, c("zero", 0), c("rmax", R - 1)])
+            else:  # before the commit the low pages are the last reserved ones
+                col = op("Max", [op("Sub", [op("Sub", [reserved, c("one1", 1)]), col]), c("zero", 0)])
+            at = op("Concat", [op("Unsqueeze", [rows, c("ax2", [2])]), op("Unsqueeze", [col, c("ax2", [2])])],
+                    {"axis": 2})
+            page = op("Where", [chosen, op("GatherND", [state["page_table"], at]), c("none", -1, np.int32)])
+            cur[f"w_page_{tier}"] = op("Reshape", [page, c("flat", [-1])])
+            cur[f"w_slot_{tier}"] = op("Reshape", [op("Cast", [op("Mod", [index, c("pp", per_page)])], {"to": I32}),
+                                                   c("flat", [-1])])
+        for launch in writes:
+            g.emit(launch)
+        for name in ("q", "k", "v", "w_rows", "w_page_high", "w_page_low", "w_slot_high", "w_slot_low"):
+            cur.pop(name)
+        return out
+
+    logits = _decoder(b, model, ids, pos, sel, max_positions, attend)
+    final = {"kv_pool": cur["kv_pool"], "key_offsets": cur["key_offsets"], "tier_counts": tier_counts,
+             "error_flags": cur["error_flags"]}
+    outs = []
+    for name in PHASE_STATE["prefill"]:
+        if name in final:  # the per-op prefill graph's outputs (its plugin updates all four, some in place unchanged)
+            t = final[name] if final[name] is not given[name] else op("Identity", [given[name]])
+            _typed(t, STATE_INPUTS[name][0], list(given[name].shape))
+            t.name = f"{name}_out"
+            outs.append(t)
     b.graph.outputs = [logits, *outs]
     return _finish(b, gs, path)
 

@@ -284,6 +284,7 @@ def _run_decode_graph(session, cache, input_ids, positions, logits_indices, slot
     _check_decode_step(cache, len(input_ids), slots, seq_lens, step_positions)
     feeds = {"input_ids": i64(input_ids), "positions": i64(positions), "logits_indices": i64(logits_indices),
              **decode_feeds(cache, slots, step_positions)}
+    check_feeds(session, feeds)
     _PER_OP_ERRORS.clear()
     outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     if _PER_OP_ERRORS:
@@ -303,6 +304,23 @@ def _run_decode_graph(session, cache, input_ids, positions, logits_indices, slot
     slots, seq_lens, step_positions = ([int(x) for x in a] for a in (slots, seq_lens, step_positions))
     cache._finish_step(_Step(slots, seq_lens, step_positions, 0, len(input_ids)))  # seq_len bookkeeping
     return outs["logits"]
+
+
+def check_feeds(session, feeds: dict) -> None:
+    """Refuse feeds whose fixed dims differ from the graph's (an engine built for other sizes: its slots, rows or
+    pages per row), which onnxruntime would otherwise meet with an abort of the process while planning buffers.
+
+    Raises:
+        ValueError: naming the input, its dims and the graph's.
+    """
+    for arg in session.get_inputs():
+        if arg.name not in feeds:
+            continue
+        got = tuple(np.shape(feeds[arg.name]))
+        want = tuple(arg.shape)
+        if len(got) != len(want) or any(isinstance(w, int) and w != g for w, g in zip(want, got)):
+            raise ValueError(f"input {arg.name} has dims {list(got)}; the graph's are {list(want)} (an engine built for "
+                             "other sizes)")
 
 
 def step_phase(is_prefill) -> str:
@@ -381,6 +399,7 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
         feeds = {"input_ids": i64(input_ids), "positions": i64(positions), "logits_indices": i64(logits_indices),
                  **plan_feeds(cache, phase)}
         session = sessions[phase]
+        check_feeds(session, feeds)
         _PER_OP_ERRORS.clear()
         outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
         if _PER_OP_ERRORS:

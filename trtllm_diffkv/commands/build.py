@@ -11,16 +11,19 @@ Steps (:func:`build_engine_dir`): load and check the checkpoint; fix the engine 
 write the model folder (weights as safetensors in the build dtype), the ONNX graph with one DiffKV
 plugin node per layer (``--graph composite``, the default: ``model.onnx``; ``--graph per-op``: the per-operation
 graphs ``model_prefill.onnx`` and ``model_decode.onnx``, whose weights are one shared ``model.onnx.data``;
-``--graph aot``: the per-operation prefill graph and the AOT decode graph - one node per kernel launch in TensorRT's
-AOT calling convention, ``build/onnx_export.py::export_aot`` - which needs ``--dtype float32``, the graph's
-activations), the AOT Triton kernels for ``--targets`` with their TensorRT-convention wrappers and the manifest
-(``kernels/manifest.json``), the CUDA C++ decode kernels in that convention where the engine's configuration has them
-and ``nvcc`` is present (``kernels/cuda_kernels.json``; else one line says why not), and config.json
-(:mod:`trtllm_diffkv.build.engine_dir`). Where ``import tensorrt`` works it would also parse the ONNX
-graph with the DiffKV plugins registered and serialize ``rank0.engine``; where not (this project's
-machines), it prints one line saying so. Everything is written into a temporary sibling directory that
-is renamed to ``ENGINE_DIR`` at the end, so a failed build leaves nothing behind. Errors are one line on
-stderr, exit code 2.
+``--graph aot``: the AOT prefill and decode graphs - standard ONNX operators and one node per kernel launch in
+TensorRT's AOT calling convention, ``build/onnx_export.py::export_aot`` / ``export_aot_prefill`` - which need a float32
+build, the graphs' activations: ``--dtype float32``, or ``auto`` on a float32 checkpoint), the AOT Triton kernels for
+``--targets`` with their TensorRT-convention wrappers and the manifest (``kernels/manifest.json``), the CUDA C++ decode
+kernels in that convention where the engine's configuration has them and ``nvcc`` is present
+(``kernels/cuda_kernels.json``; else one line says why not, also recorded as ``diffkv.cuda_kernels_note``), and
+config.json (:mod:`trtllm_diffkv.build.engine_dir`). Where ``import tensorrt`` works it would also parse the composite
+ONNX graph with the DiffKV plugins registered and serialize ``rank0.engine``; where not (this project's machines), it
+prints one line saying so. Serialized engines of the per-operation and AOT graphs are not built by this command (one
+line says so, and whether TensorRT is importable). Everything is written into a temporary sibling directory whose
+permissions are then set to directories 0755, files 0644 (``tempfile.mkdtemp`` makes it 0700: a server running as
+another user could not read it) and that is renamed to ``ENGINE_DIR`` at the end, so a failed build leaves nothing
+behind. Errors are one line on stderr, exit code 2.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+GRAPH_CHOICES = ("composite", "per-op", "aot")
+"""``--graph``'s values as its help lists them: ``onnx_export.EXPORT_GRAPHS`` (tests/test_build.py checks they agree)."""
 
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
            "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -51,10 +57,14 @@ def add_parser(subparsers) -> None:
                    help="activation dtype (default: auto = the checkpoint's)")
     p.add_argument("--targets", default="80,90", help="GPU compute capabilities to compile for (default: 80,90)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
-    p.add_argument("--graph", default="composite",
-                   help="ONNX graph form: 'composite' (model.onnx, the default), 'per-op' (model_prefill.onnx + "
-                        "model_decode.onnx: per-operation plugin nodes, the decode graph plans its own steps) or "
-                        "'aot' (as per-op, the decode graph one node per kernel launch; needs --dtype float32)")
+    # the choices are listed in the help, not given to argparse: a bad value is this command's one-line error
+    # (build_engine_dir checks it against onnx_export.EXPORT_GRAPHS; importing that module here would import torch)
+    p.add_argument("--graph", default="composite", metavar="{" + ",".join(GRAPH_CHOICES) + "}",
+                   help="ONNX graph form, one of " + ", ".join(GRAPH_CHOICES) + ": 'composite' (model.onnx, the "
+                        "default), 'per-op' (model_prefill.onnx + model_decode.onnx: per-operation plugin nodes, the "
+                        "decode graph plans its own steps) or 'aot' (prefill and decode graphs of standard ONNX "
+                        "operators and one node per kernel launch; needs a float32 build: --dtype float32, or auto "
+                        "on a float32 checkpoint)")
     p.set_defaults(run=run)
 
 
@@ -92,12 +102,14 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
 
     Args:
         graph: ``"composite"`` (``model.onnx``), ``"per-op"`` (``model_prefill.onnx`` + ``model_decode.onnx``, one
-            shared ``model.onnx.data``) or ``"aot"`` (the decode graph as kernel launches; needs ``dtype="float32"``);
-            the last two need ``onnx=True``.
+            shared ``model.onnx.data``) or ``"aot"`` (as ``"per-op"``, the graphs' DiffKV work as kernel launches;
+            needs a float32 build: ``dtype="float32"``, or ``"auto"`` on a float32 checkpoint); the last two need
+            ``onnx=True``.
 
     Raises:
         ValueError: ``plugin`` other than ``diffkv``, an unsupported head_dim / architecture / GPU
-            target / dtype / size, an existing ``output``, an unknown ``graph`` or ``per-op`` without ONNX.
+            target / dtype / size, an existing ``output``, an unknown ``graph``, ``per-op`` / ``aot`` without
+            ONNX, or ``aot`` on a build dtype other than float32.
         FileNotFoundError: a missing checkpoint.
         RuntimeError: a kernel failed to compile.
     """
@@ -132,8 +144,9 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's {limit} positions")
     dtype_name = str(model.dtype).removeprefix("torch.")
     if graph == "aot" and dtype_name != "float32":
-        raise ValueError(f"--graph aot: the AOT decode graph's activations are float32 and its kernels are compiled "
-                         f"for them; build with --dtype float32 (this build: {dtype_name})")
+        raise ValueError(f"--graph aot: the AOT graphs' activations are float32 and their kernels are compiled "
+                         f"for them; it needs a float32 build (--dtype float32, or auto on a float32 checkpoint); "
+                         f"this build: {dtype_name}")
     shape = EngineShape(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                         head_dim=mc.head_dim, kv_config=kv, dtype=dtype_name, max_batch_size=max_batch_size,
                         max_seq_len=max_seq_len)
@@ -151,23 +164,24 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
             onnx_file = "model.onnx"
         log(f"compiling the kernels ahead of time for {', '.join(f'sm_{t}' for t in targets)}")
         manifest = aot.build_kernels(shape, tmp / "kernels", targets)
-        cuda_kernels = _cuda_kernels(shape, tmp / "kernels", targets, log)
+        cuda_kernels, cuda_note = _cuda_kernels(shape, tmp / "kernels", targets)
+        log(cuda_note)
         if onnx and graph != "composite":
             log(f"exporting the {graph} ONNX graphs (prefill, decode) with DiffKV plugin nodes")
             from ..build.onnx_export import PHASES, export_onnx
 
-            protos = {ph: export_onnx(model, kv, max_positions=max_seq_len, graph="per-op", phase=ph) for ph in PHASES}
-            if graph == "aot":  # the decode step as kernel launches (the compiled wrappers' launch parameters)
-                protos["decode"] = export_onnx(model, kv, max_positions=max_seq_len, graph="aot", phase="decode",
-                                               manifest=manifest, target=f"sm_{max(targets)}")
+            extra = dict(manifest=manifest, target=f"sm_{max(targets)}") if graph == "aot" else {}
+            protos = {ph: export_onnx(model, kv, max_positions=max_seq_len, graph=graph, phase=ph, **extra)
+                      for ph in PHASES}
             onnx_file = {ph: f"model_{ph}.onnx" for ph in PHASES}
             _save_shared_onnx(protos, tmp, onnx_file, "model.onnx.data")
-        engine_file, note = _tensorrt_engine(tmp, onnx_file)
+        engine_file, note = _tensorrt_engine(tmp, onnx_file, graph)
         log(note)
         config = engine_config(mc, shape, onnx_file=onnx_file, engine_file=engine_file,
                                targets=[f"sm_{t}" for t in targets], tensorrt_note=note,
-                               graph=graph if onnx else None, cuda_kernels=cuda_kernels)
+                               graph=graph if onnx else None, cuda_kernels=cuda_kernels, cuda_kernels_note=cuda_note)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _make_readable(tmp)
         os.rename(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -175,18 +189,34 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     return output
 
 
-def _cuda_kernels(shape, folder: Path, targets, log) -> str | None:
+def _cuda_kernels(shape, folder: Path, targets) -> tuple[str | None, str]:
     """Compile the CUDA C++ decode kernels in TensorRT's AOT convention (``build/cuda_aot.py``) into ``folder``;
-    returns ``"cuda_kernels.json"``, or ``None`` with one logged line saying why not (a configuration the CUDA kernel
-    does not cover, no ``nvcc``): the Triton kernels cover every engine."""
+    returns ``("cuda_kernels.json", the one line naming the kernels and targets compiled)``, or ``(None, the one line
+    saying why not)`` (a configuration the CUDA kernel does not cover, no ``nvcc``): the Triton kernels cover every
+    engine."""
     from ..build import cuda_aot
 
     try:
-        cuda_aot.build_cuda_kernels(shape, folder, targets)
+        entries = cuda_aot.build_cuda_kernels(shape, folder, targets)
     except (ValueError, RuntimeError) as exc:
-        log(f"CUDA C++ decode kernels not compiled ahead of time: {str(exc).strip().splitlines()[0]}")
-        return None
-    return "cuda_kernels.json"
+        return None, f"CUDA C++ decode kernels not compiled ahead of time: {str(exc).strip().splitlines()[0]}"
+    names = ", ".join(e["name"] for e in entries)
+    return "cuda_kernels.json", (f"CUDA C++ decode kernels compiled ahead of time for "
+                                 f"{', '.join(f'sm_{t}' for t in targets)}: {names} (kernels/cuda_kernels.json)")
+
+
+def _make_readable(folder: Path) -> None:
+    """Directories 0755 and files 0644 under ``folder`` and ``folder`` itself, whatever their modes were
+    (``tempfile.mkdtemp`` makes the directory 0700, and files written into it may be 0600): the engine directory is
+    meant to be read by a server running as another user. Symbolic links are left alone."""
+    os.chmod(folder, 0o755)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o644)
 
 
 def _write_model(model, source: Path, folder: Path) -> None:
@@ -250,8 +280,10 @@ def _save_shared_onnx(protos: dict, folder: Path, files: dict, data_name: str, s
             onnx.save(proto, str(folder / files[key]))
 
 
-def _tensorrt_engine(folder: Path, onnx_file) -> tuple[str | None, str]:
-    """Serialize rank0.engine where TensorRT imports; else (None, the one line that says why not).
+def _tensorrt_engine(folder: Path, onnx_file, graph: str = "composite") -> tuple[str | None, str]:
+    """Serialize rank0.engine of the composite graph where TensorRT imports; else (None, the one line that says why
+    not). The per-operation and AOT graphs (``onnx_file`` a dict) get no serialized engine from this command, whether
+    or not TensorRT imports; their line says so and whether it does.
 
     Not run on this project's machines (TensorRT cannot be installed here): written against TensorRT
     10.x's documented Python API (Builder, OnnxParser with the plugins of ``plugins/`` registered).
@@ -262,12 +294,15 @@ def _tensorrt_engine(folder: Path, onnx_file) -> tuple[str | None, str]:
     try:
         import tensorrt as trt
     except Exception as exc:  # noqa: BLE001 - ImportError, or the bindings without libnvinfer
-        return None, f"TensorRT is not importable here ({type(exc).__name__}); wrote the engine directory without " \
-                     "a serialized engine (rank0.engine)"
+        trt, missing = None, f"TensorRT is not importable here ({type(exc).__name__})"
+    if isinstance(onnx_file, dict):  # per-operation / AOT graphs: one engine per step kind is not built here
+        found = missing if trt is None else f"TensorRT {trt.__version__} is importable here"
+        return None, (f"--graph {graph}: serialized engines for per-operation / AOT graphs are not built by this "
+                      f"command ({found}); wrote the engine directory without a serialized engine")
+    if trt is None:
+        return None, f"{missing}; wrote the engine directory without a serialized engine (rank0.engine)"
     if onnx_file is None:
         return None, "no ONNX graph (--no-onnx): no serialized engine"
-    if isinstance(onnx_file, dict):  # per-operation graphs: one engine per step kind is not written yet
-        return None, "per-operation graphs: serialized engines (one per step kind) are not built yet"
     import importlib
 
     importlib.import_module("plugins.trt_plugins")  # registers diffkv::* with tensorrt.plugin
