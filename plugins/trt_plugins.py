@@ -23,6 +23,7 @@ DiffKV configuration, ``trtllm_diffkv.build.fields.kv_config_to_fields``).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
@@ -165,6 +166,14 @@ def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> li
             raise KeyError(f"{abi.name}: not compiled for {target} (compiled: {sorted(abi.compiled)})")
         compiled = abi.compiled[target]
         name = f"{specs.NAMESPACE}::aot_{abi.name}"
+        ptx_text = (folder / compiled["ptx"]).read_text()
+        digest = hashlib.sha256(ptx_text.encode()).hexdigest()
+        if name in _AOT_REGISTERED:  # TensorRT refuses a second definition of a name (tensorrt/plugin/_lib.py)
+            if _AOT_REGISTERED[name] != digest:
+                raise ValueError(f"{name} is already registered with another PTX (another build of the same wrapper "
+                                 "name); register one engine's kernels per process")
+            names.append(name)
+            continue
         tensors = [f"in{j}" for j in range(len(abi.input_dtypes))]
 
         def desc(*inputs, **attrs):  # every output aliases its input: the kernels update in place
@@ -173,17 +182,32 @@ def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> li
         desc.__signature__ = signature(tensors, trtp.TensorDesc, AOT_ATTRS, "register", len(tensors))
         trtp.register(name)(desc)
 
-        def aot(*args, _c=compiled, _n=len(tensors)):
-            inputs, attrs, _ = split_call(args, _n, list(AOT_ATTRS))
-            grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: inputs[j].shape_expr[axis], cdiv=trtp.cdiv)
-            launch = trtp.KernelLaunchParams()
-            launch.grid_x, launch.grid_y, launch.grid_z = grid
-            launch.block_x = 32 * _c["num_warps"]
-            launch.shared_mem = _c["shared_bytes"]
-            ptx = (folder / _c["ptx"]).read_text()
-            return _c["kernel_name"], ptx, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in extras])
-
-        aot.__signature__ = signature(tensors, trtp.TensorDesc, AOT_ATTRS, "aot_impl", len(tensors))
-        trtp.aot_impl(name)(aot)
+        trtp.aot_impl(name)(_aot_impl(compiled, tensors, ptx_text))
+        _AOT_REGISTERED[name] = digest
         names.append(name)
     return names
+
+
+def _aot_impl(compiled: dict, tensors: list[str], ptx: str):
+    """The ``aot_impl`` of one wrapper: TensorRT calls it ``(*input_descs, *attr_values, output_descs, tactic)``;
+    returns the kernel name, the PTX, the launch parameters (grid from the node's expressions of the inputs' dims,
+    ``num_warps * 32`` threads, the compiled shared memory) and the extra args as ``SymInt32`` expressions."""
+    from trtllm_diffkv.build import trt_abi
+    from trtllm_diffkv.build.onnx_export import AOT_ATTRS
+
+    def aot(*args):
+        inputs, attrs, _ = split_call(args, len(tensors), list(AOT_ATTRS))
+        grid, extras = trt_abi.launch_plan(attrs, lambda j, axis: inputs[j].shape_expr[axis], cdiv=trtp.cdiv)
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x, launch.grid_y, launch.grid_z = grid
+        launch.block_x = 32 * compiled["num_warps"]
+        launch.shared_mem = compiled["shared_bytes"]
+        return compiled["kernel_name"], ptx, launch, trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in extras])
+
+    aot.__signature__ = signature(tensors, trtp.TensorDesc, AOT_ATTRS, "aot_impl", len(tensors))
+    return aot
+
+
+_AOT_REGISTERED: dict[str, str] = {}
+"""``diffkv::aot_<wrapper>`` names registered in this process -> their PTX's sha256 (a second engine with the same
+wrapper is skipped; the same name with another PTX is refused)."""

@@ -266,8 +266,9 @@ def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path)
     """plugins/trt_plugins.py's ``register_aot_plugins`` against the stand-in for ``tensorrt.plugin`` that enforces
     TensorRT's validation and calling convention (``tests/trtp_standin.py``: its ``cdiv`` refuses two ints; dims are
     ints here; TensorRT cannot be installed): one ``diffkv::aot_<wrapper>`` per wrapper of the
-    manifest, its inputs and the AOT graph's node attributes as fields, every output aliased; for every node of the AOT
-    decode graph its ``aot_impl`` returns the compiled wrapper's name and PTX, ``num_warps * 32`` threads, the
+    manifest, its inputs and the AOT graph's node attributes as fields, every output aliased; registering the same
+    manifest again is a no-op and another PTX under a registered name is refused (TensorRT refuses a second definition);
+    for every node of the AOT prefill and decode graphs its ``aot_impl`` returns the compiled wrapper's name and PTX, ``num_warps * 32`` threads, the
     compiled shared memory, and the grid and int32 extra args ``trt_abi.launch_plan`` gives for the node's input dims
     (the launch onnxruntime's ops make)."""
     import json
@@ -277,13 +278,15 @@ def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path)
     from conftest import tiny_llama
     from trtllm_diffkv.build import onnx_export, trt_abi
     from trtllm_diffkv.build.aot_graph import decode_graph_abi
+    from trtllm_diffkv.build.aot_prefill import prefill_graph_abi
 
     model, kv = tiny_llama(), get_preset("default")
     c = model.config
     shape = EngineShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                         head_dim=c.head_dim, kv_config=kv, dtype="float32", max_batch_size=4, max_seq_len=64)
     entries = [s.to_json() for s in aot.kernel_specs(shape)]
-    wrappers = {k.name: k for k in decode_graph_abi(shape, {e["name"]: e for e in entries})}
+    by_name = {e["name"]: e for e in entries}
+    wrappers = {k.name: k for k in [*prefill_graph_abi(shape, by_name), *decode_graph_abi(shape, by_name)]}
     for j, k in enumerate(wrappers.values()):  # stand-in compiled entries (the PTX's text is not read by TensorRT here)
         (tmp_path / f"w{j}.ptx").write_text(f"// ptx of {k.function}")
         k.compiled["sm_90"] = dict(kernel_name=k.function, ptx=f"w{j}.ptx", num_warps=4 + j % 2, shared_bytes=64 * j)
@@ -298,9 +301,13 @@ def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path)
     registered = {n: p.desc for n, p in plugins_.items()}
     aot_impls = {n: p.aot_impl for n, p in plugins_.items() if p.aot_impl is not None}
     assert names == [f"diffkv::aot_{n}" for n in wrappers] and set(aot_impls) == set(names)
-    proto = onnx_export.export_onnx(model, kv, max_positions=64, graph="aot", phase="decode", manifest=manifest)
-    nodes = onnx_export.aot_nodes(proto)
+    nodes = [n for ph in ("prefill", "decode") for n in onnx_export.aot_nodes(onnx_export.export_onnx(
+        model, kv, max_positions=64, graph="aot", phase=ph, manifest=manifest))]
     assert {f"diffkv::{n.op_type}" for n in nodes} == set(names)
+    assert trt_plugins.register_aot_plugins(tmp_path / "manifest.json", "sm_90") == names  # again: skipped
+    (tmp_path / "w0.ptx").write_text("// another build")
+    with pytest.raises(ValueError, match="already registered with another PTX"):
+        trt_plugins.register_aot_plugins(tmp_path / "manifest.json", "sm_90")
     for node in nodes:
         name = f"diffkv::{node.op_type}"
         abi = wrappers[node.op_type.removeprefix("aot_")]

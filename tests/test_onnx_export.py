@@ -576,6 +576,10 @@ def test_aot_decode_graph_refuses_what_it_cannot_express():
     with pytest.raises(ValueError, match=r"input page_table has dims .* \(an engine built for other sizes"):
         # a cache of 2 slots against an engine of 3: refused at the inputs (onnxruntime would abort)
         _run_both_per_op(model, kv, [[5, 9, 13], [42, 17]], 1, manifest=manifest, aot_phases=("prefill",))
+    with pytest.raises(ValueError, match="a prompt of 30 tokens; the AOT prefill graph's engine holds 16"):
+        # the engine's prompt-score kernels are sized for 16 tokens (same page-table width as the cache's 32)
+        _run_both_per_op(model, kv, [list(range(3, 33)), [5, 6], [7]], 1, max_len=32,
+                         manifest=_manifest(_engine(model, kv, max_seq_len=16)), aot_phases=("prefill",))
 
 
 def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):

@@ -9,7 +9,8 @@
 * ``aot_impl``: names ``(tensors, attrs..., outputs, tactic)``, the return annotation
   ``Tuple[str | bytes, str | bytes, KernelLaunchParams, SymIntExprs]``; called
   ``aot_impl(*input_descs, *attr_values, output_descs, tactic)``;
-* ``cdiv(a, b)`` refuses two ints.
+* ``cdiv(a, b)`` refuses two ints;
+* a name registered twice is refused.
 
 What it does not reproduce: TensorRT's symbolic expressions (dims here are ints or the test's own symbols), the C++
 launcher, serialization.
@@ -69,6 +70,8 @@ def module(**extra) -> tuple[types.ModuleType, dict]:
 
     def register(name):
         def deco(fn):
+            if name in plugins:  # tensorrt/plugin/_lib.py: a second definition of a name is refused
+                raise ValueError(f"'{name}' already has a definition")
             sig = inspect.signature(fn)
             tensors, attrs, seen_attr = [], {}, False
             for pname, p in sig.parameters.items():

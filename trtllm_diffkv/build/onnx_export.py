@@ -224,12 +224,20 @@ def _check_model(model, kv_config: DiffKVConfig) -> None:
         raise ValueError(f"the model's fp32 weights take {weight_bytes:,} bytes; one ONNX file holds < 2 GB")
 
 
-def _finish(b: _Builder, gs, path):
-    """Clean up, export, check (``onnx.checker``, strict shape inference), optionally save."""
+ENGINE_MAX_SEQ_LEN = "diffkv.max_seq_len"
+"""Model metadata key of the AOT graphs: the engine's longest sequence (prompt + generated tokens), which its kernels'
+prompt-score variant and scratch are sized for; a runtime refuses longer prompts (``ort_ops.run_per_op_step``)."""
+
+
+def _finish(b: _Builder, gs, path, metadata: dict | None = None):
+    """Clean up, export, check (``onnx.checker``, strict shape inference), optionally save; ``metadata``: model
+    metadata properties."""
     import onnx
 
     b.graph.cleanup().toposort()
     proto = gs.export_onnx(b.graph)
+    if metadata:
+        onnx.helper.set_model_props(proto, {k: str(v) for k, v in metadata.items()})
     if not any(o.domain == PLUGIN_NAMESPACE for o in proto.opset_import):  # graphsurgeon may have added it
         proto.opset_import.append(onnx.helper.make_opsetid(PLUGIN_NAMESPACE, 1))
     proto.producer_name = "trtllm-diffkv"
@@ -571,13 +579,16 @@ def _aot_engine(model, kv_config: DiffKVConfig, manifest: dict):
 def _engine_dims(state: dict, engine) -> None:
     """Fix the dims of the state inputs the engine sizes (slots, rows, pages per row, ...) in an AOT graph: its
     kernels' scratch is sized for that engine, so a cache of other sizes must be refused at the graph's inputs (the
-    key offsets stay symbolic: a preset without them feeds an empty tensor)."""
+    key offsets too when the preset centers keys; without centering they stay symbolic: such a cache feeds an empty
+    tensor)."""
     rows = engine.max_batch_size * engine.num_layers * engine.num_kv_heads
     fixed = {"num_rows": rows, "max_pages_per_row": engine.max_pages_per_row, "max_slots": engine.max_batch_size,
              "num_layers": engine.num_layers, "num_kv_heads": engine.num_kv_heads,
              "page_size_bytes": engine.page_format.page_size_bytes}
+    centered = engine.kv_config.compress and engine.kv_config.center_keys
+    fixed["head_dim"] = engine.head_dim
     for name, var in state.items():
-        if name != "key_offsets":
+        if name != "key_offsets" or centered:
             var.shape = [fixed.get(d, d) if isinstance(d, str) else d for d in var.shape]
 
 
@@ -721,7 +732,7 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
         cur[name].name = f"{name}_out"
         outs.append(cur[name])
     b.graph.outputs = [logits, *outs]
-    return _finish(b, gs, path)
+    return _finish(b, gs, path, {ENGINE_MAX_SEQ_LEN: engine.max_seq_len})
 
 
 def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path | None = None, *,
@@ -872,7 +883,7 @@ def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str
             t.name = f"{name}_out"
             outs.append(t)
     b.graph.outputs = [logits, *outs]
-    return _finish(b, gs, path)
+    return _finish(b, gs, path, {ENGINE_MAX_SEQ_LEN: engine.max_seq_len})
 
 
 def aot_nodes(proto) -> list:

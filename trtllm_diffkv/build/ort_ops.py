@@ -385,7 +385,9 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
     are -1, their outputs zeros).
 
     Raises:
-        ValueError: a mixed step, a step the cache refuses, a plugin op failed or the page update refused the step
+        ValueError: a mixed step, a step the cache refuses, a prompt longer than an AOT graph's engine holds
+            (:data:`~.onnx_export.ENGINE_MAX_SEQ_LEN`), feeds of other sizes than the graph's (:func:`check_feeds`),
+            a plugin op failed or the page update refused the step
             (prefill: the step is discarded, ``cache.discard_step``; decode: the cache is unchanged).
         OutOfPagesError: too few free pages for a decode step (nothing changed).
     """
@@ -393,6 +395,12 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
     if phase == "decode":
         return _run_decode_graph(sessions[phase], cache, input_ids, positions, logits_indices, slots, seq_lens,
                                  step_positions)
+    from .onnx_export import ENGINE_MAX_SEQ_LEN
+
+    limit = sessions[phase].get_modelmeta().custom_metadata_map.get(ENGINE_MAX_SEQ_LEN)
+    if limit is not None and max(int(n) for n in seq_lens) > int(limit):
+        raise ValueError(f"a prompt of {max(int(n) for n in seq_lens)} tokens; the AOT prefill graph's engine holds "
+                         f"{limit} (its prompt-score kernels are sized for it)")
     cache.plan(slots, seq_lens, step_positions, is_prefill)
     try:
         i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
