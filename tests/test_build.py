@@ -214,9 +214,11 @@ def test_aot_graph_build(built, tmp_path, capsys):
 def test_graph_help_lists_the_choices():
     """``--graph``'s help and usage list every graph form ``onnx_export`` writes (the values are checked by the
     command, so a bad one is its one-line error: test_bad_arguments_fail_in_one_line_and_leave_nothing)."""
+    from trtllm_diffkv import build as build_pkg
+    from trtllm_diffkv.build import onnx_export
     from trtllm_diffkv.build.onnx_export import EXPORT_GRAPHS
 
-    assert build_cmd.GRAPH_CHOICES == EXPORT_GRAPHS
+    assert onnx_export.EXPORT_GRAPHS is build_pkg.EXPORT_GRAPHS  # one definition, read by the command and the exporter
     build = _parser()._subparsers._group_actions[0].choices["build"]
     (action,) = [a for a in build._actions if "--graph" in a.option_strings]
     assert action.metavar == "{composite,per-op,aot}"

@@ -80,8 +80,6 @@ SUPPORTED_TARGETS = (80, 90)
 
 MANIFEST_VERSION = 1
 DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3  # Triton's CUDA defaults when a launch passes none
-_TORCH_TO_TRITON = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int8": "i8",
-                    "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1"}
 _OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
 
 ENGINE_INTS = {
@@ -143,10 +141,10 @@ which the AOT decode graph refuses (``build/aot_graph.py``)."""
 
 
 def eval_grid(grid: list[str] | tuple[str, ...], sizes: dict, constexprs: dict) -> tuple[int, ...]:
-    """Evaluate grid expressions with ``sizes`` and ``constexprs`` (``cdiv`` available; nothing else)."""
-    names = {**{k: v for k, v in constexprs.items() if isinstance(v, int)}, **sizes,
-             "cdiv": lambda a, b: -(-a // b)}
-    return tuple(int(eval(expr, {"__builtins__": {}}, names)) for expr in grid)  # noqa: S307 - our own expressions
+    """Evaluate grid expressions with ``sizes`` and ``constexprs`` (``cdiv`` available; nothing else:
+    :func:`.trt_abi.eval_expr`)."""
+    names = {**{k: v for k, v in constexprs.items() if isinstance(v, int)}, **sizes}
+    return tuple(int(trt_abi.eval_expr(expr, names)) for expr in grid)
 
 
 # --------------------------------------------------------------------------- specs
@@ -215,7 +213,7 @@ def _arg_type(value) -> str:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return "*" + _TORCH_TO_TRITON[str(value.dtype).removeprefix("torch.")]
+        return "*" + trt_abi.TORCH_TO_TRITON[str(value.dtype).removeprefix("torch.")]
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -656,9 +654,7 @@ def check_targets(targets) -> None:
 
 def _extra_params(ptx: str, kernel_name: str, runtime_params: int) -> int:
     """Parameters of the PTX entry beyond the runtime arguments (Triton 3.6: 2 scratch pointers)."""
-    start = ptx.index(f".entry {kernel_name}(")
-    header = ptx[start:ptx.index(")", start)]
-    return header.count(".param") - runtime_params
+    return len(trt_abi.ptx_entry_params(ptx, kernel_name)) - runtime_params
 
 
 def manifest(shape: EngineShape, specs: list[KernelSpec], targets=SUPPORTED_TARGETS) -> dict:

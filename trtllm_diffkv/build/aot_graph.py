@@ -131,7 +131,9 @@ def _max_blocks(rows: int) -> int:
 
 def eval_dim(dim, n: int, B: int, P: int) -> int:
     """A dim of :class:`TensorInfo` for concrete step sizes."""
-    return dim if isinstance(dim, int) else int(eval(dim, {"__builtins__": {}}, {"n": n, "B": B, "P": P}))  # noqa: S307
+    from .trt_abi import eval_expr
+
+    return dim if isinstance(dim, int) else int(eval_expr(dim, {"n": n, "B": B, "P": P}))
 
 
 def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None, P: int = 40):

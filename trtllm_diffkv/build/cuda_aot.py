@@ -264,10 +264,11 @@ def cuda_kernel_defines(shape: EngineShape) -> tuple[dict[str, int], dict]:
 
 def f32_bits(x: float) -> int:
     """The IEEE-754 single-precision bits of ``x`` as a signed int32 (``np.float32(x).view(np.int32)``): how a float
-    scalar travels as a TensorRT AOT extra argument (int32 only), reinterpreted by ``__int_as_float`` in the kernel."""
-    import numpy as np
+    scalar travels as a TensorRT AOT extra argument (int32 only), reinterpreted by ``__int_as_float`` in the kernel
+    (:func:`.trt_abi.scalar_bits`, the Triton wrappers' rule)."""
+    from .trt_abi import scalar_bits
 
-    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
+    return scalar_bits(x, "fp32")
 
 
 def _extra_spec(param: str, sizes: dict, defines: dict) -> tuple[str, int]:

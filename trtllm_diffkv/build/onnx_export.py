@@ -52,6 +52,7 @@ import torch
 from plugins import specs
 
 from ..config import DiffKVConfig
+from . import EXPORT_GRAPHS  # the graph forms: build/__init__.py
 from .fields import kv_config_to_fields
 
 PLUGIN_NAMESPACE = specs.NAMESPACE
@@ -248,11 +249,6 @@ def _finish(b: _Builder, gs, path, metadata: dict | None = None):
     return proto
 
 
-GRAPHS = ("composite", "per-op")
-"""Graph forms that need no kernel manifest."""
-EXPORT_GRAPHS = (*GRAPHS, "aot")
-"""Graph forms :func:`export_onnx` and ``trtllm-diffkv build --graph`` write (``"aot"``: the prefill and decode steps
-with their kernels as AOT nodes, :func:`export_aot_prefill` / :func:`export_aot`, which need the engine's manifest)."""
 PHASES = ("prefill", "decode")
 """Per-operation graphs: one per step kind (:func:`export_per_op`)."""
 

@@ -284,11 +284,7 @@ def _run_decode_graph(session, cache, input_ids, positions, logits_indices, slot
     _check_decode_step(cache, len(input_ids), slots, seq_lens, step_positions)
     feeds = {"input_ids": i64(input_ids), "positions": i64(positions), "logits_indices": i64(logits_indices),
              **decode_feeds(cache, slots, step_positions)}
-    check_feeds(session, feeds)
-    _PER_OP_ERRORS.clear()
-    outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    if _PER_OP_ERRORS:
-        raise ValueError(_PER_OP_ERRORS[0])
+    outs = _run_graph(session, feeds)
     status_in, status = int(feeds["ring_state"][2]), int(outs["ring_state_out"][2])
     if status & ~status_in:
         raise ValueError(f"the page update refused the step (status bits {status}); the cache is unchanged")
@@ -304,6 +300,20 @@ def _run_decode_graph(session, cache, input_ids, positions, logits_indices, slot
     slots, seq_lens, step_positions = ([int(x) for x in a] for a in (slots, seq_lens, step_positions))
     cache._finish_step(_Step(slots, seq_lens, step_positions, 0, len(input_ids)))  # seq_len bookkeeping
     return outs["logits"]
+
+
+def _run_graph(session, feeds: dict) -> dict:
+    """``{output name: array}`` of one run of a per-operation / AOT graph (:func:`check_feeds` first).
+
+    Raises:
+        ValueError: as :func:`check_feeds`, or the first error a plugin op recorded during the run (the ops never
+            raise into onnxruntime)."""
+    check_feeds(session, feeds)
+    _PER_OP_ERRORS.clear()
+    outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    if _PER_OP_ERRORS:
+        raise ValueError(_PER_OP_ERRORS[0])
+    return outs
 
 
 def check_feeds(session, feeds: dict) -> None:
@@ -398,20 +408,16 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
     from .onnx_export import ENGINE_MAX_SEQ_LEN
 
     limit = sessions[phase].get_modelmeta().custom_metadata_map.get(ENGINE_MAX_SEQ_LEN)
-    if limit is not None and max(int(n) for n in seq_lens) > int(limit):
-        raise ValueError(f"a prompt of {max(int(n) for n in seq_lens)} tokens; the AOT prefill graph's engine holds "
-                         f"{limit} (its prompt-score kernels are sized for it)")
+    longest = max(int(n) for n in seq_lens)
+    if limit is not None and longest > int(limit):
+        raise ValueError(f"a prompt of {longest} tokens; the AOT prefill graph's engine holds {limit} (its "
+                         "prompt-score kernels are sized for it)")
     cache.plan(slots, seq_lens, step_positions, is_prefill)
     try:
         i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
         feeds = {"input_ids": i64(input_ids), "positions": i64(positions), "logits_indices": i64(logits_indices),
                  **plan_feeds(cache, phase)}
-        session = sessions[phase]
-        check_feeds(session, feeds)
-        _PER_OP_ERRORS.clear()
-        outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-        if _PER_OP_ERRORS:
-            raise ValueError(_PER_OP_ERRORS[0])
+        outs = _run_graph(sessions[phase], feeds)
         step = cache._step
         targets = {"kv_pool": cache.pool.pages(), "key_offsets": cache.row_meta.key_offsets,
                    "error_flags": cache.error_flags, "tier_counts": step.prefill["counts"]}

@@ -105,6 +105,13 @@ class AbiKernel:
         """The original kernel's runtime scalars, in parameter order (the extra args)."""
         return [p for p in self.params if not self.signature[p].startswith("*")]
 
+    @property
+    def wrapper_params(self) -> list[str]:
+        """The wrapper's runtime parameters in TensorRT's order: ``in<j>`` (inputs), ``x_<scalar>`` (extra args),
+        ``out<j>`` (outputs, one per input)."""
+        n_in = len(self.input_dtypes)
+        return [f"in{j}" for j in range(n_in)] + [f"x_{p}" for p in self.extras] + [f"out{j}" for j in range(n_in)]
+
     def to_json(self) -> dict:
         return dict(name=self.name, entry=self.entry, kernel=self.kernel, params=self.params, signature=self.signature,
                     constexprs=self.constexprs, options=self.options, divisible=self.divisible,
@@ -208,9 +215,8 @@ def wrapper_source(kernels: list[AbiKernel]) -> str:
     for k in kernels:
         module, fn = k.kernel.split(":")
         params = kernel_parameters(getattr(importlib.import_module(module), fn))
-        n_in = len(k.input_dtypes)
         constexpr_names = [p for p, _, _ in params if k.signature.get(p, "constexpr") == "constexpr"]
-        generated = [f"in{j}" for j in range(n_in)] + [f"x_{p}" for p in k.extras] + [f"out{j}" for j in range(n_in)]
+        generated = k.wrapper_params
         reserved = set(generated) | set(bodies.values()) | {"triton", "tl"}
         for p, _, _ in params:
             if p in reserved:
@@ -304,7 +310,7 @@ def compile_signature(k: AbiKernel) -> tuple[dict, dict, dict]:
     from .aot import decode_constexpr
 
     n_in = len(k.input_dtypes)
-    names = [f"in{j}" for j in range(n_in)] + [f"x_{p}" for p in k.extras] + [f"out{j}" for j in range(n_in)]
+    names = k.wrapper_params
     signature = {f"in{j}": "*" + d for j, d in enumerate(k.input_dtypes)}
     signature.update({f"x_{p}": "i32" for p in k.extras})
     signature.update({f"out{j}": "*" + d for j, d in enumerate(k.input_dtypes)})
@@ -375,7 +381,6 @@ def compile_abi(kernels: list[AbiKernel], out_dir: str | Path, targets) -> None:
     module = load_wrappers(kernels)
     for k in kernels:
         signature, constexprs, attrs = compile_signature(k)
-        n_in = len(k.input_dtypes)
         for cc in targets:
             target = GPUTarget("cuda", cc, 32)
             src = ASTSource(fn=getattr(module, k.function), signature=signature, constexprs=constexprs, attrs=attrs)
@@ -384,7 +389,7 @@ def compile_abi(kernels: list[AbiKernel], out_dir: str | Path, targets) -> None:
                 md = compiled.metadata
                 if md.global_scratch_size or md.profile_scratch_size:
                     raise ValueError("uses scratch memory, which TensorRT's convention cannot pass")
-                ptx = strip_scratch(compiled.asm["ptx"], md.name, 2 * n_in + len(k.extras))
+                ptx = strip_scratch(compiled.asm["ptx"], md.name, len(k.wrapper_params))
                 backend = make_backend(target)
                 cubin = backend.make_cubin(ptx, {}, backend.parse_options(dict(k.options)), cc)
             except Exception as exc:  # noqa: BLE001 - report which kernel and target

@@ -35,8 +35,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-GRAPH_CHOICES = ("composite", "per-op", "aot")
-"""``--graph``'s values as its help lists them: ``onnx_export.EXPORT_GRAPHS`` (tests/test_build.py checks they agree)."""
 
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
            "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -58,9 +56,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--targets", default="80,90", help="GPU compute capabilities to compile for (default: 80,90)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
     # the choices are listed in the help, not given to argparse: a bad value is this command's one-line error
-    # (build_engine_dir checks it against onnx_export.EXPORT_GRAPHS; importing that module here would import torch)
-    p.add_argument("--graph", default="composite", metavar="{" + ",".join(GRAPH_CHOICES) + "}",
-                   help="ONNX graph form, one of " + ", ".join(GRAPH_CHOICES) + ": 'composite' (model.onnx, the "
+    # (build_engine_dir checks it against EXPORT_GRAPHS, which build/__init__.py holds free of imports)
+    from ..build import EXPORT_GRAPHS
+
+    p.add_argument("--graph", default="composite", metavar="{" + ",".join(EXPORT_GRAPHS) + "}",
+                   help="ONNX graph form, one of " + ", ".join(EXPORT_GRAPHS) + ": 'composite' (model.onnx, the "
                         "default), 'per-op' (model_prefill.onnx + model_decode.onnx: per-operation plugin nodes, the "
                         "decode graph plans its own steps) or 'aot' (prefill and decode graphs of standard ONNX "
                         "operators and one node per kernel launch; needs a float32 build: --dtype float32, or auto "
@@ -123,7 +123,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
 
     if plugin != "diffkv":
         raise ValueError(f"--plugin {plugin!r} is not supported; the only plugin is 'diffkv'")
-    from ..build.onnx_export import EXPORT_GRAPHS
+    from ..build import EXPORT_GRAPHS
 
     if graph not in EXPORT_GRAPHS:
         raise ValueError(f"--graph {graph!r}: expected one of {', '.join(EXPORT_GRAPHS)}")
