@@ -486,3 +486,60 @@ def test_decode_step_through_the_wrappers_equals_the_plugins(name):
     assert len(launched) == (6 if kv.compress else 4) + aot_step.L * (4 if kv.compress else 3)
     if name == "demote":
         assert int((mine["move_from"] >= 0).sum()) > 0  # the step moved tokens
+
+
+_EDGE7 = [(hd, heads) for hd in (64, 80, 96, 128, 256) for heads in ((8, 8), (28, 4), (40, 8), (12, 2), (8, 1),
+                                                                    (32, 1))]
+
+
+def test_trt_abi_wrappers_for_every_head_dim_and_group():
+    """Edge case 7 for the TensorRT-convention wrappers: for head_dim 64/80/96/128/256 and query:KV heads 8:8, 28:4,
+    40:8, 12:2, 8:1, 32:1 (fp32 engines: the AOT graphs' bindings too), every manifest entry gets a wrapper, the
+    generated module imports (its names do not collide), each wrapper's parameter list is inputs + int32 extras +
+    outputs with the pool's views as one input; a configuration the engine refuses is refused with a message."""
+    from trtllm_diffkv.build import trt_abi
+
+    for hd, (hq, hkv) in _EDGE7:
+        try:
+            shape = EngineShape(num_layers=1, num_heads=hq, num_kv_heads=hkv, head_dim=hd,
+                                kv_config=get_preset("default"), dtype="float32", max_batch_size=2, max_seq_len=64)
+            entries = [s.to_json() for s in aot.kernel_specs(shape)]
+        except ValueError as exc:  # refused at configuration time, by name
+            assert str(exc), (hd, hq, hkv)
+            continue
+        wrappers = aot.abi_kernels(shape, entries)
+        assert {w.entry for w in wrappers} == {e["name"] for e in entries}, (hd, hq, hkv)
+        module = trt_abi.load_wrappers(wrappers)
+        for w in wrappers:
+            assert callable(getattr(module, w.function))
+            n = len(w.input_dtypes)
+            assert w.wrapper_params[:n] == [f"in{j}" for j in range(n)] and len(w.wrapper_params) == 2 * n + \
+                len(w.extras)
+            if w.kernel.endswith(("_write_tokens_kernel", "_read_tokens_kernel")):
+                assert len({w.input_of[p] for p in w.pointers if p.startswith("pool_")}) == 1
+
+
+def test_trt_abi_wrapper_compiles_to_the_same_code_at_head_dim_80_group_7(tmp_path):
+    """Edge case 7, compiled: the decode family's wrappers of a non-power-of-two head_dim and group (80, 28:4) compile
+    for sm_90 to the kernels' floating-point and memory instructions, their PTX entries in TensorRT's convention."""
+    from trtllm_diffkv.build import trt_abi
+
+    shape = EngineShape(num_layers=1, num_heads=28, num_kv_heads=4, head_dim=80, kv_config=get_preset("default"),
+                        dtype="float16", max_batch_size=2, max_seq_len=64)
+    try:
+        manifest = aot.build_kernels(shape, tmp_path, targets=(90,), ops=("decode",))
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"cannot assemble here: {exc}")
+        raise
+    entries = {e["name"]: e for e in manifest["kernels"]}
+    assert len(manifest["trt_abi"]) == len(entries) == 3
+    for data in manifest["trt_abi"]:
+        w = trt_abi.AbiKernel.from_json(data)
+        c, orig = w.compiled["sm_90"], entries[w.entry]["compiled"]["sm_90"]
+        ptx = (tmp_path / c["ptx"]).read_text()
+        n = len(w.input_dtypes)
+        assert trt_abi.ptx_entry_params(ptx, c["kernel_name"]) == [".u64"] * n + [".u32"] * len(w.extras) + \
+            [".u64"] * n
+        assert _ptx_instructions(ptx, c["kernel_name"]) == \
+            _ptx_instructions((tmp_path / orig["ptx"]).read_text(), orig["kernel_name"]), w.name

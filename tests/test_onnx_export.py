@@ -608,3 +608,18 @@ def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):
         assert (a["shared_mem"], a["num_warps"]) == (wrapper["shared_bytes"], wrapper["num_warps"]) == \
             (compiled["shared_bytes"], compiled["num_warps"]), node.name
         assert json.loads(a["grid"]) == entries[a["kernel_name"].decode()]["grid"]
+
+
+@pytest.mark.parametrize("lens", [(1, 16, 17), (31, 32, 33)], ids=["tiny_prompts", "page_boundaries"])
+def test_aot_graphs_tiny_prompts_and_page_boundaries(lens):
+    """Edge cases 8 and 4 through both AOT graphs: prompts of 1, 16 and 17 tokens, then of P-1, P and P+1 tokens
+    (P = 32, the high tier's page), 2 decode steps, the default preset: the PyTorch path's checks (greedy tokens, logits,
+    page table and tier counts exact, the whole page-manager state equal, pool bytes >= 99 %)."""
+    model, kv = tiny_llama(), get_preset("default")
+    g = torch.Generator().manual_seed(sum(lens))
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
+    results, states, mine = _run_both_per_op(model, kv, prompts, 2, manifest=_manifest(_engine(model, kv)),
+                                             aot_phases=("prefill", "decode"))
+    _check(results, [(m[:3], r[:3]) for m, r in states])
+    _check_states(states)
+    assert int(mine.error_flags.abs().sum()) == 0 and mine.seq_len[:3] == [n + 2 for n in lens]
