@@ -1,7 +1,7 @@
 """Serving throughput and latency of the in-flight executor: DiffKV preset against ``fp16`` at one KV budget.
 
 The same benchmark as ``trtllm-diffkv bench`` (:mod:`trtllm_diffkv.commands.bench`, workloads in
-:mod:`trtllm_diffkv.throughput`), with the results written into the repository by default:
+:mod:`trtllm_diffkv.evaluation.throughput`), with the results written into the repository by default:
 ``benchmarks/results/throughput.json`` (``{"gpu", "date", "commit", "command", "rows"}``),
 ``throughput_details.json`` and ``throughput.png`` beside it.
 

@@ -3,7 +3,7 @@
 Sweeps a grid of thresholds over calibration prompts and reports, per setting,
 how many leading greedy tokens agree with the uncompressed (``fp16``) run
 (the first disagreement's index, capped at ``--new-tokens``), the teacher-forced
-top-1 agreement and mean KL divergence over all steps (``trtllm_diffkv.accuracy``),
+top-1 agreement and mean KL divergence over all steps (``trtllm_diffkv.evaluation.accuracy``),
 and the KV memory fraction. Pick the most
 compressed setting whose agreement is indistinguishable from quantization alone.
 
@@ -19,9 +19,9 @@ import argparse
 import itertools
 import json
 
-from trtllm_diffkv.accuracy import compare_logits, teacher_forced_logits
+from trtllm_diffkv.evaluation.accuracy import compare_logits, teacher_forced_logits
 from trtllm_diffkv.config import DiffKVConfig, HIGH_K8V4, LOW_K4V2, get_preset
-from trtllm_diffkv.engine import ReferenceGenerator
+from trtllm_diffkv.generation.reference import ReferenceGenerator
 from trtllm_diffkv.model.loader import load_model
 
 

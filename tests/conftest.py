@@ -86,9 +86,10 @@ def run_script_under_interpreter(script: str, timeout: int):
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(tests)
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([repo, tests, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, os.path.abspath(script)], env=env, cwd=repo,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -2,11 +2,13 @@
 
 Public entry points: :class:`DiffKVConfig` and presets (:mod:`.config`), the
 reference quantizer (:mod:`.quant`), the pure policy (:mod:`.policy`), the
-reference compressed cache (:mod:`.cache`), models (:mod:`.model`), the
-reference generator (:mod:`.engine`), the page manager (:mod:`.memory`), the
-paged cache (:mod:`.paged`), the in-flight batching runtime (:mod:`.runtime`)
-and the serving APIs :class:`LLM`, :class:`SamplingParams` and :class:`ModelRunner`
-(imported on first use: ``import trtllm_diffkv`` stays light).
+reference compressed cache (:mod:`.cache`), models (:mod:`.model`), the page manager
+(:mod:`.memory`), the kernels (:mod:`.kernels`), the paged cache (:mod:`.paged`), the in-flight
+batching runtime (:mod:`.runtime`), the generation loops (:mod:`.generation`) and the TensorRT-LLM
+shaped API :class:`LLM`, :class:`SamplingParams` and :class:`ModelRunner` (:mod:`.llmapi`, imported
+on first use: ``import trtllm_diffkv`` stays light). Around the core: the servers (:mod:`.serve`),
+the TensorRT layer (:mod:`.trt`), evaluation (:mod:`.evaluation`), the command line
+(:mod:`.commands`) and the tests' helpers (:mod:`.testing`).
 """
 from .config import PRESETS, DiffKVConfig, TierConfig, get_preset
 
@@ -14,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "LLM", "SamplingParams", "ModelRunner",
            "__version__"]
 
-_LAZY = {"LLM": ".llm", "SamplingParams": ".runtime.sampling", "ModelRunner": ".runner"}
+_LAZY = {"LLM": ".llmapi", "SamplingParams": ".llmapi", "ModelRunner": ".llmapi"}
 
 
 def __getattr__(name: str):

@@ -27,8 +27,8 @@ import collections
 
 import torch
 
-from . import attention, rules
-from .quant import check_quantized
+from tests.oracle import attention, rules
+from tests.oracle.quant import check_quantized
 
 
 def format_token_bytes(key_bits: int, value_bits: int, key_groups: int, value_groups: int, head_dim: int) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .checked_cache import CheckedCache
+from tests.oracle.checked_cache import CheckedCache
 
 
 def random_qkv(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int, spiky: bool = True):

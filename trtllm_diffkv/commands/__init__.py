@@ -1,4 +1,4 @@
-"""``trtllm-diffkv`` subcommands besides ``generate`` (one module each; listed in ``cli.COMMAND_MODULES``).
+"""``trtllm-diffkv`` subcommands (one module each; listed in ``cli.COMMAND_MODULES``; :mod:`.common` holds what they share).
 
 Each module has ``add_parser(subparsers)``: it adds its parser and calls
 ``parser.set_defaults(run=run)`` with ``run(args) -> int`` (0 ok, 1 a request

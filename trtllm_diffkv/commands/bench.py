@@ -1,6 +1,6 @@
 """``trtllm-diffkv bench``: serving throughput and latency, DiffKV preset against ``fp16`` at one KV budget.
 
-Runs the workloads of :mod:`trtllm_diffkv.throughput` (a: default model, b: Llama-3-8B-shaped
+Runs the workloads of :mod:`trtllm_diffkv.evaluation.throughput` (a: default model, b: Llama-3-8B-shaped
 random model, c: Poisson arrivals) with a progress bar per run and one line per finished run,
 then writes the results JSON (``{"gpu", "date", "commit", "command", "rows"}``), a details
 JSON beside it (``<stem>_details.json``: steps, preemptions, wall time, tier split, prompt
@@ -39,7 +39,7 @@ def add_parser(subparsers) -> None:
                                                        "--a-fp16-capacity full FP16 requests)")
     p.add_argument("--request-rates", type=float, nargs="+", help="workload c's Poisson rates, requests/s "
                                                                   "(default: 2 4 8 16)")
-    from ..throughput import default_workloads
+    from ..evaluation.throughput import default_workloads
 
     defaults = default_workloads()
     for workload in WORKLOADS:
@@ -66,14 +66,14 @@ def _default_text(workload, name: str) -> str:
 
 
 def workloads_from_args(args) -> list:
-    """The :class:`~trtllm_diffkv.throughput.Workload` list the flags describe.
+    """The :class:`~trtllm_diffkv.evaluation.throughput.Workload` list the flags describe.
 
     Raises:
         ValueError: an unknown workload name or a bad size (from :class:`Workload`).
     """
     from dataclasses import replace
 
-    from ..throughput import default_workloads
+    from ..evaluation.throughput import default_workloads
 
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = sorted(set(names) - set(WORKLOADS))
@@ -97,18 +97,18 @@ def workloads_from_args(args) -> list:
 
 def run(args) -> int:
     """Run the benchmark; 0 on success, 1 when a run failed, 2 on a usage error."""
-    from ..cli import _device
+    from .common import resolve_device
 
     if args.plot_from:
         return _plot_from(Path(args.plot_from), Path(args.output).with_suffix(".png"))
 
     try:
         workloads = workloads_from_args(args)
-        device = _device(args.device)
+        device = resolve_device(args.device)
     except ValueError as exc:
         print(f"trtllm-diffkv bench: error: {exc}", file=sys.stderr)
         return 2
-    from ..throughput import environment, run_workloads
+    from ..evaluation.throughput import environment, run_workloads
 
     output = Path(args.output)
     command = getattr(args, "command_line", None) or "trtllm-diffkv bench " + shlex.join(sys.argv[2:])
@@ -155,7 +155,7 @@ def _tqdm(total: int, desc: str):
     try:
         from tqdm import tqdm
     except ImportError:  # the bar is optional: one line per run is printed anyway
-        from ..throughput import NullProgress
+        from ..evaluation.throughput import NullProgress
 
         return NullProgress()
     return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr)

@@ -7,7 +7,7 @@
                         [--targets 80,90] [--no-onnx] [--graph composite|per-op|aot]
 
 Steps (:func:`build_engine_dir`): load and check the checkpoint; fix the engine shape
-(:class:`~trtllm_diffkv.build.fields.EngineShape`: refuses an unsupported head_dim or query:KV ratio);
+(:class:`~trtllm_diffkv.trt.fields.EngineShape`: refuses an unsupported head_dim or query:KV ratio);
 write the model folder (weights as safetensors in the build dtype), the ONNX graph with one DiffKV
 plugin node per layer (``--graph composite``, the default: ``model.onnx``; ``--graph per-op``: the per-operation
 graphs ``model_prefill.onnx`` and ``model_decode.onnx``, whose weights are one shared ``model.onnx.data``;
@@ -17,7 +17,7 @@ build, the graphs' activations: ``--dtype float32``, or ``auto`` on a float32 ch
 ``--targets`` with their TensorRT-convention wrappers and the manifest (``kernels/manifest.json``), the CUDA C++ decode
 kernels in that convention where the engine's configuration has them and ``nvcc`` is present
 (``kernels/cuda_kernels.json``; else one line says why not, also recorded as ``diffkv.cuda_kernels_note``), and
-config.json (:mod:`trtllm_diffkv.build.engine_dir`). Where ``import tensorrt`` works it would also parse the composite
+config.json (:mod:`trtllm_diffkv.trt.engine_dir`). Where ``import tensorrt`` works it would also parse the composite
 ONNX graph with the DiffKV plugins registered and serialize ``rank0.engine``; where not (this project's machines), it
 prints one line saying so. Serialized engines of the per-operation and AOT graphs are not built by this command (one
 line says so, and whether TensorRT is importable). Everything is written into a temporary sibling directory whose
@@ -57,7 +57,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
     # the choices are listed in the help, not given to argparse: a bad value is this command's one-line error
     # (build_engine_dir checks it against EXPORT_GRAPHS, which build/__init__.py holds free of imports)
-    from ..build import EXPORT_GRAPHS
+    from ..trt import EXPORT_GRAPHS
 
     p.add_argument("--graph", default="composite", metavar="{" + ",".join(EXPORT_GRAPHS) + "}",
                    help="ONNX graph form, one of " + ", ".join(EXPORT_GRAPHS) + ": 'composite' (model.onnx, the "
@@ -115,15 +115,15 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     """
     import torch
 
-    from ..build import aot
-    from ..build.engine_dir import engine_config
-    from ..build.fields import EngineShape
+    from ..trt import aot
+    from ..trt.engine_dir import engine_config
+    from ..trt.fields import EngineShape
     from ..config import get_preset
     from ..model.loader import load_model, resolve_model_path
 
     if plugin != "diffkv":
         raise ValueError(f"--plugin {plugin!r} is not supported; the only plugin is 'diffkv'")
-    from ..build import EXPORT_GRAPHS
+    from ..trt import EXPORT_GRAPHS
 
     if graph not in EXPORT_GRAPHS:
         raise ValueError(f"--graph {graph!r}: expected one of {', '.join(EXPORT_GRAPHS)}")
@@ -137,7 +137,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         raise ValueError(f"output {output} already exists; choose a new directory")
     kv = get_preset(kv_config)
     model, _, mc = load_model(str(checkpoint), device="cpu", dtype=None if dtype == "auto" else getattr(torch, dtype))
-    from ..engine import position_limit
+    from ..generation.prompts import position_limit
 
     limit = position_limit(mc)
     if max_seq_len > limit:
@@ -157,7 +157,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         onnx_file = None
         if onnx and graph == "composite":
             log("exporting the ONNX graph with DiffKV plugin nodes")
-            from ..build.onnx_export import export_onnx
+            from ..trt.onnx_export import export_onnx
 
             proto = export_onnx(model, kv, max_positions=max_seq_len)
             _save_onnx(proto, tmp / "model.onnx")
@@ -168,7 +168,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         log(cuda_note)
         if onnx and graph != "composite":
             log(f"exporting the {graph} ONNX graphs (prefill, decode) with DiffKV plugin nodes")
-            from ..build.onnx_export import PHASES, export_onnx
+            from ..trt.onnx_export import PHASES, export_onnx
 
             extra = dict(manifest=manifest, target=f"sm_{max(targets)}") if graph == "aot" else {}
             protos = {ph: export_onnx(model, kv, max_positions=max_seq_len, graph=graph, phase=ph, **extra)
@@ -194,7 +194,7 @@ def _cuda_kernels(shape, folder: Path, targets) -> tuple[str | None, str]:
     returns ``("cuda_kernels.json", the one line naming the kernels and targets compiled)``, or ``(None, the one line
     saying why not)`` (a configuration the CUDA kernel does not cover, no ``nvcc``): the Triton kernels cover every
     engine."""
-    from ..build import cuda_aot
+    from ..trt import cuda_aot
 
     try:
         entries = cuda_aot.build_cuda_kernels(shape, folder, targets)
@@ -286,9 +286,9 @@ def _tensorrt_engine(folder: Path, onnx_file, graph: str = "composite") -> tuple
     or not TensorRT imports; their line says so and whether it does.
 
     Not run on this project's machines (TensorRT cannot be installed here): written against TensorRT
-    10.x's documented Python API (Builder, OnnxParser with the plugins of ``plugins/`` registered).
+    10.x's documented Python API (Builder, OnnxParser with the plugins of ``trtllm_diffkv/trt/plugins/`` registered).
     Never run (no TensorRT here). The graph's nodes are the composite plugins ``diffkv::DiffKVAttention``
-    / ``diffkv::DiffKVPageUpdate``, registered by ``plugins/trt_plugins.py``; their implementations need
+    / ``diffkv::DiffKVPageUpdate``, registered by ``trtllm_diffkv/trt/plugins/trt_plugins.py``; their implementations need
     the process's ``PagedDiffKVCache`` (docs/PLUGINS.md), so such an engine runs only inside Python.
     """
     try:
@@ -305,7 +305,7 @@ def _tensorrt_engine(folder: Path, onnx_file, graph: str = "composite") -> tuple
         return None, "no ONNX graph (--no-onnx): no serialized engine"
     import importlib
 
-    importlib.import_module("plugins.trt_plugins")  # registers diffkv::* with tensorrt.plugin
+    importlib.import_module("trtllm_diffkv.trt.plugins.trt_plugins")  # registers diffkv::* with tensorrt.plugin
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))

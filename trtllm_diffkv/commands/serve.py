@@ -82,9 +82,9 @@ def run(args) -> int:
         check_port(args.port)
         import torch
 
-        from ..cli import _device
+        from .common import resolve_device
 
-        _device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
+        resolve_device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
         sock = bind_socket(args.host, args.port)
     except (ImportError, ValueError) as exc:
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
@@ -92,7 +92,7 @@ def run(args) -> int:
     try:
         import uvicorn
 
-        from ..llm import LLM
+        from ..llmapi.llm import LLM
         from ..serve.openai_server import create_app
 
         llm = LLM(args.model, kv_config=args.kv_config, device=args.device,

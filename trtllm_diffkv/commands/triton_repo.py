@@ -84,7 +84,7 @@ def run(args) -> int:
 def _check_serve_flags(args) -> None:
     """``--serve``: refuse, before anything is written or started, ports outside 1-65535, the same port
     twice, a port that cannot be bound (in use) and a ``--device`` this machine lacks (``ValueError``)."""
-    from ..cli import _device
+    from .common import resolve_device
     from .serve import bind_socket, check_port
 
     ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port}
@@ -93,7 +93,7 @@ def _check_serve_flags(args) -> None:
     if len(set(ports.values())) < len(ports):
         raise ValueError("--http-port, --grpc-port and --metrics-port must differ, got "
                          + ", ".join(f"{flag} {port}" for flag, port in ports.items()))
-    _device(args.device)
+    resolve_device(args.device)
     for flag, port in ports.items():
         bind_socket(args.host, port, flag).close()  # tritonserver binds it itself, a moment later
 

@@ -121,7 +121,7 @@ def stop_token_ids(path: str | os.PathLike | None) -> set[int]:
     (``tokenizer.ggml.eos/eot/eom/fim_pad/fim_rep/fim_sep_token_id``, read from
     the header even where transformers' conversion drops them). The
     tokenizer's ``eos_token_id`` is added by
-    :class:`~trtllm_diffkv.engine.ReferenceGenerator`.
+    :class:`~trtllm_diffkv.generation.reference.ReferenceGenerator`.
 
     Args:
         path: as for :func:`load_model` (``None``: the default model).

@@ -149,7 +149,7 @@ class PagedDiffKVCache:
             use_triton = self.device.type == "cuda"  # the interpreter tests ask for Triton explicitly
         self.use_triton = use_triton
         if use_triton and self.device.type != "cuda":
-            from ..kernels.attn_testing import patch_interpreter_for_numpy_2_4
+            from ..kernels.interpreter import patch_interpreter_for_numpy_2_4
 
             patch_interpreter_for_numpy_2_4()  # Triton 3.6's interpreter under NumPy >= 2.4 (no-op otherwise)
         if use_triton and read_path == "auto":

@@ -34,7 +34,7 @@ cand PRUNED                            (0, 0)      -                       candi
 :func:`decide` is the reference and the torch path; the Triton path computes
 the same actions bit for bit in one launch
 (:func:`trtllm_diffkv.kernels.decision_kernel.decide_rows`,
-``tests/test_decision_kernel.py``).
+``tests/kernels/test_decision_kernel.py``).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ small batches their launch overhead, not the GPU, sets the step time. The
 :meth:`~trtllm_diffkv.paged.cache.PagedDiffKVCache.plan` (eager, a handful of
 launches, no host synchronization) plus one graph launch.
 
-What makes the forward capturable (all checked by ``tests/gpu/test_cuda_graphs_gpu.py``):
+What makes the forward capturable (all checked by ``tests/runtime/test_cuda_graphs_gpu.py``):
 
 * ``plan(..., pad_to=B)`` writes every per-step tensor the layers read into
   persistent buffers of bucket ``B`` (``paged/decode.py`` :func:`step_buffers`):

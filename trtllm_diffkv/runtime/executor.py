@@ -33,9 +33,9 @@ import warnings
 
 import torch
 
-from ..engine import check_prompt_ids, position_limit, result_fields
+from ..generation.prompts import check_prompt_ids, position_limit
+from ..generation.results import PagedGenerationResult, result_fields
 from ..paged.cache import OutOfPagesError
-from ..paged.generator import PagedGenerationResult
 from .request import Request, RequestState, RequestUpdate
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
 from .sampling import Sampler, SamplingParams, StopChecker

@@ -41,8 +41,8 @@ class Request:
         finish_reason: ``"stop"``, ``"length"``, ``"error"``, ``"abort"`` once finished.
         stop_token_id: the id that stopped it (``finish_reason == "stop"`` by an id), else ``None``.
         error: the message of a failed request.
-        result: at the end, the :class:`~trtllm_diffkv.paged.generator.PagedGenerationResult`
-            (the fields of :class:`~trtllm_diffkv.engine.GenerationResult` + pool pages and bytes).
+        result: at the end, the :class:`~trtllm_diffkv.generation.static_batch.PagedGenerationResult`
+            (the fields of :class:`~trtllm_diffkv.generation.reference.GenerationResult` + pool pages and bytes).
         first_token_time, finish_time: ``time.perf_counter()`` of the first generated token and of the end.
         prefill_s: wall seconds of the step that brought its first prefill (shared with the
             requests of that step).

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .detokenizer import IncrementalDetokenizer
+
 if TYPE_CHECKING:
     from .sampling import SamplingParams
 
@@ -22,11 +24,11 @@ class StopChecker:
         tokenizer: anything with ``decode(ids, skip_special_tokens=True) -> str``; needed only
             when ``params.stop`` is set.
 
-    The text is detokenized incrementally (the prefix-window method of vLLM's
-    ``detokenize_incrementally``): each new token's text is ``decode(window + new)`` minus
-    ``decode(window)``, the window being the ids of the previous piece of text; it is held back
-    while it ends in an incomplete UTF-8 character ("\\ufffd"). A stop string is found even
-    when it spans tokens, and each check decodes only a few tokens.
+    The text is detokenized incrementally by :class:`~.detokenizer.IncrementalDetokenizer` (the
+    prefix-window method of vLLM's ``detokenize_incrementally``); a piece that ends in an
+    incomplete UTF-8 character ("\\ufffd") is not settled, but stop strings are searched in it
+    too (its :meth:`~.detokenizer.IncrementalDetokenizer.pending_text`). A stop string is found
+    even when it spans tokens, and each check decodes only a few tokens.
     ``stop_reason`` is the matched stop id or string after a stop, else ``None``.
 
     Raises:
@@ -43,8 +45,7 @@ class StopChecker:
             self._stop_ids |= set(stop_token_ids)
         self._stops = params.stop_strings
         self._checked = 0
-        self._text = ""
-        self._prefix_offset = self._read_offset = 0
+        self._detok = IncrementalDetokenizer(tokenizer) if self._stops else None
         self._cut: int | None = None       # text length kept after a stop string
         self._result: tuple[bool, str | None, int | None] = (False, None, None)
         self.stop_reason: int | str | None = None
@@ -65,7 +66,7 @@ class StopChecker:
                 self.stop_reason = token
                 self._result = (True, "stop", token)
                 return self._result
-            if self._stops and self._advance_text(generated_ids[:position + 1]):
+            if self._stops and self._advance_text(token):
                 self._checked = position + 1
                 self._result = (True, "stop", None)
                 return self._result
@@ -96,23 +97,15 @@ class StopChecker:
             return text[:self._cut]
         return text
 
-    def _advance_text(self, ids: list[int]) -> bool:
-        """Fold the last id into the running text; True when a stop string appeared.
+    def _advance_text(self, token: int) -> bool:
+        """Fold the next id into the running text; True when a stop string appeared.
 
-        A piece ending in an incomplete character is not committed, but the stop strings are
-        still searched in it with the trailing replacement characters removed."""
-        decode = self.tokenizer.decode
-        prefix = decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        full = decode(ids[self._prefix_offset:], skip_special_tokens=True)
-        if len(full) <= len(prefix):
-            return False
-        delta = full[len(prefix):]
-        complete = not delta.endswith("\ufffd")
-        start = max(0, len(self._text) - max(len(s) for s in self._stops) + 1)
-        text = self._text + (delta if complete else delta.rstrip("\ufffd"))
-        if complete:
-            self._text = text
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        Only the text from ``len(longest stop) - 1`` characters before the new piece is searched,
+        so a stop string spanning tokens is found once, where it completes."""
+        settled = len(self._detok.text)
+        self._detok.push([token])
+        text = self._detok.text + self._detok.pending_text()
+        start = max(0, settled - max(len(s) for s in self._stops) + 1)
         matches = [(text.find(s, start), s) for s in self._stops]
         matches = [(index, s) for index, s in matches if index >= 0]
         if not matches:

@@ -1,4 +1,4 @@
-"""Serving adapters over the :class:`~trtllm_diffkv.llm.LLM` API (heavy imports stay in the submodules).
+"""Serving adapters over the :class:`~trtllm_diffkv.llmapi.llm.LLM` API (heavy imports stay in the submodules).
 
 - :mod:`.triton_repo`: write a Triton Inference Server model repository (Python backend, decoupled).
 - :mod:`.triton_server`: run the ``tritonserver`` binary bundled in ``nvidia-pytriton`` on it.
@@ -13,7 +13,7 @@ SERVER_FAULTS = ("the step failed", "the executor step failed", "the executor dr
 
 
 def is_server_fault(output) -> bool:
-    """Whether the failed ``output`` (a :class:`~trtllm_diffkv.llm_request.RequestOutput` with ``error`` set)
+    """Whether the failed ``output`` (a :class:`~trtllm_diffkv.llmapi.outputs.RequestOutput` with ``error`` set)
     failed through the server's fault (a failed executor step, a shutdown): an HTTP 500 / Triton ``INTERNAL``.
     Every other error is the request's (bad prompt or sampling values, too long, cannot fit the KV pool):
     a 400 / ``INVALID_ARG``. A request the LLM refused before it reached the executor (no prompt token ids)

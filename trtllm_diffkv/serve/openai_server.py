@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over one :class:`~trtllm_diffkv.llm.LLM` (FastAPI; run by uvicorn).
+"""An OpenAI-compatible HTTP server over one :class:`~trtllm_diffkv.llmapi.llm.LLM` (FastAPI; run by uvicorn).
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream": true`` sends
 server-sent events ``data: {chunk}`` and ends with ``data: [DONE]``), ``GET /v1/models``,

@@ -91,7 +91,7 @@ class TritonPythonModel:
         if params.get("python_path") and params["python_path"] not in sys.path:
             sys.path.insert(0, params["python_path"])  # the trtllm_diffkv that wrote this repository
         _hide_packages_needing_numpy_2()
-        from trtllm_diffkv.llm import LLM
+        from trtllm_diffkv.llmapi.llm import LLM
         from trtllm_diffkv.serve import metrics, triton_requests
 
         self.requests_module, self.metrics_module = triton_requests, metrics

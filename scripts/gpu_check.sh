@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Device run: every GPU test (page manager, reference path, paged cache, attention kernels, model),
+# then the page-manager and attention benchmarks.
+# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh
+# The default model's GPU tests need the model carried over two calls first
+# (scripts/gpu_model_carry.sh); without it they skip themselves.
+# Writes gpu_info.txt, gpu_tests.log, bench.log, page_manager.json and attention.json under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DIFFKV_COMMIT=${DIFFKV_COMMIT:-$(git rev-parse --verify -q HEAD || echo uncommitted)}
+source scripts/gpu_model_carry.sh assemble || echo "default model not carried: its GPU tests skip"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >"$OUT/gpu_info.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+    2>&1 | tee -a "$OUT/gpu_info.txt"
+rc=0
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/model/test_model_llama.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+python3 benchmarks/bench_page_manager.py --out "$OUT/page_manager.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+python3 benchmarks/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+echo "results in $OUT (exit $rc)"
+exit $rc

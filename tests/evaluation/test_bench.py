@@ -1,0 +1,157 @@
+"""The throughput benchmark's smoke configuration on the CPU: JSON schema, numbers that agree with
+each other, the budget sizing against the executor's real pool, Poisson arrivals, the PNG, errors."""
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from trtllm_diffkv.commands import bench
+from trtllm_diffkv.evaluation.throughput import ROW_FIELDS, Workload, budget_bytes, default_workloads, poisson_arrivals
+
+
+def _run_cli(argv):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench"] + argv)
+    args.command_line = "trtllm-diffkv bench " + " ".join(argv)
+    return args.run(args)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "throughput.json"
+    assert _run_cli(["--smoke", "--device", "cpu", "--output", str(out)]) == 0
+    details = json.loads(out.with_name("throughput_details.json").read_text())
+    return json.loads(out.read_text()), details, out
+
+
+def test_json_schema(smoke):
+    result, details, _ = smoke
+    assert list(result) == ["gpu", "date", "commit", "command", "rows"]
+    assert result["command"].startswith("trtllm-diffkv bench --smoke")
+    assert result["gpu"].startswith("none (CPU") and result["commit"]
+    workloads = default_workloads(smoke=True)
+    expected = [(w.name, preset, rate) for w in workloads.values() for preset in w.presets
+                for rate in (w.request_rates or (None,))]
+    assert [(r["workload"], r["preset"], r["request_rate"]) for r in result["rows"]] == expected
+    for row in result["rows"]:
+        assert tuple(row) == ROW_FIELDS
+        assert isinstance(row["kv_memory_bytes"], int) and isinstance(row["num_requests"], int)
+        for key in ("output_tokens_per_s", "mean_batch_size", "kv_memory_fraction", "bookkeeping_fraction",
+                    "mean_latency_s"):
+            assert isinstance(row[key], float) and math.isfinite(row[key]), (key, row)
+    assert len(details) == len(result["rows"])
+
+
+def test_numbers_are_consistent(smoke):
+    result, details, _ = smoke
+    workloads = default_workloads(smoke=True)
+    for row, extra in zip(result["rows"], details):
+        w = workloads[row["workload"]]
+        assert (extra["workload"], extra["preset"], extra["request_rate"]) == (row["workload"], row["preset"],
+                                                                               row["request_rate"])
+        assert row["num_requests"] == w.num_requests
+        assert extra["output_tokens"] == w.num_requests * w.output_tokens        # every token counted once
+        assert row["output_tokens_per_s"] * extra["wall_s"] == pytest.approx(extra["output_tokens"], rel=1e-9)
+        assert 1.0 <= row["mean_batch_size"] <= w.max_batch_size
+        assert extra["steps"] >= w.output_tokens                                 # one token per request per step
+        assert 0 < row["kv_memory_fraction"] <= 1 and 0 < row["bookkeeping_fraction"] <= 1
+        assert 0 < row["mean_latency_s"] <= extra["max_latency_s"] <= extra["wall_s"]
+        assert row["kv_memory_bytes"] == budget_bytes(w, _tiny_config())
+        if row["preset"] == "fp16":
+            assert row["kv_memory_fraction"] == 1.0 and extra["high_fraction"] is None
+            assert extra["preemptions"] == 0 or row["workload"] == "c"
+        else:
+            assert row["kv_memory_fraction"] < 0.6                                # K8V4 at most, pages included
+            assert extra["high_fraction"] + extra["low_fraction"] + extra["pruned_fraction"] == pytest.approx(1)
+        assert (row["request_rate"] is None) == (row["workload"] != "c")
+
+
+def test_diffkv_runs_more_requests_per_step_at_equal_budget(smoke):
+    result, _, _ = smoke
+    by = {(r["workload"], r["preset"]): r for r in result["rows"] if r["request_rate"] is None}
+    for workload, preset in (("a", "default"), ("b", "llama3-8b")):
+        assert by[(workload, preset)]["kv_memory_bytes"] == by[(workload, "fp16")]["kv_memory_bytes"]
+        assert by[(workload, preset)]["mean_batch_size"] > by[(workload, "fp16")]["mean_batch_size"]
+
+
+def test_png_and_table(smoke, tmp_path, capsys):
+    result, _, out = smoke
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = bench.format_table(result["rows"]).splitlines()
+    assert len(table) == 2 + len(result["rows"]) and table[2].startswith("| a | default |")
+    again = tmp_path / "replot.json"
+    assert _run_cli(["--plot-from", str(out), "--output", str(again)]) == 0
+    assert again.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not again.exists()
+    assert capsys.readouterr().out.splitlines()[:len(table)] == table
+    assert _run_cli(["--plot-from", str(tmp_path / "missing.json")]) == 2
+    for i, text in enumerate(('{"rows": [{"workload": "a"}]}', '{"rows": "x"}', '{"rows": [], "gpu": null}')):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        assert _run_cli(["--plot-from", str(bad), "--output", str(tmp_path / f"o{i}.json")]) == 2  # not 1, no traceback
+
+
+def _tiny_config():
+    from trtllm_diffkv.model import ModelConfig
+    from trtllm_diffkv.evaluation.throughput import TINY_SHAPE
+
+    return ModelConfig(**TINY_SHAPE)
+
+
+@pytest.mark.parametrize("capacity, tokens", [(2, 64), (3, 100), (16, 2560)])
+def test_default_budget_holds_exactly_the_fp16_capacity(capacity, tokens):
+    """The executor's fp16 pool built from the budget has the capacity's pages, and one byte less has fewer."""
+    from trtllm_diffkv.config import get_preset
+    from trtllm_diffkv.runtime.resource_manager import DiffKVResourceManager
+
+    config = _tiny_config()
+    w = Workload("a", "tiny-random", ("default", "fp16"), tokens // 2, tokens - tokens // 2, num_requests=4,
+                 fp16_capacity=capacity, max_batch_size=8)
+    budget = budget_bytes(w, config)
+    rows, pages_per_row = config.num_layers * config.num_kv_heads, -(-tokens // 32) + 2
+    sizes = dict(max_batch_size=8, max_seq_len_tokens=tokens, max_num_tokens=tokens, device="cpu", use_triton=False)
+    pool = DiffKVResourceManager(config, get_preset("fp16"), kv_memory_bytes=budget, **sizes)
+    assert pool.get_max_resource_count() == capacity * rows * pages_per_row
+    smaller = DiffKVResourceManager(config, get_preset("fp16"), kv_memory_bytes=budget - 1, **sizes)
+    assert smaller.get_max_resource_count() == capacity * rows * pages_per_row - 1
+    fixed = Workload("a", "tiny-random", ("default", "fp16"), 8, 8, 1, 1, kv_memory_bytes=12345)
+    assert budget_bytes(fixed, config) == 12345
+
+
+def test_poisson_arrivals():
+    times = poisson_arrivals(20000, rate=4.0, seed=1)
+    gaps = torch.diff(torch.tensor([0.0] + times, dtype=torch.float64))
+    assert (gaps > 0).all()
+    assert gaps.mean().item() == pytest.approx(0.25, rel=0.03)                  # mean gap 1 / rate
+    assert gaps.std().item() == pytest.approx(0.25, rel=0.05)                   # exponential: std = mean
+    assert times == poisson_arrivals(20000, rate=4.0, seed=1) != poisson_arrivals(20000, rate=4.0, seed=2)
+
+
+def test_usage_errors(tmp_path, capsys):
+    out = str(tmp_path / "x.json")
+    assert _run_cli(["--smoke", "--workloads", "a,d", "--output", out]) == 2
+    assert "choose among a, b, c" in capsys.readouterr().err
+    assert _run_cli(["--smoke", "--a-num-requests", "0", "--output", out]) == 2
+    assert "num_requests=0 must be a positive integer" in capsys.readouterr().err
+    assert _run_cli(["--smoke", "--workloads", "c", "--request-rates", "0", "--output", out]) == 2
+    assert "positive, finite request rates" in capsys.readouterr().err
+    for rate in ("inf", "nan"):
+        assert _run_cli(["--smoke", "--workloads", "c", "--request-rates", rate, "--output", out]) == 2
+        assert "finite request rates" in capsys.readouterr().err
+    assert _run_cli(["--smoke", "--preset", "nope", "--output", out]) == 2
+    assert "unknown kv-config preset 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_flags_override_the_defaults():
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--workloads", "c,a", "--kv-memory-bytes", "1000000", "--a-output-tokens",
+                              "1024", "--request-rates", "1", "3", "--preset", "k8v4", "--c-num-requests", "10"])
+    c, a = bench.workloads_from_args(args)
+    assert (c.name, c.request_rates, c.num_requests, c.presets) == ("c", (1.0, 3.0), 10, ("k8v4", "fp16"))
+    assert (a.name, a.kv_memory_bytes, a.output_tokens, a.prompt_tokens) == ("a", 1000000, 1024, 512)
+    b = bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "b"]))[0]
+    assert (b.model, b.presets, b.output_tokens) == ("llama3-8b-random", ("llama3-8b", "fp16"), 512)

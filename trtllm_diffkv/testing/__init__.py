@@ -1,0 +1,9 @@
+"""Helpers the tests and the device scripts share (not used by the product itself).
+
+- :mod:`.attention`: hand-built paged rows and dense references for the attention kernels;
+- :mod:`.page_manager`: the page manager's lockstep driver (CPU oracle vs Triton) and call generators;
+- :mod:`.paged_oracle`: a request's pages read back as dense K/V (the paged oracle);
+- :mod:`.paged`: the paged cache's lockstep runs against the reference cache.
+
+The independent references the tests assert against live in ``tests/oracle/``.
+"""

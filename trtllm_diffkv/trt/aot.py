@@ -1,0 +1,729 @@
+"""Ahead-of-time compilation of every Triton kernel specialization an engine needs (no GPU needed).
+
+An engine (:class:`~.fields.EngineShape`: head_dim, query:KV ratio, dtype, tier
+formats, page-table width) runs a fixed set of kernel specializations:
+
+* write / read (``kernels/quant_write.py``): prompt tokens into the high and
+  low tiers, the decode token into the high tier, demotions (read high, write low);
+* paged decode attention (``kernels/decode_attention.py``): partial (split-K),
+  merge, score update;
+* scored prefill (``kernels/prefill_attention.py``): log-sum-exp, its merge and
+  the prompt scores, one variant per range of the longest prompt of a step
+  (the kernels' padded sizes depend on it);
+* page manager (``memory/triton_page_manager.py``): count, scan and apply of
+  reserve, commit, decode and release;
+* decode plan (``kernels/decision_kernel.py``): the DiffKV tier decisions of every
+  row (``_decide_kernel``) and the locations of the new tokens and the moves
+  (``_locate_kernel``), as ``paged/decode.py::plan_device`` launches them.
+
+How the set is derived: :func:`kernel_specs` calls the real launchers
+(:func:`~trtllm_diffkv.kernels.quant_write.write_tokens`,
+:func:`~trtllm_diffkv.kernels.decode_attention.paged_decode_attention`,
+:func:`~trtllm_diffkv.kernels.prefill_attention.scored_prefill_attention`,
+``TritonPageManager``, :func:`~trtllm_diffkv.kernels.decision_kernel.decide_rows` /
+:func:`~trtllm_diffkv.kernels.decision_kernel.locate_rows`) on ``meta`` tensors of the engine's shapes with the
+kernels replaced by recorders, so the argument order, types, constexprs, grids
+and launch options are exactly those of the JIT path (nothing is restated by
+hand except three CUDA-only launch choices the launchers make from the tensor's
+device, :func:`_cuda_launch`), and each kernel is specialized as Triton's JIT
+specializes that launch (:func:`jit_specialization`: divisibility by 16 of the
+pointers and the engine-fixed integers, engine-fixed integers equal to 1 as constexprs). :func:`compile_specs` then compiles each with
+``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32))``
+for sm_80 and sm_90 and writes PTX, cubin and ``manifest.json``.
+
+Compilation needs Triton's compiler, not its interpreter: with
+``TRITON_INTERPRET=1`` set (the CPU test suite), :func:`build_kernels` runs
+the compilation in a child process without it
+(``python -m trtllm_diffkv.trt.aot``).
+
+Manifest (``manifest.json``, version 1)::
+
+    {"version": 1, "triton_version": ..., "engine": EngineShape.to_fields(),
+     "targets": ["sm_80", "sm_90"],
+     "kernels": [{"name", "op", "kernel": "module:function", "arg_names": [...all, in order],
+                  "signature": {arg: "*fp16" | "i32" | "fp32" | "constexpr", ...},
+                  "constexprs": {...}, "params": [runtime args in kernel-parameter order],
+                  "grid": ["num_seqs", "num_kv_heads", "num_partitions * NCHUNK"],
+                  "sizes": {named sizes of the recorded launch}, "scalars": {runtime scalar: recorded value},
+                  "options": {"num_warps", "num_stages", ...}, "select": "condition or null",
+                  "step_scalars": {runtime scalar that varies per call: expression of sizes/constexprs},
+                  "divisible": [params compiled with tt.divisibility=16, as the JIT specializes them],
+                  "buffers": [per pointer param: its buffer among the launch's distinct buffers],
+                  "compiled": {"sm_90": {"kernel_name", "ptx", "cubin", "shared_bytes", "num_warps",
+                               "num_stages", "global_scratch_bytes", "profile_scratch_bytes",
+                               "extra_params": 2}}}],
+     "trt_abi": [TensorRT-convention wrappers: build/trt_abi.py::AbiKernel.to_json()]}
+
+A compiled kernel takes its runtime arguments (``params``) followed by
+``extra_params`` (2 in Triton 3.6: the global and profile scratch pointers; null
+when their sizes are 0). Block size: ``num_warps * 32`` threads. Grid expressions
+use ``cdiv`` and the named sizes of ``sizes`` plus the constexprs. The ``trt_abi`` wrappers
+(:func:`abi_kernels`) take TensorRT's AOT parameter list instead: inputs, int32 extra args, outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import trt_abi
+from .fields import EngineShape
+
+SUPPORTED_TARGETS = (80, 90)
+"""Compute capabilities engines are compiled for (A100: sm_80; H100/H200: sm_90)."""
+
+MANIFEST_VERSION = 1
+DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3  # Triton's CUDA defaults when a launch passes none
+_OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
+
+ENGINE_INTS = {
+    "_write_tokens_kernel": ("PAGE_BYTES", "KC", "KM", "VC", "VM", "SC", "PO"),
+    "_read_tokens_kernel": ("PAGE_BYTES", "KC", "KM", "VC", "VM", "SC", "PO"),
+    "_decode_partial_kernel": ("num_kv_heads", "num_parts"),
+    "_decode_merge_kernel": ("num_kv_heads", "num_parts"),
+    "_decode_score_kernel": ("num_kv_heads",),
+    "_prompt_lse_kernel": ("num_scoring", "num_heads", "num_kv_heads"),
+    "_prompt_lse_merge_kernel": ("num_heads",),
+    "_prompt_score_kernel": ("num_scoring", "num_heads", "num_kv_heads"),
+    "_count_kernel": ("G", "S", "R", "P_HIGH", "P_LOW", "P_MIN"),
+    "_reserve_apply_kernel": ("G", "S", "R", "P_MIN"),
+    "_commit_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
+    "_decode_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
+    "_release_apply_kernel": ("G", "S", "R"),
+    "_decide_kernel": ("G", "R", "PAGE_BYTES", "H_SC", "H_PO", "L_SC", "L_PO", "W", "S"),
+    "_locate_kernel": ("G", "H", "R"),
+}
+"""Runtime integer arguments fixed by the engine (model shape, page format, workspace partitions), which the
+AOT kernels specialize exactly as Triton's JIT does for the recorded value (:func:`jit_specialization`).
+Other integers (row and item counts, chunk counts, strides, pool size) vary per call: compiled unspecialized."""
+
+GRIDS = {
+    "_write_tokens_kernel": ("n_rows",),
+    "_read_tokens_kernel": ("n_rows",),
+    "_decode_partial_kernel": ("num_seqs", "num_kv_heads", "num_partitions * NCHUNK"),
+    "_decode_merge_kernel": ("num_seqs", "num_kv_heads"),
+    "_decode_score_kernel": ("num_seqs", "num_kv_heads", "cdiv(R, POS_PER_PROG)"),
+    "_prompt_lse_kernel": ("num_seqs", "num_heads", "cdiv(max_len, CHUNK)"),
+    "_prompt_lse_merge_kernel": ("num_seqs", "num_heads"),
+    "_prompt_score_kernel": ("num_seqs", "num_kv_heads", "cdiv(max_len, BLOCK_N)"),
+    "_count_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
+    "_scan_kernel": ("1",),
+    "_reserve_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
+    "_commit_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
+    "_decode_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
+    "_release_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
+    "_decide_kernel": ("num_seqs * rows_per_slot",),
+    "_locate_kernel": ("cdiv(bucket * rows_per_slot, BLOCK)",),
+}
+"""Grid of every kernel as expressions of named sizes and constexprs (checked against recorded launches)."""
+
+
+_BLOCKS = "cdiv(num_slots * rows_per_slot, BLOCK)"
+STEP_SCALARS = {
+    "_count_kernel": {"n_items": "num_slots * rows_per_slot"},
+    "_reserve_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_commit_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_decode_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_release_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
+    "_locate_kernel": {"n": "num_seqs", "B": "bucket"},
+}
+"""Runtime scalars that change per call, as expressions of the named sizes and constexprs (as :data:`GRIDS`;
+checked against every recorded launch). The manifest's ``scalars`` hold the recorded values; ``step_scalars`` these
+expressions, which a launch evaluates for its own sizes (``build/trt_abi.py::launch_plan``, the AOT graph's
+nodes). ``_scan_kernel``'s ``num_blocks`` has none: the scan launch is only needed past one chunk of block sums,
+which the AOT decode graph refuses (``build/aot_graph.py``)."""
+
+
+def eval_grid(grid: list[str] | tuple[str, ...], sizes: dict, constexprs: dict) -> tuple[int, ...]:
+    """Evaluate grid expressions with ``sizes`` and ``constexprs`` (``cdiv`` available; nothing else:
+    :func:`.trt_abi.eval_expr`)."""
+    names = {**{k: v for k, v in constexprs.items() if isinstance(v, int)}, **sizes}
+    return tuple(int(trt_abi.eval_expr(expr, names)) for expr in grid)
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass
+class KernelSpec:
+    """One kernel specialization of an engine (see the module docstring for the manifest fields)."""
+
+    name: str
+    op: str
+    kernel: str
+    arg_names: list[str]
+    signature: dict[str, str]
+    constexprs: dict
+    grid: list[str]
+    sizes: dict
+    scalars: dict
+    options: dict
+    select: str | None = None
+    divisible: list[str] = field(default_factory=list)
+    compiled: dict = field(default_factory=dict)
+    step_scalars: dict = field(default_factory=dict)
+    buffers: list = field(default_factory=list)
+
+    @property
+    def params(self) -> list[str]:
+        """Runtime arguments in the compiled kernel's parameter order (constexprs removed)."""
+        return [n for n in self.arg_names if self.signature[n] != "constexpr"]
+
+    def to_json(self) -> dict:
+        """The manifest entry (all fields plus ``params``)."""
+        return {**dataclasses.asdict(self), "params": self.params}
+
+    def jit_function(self):
+        """The ``triton.JITFunction`` this spec compiles."""
+        import importlib
+
+        module, attr = self.kernel.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+def _encode(value):
+    """JSON form of a constexpr (Triton dtypes as ``"tl.float16"``)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    import triton.language as tl
+
+    if isinstance(value, tl.dtype):
+        return "tl." + {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(value.name, value.name)
+    if hasattr(value, "value"):  # tl.constexpr
+        return _encode(value.value)
+    raise TypeError(f"cannot encode constexpr {value!r}")
+
+
+def decode_constexpr(value):
+    """Inverse of :func:`_encode` (``"tl.float16"`` -> ``tl.float16``)."""
+    if isinstance(value, str) and value.startswith("tl."):
+        import triton.language as tl
+
+        return getattr(tl, value[3:])
+    return value
+
+
+def _arg_type(value) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + trt_abi.TORCH_TO_TRITON[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton argument type for {type(value).__name__}")
+
+
+class _Recorder:
+    """Replaces kernels in their launcher modules by objects that record ``kernel[grid](*args, **kwargs)``."""
+
+    def __init__(self, targets: list[tuple[object, str]]) -> None:
+        self.targets, self.saved, self.launches = targets, [], []
+
+    def __enter__(self):
+        for module, attr in self.targets:
+            original = getattr(module, attr)
+            self.saved.append((module, attr, original))
+            setattr(module, attr, _Fake(original, self.launches))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, attr, original in reversed(self.saved):
+            setattr(module, attr, original)
+
+
+class _Fake:
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.kernel, tuple(int(g) for g in grid), args, kwargs))
+        return launch
+
+
+def jit_specialization(launch) -> dict[str, str]:
+    """``{runtime argument: "D" | "1"}`` of a launch as Triton's JIT specializes it (``native_specialize_impl``,
+    the function ``JITFunction.run`` calls), for pointers and the :data:`ENGINE_INTS` integers.
+
+    ``"D"``: ``tt.divisibility=16`` (a pointer 16-byte aligned, an integer a multiple of 16); ``"1"``: an integer
+    equal to 1, which the JIT turns into the constexpr 1. Pointers of the ``meta`` tensors the specs are recorded
+    on count as aligned (``data_ptr() == 0``): the AOT kernels require 16-byte aligned buffers, as torch's CUDA
+    allocator and TensorRT hand out (the JIT compiles such launches with the same hint). Without these hints the
+    compiler picks other layouts (vector widths, reduction order), so the outputs differ in rounding.
+    """
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    kernel, _, args, kwargs = launch
+    name = getattr(kernel, "fn", kernel).__name__
+    params = kernel_parameters(kernel)
+    bound = {**dict(zip([n for n, _, _ in params], args)), **kwargs}
+    out = {}
+    for pname, is_constexpr, default in params:
+        value = bound.get(pname, default)
+        if is_constexpr or isinstance(value, (bool, float)):
+            continue
+        if not hasattr(value, "data_ptr") and pname not in ENGINE_INTS.get(name, ()):
+            continue
+        kind, attr = native_specialize_impl(CUDABackend, value, False, True, True)[:2]
+        if kind == "constexpr":
+            out[pname] = "1"
+        elif attr:
+            out[pname] = attr
+    return out
+
+
+def launch_signature(launch) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, runtime scalars, options) of one recorded launch ``(kernel, grid, args, kwargs)``.
+
+    An :data:`ENGINE_INTS` integer equal to 1 is a constexpr, as in the JIT (:func:`jit_specialization`).
+    """
+    kernel, grid, args, kwargs = launch
+    params = kernel_parameters(kernel)
+    names = [n for n, _, _ in params]
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    ones = {n for n, v in jit_specialization(launch).items() if v == "1"}
+    signature, constexprs, scalars = {}, {}, {}
+    for pname, is_constexpr, default in params:
+        value = bound[pname] if pname in bound else default
+        if is_constexpr or pname in ones:
+            signature[pname] = "constexpr"
+            constexprs[pname] = _encode(value)
+        else:
+            signature[pname] = _arg_type(value)
+            if not signature[pname].startswith("*"):
+                scalars[pname] = value
+    options = {k: kwargs[k] for k in _OPTION_KEYS if k in kwargs}
+    options.setdefault("num_warps", DEFAULT_NUM_WARPS)
+    options.setdefault("num_stages", DEFAULT_NUM_STAGES)
+    return signature, constexprs, scalars, options
+
+
+def _spec(launch, op: str, sizes: dict, select: str | None = None) -> KernelSpec:
+    """A :class:`KernelSpec` from one recorded launch (kernel, grid, args, kwargs)."""
+    kernel, grid = launch[0], launch[1]
+    fn = getattr(kernel, "fn", kernel)
+    signature, constexprs, scalars, options = launch_signature(launch)
+    name = fn.__name__
+    expected = eval_grid(GRIDS[name], sizes, constexprs)
+    if expected != grid:  # the hand-written formula must describe what the launcher did
+        raise AssertionError(f"{name}: grid formula {GRIDS[name]} gives {expected}, the launcher used {grid}")
+    divisible = [n for n, v in jit_specialization(launch).items() if v == "D"]
+    step_scalars = {p: e for p, e in STEP_SCALARS.get(name, {}).items() if p in scalars}
+    for param, expr in step_scalars.items():  # the hand-written expressions must give the recorded values
+        got = eval_grid([expr], sizes, constexprs)[0]
+        if got != scalars[param]:
+            raise AssertionError(f"{name}: scalar {param} = {expr} gives {got}, the launcher passed {scalars[param]}")
+    return KernelSpec(name="", op=op, kernel=f"{fn.__module__}:{name}", arg_names=list(signature),
+                      signature=signature, constexprs=constexprs, grid=list(GRIDS[name]), sizes=dict(sizes),
+                      scalars=scalars, options=options, select=select, divisible=divisible, step_scalars=step_scalars,
+                      buffers=_buffers(launch, signature))
+
+
+def _buffers(launch, signature: dict) -> list[int]:
+    """For each pointer parameter of a recorded launch, in order: the index of its buffer among the launch's distinct
+    buffers (views of one tensor - the pool's ``uint8``/``fp16``/``fp32``/``int32`` views - are one buffer), in
+    first-use order: the binding TensorRT's calling convention needs (``build/trt_abi.py``)."""
+    kernel, _, args, kwargs = launch
+    bound = {**dict(zip([n for n, _, _ in kernel_parameters(kernel)], args)), **kwargs}
+    seen, out = {}, []
+    for p, t in signature.items():
+        if t.startswith("*"):
+            key = bound[p].untyped_storage()._cdata
+            out.append(seen.setdefault(key, len(seen)))
+    return out
+
+
+def kernel_parameters(fn) -> list[tuple[str, bool, object]]:
+    """``[(name, is_constexpr, default)]`` of a kernel's Python function, in order (JIT or interpreter)."""
+    import inspect
+
+    fn = getattr(fn, "fn", fn)
+    return [(p.name, str(p.annotation).endswith("constexpr"), p.default)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+def _cuda_launch(spec: KernelSpec) -> KernelSpec:
+    """The launch choices the launchers make only for CUDA tensors (recorded on ``meta`` tensors).
+
+    * write/read kernels: ``enable_fp_fusion=False`` (``quant_write._launch_options``: bit-identical rounding);
+    * decode partial: ``FAST`` = the PTX code conversion for fp16 products, and the register cap
+      ``DEFAULT_MAX_REGISTERS`` at 4 warps with at most 16 stacked rows (``paged_decode_attention``).
+    """
+    name = spec.kernel.split(":")[1]
+    if name in ("_write_tokens_kernel", "_read_tokens_kernel"):
+        spec.options["enable_fp_fusion"] = False
+    if name == "_decode_partial_kernel":
+        from ..kernels import decode_attention as da
+
+        c = spec.constexprs
+        c["FAST"] = bool(da.FAST_CONVERT and c["DT"] == "tl.float16")
+        if spec.options.get("num_warps", 4) == 4 and max(c["H_NG"], c["L_NG"]) * c["GP2"] <= 16:
+            spec.options["maxnreg"] = da.DEFAULT_MAX_REGISTERS
+    return spec
+
+
+def _meta(shape, dtype):
+    import torch
+
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _write_read_specs(shape: EngineShape) -> list[KernelSpec]:
+    import torch
+
+    from ..kernels import quant_write as qw
+
+    fmt, cfg, D = shape.page_format, shape.kv_config, shape.head_dim
+    dt = getattr(torch, shape.dtype)
+    n = 5  # rows of the recorded launch (any count: it only sets the grid)
+    pages = _meta((7, fmt.page_size_bytes), torch.uint8)
+    i32 = lambda: _meta((n,), torch.int32)  # noqa: E731
+    centered = cfg.compress and cfg.center_keys
+    meta = dict(scores=_meta((n,), torch.float32), positions=i32())
+    err = dict(error_flags=_meta((n,), torch.int32), error_index=i32())
+    offsets = dict(key_offsets=_meta((n, D), torch.float16), offset_rows=i32()) if centered else {}
+    calls = [("write_high", "high", dt, {**offsets, **meta, **err})]  # prompt and decode tokens (int32 offset rows)
+    if cfg.compress:
+        calls += [("write_low_prompt", "low", dt, {**offsets, **meta, **err}),  # low-tier prompt tokens
+                  ("write_low_move", "low", torch.float32, meta)]  # demotions: dequantized fp32 rows
+    if centered:  # the offset rows as PagedDiffKVCache passes them (int64 table rows: prefill and decode)
+        rows64 = dict(offsets, offset_rows=_meta((n,), torch.int64))
+        calls += [("write_high_cache", "high", dt, {**rows64, **meta, **err}),
+                  ("write_low_prompt_cache", "low", dt, {**rows64, **meta, **err})]
+    specs = []
+    for op, tier, kdt, kwargs in calls:
+        with _Recorder([(qw, "_write_tokens_kernel")]) as rec:
+            qw.write_tokens(pages, fmt, tier, i32(), i32(), _meta((n, D), kdt), _meta((n, D), kdt), **kwargs)
+        specs.append(_spec(rec.launches[0], op, {"n_rows": n}))
+    if cfg.compress:
+        with _Recorder([(qw, "_read_tokens_kernel")]) as rec:
+            qw.read_tokens(pages, fmt, "high", i32(), i32(), _meta((n, D), torch.float32),
+                           _meta((n, D), torch.float32), _meta((n,), torch.float32), i32())
+        specs.append(_spec(rec.launches[0], "read_high_move", {"n_rows": n}))
+    return specs
+
+
+def _decode_specs(shape: EngineShape) -> list[KernelSpec]:
+    import torch
+
+    from ..kernels import decode_attention as da
+    from ..kernels.attn_decode_kernels import LOG2E
+
+    fmt, R = shape.page_format, shape.max_pages_per_row
+    B, H = shape.max_batch_size, shape.num_kv_heads
+    rows = B * shape.num_layers * H
+    ws = da.DecodeWorkspace.allocate(B, shape.num_heads, H, fmt, R, "meta", update_scores=shape.kv_config.compress)
+    q = _meta((B, shape.num_heads, shape.head_dim), getattr(torch, shape.dtype))
+    with _Recorder([(da, "_decode_partial_kernel"), (da, "_decode_merge_kernel"), (da, "_decode_score_kernel")]) as rec:
+        da.paged_decode_attention(q, _meta((7, fmt.page_size_bytes), torch.uint8), fmt, _meta((rows, R), torch.int32),
+                                  _meta((rows, 2), torch.int32), _meta((B, H), torch.int32), torch.empty_like(q),
+                                  sm_scale=shape.head_dim ** -0.5, update_scores=shape.kv_config.compress, workspace=ws,
+                                  backend="triton")  # the AOT set holds the Triton kernels
+    sizes = dict(num_seqs=B, num_kv_heads=H, num_partitions=ws.num_partitions, R=R)
+    specs = [_spec(launch, "decode_attention", sizes) for launch in rec.launches]
+    specs[0].scalars["qk_scale"] = f"sm_scale * {LOG2E}"  # the recorded value for head_dim ** -0.5, as a formula
+    return specs
+
+
+def _prefill_variants(shape: EngineShape) -> list[tuple[int, int]]:
+    """[(first, last)] ranges of the step's longest prompt over which the prefill kernels' constexprs stay fixed."""
+    from ..kernels.prefill_attention import LSE_CHUNK_TOKENS, _next_pow2
+
+    S = shape.kv_config.prompt_score_window_tokens
+    key = lambda n: (max(16, _next_pow2(min(S, n))), _next_pow2(-(-n // LSE_CHUNK_TOKENS)))  # noqa: E731
+    ranges, first = [], 1
+    for n in range(2, shape.max_seq_len + 2):
+        if n > shape.max_seq_len or key(n) != key(first):
+            ranges.append((first, n - 1))
+            first = n
+    return ranges
+
+
+def _prefill_specs(shape: EngineShape) -> list[KernelSpec]:
+    import types
+
+    import torch
+
+    from ..kernels import prefill_attention as pa
+
+    dt = getattr(torch, shape.dtype)
+    specs = []
+    fake_f = types.SimpleNamespace(scaled_dot_product_attention=lambda q, k, v, **kw: torch.empty_like(q))
+    for first, last in _prefill_variants(shape):
+        n = last  # one prompt of the range's longest length: every constexpr of the range
+        q = _meta((n, shape.num_heads, shape.head_dim), dt)
+        k, v = (_meta((n, shape.num_kv_heads, shape.head_dim), dt) for _ in range(2))  # distinct (the buffers)
+        saved_f, pa.F = pa.F, fake_f
+        try:
+            with _Recorder([(pa, "_prompt_lse_kernel"), (pa, "_prompt_lse_merge_kernel"),
+                            (pa, "_prompt_score_kernel")]) as rec:
+                pa.scored_prefill_attention(q, k, v, torch.tensor([0, n], dtype=torch.int32),
+                                            sm_scale=shape.head_dim ** -0.5,
+                                            num_scoring_queries=shape.kv_config.prompt_score_window_tokens,
+                                            out=torch.empty_like(q), score_sums=_meta((n, shape.num_kv_heads),
+                                                                                      torch.float32))
+        finally:
+            pa.F = saved_f
+        sizes = dict(num_seqs=1, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, max_len=n)
+        specs += [_spec(launch, "prefill_scores", sizes, select=f"{first} <= max_len <= {last}")
+                  for launch in rec.launches]
+    return specs
+
+
+def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
+    import torch
+
+    from ..memory import triton_page_manager as tpm
+
+    mgr = tpm.TritonPageManager(shape.page_format, 64, shape.max_batch_size, shape.num_layers, shape.num_kv_heads,
+                                shape.max_seq_len, device="meta")
+    n = min(2, shape.max_batch_size)
+    slots = _meta((n,), torch.int64)  # the dtypes PagedDiffKVCache passes (paged/prefill.py, decode.py, cache.py)
+    per_head = lambda: _meta((n, shape.num_layers, shape.num_kv_heads), torch.int32)  # noqa: E731 - distinct buffers
+    kernels = ["_count_kernel", "_scan_kernel", "_reserve_apply_kernel", "_commit_apply_kernel",
+               "_decode_apply_kernel", "_release_apply_kernel"]
+    specs = []
+    for scan_chunk in (tpm.SCAN_CHUNK, 0):  # fused (block sums fit one chunk), then the separate scan launch
+        mgr.scan_chunk = scan_chunk
+        with _Recorder([(tpm, k) for k in kernels]) as rec:
+            mgr.reserve_prompt(slots, _meta((n,), torch.int64))
+            mgr.commit_prompt(slots, per_head(), per_head())
+            mgr.append_decode(slots, per_head(), per_head())
+            mgr.release(slots)
+        sizes = dict(num_slots=n, rows_per_slot=mgr.rows_per_slot, num_pages=mgr.num_pages)
+        for launch in rec.launches:
+            fused = launch[3].get("FUSED")
+            select = None if fused is None else ("num_blocks <= CHUNK" if fused else "num_blocks > CHUNK")
+            spec = _spec(launch, "page_manager", sizes, select)
+            if "CHUNK" in spec.constexprs:  # chunk 0 only forced the unfused path; the kernels use the real one
+                spec.constexprs["CHUNK"] = tpm.SCAN_CHUNK
+            specs.append(spec)
+    return specs
+
+
+def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
+    """The decode plan's two kernels (``kernels/decision_kernel.py``), recorded as ``paged/decode.py::plan_device``
+    launches them: ``decide_rows`` (the DiffKV tier decisions of every row; ``COMPRESS`` = the preset's) and
+    ``locate_rows`` (token and move locations; ``MOVES`` = the preset compresses) for a bucket of
+    ``max_batch_size`` sequences. The moves themselves are the write family's ``read_high_move`` /
+    ``write_low_move``."""
+    import torch
+
+    from ..kernels import decision_kernel as dk
+
+    fmt, cfg, R = shape.page_format, shape.kv_config, shape.max_pages_per_row
+    L, H, B = shape.num_layers, shape.num_kv_heads, shape.max_batch_size
+    G = L * H
+    n = min(2, B)  # real sequences of the recorded step (any count: it only sets the grids)
+    i32, i64 = torch.int32, torch.int64
+    table, tokens = _meta((B * G, R), i32), _meta((B * G, 2), i32)
+    slots, pos = _meta((n,), i64), _meta((n,), i64)
+    m = n * G
+    actions = (_meta((m,), i32), _meta((m,), i32), _meta((m,), i64), _meta((m,), i64), _meta((m,), i64))
+    bufs = dict(rows=_meta((L, B, H), i64), row_ids=_meta((L, B, H), i32), page=_meta((L, B, H), i32),
+                slot=_meta((L, B, H), i32), positions=_meta((B * H,), i32), err_idx=_meta((B * H,), i32))
+    moves = tuple(_meta((m,), i32) for _ in range(4)) if cfg.compress else None
+    with _Recorder([(dk, "_decide_kernel"), (dk, "_locate_kernel")]) as rec:
+        act = dk.decide_rows(_meta((7, fmt.page_size_bytes), torch.uint8), fmt, table, tokens, slots, pos,
+                             _meta((B,), i64), _meta((2,), torch.float64), rows_per_slot=G,
+                             recent_window_tokens=cfg.recent_window_tokens,
+                             prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=actions,
+                             compress=cfg.compress)
+        dk.locate_rows(table, fmt, slots, pos, act, bufs, moves, num_kv_heads=H, rows_per_slot=G)
+    sizes = dict(num_seqs=n, bucket=B, rows_per_slot=G)
+    return [_spec(launch, "decode_plan", sizes) for launch in rec.launches]
+
+
+DEFAULT_OPS = ("write", "decode", "prefill", "page_manager", "decision")
+"""Every kernel family of an engine (:func:`kernel_specs`)."""
+
+
+def kernel_specs(shape: EngineShape, ops: tuple[str, ...] = DEFAULT_OPS) -> list[KernelSpec]:
+    """Every kernel specialization ``shape`` needs (deduplicated), as launched on CUDA.
+
+    Args:
+        shape: the engine.
+        ops: which families: ``"write"`` (write/read), ``"decode"``, ``"prefill"``, ``"page_manager"``,
+            ``"decision"`` (the decode plan: DiffKV decisions and token locations).
+
+    Raises:
+        KeyError: an unknown family.
+
+    Returns:
+        Specs named ``<kernel>__<hash>`` (hash of signature, constexprs and options), in a stable order.
+    """
+    makers = {"write": _write_read_specs, "decode": _decode_specs, "prefill": _prefill_specs,
+              "page_manager": _page_manager_specs, "decision": _decision_specs}
+    out, seen = [], {}
+    for op in ops:
+        for spec in makers[op](shape):
+            spec = _cuda_launch(spec)
+            digest = spec_name(spec)
+            if digest in seen:  # same kernel for another range of the longest prompt: widen its range
+                seen[digest].select = _merge_ranges(seen[digest].select, spec.select)
+                continue
+            spec.name = digest
+            seen[digest] = spec
+            out.append(spec)
+    return out
+
+
+def spec_name(spec: KernelSpec) -> str:
+    """``<kernel>__<hash>``: the manifest name of a spec (hash of kernel, signature, constexprs, options and
+    specialization: what the compiled code depends on)."""
+    key = json.dumps([spec.kernel, spec.signature, spec.constexprs, spec.options, spec.divisible], sort_keys=True)
+    return f"{spec.kernel.split(':')[1].strip('_')}__{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def _merge_ranges(a: str | None, b: str | None) -> str | None:
+    """``"lo <= max_len <= hi"`` conditions of adjacent prefill ranges joined (other conditions kept as they are)."""
+    if a is None or b is None or "max_len" not in a or a == b:
+        return a
+    (lo_a, hi_a), (lo_b, hi_b) = ([int(x) for x in c.split(" <= max_len <= ")] for c in (a, b))
+    if lo_b != hi_a + 1:
+        raise AssertionError(f"prefill ranges {a!r} and {b!r} are not adjacent")
+    return f"{lo_a} <= max_len <= {hi_b}"
+
+
+# --------------------------------------------------------------------------- compilation
+
+
+def compile_specs(specs: list[KernelSpec], out_dir: str | Path, targets=SUPPORTED_TARGETS) -> None:
+    """Compile every spec for every target; write ``<name>.sm<cc>.ptx`` / ``.cubin`` and fill ``spec.compiled``.
+
+    Raises:
+        RuntimeError: ``TRITON_INTERPRET=1`` is set (the interpreter cannot compile), or a kernel fails
+            to compile (naming it and the target).
+        ValueError: an unsupported target.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1 is set: Triton's interpreter cannot compile; use build_kernels(), "
+                           "which compiles in a child process")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    check_targets(targets)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        constexprs = {k: decode_constexpr(v) for k, v in spec.constexprs.items()}
+        attrs = {(spec.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec.divisible}  # as the JIT's
+        for cc in targets:
+            src = ASTSource(fn=spec.jit_function(), signature=dict(spec.signature), constexprs=constexprs,
+                            attrs=attrs)
+            try:
+                compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(spec.options))
+            except Exception as exc:  # noqa: BLE001 - report which kernel and target
+                raise RuntimeError(f"{spec.name} failed to compile for sm_{cc}: {str(exc)[:400]}") from exc
+            md = compiled.metadata
+            stem = f"{spec.name}.sm{cc}"
+            (out / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+            (out / f"{stem}.cubin").write_bytes(compiled.asm["cubin"])
+            spec.compiled[f"sm_{cc}"] = dict(
+                kernel_name=md.name, ptx=f"{stem}.ptx", cubin=f"{stem}.cubin", shared_bytes=int(md.shared),
+                num_warps=int(md.num_warps), num_stages=int(md.num_stages), maxnreg=md.maxnreg,
+                global_scratch_bytes=int(md.global_scratch_size), profile_scratch_bytes=int(md.profile_scratch_size),
+                extra_params=_extra_params(compiled.asm["ptx"], md.name, len(spec.params)),
+                cubin_sha256=hashlib.sha256(compiled.asm["cubin"]).hexdigest())
+
+
+def check_targets(targets) -> None:
+    """Raise ``ValueError`` for a compute capability outside :data:`SUPPORTED_TARGETS` (naming it), or one listed
+    twice (``--targets 90,90``: the same files would be compiled twice and listed twice in the manifest)."""
+    targets = list(targets)
+    for cc in targets:
+        if cc not in SUPPORTED_TARGETS:
+            raise ValueError(f"target sm_{cc} is not supported; supported: {['sm_%d' % t for t in SUPPORTED_TARGETS]}")
+    repeated = sorted({cc for cc in targets if targets.count(cc) > 1})
+    if repeated:
+        raise ValueError(f"target(s) {', '.join('sm_%d' % cc for cc in repeated)} listed more than once: {targets}")
+
+
+def _extra_params(ptx: str, kernel_name: str, runtime_params: int) -> int:
+    """Parameters of the PTX entry beyond the runtime arguments (Triton 3.6: 2 scratch pointers)."""
+    return len(trt_abi.ptx_entry_params(ptx, kernel_name)) - runtime_params
+
+
+def manifest(shape: EngineShape, specs: list[KernelSpec], targets=SUPPORTED_TARGETS) -> dict:
+    """The manifest dict (see the module docstring)."""
+    import triton
+
+    return {"version": MANIFEST_VERSION, "triton_version": triton.__version__, "engine": shape.to_fields(),
+            "targets": [f"sm_{cc}" for cc in targets], "kernels": [s.to_json() for s in specs]}
+
+
+def build_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTED_TARGETS,
+                  ops: tuple[str, ...] = DEFAULT_OPS, timeout_s: int = 1800) -> dict:
+    """Compile ``shape``'s kernels into ``out_dir`` and write ``out_dir/manifest.json``; returns the manifest.
+
+    Runs in this process, or in a child process without ``TRITON_INTERPRET`` when it is set here.
+
+    Raises:
+        RuntimeError: compilation failed (the child's last error line).
+    """
+    check_targets(targets)
+    out = Path(out_dir)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        repo = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, "-m", "trtllm_diffkv.trt.aot", "--fields", json.dumps(shape.to_fields()),
+               "--out", str(out), "--targets", ",".join(map(str, targets)), "--ops", ",".join(ops)]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if run.returncode != 0:
+            lines = [line for line in run.stderr.strip().splitlines() if line.strip()]
+            raise RuntimeError(lines[-1] if lines else f"AOT compilation failed (exit {run.returncode})")
+        return json.loads((out / "manifest.json").read_text())
+    specs = kernel_specs(shape, ops)
+    compile_specs(specs, out, targets)
+    data = manifest(shape, specs, targets)
+    abi = abi_kernels(shape, data["kernels"])
+    trt_abi.compile_abi(abi, out, targets)
+    data["trt_abi"] = [k.to_json() for k in abi]
+    (out / "manifest.json").write_text(json.dumps(data, indent=1))
+    return data
+
+
+def abi_kernels(shape: EngineShape, entries: list[dict]) -> list:
+    """The TensorRT-convention wrappers an engine needs (``build/trt_abi.py``): every entry as its launcher binds it,
+    plus the bindings of the AOT prefill and decode graphs (fp32 engines, ``build/aot_prefill.py::prefill_graph_abi``,
+    ``build/aot_graph.py::decode_graph_abi``), deduplicated."""
+    from .aot_graph import decode_graph_abi
+    from .aot_prefill import prefill_graph_abi
+
+    out = {k.name: k for k in (trt_abi.from_launcher(e) for e in entries)}
+    by_name = {e["name"]: e for e in entries}
+    for k in [*prefill_graph_abi(shape, by_name), *decode_graph_abi(shape, by_name)]:
+        out.setdefault(k.name, k)
+    return list(out.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trtllm_diffkv.trt.aot --fields JSON --out DIR [--targets 80,90] [--ops ...]``."""
+    parser = argparse.ArgumentParser(description="compile an engine's DiffKV kernels ahead of time")
+    parser.add_argument("--fields", required=True, help="EngineShape.to_fields() as JSON")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--targets", default="80,90")
+    parser.add_argument("--ops", default=",".join(DEFAULT_OPS))
+    args = parser.parse_args(argv)
+    shape = EngineShape.from_fields(json.loads(args.fields))
+    targets = tuple(int(t) for t in args.targets.split(","))
+    build_kernels(shape, args.out, targets, tuple(args.ops.split(",")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
