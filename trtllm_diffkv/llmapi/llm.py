@@ -232,20 +232,15 @@ class LLM:
         """
         if self._closed:
             raise RuntimeError("this LLM was shut down; create a new one")
-        from ..generation.prompts import check_prompt_ids
         from ..runtime.sampling import SamplingParams
 
         rid = next(self._ids)
         params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
         text = prompt if isinstance(prompt, str) else None
         try:
-            if not isinstance(params, SamplingParams):
+            if not isinstance(params, SamplingParams):  # before the prompt is tokenized
                 raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-            params.validate(self.model_config.vocab_size)
-            ids = check_prompt_ids(self._prompt_ids(prompt, chat_template), params.max_tokens, self.model_config)
-            if len(ids) + params.max_tokens > self.max_seq_len:
-                raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                 f"max_seq_len {self.max_seq_len}")
+            ids = self.executor.check_request(self._prompt_ids(prompt, chat_template), params)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)
             request._channel.put(_Event([], True, "error", _message(exc)))

@@ -268,15 +268,30 @@ class Executor:
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                 self._fail(request, exc, updates)
 
-    def _check(self, request: Request) -> None:
-        params = request.sampling_params
+    def check_request(self, prompt_token_ids, params) -> list[int]:
+        """Every check a request must pass before it may wait for pages (the one home of the request rules;
+        the ``LLM`` API calls it before queueing, :meth:`add_request`'s requests meet it at the next step).
+
+        Args:
+            prompt_token_ids: the prompt's token ids (list or tuple of ints).
+            params: its :class:`SamplingParams`.
+
+        Returns:
+            The ids as Python ints.
+
+        Raises:
+            ValueError: not a ``SamplingParams``, a bad sampling value, a bad prompt
+                (:func:`~trtllm_diffkv.generation.prompts.check_prompt_ids`), prompt + ``max_tokens`` past
+                ``max_seq_len``, or a re-prefill that could not fit one step (``max_num_tokens``).
+            OutOfPagesError: the prompt, or (``fp16``) its last decode step, needs more pages than the pool has.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
-        request.prompt_token_ids = check_prompt_ids(request.prompt_token_ids, params.max_tokens, self.model_config)
-        n = len(request.prompt_token_ids)
+        prompt_token_ids = check_prompt_ids(prompt_token_ids, params.max_tokens, self.model_config)
+        n = len(prompt_token_ids)
         if n + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len="
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len "
                              f"{self.max_seq_len}")
         if n + params.max_tokens - 1 > self.max_num_tokens:  # a re-prefill after preemption must fit one step
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) - 1 exceeds max_num_tokens="
@@ -290,6 +305,11 @@ class Executor:
             if need > total:  # its last decode step could never be planned, even alone
                 raise OutOfPagesError(f"the request needs {need} pages by its last decode step (prompt {n} + "
                                       f"max_tokens {params.max_tokens}); the whole pool has {total}")
+        return prompt_token_ids
+
+    def _check(self, request: Request) -> None:
+        params = request.sampling_params
+        request.prompt_token_ids = self.check_request(request.prompt_token_ids, params)
         self._checkers[request.request_id] = StopChecker(params, self.stop_token_ids, self.tokenizer)
         self.sampler.add(request.request_id, params)
         request.prefill_token_ids = list(request.prompt_token_ids)
