@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     2>&1 | tee -a "$OUT/gpu_info.txt"
 rc=0
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/model/test_model_llama.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 python3 benchmarks/bench_page_manager.py --out "$OUT/page_manager.json" 2>&1 | tee "$OUT/bench.log" || rc=1
 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
 echo "results in $OUT (exit $rc)"

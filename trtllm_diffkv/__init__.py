@@ -16,12 +16,8 @@ __version__ = "0.1.0"
 __all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "LLM", "SamplingParams", "ModelRunner",
            "__version__"]
 
+from .lazy import lazy_exports
+
 _LAZY = {"LLM": ".llmapi", "SamplingParams": ".llmapi", "ModelRunner": ".llmapi"}
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

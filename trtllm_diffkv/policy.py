@@ -107,6 +107,39 @@ def query_counts(positions: torch.Tensor, prompt_len: int, seq_len: int, prompt_
     return (from_prompt + from_decode).float()
 
 
+def tier_thresholds(alpha: float, length: torch.Tensor | float) -> torch.Tensor:
+    """The threshold ``alpha / N`` a token's importance is compared with (paper section 4.2), as fp32.
+
+    The one home of the threshold rule: the reference cache, the paged cache's torch decisions and its
+    prefill plan call it; the decision kernel (``kernels/decision_kernel.py``) computes the same in Triton,
+    pinned bit-identical to the torch decisions by ``tests/kernels/test_decision_kernel.py``.
+
+    Args:
+        alpha: ``alpha_high`` or ``alpha_low``.
+        length: the N of ``alpha / N``: a scalar, or a tensor (any dtype, any device).
+
+    Returns:
+        ``float32`` tensor of ``length``'s shape: the quotient in fp64, rounded once to fp32 (what comparing
+        an fp32 importance with the Python float ``alpha / N`` does).
+    """
+    return (alpha / torch.as_tensor(length, dtype=torch.float64)).float()
+
+
+def tier_of(importance: torch.Tensor, high_threshold: torch.Tensor, low_threshold: torch.Tensor) -> torch.Tensor:
+    """Tier codes by threshold: ``> high_threshold`` high, ``>= low_threshold`` low, else pruned.
+
+    Args:
+        importance: ``float32 [...]`` mean attention received.
+        high_threshold, low_threshold: ``float32`` tensors broadcastable to ``importance``
+            (:func:`tier_thresholds`).
+
+    Returns:
+        ``int8 [...]`` tier codes (:data:`TIER_HIGH`, :data:`TIER_LOW`, :data:`TIER_PRUNED`).
+    """
+    tier = torch.where(importance >= low_threshold, TIER_LOW, TIER_PRUNED)
+    return torch.where(importance > high_threshold, TIER_HIGH, tier).to(torch.int8)
+
+
 def classify(importance: torch.Tensor, alpha_high: float, alpha_low: float, length: torch.Tensor | float) -> torch.Tensor:
     """Tier of each token by threshold: > alpha_high/length high, >= alpha_low/length low, else pruned.
 
@@ -117,12 +150,9 @@ def classify(importance: torch.Tensor, alpha_high: float, alpha_low: float, leng
     Returns:
         ``int8 [...]`` tier codes.
     """
-    high = importance > alpha_high / length
-    low = importance >= alpha_low / length
-    tier = torch.full(importance.shape, TIER_PRUNED, dtype=torch.int8, device=importance.device)
-    tier[low] = TIER_LOW
-    tier[high] = TIER_HIGH
-    return tier
+    device = importance.device
+    return tier_of(importance, tier_thresholds(alpha_high, length).to(device),
+                   tier_thresholds(alpha_low, length).to(device))
 
 
 def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,

@@ -1,6 +1,6 @@
 """GPU page manager (Triton) against the CPU oracle, call by call: identical page tables and rings.
 
-Run on the device: ``python -m pytest -q tests/gpu -m gpu`` (``scripts/gpu_check.sh``).
+Run on the device: ``python -m pytest -q -m gpu tests/memory/test_page_manager_gpu.py`` (``scripts/gpu_check.sh``).
 Seeded random sequences only (no Hypothesis needed on the device).
 """
 import pytest

@@ -3,9 +3,9 @@ plugins' JIT implementations on the same state (shared by ``tests/trt/test_aot.p
 ``tests/trt/test_aot_graph_gpu.py`` on the GPU).
 
 :func:`run_decode_step`: a ``PagedDiffKVCache`` (fp32, 2 layers, 4 / 2 heads, head_dim 64, 3 slots) prefilled with two
-prompts; its state becomes the named tensors of ``build/aot_graph.py::dims_of`` twice. On one copy every recorded
+prompts; its state becomes the named tensors of ``trt/aot_graph.py::dims_of`` twice. On one copy every recorded
 launch of the step (``record_decode``: decide, page update, locate + moves, then per layer write, partial, merge,
-score) runs as its TensorRT-convention wrapper (``build/trt_abi.py``: the launch's distinct buffers, the int32 extra
+score) runs as its TensorRT-convention wrapper (``trt/trt_abi.py``: the launch's distinct buffers, the int32 extra
 args of ``trt_abi.launch_plan`` from the node attributes ``aot_node_attrs`` gives, the outputs = the inputs again)
 through ``launch``; on the other the plugins' implementations run (``aot_graph.decode_calls``: ``trtllm_diffkv/trt/plugins/ops.py``
 with ``use_triton=True``, what ``@trtp.impl`` runs). Both copies and every layer's output are returned.

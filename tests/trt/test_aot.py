@@ -342,7 +342,7 @@ def _ptx_instructions(ptx: str, kernel_name: str):
 
 
 def test_trt_abi_wrappers_follow_tensorrts_calling_convention(aot_dir):
-    """Every manifest entry has its TensorRT-convention wrapper (``manifest["trt_abi"]``, ``build/trt_abi.py``),
+    """Every manifest entry has its TensorRT-convention wrapper (``manifest["trt_abi"]``, ``trt/trt_abi.py``),
     compiled for both targets: the PTX entry declares exactly the inputs (``.u64``), the int32 extra args (``.u32``)
     and the outputs (``.u64``, one per input) - Triton's scratch parameters cut - the pool's dtype views are one
     input, TensorRT types only (no fp64), the cubin is an ELF of that PTX, warps and shared memory are the entry's,

@@ -52,7 +52,7 @@ def _entry(manifest, launch):
 
 MODES = ("manifest", "trt_ptx", "trt_cubin")
 """How each recorded launch is replayed: the manifest's cubin with the kernel's own parameters (+ the two null
-scratch pointers), or its TensorRT-convention wrapper (``build/trt_abi.py``: inputs, int32 extra args, outputs, and
+scratch pointers), or its TensorRT-convention wrapper (``trt/trt_abi.py``: inputs, int32 extra args, outputs, and
 nothing else), from the PTX (loaded and compiled by the CUDA driver: what TensorRT receives from ``aot_impl``) or from
 the cubin assembled from that PTX."""
 _MODE = ["manifest"]

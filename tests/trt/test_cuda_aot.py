@@ -1,4 +1,4 @@
-"""The CUDA C++ decode kernels' ahead-of-time build (``build/cuda_aot.py``) on the CPU machine.
+"""The CUDA C++ decode kernels' ahead-of-time build (``trt/cuda_aot.py``) on the CPU machine.
 
 What is checked without a GPU: the PTX entries take their parameters in TensorRT's QDP AOT order (input
 pointers, int32 extra args, output pointers) exactly as the manifest lists them; the entries compile to the

@@ -1,4 +1,4 @@
-"""The CUDA decode kernels' AOT build (``build/cuda_aot.py``) launched as TensorRT launches it give the NVRTC path's
+"""The CUDA decode kernels' AOT build (``trt/cuda_aot.py``) launched as TensorRT launches it give the NVRTC path's
 results bit for bit.
 
 How: for an engine shape (default and k8v4 presets, fp16, head_dim 128 and 64, 16 query / 4 KV heads) the ABI

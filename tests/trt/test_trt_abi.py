@@ -1,6 +1,6 @@
-"""The TensorRT-convention wrappers' helpers (``build/trt_abi.py``), the onnxruntime op that launches them
-(``trtllm_diffkv/trt/plugins/ops.py::run_abi_kernel``), the target check (``build/aot.py::check_targets``) and the CUDA kernels' build
-directory on a failed nvcc step (``build/cuda_aot.py``), on the CPU (Triton's interpreter, a fake ``nvcc``).
+"""The TensorRT-convention wrappers' helpers (``trt/trt_abi.py``), the onnxruntime op that launches them
+(``trtllm_diffkv/trt/plugins/ops.py::run_abi_kernel``), the target check (``trt/aot.py::check_targets``) and the CUDA kernels' build
+directory on a failed nvcc step (``trt/cuda_aot.py``), on the CPU (Triton's interpreter, a fake ``nvcc``).
 
 The wrappers here are of a small synthetic kernel written to a temporary module (``_kernel_module``), so the tests do
 not depend on the DiffKV kernels' parameter lists.

@@ -12,7 +12,7 @@ write the model folder (weights as safetensors in the build dtype), the ONNX gra
 plugin node per layer (``--graph composite``, the default: ``model.onnx``; ``--graph per-op``: the per-operation
 graphs ``model_prefill.onnx`` and ``model_decode.onnx``, whose weights are one shared ``model.onnx.data``;
 ``--graph aot``: the AOT prefill and decode graphs - standard ONNX operators and one node per kernel launch in
-TensorRT's AOT calling convention, ``build/onnx_export.py::export_aot`` / ``export_aot_prefill`` - which need a float32
+TensorRT's AOT calling convention, ``trt/onnx_export.py::export_aot`` / ``export_aot_prefill`` - which need a float32
 build, the graphs' activations: ``--dtype float32``, or ``auto`` on a float32 checkpoint), the AOT Triton kernels for
 ``--targets`` with their TensorRT-convention wrappers and the manifest (``kernels/manifest.json``), the CUDA C++ decode
 kernels in that convention where the engine's configuration has them and ``nvcc`` is present
@@ -56,7 +56,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--targets", default="80,90", help="GPU compute capabilities to compile for (default: 80,90)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
     # the choices are listed in the help, not given to argparse: a bad value is this command's one-line error
-    # (build_engine_dir checks it against EXPORT_GRAPHS, which build/__init__.py holds free of imports)
+    # (build_engine_dir checks it against EXPORT_GRAPHS, which trt/__init__.py holds free of imports)
     from ..trt import EXPORT_GRAPHS
 
     p.add_argument("--graph", default="composite", metavar="{" + ",".join(EXPORT_GRAPHS) + "}",
@@ -190,7 +190,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
 
 
 def _cuda_kernels(shape, folder: Path, targets) -> tuple[str | None, str]:
-    """Compile the CUDA C++ decode kernels in TensorRT's AOT convention (``build/cuda_aot.py``) into ``folder``;
+    """Compile the CUDA C++ decode kernels in TensorRT's AOT convention (``trt/cuda_aot.py``) into ``folder``;
     returns ``("cuda_kernels.json", the one line naming the kernels and targets compiled)``, or ``(None, the one line
     saying why not)`` (a configuration the CUDA kernel does not cover, no ``nvcc``): the Triton kernels cover every
     engine."""

@@ -8,6 +8,8 @@
 
 Names are imported on first use (the loops pull in the caches and kernels).
 """
+from ..lazy import lazy_exports
+
 _LAZY = {
     "ReferenceGenerator": ".reference", "PagedGenerator": ".static_batch",
     "GenerationResult": ".results", "PagedGenerationResult": ".results", "result_fields": ".results",
@@ -15,10 +17,4 @@ _LAZY = {
 }
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -8,16 +8,12 @@
 
 Names are imported on first use.
 """
+from ..lazy import lazy_exports
+
 _LAZY = {
     "LLM": ".llm", "RequestOutput": ".outputs", "CompletionOutput": ".outputs", "ModelRunner": ".model_runner",
     "SamplingParams": "..runtime.sampling",
 }
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVCachePool
-from ..policy import TIER_HIGH, TIER_LOW, TIER_PRUNED
+from ..policy import TIER_HIGH, TIER_LOW, TIER_PRUNED, tier_of, tier_thresholds
 from .gather import gather_tier
 
 
@@ -63,17 +63,6 @@ class StepActions:
     new_index: torch.Tensor
     move_from: torch.Tensor
     move_to: torch.Tensor
-
-
-def thresholds(alpha: float, length: torch.Tensor) -> torch.Tensor:
-    """fp32 ``alpha / length`` computed in double then rounded, as ``classify`` compares with a Python float."""
-    return (alpha / length.double()).float()
-
-
-def classify(importance: torch.Tensor, high_thr: torch.Tensor, low_thr: torch.Tensor) -> torch.Tensor:
-    """int8 tier codes: ``> high_thr`` HIGH, ``>= low_thr`` LOW, else PRUNED (:func:`policy.classify`)."""
-    tier = torch.where(importance >= low_thr, TIER_LOW, TIER_PRUNED)
-    return torch.where(importance > high_thr, TIER_HIGH, tier).to(torch.int8)
 
 
 def counts_for(positions: torch.Tensor, prompt_len: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -124,7 +113,7 @@ def decide(pool: KVCachePool, page_table: torch.Tensor, tier_tokens: torch.Tenso
     high = gather_tier(pool, page_table, tier_tokens, rows, "high", wh)
     low = gather_tier(pool, page_table, tier_tokens, rows, "low", wl)
     n = pos.clamp(min=1)
-    thr_h, thr_l = thresholds(alpha_high, n)[:, None], thresholds(alpha_low, n)[:, None]
+    thr_h, thr_l = tier_thresholds(alpha_high, n)[:, None], tier_thresholds(alpha_low, n)[:, None]
     imp_h = high.scores / counts_for(high.positions, prompt_len, pos, prompt_score_window_tokens).clamp(min=1)
     imp_l = low.scores / counts_for(low.positions, prompt_len, pos, prompt_score_window_tokens).clamp(min=1)
 
@@ -132,17 +121,17 @@ def decide(pool: KVCachePool, page_table: torch.Tensor, tier_tokens: torch.Tenso
     ic = is_cand.to(torch.int8).argmax(1)
     found = has_cand & is_cand.any(1)
     imp_c = imp_h.gather(1, ic[:, None])
-    c_tier = classify(imp_c, thr_h, thr_l)[:, 0]
+    c_tier = tier_of(imp_c, thr_h, thr_l)[:, 0]
 
     # candidate HIGH: least important high token at positions <= cand
     elig_h = high.valid & (high.positions.long() <= cand[:, None])
     iv_h, imp_vh = _argmin_importance(imp_h, high.positions, elig_h)
-    vh_tier = classify(imp_vh[:, None], thr_h, thr_l)[:, 0]
+    vh_tier = tier_of(imp_vh[:, None], thr_h, thr_l)[:, 0]
     # candidate LOW: least important of the low tokens and the candidate (ties: the low token, lower position)
     iv_l, imp_vl = _argmin_importance(imp_l, low.positions, low.valid)
     victim_is_cand = imp_c[:, 0] < imp_vl  # inf when the low tier is empty
     imp_v = torch.where(victim_is_cand, imp_c[:, 0], imp_vl)
-    vl_tier = classify(imp_v[:, None], thr_h, thr_l)[:, 0]
+    vl_tier = tier_of(imp_v[:, None], thr_h, thr_l)[:, 0]
     vl_pruned = vl_tier == TIER_PRUNED  # never for the candidate itself (it classified LOW)
 
     one, zero, neg = torch.ones(m, dtype=torch.long, device=dev), torch.zeros(m, dtype=torch.long, device=dev), \

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decisions
+from ..policy import tier_thresholds
 from .gather import token_location
 
 
@@ -33,11 +33,8 @@ def plan_prefill(cache, step) -> None:
     t = torch.arange(int(sum(lens)), device=dev) - cu[req]
     n_tok = lens_t[req]
     S, W = cfg.prompt_score_window_tokens, cfg.recent_window_tokens
-    if cfg.prompt_threshold_base == "position":
-        length = (t + 1).float()
-        thr_h, thr_l = cfg.alpha_high / length, cfg.alpha_low / length
-    else:
-        thr_h, thr_l = decisions.thresholds(cfg.alpha_high, n_tok), decisions.thresholds(cfg.alpha_low, n_tok)
+    length = t + 1 if cfg.prompt_threshold_base == "position" else n_tok
+    thr_h, thr_l = tier_thresholds(cfg.alpha_high, length), tier_thresholds(cfg.alpha_low, length)
     step.prefill = dict(
         slots=slots, cu=cu.to(torch.int32), cu_host=[0] + list(torch.tensor(lens).cumsum(0).tolist()), req=req,
         t=t.to(torch.int32), count=torch.minimum(n_tok - t, torch.full_like(t, S)).float(), thr_h=thr_h, thr_l=thr_l,

@@ -10,6 +10,8 @@
 
 Names are imported on first use.
 """
+from ..lazy import lazy_exports
+
 _LAZY = {
     "DiffKVResourceManager": ".resource_manager", "ScheduledBatch": ".resource_manager",
     "Executor": ".executor", "Request": ".request", "RequestUpdate": ".request", "Scheduler": ".scheduler",
@@ -18,10 +20,4 @@ _LAZY = {
 }
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

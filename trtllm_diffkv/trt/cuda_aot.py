@@ -232,7 +232,7 @@ def cuda_kernel_defines(shape: EngineShape) -> tuple[dict[str, int], dict]:
     """(``-D`` macros, sizes) of ``shape``'s decode launch, derived as ``cuda_decode.launch_partial`` derives them.
 
     The workspace is :meth:`DecodeWorkspace.allocate` for ``max_batch_size`` sequences and
-    ``max_pages_per_row`` on the ``meta`` device (as ``build/aot.py::_decode_specs``: default partition count),
+    ``max_pages_per_row`` on the ``meta`` device (as ``trt/aot.py::_decode_specs``: default partition count),
     ``update_scores`` = the preset compresses; ``group_pad`` / ``block_d`` are the workspace's last dims,
     ``pmax`` the larger tier's tokens per page, the register cap ``compile_defines``' default. Sizes:
     ``num_seqs`` (the maximum), ``num_heads``, ``num_kv_heads``, ``head_dim``, ``num_partitions``, ``R``,

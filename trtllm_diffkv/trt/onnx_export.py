@@ -40,7 +40,7 @@ and the page manager's state (graph inputs and aliased outputs).
 
 AOT decode graph (``export_onnx(..., graph="aot", phase="decode", manifest=...)``, :func:`export_aot`): the per-operation
 decode graph with each DiffKV node replaced by one ``diffkv::aot_<manifest entry>`` node per kernel launch
-(``build/aot_graph.py`` records them), the nodes' inputs the tensors the kernels' pointer parameters name.
+(``trt/aot_graph.py`` records them), the nodes' inputs the tensors the kernels' pointer parameters name.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ import torch
 from trtllm_diffkv.trt.plugins import specs
 
 from ..config import DiffKVConfig
-from . import EXPORT_GRAPHS  # the graph forms: build/__init__.py
+from . import EXPORT_GRAPHS  # the graph forms: trt/__init__.py
 from .fields import kv_config_to_fields
 
 PLUGIN_NAMESPACE = specs.NAMESPACE
@@ -660,14 +660,14 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     """The decode step with its DiffKV work as one ``diffkv::aot_<kernel>`` node per kernel launch.
 
     The per-operation decode graph (:func:`export_per_op` ``phase="decode"``: same graph inputs and ``*_out``
-    outputs) with each DiffKV node replaced by the launches its implementation makes (``build/aot_graph.py``:
+    outputs) with each DiffKV node replaced by the launches its implementation makes (``trt/aot_graph.py``:
     ``trtllm_diffkv/trt/plugins/ops.py`` with ``use_triton=True`` recorded on ``meta`` tensors), in launch order:
     ``decode_decide`` -> ``_decide_kernel``; ``page_update`` -> ``_count_kernel``, ``_decode_apply_kernel`` (the fused
     scan); ``decode_locate`` -> ``_locate_kernel`` (+ ``_read_tokens_kernel``, ``_write_tokens_kernel`` for the moves
     of a compressing preset); per layer ``decode_attention`` -> ``_write_tokens_kernel`` (the new token), then
     ``_decode_partial_kernel``, ``_decode_merge_kernel`` (+ ``_decode_score_kernel`` when scores are updated).
 
-    Each node is a launch in TensorRT's AOT calling convention (``build/trt_abi.py``): op type
+    Each node is a launch in TensorRT's AOT calling convention (``trt/trt_abi.py``): op type
     ``aot_<wrapper name>`` (``<manifest entry>__<binding hash>``), domain ``diffkv``, attributes
     :func:`aot_node_attrs`; inputs: the distinct tensors its pointer parameters name, in first-use order (the pool's
     four dtype views are one input); outputs: one per input, the same tensor after the launch (aliased in place),
@@ -741,7 +741,7 @@ def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str
     Per layer: the causal attention of the packed prompts (``MatMul``/``Softmax`` under the mask "same prompt
     (``req``), key position <= query position (``token_index``)"; grouped KV heads expanded), the prompt scores (the
     AOT nodes of ``_prompt_lse_kernel``, ``_prompt_lse_merge_kernel``, ``_prompt_score_kernel``: the engine's
-    ``max_seq_len`` variant, ``build/aot_prefill.py``), the key offsets of a centering preset (each prompt's mean key
+    ``max_seq_len`` variant, ``trt/aot_prefill.py``), the key offsets of a centering preset (each prompt's mean key
     per KV head, ``ScatterElements`` + ``ScatterND``), the tiers (importance = score sum / ``score_count`` against
     ``thr_high`` / ``thr_low``, the ``window`` tokens high), the tier counts (``ScatterElements`` add into
     ``tier_counts``), each tier's token index in its row (exclusive ``CumSum`` less the prompt start's), its page (the

@@ -33,7 +33,7 @@ tests check the entry's parameter list and that the wrapper's instructions are t
 less the parameter loads of the buffers it no longer receives twice); the GPU test launches the PTX and the cubin
 through the CUDA driver with TensorRT's parameter list and compares with the JIT bit for bit.
 
-Node attributes of the AOT graph (``build/onnx_export.py::aot_node_attrs``) carry an :class:`AbiKernel` (``abi``),
+Node attributes of the AOT graph (``trt/onnx_export.py::aot_node_attrs``) carry an :class:`AbiKernel` (``abi``),
 so onnxruntime (``trtllm_diffkv/trt/plugins/ops.py::run_abi_kernel``) and the TensorRT plugin (``trtllm_diffkv/trt/plugins/trt_plugins.py``) launch the
 same wrapper with the same argument list, computed by the same function (:func:`launch_plan`).
 """
@@ -74,7 +74,7 @@ class AbiKernel:
     """The TensorRT-convention wrapper of one manifest entry for one binding of its pointer parameters.
 
     ``params`` (runtime parameters in order) / ``signature`` / ``constexprs`` / ``options`` / ``divisible`` /
-    ``kernel`` are the manifest entry's (``build/aot.py``); ``input_dtypes[j]``: Triton element type of input ``j``; ``input_of[p]``: the input of pointer
+    ``kernel`` are the manifest entry's (``trt/aot.py``); ``input_dtypes[j]``: Triton element type of input ``j``; ``input_of[p]``: the input of pointer
     parameter ``p``. ``name`` = ``<entry>__<hash of the binding>``; the wrapper function is ``trt_<name>``.
     """
 
@@ -138,7 +138,7 @@ def _make(entry: dict, input_dtypes: list, input_of: dict) -> AbiKernel:
 
 
 def from_launcher(entry: dict) -> AbiKernel:
-    """The wrapper of a manifest entry as its launcher binds it (``entry["buffers"]``, ``build/aot.py``: views of one
+    """The wrapper of a manifest entry as its launcher binds it (``entry["buffers"]``, ``trt/aot.py``: views of one
     tensor, e.g. the pool's four dtype views, are one input; every other pointer its own). An input's dtype is its
     first pointer parameter's (the pool: ``u8``)."""
     pointers = [p for p in entry["params"] if entry["signature"][p].startswith("*")]
@@ -151,7 +151,7 @@ def from_launcher(entry: dict) -> AbiKernel:
 
 def from_bindings(entry: dict, pointers: list[str], bindings: list[str], bind_dtypes: dict[str, str]) -> AbiKernel:
     """The wrapper of a launch whose pointer parameters ``pointers`` are bound to the named buffers ``bindings``
-    (``build/aot_graph.py::Launch``); ``bind_dtypes``: buffer name -> torch dtype name (``float64`` travels as
+    (``trt/aot_graph.py::Launch``); ``bind_dtypes``: buffer name -> torch dtype name (``float64`` travels as
     ``int64``). Inputs: the distinct buffers in first-use order."""
     unique = list(dict.fromkeys(bindings))
     dtypes = [abi_dtype(TORCH_TO_TRITON[bind_dtypes[b]]) for b in unique]
@@ -404,7 +404,7 @@ def compile_abi(kernels: list[AbiKernel], out_dir: str | Path, targets) -> None:
 
 
 STEP_SYMBOLS = ("n", "B", "P")
-"""The step sizes an AOT node's size expressions may use (``build/onnx_export.py::aot_node_attrs``: tokens, batch,
+"""The step sizes an AOT node's size expressions may use (``trt/onnx_export.py::aot_node_attrs``: tokens, batch,
 page-table width), each read from an input dim (``attrs["dims"]``)."""
 
 

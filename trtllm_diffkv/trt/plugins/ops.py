@@ -159,7 +159,7 @@ def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bo
         inputs: the tensors of :data:`.specs.DECODE`, in order.
         out: ``[B, H, D]`` attention output (written).
         scratch: the tensors this op otherwise allocates (the AOT graph's recording names them,
-            ``build/aot_graph.py``): ``rows`` int64 ``[B, Hkv]`` (``row_ids`` as int64: the key-offset rows),
+            ``trt/aot_graph.py``): ``rows`` int64 ``[B, Hkv]`` (``row_ids`` as int64: the key-offset rows),
             ``scores`` fp32 ``[B * Hkv]`` zeros (the new tokens' scores), ``workspace`` (a ``DecodeWorkspace``).
     """
     from trtllm_diffkv.paged import decode
@@ -301,7 +301,7 @@ def run_abi_kernel(tensors: list, attrs: dict) -> None:
     Args:
         tensors: the node's inputs (the launch's distinct buffers, in the wrapper's input order and dtypes; torch
             tensors, each its own memory).
-        attrs: the node's attributes (``build/onnx_export.py::aot_node_attrs``; JSON strings or decoded): ``abi`` (the
+        attrs: the node's attributes (``trt/onnx_export.py::aot_node_attrs``; JSON strings or decoded): ``abi`` (the
             wrapper), ``grid``, ``sizes``, ``dims``, ``extras``, ``constexprs``, ``num_warps``, ``num_stages``; the grid
             and extras come from :func:`trtllm_diffkv.trt.trt_abi.launch_plan`, as TensorRT's ``aot_impl`` gets them.
 

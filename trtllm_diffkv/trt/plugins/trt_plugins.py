@@ -135,7 +135,7 @@ for _plugin in specs.PLUGINS.values():
 def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> list[str]:
     """Register ``diffkv::aot_<wrapper>`` for every TensorRT-convention wrapper of the engine's manifest
     (``manifest["trt_abi"]``, ``trtllm_diffkv/trt/trt_abi.py``): the AOT decode graph's nodes
-    (``build/onnx_export.py::export_aot``). Returns the plugin names.
+    (``trt/onnx_export.py::export_aot``). Returns the plugin names.
 
     Per plugin: inputs = the wrapper's inputs (the launch's distinct buffers), every output aliased to its input
     (updated in place); fields = the node's attributes (``onnx_export.AOT_ATTRS``: JSON strings and ints);
