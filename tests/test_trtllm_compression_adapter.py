@@ -58,7 +58,7 @@ def llm_tokens(model, prompts, max_new_tokens, preset) -> list[list[int]]:
 
 def executor(adapter, model, *, preset="llama3-8b", kv_memory_bytes=KV_BYTES, max_batch_size=3, hf=None, **args):
     config = adapter.DiffKVCompressionConfig(preset=preset, kv_memory_bytes=kv_memory_bytes)
-    llm_args = sti.TorchLlmArgs(**{"attn_backend": "DIFFKV", "kv_cache_config": sti.KvCacheConfig(
+    llm_args = sti.llm_args(**{"attn_backend": "DIFFKV", "kv_cache_config": sti.KvCacheConfig(
         enable_block_reuse=False), "kv_cache_compression_config": config, **args})
     return sti.StandInPyExecutor(model, llm_args, hf or hf_dict(model.config), max_batch_size=max_batch_size,
                                  max_seq_len=512)
@@ -137,6 +137,33 @@ def test_abort_while_waiting_after_prefill_and_mid_decode(trt, model):
     assert_all_pages_back(ex)
 
 
+def test_non_finite_keys_are_reported_per_request(trt):
+    from conftest import tiny_llama
+
+    poisoned, poison = tiny_llama(), 7
+    with torch.no_grad():
+        poisoned.model.embed_tokens.weight[poison] = float("nan")
+    clean = [p for p in prompts_of([12, 30], seed=9) if poison not in p]
+    ex = executor(trt, poisoned)
+    ids = [ex.add_request(p, 5) for p in clean]
+    bad = ex.add_request(clean[0][:5] + [poison], 5)
+    done = ex.run_until_done()
+    errors = ex.compression_manager.request_errors
+    assert list(errors) == [bad] and "NaN/Inf" in errors[bad]
+    assert [done[i].output_token_ids for i in ids] == llm_tokens(poisoned, clean, 5, "llama3-8b")
+    assert_all_pages_back(ex)
+
+
+def test_core_never_imports_the_adapter():
+    import subprocess
+
+    code = ("import sys, trtllm_diffkv, trtllm_diffkv.runtime.executor, trtllm_diffkv.llm, trtllm_diffkv.paged.cache; "
+            "bad = [m for m in sys.modules if m.startswith(('trtllm_diffkv.trt', 'tensorrt_llm'))]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=__import__("pathlib").Path(__file__).parents[1])
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
 # ---------------------------------------------------------------- admission refusals
 @pytest.mark.parametrize("args, match", [
     # refused by TensorRT-LLM's own compatibility check, from the config's predicates
@@ -200,7 +227,7 @@ def test_config_fields_and_calibration_file(trt, model, tmp_path):
     path.write_text(json.dumps({**kv_config_to_fields(calibrated), "model": {"head_dim": model.config.head_dim}}))
     from_file = trt.DiffKVCompressionConfig(calibration_path=str(path), kv_memory_bytes=KV_BYTES)
     assert from_file.to_kv_config() == calibrated
-    ex = sti.StandInPyExecutor(model, sti.TorchLlmArgs(attn_backend="DIFFKV", kv_cache_config=sti.KvCacheConfig(
+    ex = sti.StandInPyExecutor(model, sti.llm_args(attn_backend="DIFFKV", kv_cache_config=sti.KvCacheConfig(
         enable_block_reuse=False), kv_cache_compression_config=from_file), hf_dict(model.config))
     assert ex.compression_manager.kv_config == calibrated
     path.write_text(json.dumps({**kv_config_to_fields(calibrated), "model": {"head_dim": 128}}))
@@ -241,11 +268,17 @@ def test_missing_finish_hook_leaks_pages(trt, model):
 
 def test_unregistered_method_and_backend_fail(model):
     with sti.installed() as modules:
-        import trtllm_diffkv.trt.tensorrt_llm as adapter  # not registered: TensorRT-LLM knows neither name
+        import trtllm_diffkv.trt.tensorrt_llm as adapter
 
+        util = modules["tensorrt_llm._torch.pyexecutor._util"]
+        attn_utils = modules["tensorrt_llm._torch.attention_backend.utils"]
+        adapter.DiffKVCompressionConfig  # importing the config registers both names ...
+        assert util.create_kv_cache_compression_manager.__wrapped__ and attn_utils.get_attention_backend.__wrapped__
+        util.create_kv_cache_compression_manager = util.create_kv_cache_compression_manager.__wrapped__
+        attn_utils.get_attention_backend = attn_utils.get_attention_backend.__wrapped__  # ... undone: TensorRT-LLM
         ex = executor(adapter, model)
         assert ex.compression_manager is None
-        assert "diffkv" in modules["tensorrt_llm._torch.pyexecutor._util"].logger.warnings[0]
+        assert "diffkv" in util.logger.warnings[0]
         ex.add_request([1, 2, 3], 2)
         ex.run_until_done()
         assert ex.errors[0].startswith("NotImplementedError")  # "DIFFKV" fell back to TensorRT-LLM's kernels
@@ -255,6 +288,25 @@ def test_unregistered_method_and_backend_fail(model):
         ex.run_until_done()
         assert ex.errors[0].startswith("NotImplementedError")
         assert_all_pages_back(ex)
+
+
+def test_serve_yaml_parses_to_the_diffkv_config(trt, model):
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "trtllm_serve_diffkv.yaml"
+    options = yaml.safe_load(path.read_text())
+    args = sti.llm_args(**options)
+    config = args.kv_cache_compression_config
+    assert isinstance(config, trt.DiffKVCompressionConfig) and config.preset == "llama3-8b"
+    assert type(sti.llm_args(kv_cache_compression_config={"algorithm": "other"}).kv_cache_compression_config) \
+        is sti.KvCacheCompressionConfig  # other algorithms parse as before
+    options["kv_cache_compression_config"] = {"algorithm": "diffkv", "preset": "llama3-8b", "kv_memory_bytes": KV_BYTES}
+    ex = sti.StandInPyExecutor(model, sti.llm_args(**options), hf_dict(model.config))  # on the CPU: bytes
+    prompt = prompts_of([25])[0]
+    rid = ex.add_request(prompt, 6)
+    assert ex.run_until_done()[rid].output_token_ids == llm_tokens(model, [prompt], 6, "llama3-8b")[0]
 
 
 def test_backend_signature_and_binding_checked(trt, model, monkeypatch):
@@ -290,7 +342,7 @@ def test_default_model_through_the_standin(trt, default_model):
     net, tokenizer, model_config = default_model
     prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):\n    ")]
     hf = hf_dict(model_config, tie_word_embeddings=model_config.tie_word_embeddings)
-    ex = sti.StandInPyExecutor(net, sti.TorchLlmArgs(
+    ex = sti.StandInPyExecutor(net, sti.llm_args(
         attn_backend="DIFFKV", kv_cache_config=sti.KvCacheConfig(enable_block_reuse=False),
         kv_cache_compression_config=trt.DiffKVCompressionConfig(kv_memory_bytes=64 << 20)), hf, max_seq_len=512)
     ids = [ex.add_request(p, 8) for p in prompts]

@@ -86,7 +86,8 @@ KvCacheCompressionConfigType = Union[KvCacheCompressionConfig]
 
 
 class TorchLlmArgs(StrictBaseModel):
-    """The ``LLM(...)`` arguments the adapter's path reads (a small subset)."""
+    """The ``LLM(...)`` arguments the adapter's path reads (a small subset). Each :func:`installed` makes a fresh
+    subclass (the adapter widens its ``kv_cache_compression_config`` field): build them with :func:`llm_args`."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
     model: str = "local"
@@ -95,6 +96,8 @@ class TorchLlmArgs(StrictBaseModel):
     kv_cache_compression_config: Optional[KvCacheCompressionConfigType] = None
     speculative_config: Optional[object] = None
     tensor_parallel_size: int = 1
+    disable_overlap_scheduler: bool = False
+    enable_chunked_prefill: bool = False
 
 
 # ---------------------------------------------------------------- pyexecutor: requests and batches
@@ -411,8 +414,9 @@ def _build_modules() -> dict[str, types.ModuleType]:
     util.create_kv_cache_compression_manager = create_kv_cache_compression_manager
     attn_utils.get_attention_backend = get_attention_backend
     attn_utils.create_attention = create_attention
+    fresh_args = type("TorchLlmArgs", (TorchLlmArgs,), {"__module__": __name__})
     llm_args = _module("tensorrt_llm.llmapi.llm_args", KvCacheCompressionConfig=KvCacheCompressionConfig,
-                       KvCacheConfig=KvCacheConfig, TorchLlmArgs=TorchLlmArgs,
+                       KvCacheConfig=KvCacheConfig, TorchLlmArgs=fresh_args,
                        KvCacheCompressionConfigType=KvCacheCompressionConfigType, StrictBaseModel=StrictBaseModel)
     resource_manager = _module(
         "tensorrt_llm._torch.pyexecutor.resource_manager", BaseResourceManager=BaseResourceManager,
@@ -431,6 +435,11 @@ def _build_modules() -> dict[str, types.ModuleType]:
         attn_utils,
     ]
     return {m.__name__: m for m in modules}
+
+
+def llm_args(**fields):
+    """``TorchLlmArgs(**fields)`` of the installed stand-in."""
+    return sys.modules["tensorrt_llm.llmapi.llm_args"].TorchLlmArgs(**fields)
 
 
 @contextlib.contextmanager
@@ -478,7 +487,7 @@ class StandInPyExecutor:
 
     Args:
         model: our ``LlamaForCausalLM`` (TensorRT-LLM's model in this role).
-        llm_args: a :class:`TorchLlmArgs`.
+        llm_args: a ``TorchLlmArgs`` of the installed stand-in (:func:`llm_args`).
         pretrained_config: what the factory is given (a transformers config or its dict).
         max_batch_size, max_seq_len, max_num_tokens: the engine limits the KV cache manager carries.
         mapping: the parallel layout (a :class:`Mapping`).
@@ -488,7 +497,7 @@ class StandInPyExecutor:
         of requests failed by ``_handle_errors``; ``calls``: the resource-manager calls of each iteration.
     """
 
-    def __init__(self, model, llm_args: TorchLlmArgs, pretrained_config, *, max_batch_size: int = 8,
+    def __init__(self, model, llm_args, pretrained_config, *, max_batch_size: int = 8,
                  max_seq_len: int = 256, max_num_tokens: int = 2048, mapping: Mapping | None = None) -> None:
         util = sys.modules["tensorrt_llm._torch.pyexecutor._util"]
         attn_utils = sys.modules["tensorrt_llm._torch.attention_backend.utils"]

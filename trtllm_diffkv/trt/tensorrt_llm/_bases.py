@@ -6,7 +6,8 @@ Written against NVIDIA/TensorRT-LLM's KV-cache compression framework (docs/RUNTI
 * ``tensorrt_llm.llmapi.llm_args.KvCacheCompressionConfig``;
 * ``tensorrt_llm._torch.pyexecutor.resource_manager.KVCacheCompressionManager``;
 * ``tensorrt_llm._torch.attention_backend.interface``: ``AttentionBackend``, ``AttentionMetadata``,
-  ``PredefinedAttentionMask``.
+  ``PredefinedAttentionMask`` (the developer guide on TensorRT-LLM's main links the same classes under
+  ``tensorrt_llm/_torch/attention/backends/``: that path is tried first, see :data:`ATTENTION_PACKAGES`).
 
 Raises:
     ImportError: TensorRT-LLM (a release with the KV-cache compression framework) is not
@@ -20,13 +21,36 @@ INSTALL_HINT = ("trtllm_diffkv.trt.tensorrt_llm needs TensorRT-LLM with the KV-c
                 "first (pip install tensorrt_llm, NVIDIA's index), then this package beside it "
                 "(pip install trtllm-diffkv --no-deps)")
 
+ATTENTION_PACKAGES = ("tensorrt_llm._torch.attention.backends", "tensorrt_llm._torch.attention_backend")
+"""Where TensorRT-LLM keeps its attention backends (``interface``, ``utils``): the newer layout first."""
+
+
+def attention_module(name: str):
+    """TensorRT-LLM's attention-backend submodule ``name`` (``"interface"`` or ``"utils"``) in either layout.
+
+    Raises:
+        ImportError: in neither (the last error).
+    """
+    import importlib
+
+    error = None
+    for package in ATTENTION_PACKAGES:
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ImportError as exc:
+            error = exc
+    raise error
+
+
 try:
-    from tensorrt_llm._torch.attention_backend.interface import (AttentionBackend, AttentionMetadata,
-                                                                  PredefinedAttentionMask)
     from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheCompressionManager
     from tensorrt_llm.llmapi.llm_args import KvCacheCompressionConfig
+
+    _interface = attention_module("interface")
+    AttentionBackend, AttentionMetadata = _interface.AttentionBackend, _interface.AttentionMetadata
+    PredefinedAttentionMask = _interface.PredefinedAttentionMask
 except ImportError as exc:  # absent, or a release without the framework
     raise ImportError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from exc
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "PredefinedAttentionMask", "KVCacheCompressionManager",
-           "KvCacheCompressionConfig", "INSTALL_HINT"]
+           "KvCacheCompressionConfig", "INSTALL_HINT", "ATTENTION_PACKAGES", "attention_module"]

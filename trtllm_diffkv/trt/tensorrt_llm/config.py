@@ -9,9 +9,8 @@ Usage::
 
     from tensorrt_llm import LLM
     from tensorrt_llm.llmapi import KvCacheConfig
-    from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig, register
+    from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig  # registers the method (registration.py)
 
-    register()   # the factory branch and the "DIFFKV" attention backend (docs/RUNTIME.md)
     llm = LLM(model_dir, attn_backend="DIFFKV", disable_overlap_scheduler=True, enable_chunked_prefill=False,
               kv_cache_config=KvCacheConfig(enable_block_reuse=False),
               kv_cache_compression_config=DiffKVCompressionConfig(preset="llama3-8b", kv_memory_fraction=0.5))
@@ -147,3 +146,12 @@ def _read_json(path: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"DiffKV calibration file {path!r} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _register() -> None:
+    from .registration import register
+
+    register(DiffKVCompressionConfig)
+
+
+_register()  # wherever this config is built or unpickled, TensorRT-LLM knows "diffkv" and "DIFFKV"
