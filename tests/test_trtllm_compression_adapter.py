@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -196,6 +197,16 @@ def test_chunked_prefill_and_oversized_prompt_fail_with_clear_errors(trt, model)
     small.run_until_done()
     assert "DiffKV pages" in small.errors[0]
     assert_all_pages_back(small)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mla_params": object()}, "MLA"), ({"q_scaling": 2.0}, "q_scaling"),
+    ({"attention_chunk_size": 128}, "chunked"), ({"quant_config": types.SimpleNamespace(kv_cache_quant_algo="FP8")},
+                                                 "kv_cache_quant_algo"),
+])
+def test_attention_layers_diffkv_cannot_serve_are_refused(trt, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        trt.DiffKVAttention(0, 8, 64, 2, **kwargs)
 
 
 def test_overlap_scheduler_refused(trt, model):

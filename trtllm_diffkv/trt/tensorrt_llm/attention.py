@@ -70,7 +70,8 @@ class DiffKVAttention(AttentionBackend[DiffKVAttentionMetadata]):
         if kwargs.get("mla_params") is not None:
             raise ValueError("DiffKVAttention does not serve MLA (multi-head latent attention) layers")
         if kwargs.get("q_scaling") not in (None, 1.0):
-            raise ValueError(f"DiffKVAttention uses the softmax scale 1/sqrt(head_dim); q_scaling={kwargs['q_scaling']}")
+            raise ValueError(f"DiffKVAttention uses the softmax scale 1/sqrt(head_dim); "
+                             f"q_scaling={kwargs['q_scaling']}")
         if kwargs.get("attention_chunk_size") is not None:
             raise ValueError("DiffKVAttention does not serve chunked (local) attention")
         if getattr(quant_config, "kv_cache_quant_algo", None) is not None:

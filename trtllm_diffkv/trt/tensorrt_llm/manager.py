@@ -65,7 +65,8 @@ def model_config_from_pretrained(pretrained_config) -> ModelConfig:
     except ValueError as exc:
         raise ValueError(f"DiffKV does not serve this model: {exc}") from None
     if model_config.sliding_window is not None:
-        raise ValueError(f"DiffKV does not serve sliding-window attention (sliding_window={model_config.sliding_window})")
+        raise ValueError(f"DiffKV does not serve sliding-window attention "
+                         f"(sliding_window={model_config.sliding_window})")
     return model_config
 
 
