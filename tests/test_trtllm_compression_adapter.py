@@ -221,6 +221,25 @@ def test_overlap_scheduler_refused(trt, model):
     assert ex.compression_manager.rm.free_pages() == ex.compression_manager.rm.get_max_resource_count()
 
 
+def test_restarted_prefill_gives_back_the_old_pages(trt, model):
+    ex = executor(trt, model)
+    manager, rm = ex.compression_manager, ex.compression_manager.rm
+    request = sti.LlmRequest(5, prompts_of([60])[0], 4)
+    for _ in range(2):  # the second init of the same id: its prefill restarts from scratch
+        batch = sti.ScheduledRequests([request], [])
+        ex.resource_manager.prepare_resources(batch)
+        ex.metadata.seq_lens, ex.metadata.num_contexts = torch.tensor([60]), 1
+        ex.metadata.request_ids, ex.metadata.prompt_lens = [5], [60]
+        ex.metadata.prepare()
+        ex.model(torch.tensor(request.get_tokens(0)), torch.arange(60), sti.AttentionModuleStandIn(
+            ex.backends, ex.metadata))
+        ex.resource_manager.update_resources(batch, ex.metadata, 2)
+        held = rm.get_max_resource_count() - rm.free_pages()
+    assert held == manager.request_stats(5).pool_pages  # only the second prefill's pages are held
+    ex.resource_manager.free_resources(request)
+    assert_all_pages_back(ex)
+
+
 def test_config_fields_and_calibration_file(trt, model, tmp_path):
     from trtllm_diffkv.build.fields import kv_config_to_fields
     from trtllm_diffkv.config import get_preset
