@@ -134,6 +134,10 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
     def on_request_init(self, request, **kwargs) -> None:
         """Before the request's first prefill chunk: register it, after DiffKV's admission checks.
 
+        A request already registered (its prefill restarts, e.g. after TensorRT-LLM paused it) first
+        gives back every page it held: its prompt is scored and compacted again, as our executor's
+        preemption by recomputation does.
+
         Raises:
             ValueError: a chunked prefill (DiffKV scores the whole prompt with its last 64 queries at
                 once: ``enable_chunked_prefill=False``), or a request whose prefill needs more pages
@@ -149,6 +153,9 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         if need > total:
             raise ValueError(f"request {request.py_request_id}: its prefill needs {need} DiffKV pages, the pool has "
                              f"{total} (raise kv_memory_bytes / kv_memory_fraction)")
+        old = self._requests.pop(request.py_request_id, None)
+        if old is not None:
+            rm.free_resources(old)
         prompt = [int(t) for t in request.get_tokens(0)[:n]]
         ours = Request(request.py_request_id, prompt, SamplingParams(max_tokens=max(1, int(request.max_new_tokens))))
         ours.prefill_token_ids = list(prompt)
