@@ -371,7 +371,9 @@ def test_import_without_tensorrt_llm_says_how_to_install(monkeypatch):
 def test_default_model_through_the_standin(trt, default_model):
     net, tokenizer, model_config = default_model
     prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):\n    ")]
-    hf = hf_dict(model_config, tie_word_embeddings=model_config.tie_word_embeddings)
+    from trtllm_diffkv.model.loader import default_model_path
+
+    hf = json.loads((default_model_path() / "config.json").read_text())  # what TensorRT-LLM's factory is given
     ex = sti.StandInPyExecutor(net, sti.llm_args(
         attn_backend="DIFFKV", kv_cache_config=sti.KvCacheConfig(enable_block_reuse=False),
         kv_cache_compression_config=trt.DiffKVCompressionConfig(kv_memory_bytes=64 << 20)), hf, max_seq_len=512)
