@@ -33,8 +33,12 @@ Reproduced from NVIDIA/TensorRT-LLM's sources, as read with the search tool on 2
 * ``_torch/pyexecutor/py_executor.py``: each iteration handles cancellations (a cancelled active
   request is terminated: ``free_resources``), schedules, ``prepare_resources``, runs the forward
   (metadata ``prepare()`` first), samples, updates the requests, ``update_resources``, then terminates
-  finished requests (``free_resources``); an exception in the iteration fails every active request
-  (``_handle_errors``: each terminated) and the loop goes on.
+  finished requests (``free_resources``); an exception in the forward or the sampling fails every active
+  request (``_handle_errors``: each terminated) and the loop goes on (the stand-in treats an exception
+  anywhere in the iteration so).
+* ``LlmRequest``: ``py_request_id`` and ``is_first_context_chunk`` as the framework's tests use them;
+  ``prompt_len``, ``max_new_tokens``, ``get_tokens(beam)``, ``context_chunk_size`` and
+  ``context_current_position`` are the binding's names as the adapter assumes them (not re-read).
 
 What it does NOT reproduce: TensorRT-LLM's kernels (``TrtllmAttention.forward`` raises), KVCacheManagerV2's
 pages (it only counts blocks per request) and its admission by free blocks, chunked prefill, the overlap

@@ -7,8 +7,9 @@ RoPE itself when the backend does not fuse it (``support_fused_rope() == False``
 the mixed-precision paged decode attention), for the step that
 :class:`~.manager.DiffKVCompressionManager` planned in ``prepare_resources``.
 
-Selected by ``attn_backend="DIFFKV"`` once :func:`~.registration.register` has added the name to
-TensorRT-LLM's ``get_attention_backend`` (a hard-coded if-chain with no registration point).
+Selected by ``attn_backend="DIFFKV"``: :func:`~.registration.register` (run when ``config.py`` is
+imported) adds the name to TensorRT-LLM's ``get_attention_backend``, a hard-coded if-chain with no
+registration point.
 """
 from __future__ import annotations
 
