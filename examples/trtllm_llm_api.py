@@ -1,0 +1,32 @@
+"""DiffKV inside TensorRT-LLM's PyTorch backend, through TensorRT-LLM's own ``LLM`` API.
+
+NOT RUN: TensorRT-LLM cannot be installed on this project's machines (the adapter is tested through
+``tests/trt/trtllm_standin.py``). Install, beside TensorRT-LLM:
+
+    pip install tensorrt_llm                    # NVIDIA's index: a release with kv_cache_compression_config
+    pip install --no-deps trtllm-diffkv         # this package (TensorRT-LLM already brings torch, triton)
+
+Usage: ``python examples/trtllm_llm_api.py /path/to/hf_checkpoint``
+"""
+import sys
+
+from tensorrt_llm import LLM, SamplingParams
+from tensorrt_llm.llmapi import KvCacheConfig
+
+from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig  # importing it registers "diffkv" / "DIFFKV"
+
+
+def main(model_dir: str) -> None:
+    llm = LLM(model_dir,
+              attn_backend="DIFFKV",                  # DiffKVAttention: the layers read DiffKV's paged cache
+              disable_overlap_scheduler=True,         # DiffKV plans each step after the previous one ended
+              enable_chunked_prefill=False,           # the whole prompt is scored at once (last 64 queries)
+              kv_cache_config=KvCacheConfig(enable_block_reuse=False, free_gpu_memory_fraction=0.1),
+              kv_cache_compression_config=DiffKVCompressionConfig(preset="llama3-8b", kv_memory_fraction=0.8))
+    for output in llm.generate(["Explain in two sentences why a KV cache grows with context length."],
+                               SamplingParams(max_tokens=64, temperature=0.0)):
+        print(output.outputs[0].text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
