@@ -49,7 +49,8 @@ from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.model import ModelConfig  # noqa: E402
 from trtllm_diffkv.runtime.executor import Executor  # noqa: E402
 from trtllm_diffkv.runtime.sampling import SamplingParams  # noqa: E402
-from trtllm_diffkv.throughput import LLAMA3_8B_SHAPE, TINY_SHAPE, environment, fp16_kv_bytes_per_token, random_llama  # noqa: E402
+from trtllm_diffkv.throughput import (LLAMA3_8B_SHAPE, TINY_SHAPE, environment,  # noqa: E402
+                                      fp16_kv_bytes_per_token, random_llama)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_OUTPUT = os.path.join(RESULTS, "step.json")
