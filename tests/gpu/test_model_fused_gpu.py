@@ -31,8 +31,9 @@ def test_rms_norm_on_gpu(dtype, hidden):
         out, s = fused.rms_norm(x, weight, 1e-5, res)
         ref, ref_s = fused.rms_norm(x, weight, 1e-5, res, use_triton=False)
         assert torch.equal(s, ref_s)
-        # the fp32 mean's summation order differs: a one-ulp rounding flip, rarely
-        assert _ulps(out, ref).max() <= 1.0 and (out != ref).float().mean() < 0.01
+        # the fp32 mean's summation order differs: a rounding flip of the normed value, rarely, which the
+        # weight's product can carry to two ulps
+        assert _ulps(out, ref).max() <= 2.0 and (out != ref).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -41,13 +42,13 @@ def test_silu_mul_on_gpu(dtype):
     gate_up = (torch.randn(48, 2 * 14336, device="cuda", generator=g) * 4).to(dtype)
     out = fused.silu_mul(gate_up)
     ref = fused.silu_mul(gate_up, use_triton=False)
-    assert _ulps(out, ref).max() <= 1.0 and (out != ref).float().mean() < 0.01
+    assert _ulps(out, ref).max() <= 2.0 and (out != ref).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64), (28, 4, 128), (8, 8, 256),
                                                             (6, 2, 80)])
-def test_qkv_rope_on_gpu_is_bitwise(dtype, num_heads, num_kv_heads, head_dim):
+def test_qkv_rope_on_gpu(dtype, num_heads, num_kv_heads, head_dim):
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     n = 37
     qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda", generator=g).to(dtype)
@@ -55,9 +56,16 @@ def test_qkv_rope_on_gpu_is_bitwise(dtype, num_heads, num_kv_heads, head_dim):
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     q, k, v = fused.qkv_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     rq, rk, rv = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
-    assert torch.equal(q, apply_rope(rq.reshape(n, num_heads, head_dim), cos, sin))
-    assert torch.equal(k, apply_rope(rk.reshape(n, num_kv_heads, head_dim), cos, sin))
+    ref_q = apply_rope(rq.reshape(n, num_heads, head_dim), cos, sin)
+    ref_k = apply_rope(rk.reshape(n, num_kv_heads, head_dim), cos, sin)
     assert torch.equal(v, rv.reshape(n, num_kv_heads, head_dim))
+    # one rounding against PyTorch's three: within 2 ulps of the terms' magnitude, and more accurate
+    bound = 2 * torch.finfo(dtype).eps * 2 * qkv.float().abs().max()
+    assert (q.float() - ref_q.float()).abs().max() <= bound and (k.float() - ref_k.float()).abs().max() <= bound
+    x = qkv.double()[:, :(num_heads + num_kv_heads) * head_dim].reshape(n, num_heads + num_kv_heads, head_dim)
+    exact = apply_rope(x, cos.double(), sin.double())
+    ours, theirs = torch.cat([q, k], dim=1).double(), torch.cat([ref_q, ref_k], dim=1).double()
+    assert (ours - exact).norm() < (theirs - exact).norm()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,4 +96,4 @@ def test_fused_model_forward_on_gpu(monkeypatch, dtype):
                                                                                                 backend)
     err, ref_err = ((out - fp32).norm() / fp32.norm()).item(), ((ref - fp32).norm() / fp32.norm()).item()
     assert err < 1.5 * ref_err + 1e-3, (err, ref_err)   # as close to fp32 as the unfused path
-    assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+    assert ((out - ref).norm() / ref.norm()).item() < 2 * ref_err + 1e-3       # apart by their own rounding
