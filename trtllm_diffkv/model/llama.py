@@ -510,7 +510,10 @@ class LlamaForCausalLM(nn.Module):
 
         Returns:
             The model in eval mode with ``requires_grad`` off, on the weights'
-            device and dtype.
+            device and dtype, its q/k/v and gate/up weights concatenated
+            (:meth:`fuse_projections`: the parameters are views of the new
+            buffers, so while the caller keeps ``weights`` those matrices exist
+            twice).
 
         Raises:
             ValueError: a missing, unexpected or mis-shaped tensor, naming it;
