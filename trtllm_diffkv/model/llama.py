@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_api import AttentionBackend
+from . import fused as _fused_ops
+from .fused import qkv_rope, rms_norm, rms_norm_reference, silu_mul
 from .rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, normalize_rope_scaling, rope_inv_freq  # noqa: F401
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -234,13 +236,49 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, dim]`` -> same shape and dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + residual`` (``x`` when ``residual`` is None) -> ``(norm(s), s)``; one Triton kernel on
+        CUDA (:func:`~trtllm_diffkv.model.fused.rms_norm`)."""
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+def _concat_rows(modules: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    """Concatenate the modules' ``attr`` tensors along dim 0 and make each module's parameter a view of
+    its rows of the result (the same values and HF names, one buffer); ``None`` when they have none."""
+    tensors = [getattr(m, attr) for m in modules]
+    if any(t is None for t in tensors):
+        return None
+    fused = torch.cat([t.detach() for t in tensors], dim=0)
+    start = 0
+    for module, t in zip(modules, tensors):
+        setattr(module, attr, nn.Parameter(fused[start:start + t.shape[0]], requires_grad=t.requires_grad))
+        start += t.shape[0]
+    return fused
+
+
+def _is_concat_of(fused: torch.Tensor | None, modules: list[nn.Linear], attr: str) -> bool:
+    """Whether the modules' ``attr`` parameters are still consecutive row views of ``fused`` (a ``.to()``
+    or a parameter reassigned since the concatenation makes them separate tensors again)."""
+    if fused is None:
+        return all(getattr(m, attr) is None for m in modules)
+    ptr, row_bytes = fused.data_ptr(), fused[0].numel() * fused.element_size()
+    for m in modules:
+        t = getattr(m, attr)
+        if t is None or t.data_ptr() != ptr or t.dtype != fused.dtype or t.device != fused.device:
+            return False
+        ptr += t.shape[0] * row_bytes
+    return True
 
 
 class Attention(nn.Module):
-    """q/k/v projections, RoPE, backend attention, output projection."""
+    """q/k/v projections, RoPE, backend attention, output projection.
+
+    After :meth:`fuse_projections` (done at load), q/k/v are one matrix product over the concatenated
+    weight and one RoPE kernel on CUDA (:func:`~trtllm_diffkv.model.fused.qkv_rope`); the CPU keeps
+    the separate products (bit-identical to the transformers parity path).
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -251,32 +289,64 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self._qkv_weight: torch.Tensor | None = None
+        self._qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """Concatenate the q/k/v weights (and biases) into one buffer; the parameters become its row views."""
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        self._qkv_weight = _concat_rows(projections, "weight")
+        self._qkv_bias = _concat_rows(projections, "bias")
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        return (_fused_ops.use_fused_kernels(x) and self._qkv_weight is not None
+                and _is_concat_of(self._qkv_weight, projections, "weight")
+                and _is_concat_of(self._qkv_bias, projections, "bias"))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self._fused(x):
+            q, k, v = qkv_rope(F.linear(x, self._qkv_weight, self._qkv_bias), cos, sin, self.num_heads,
+                               self.num_kv_heads, self.head_dim)
+        else:
+            q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+            v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         out = backend.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; after :meth:`fuse_projections`, on CUDA, one product over the
+    concatenated gate/up weight and one :func:`~trtllm_diffkv.model.fused.silu_mul` kernel."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self._gate_up_weight: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """Concatenate the gate/up weights into one buffer; the parameters become its row views."""
+        self._gate_up_weight = _concat_rows([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_ops.use_fused_kernels(x) and self._gate_up_weight is not None and \
+                _is_concat_of(self._gate_up_weight, [self.gate_proj, self.up_proj], "weight"):
+            return self.down_proj(silu_mul(F.linear(x, self._gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, over a carried residual stream.
+
+    :meth:`forward` takes the previous block's output ``h`` and the residual stream (``None`` at the
+    first layer: ``h`` is the embedding) and adds them inside the norm's kernel (vLLM's fused add-norm);
+    the sums are the same model-dtype additions as ``x + ...``.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -285,9 +355,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``, ``residual`` ``[num_tokens, hidden_size]`` -> ``(mlp output, residual stream)``; the layer's
+        output (the next layer's input) is their sum."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        h = self.self_attn(x, cos, sin, backend)
+        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -324,11 +399,28 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _apply(self, fn, recurse=True):
-        # Keep the RoPE table fp32 across ``.to(dtype)`` / ``.half()``.
+        # Keep the RoPE table fp32 across ``.to(dtype)`` / ``.half()``; concatenate the projections again
+        # (``fn`` makes each parameter a separate tensor; the old buffers are dropped first).
         inv_freq = self.model.rotary_emb.inv_freq
+        fused = any(layer.self_attn._qkv_weight is not None for layer in self.model.layers)
+        for layer in self.model.layers:
+            layer.self_attn._qkv_weight = layer.self_attn._qkv_bias = layer.mlp._gate_up_weight = None
         out = super()._apply(fn, recurse)
         self.model.rotary_emb.inv_freq = inv_freq.to(device=self.model.embed_tokens.weight.device)
+        if fused and self.model.embed_tokens.weight.device.type != "meta":
+            self.fuse_projections()
         return out
+
+    def fuse_projections(self) -> None:
+        """Concatenate each layer's q/k/v and gate/up weights into one buffer each (done by
+        :meth:`from_weights`); the HF-named parameters become row views of them, so ``state_dict``,
+        in-place weight edits and ``load_state_dict`` see the same values. CUDA forwards then run one
+        matrix product per group; CPU forwards keep the separate products. Transiently needs one more
+        copy of those weights."""
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.self_attn.fuse_projections()
+                layer.mlp.fuse_projections()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -373,13 +465,15 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both be [num_tokens]"
             )
         self._check_sliding_window(positions)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, backend)
+            h, residual = layer(h, residual, cos, sin, backend)
         if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.model.norm(x)).float()
+            h, residual = h[logits_indices], (residual[logits_indices] if residual is not None else None)
+        x, _ = self.model.norm.add_norm(h, residual)
+        return self.lm_head(x).float()
 
     def _check_sliding_window(self, positions: torch.Tensor) -> None:
         window = self.config.sliding_window
@@ -416,7 +510,10 @@ class LlamaForCausalLM(nn.Module):
 
         Returns:
             The model in eval mode with ``requires_grad`` off, on the weights'
-            device and dtype.
+            device and dtype, its q/k/v and gate/up weights concatenated
+            (:meth:`fuse_projections`: the parameters are views of the new
+            buffers, so while the caller keeps ``weights`` those matrices exist
+            twice).
 
         Raises:
             ValueError: a missing, unexpected or mis-shaped tensor, naming it;
@@ -436,7 +533,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.model.rotary_emb.reset_inv_freq(model.device)
-        return model.eval().requires_grad_(False)
+        model.requires_grad_(False)
+        model.fuse_projections()
+        return model.eval()
 
 
 def check_weight_names_and_shapes(
