@@ -16,7 +16,7 @@ For each point (model shape, batch, context) it measures, on one GPU:
 
 The KV part of a step is ``step_ms - model_no_attention_ms``; its floor is ``kv_floor_ms``; the FP16
 roofline is ``weight_floor_ms + kv_floor_ms`` of the ``fp16`` row. Models have random weights
-(N(0, 0.02^2) matrices, :func:`trtllm_diffkv.throughput.random_llama`) in bf16 and random prompt ids:
+(N(0, 0.02^2) matrices, :func:`trtllm_diffkv.evaluation.throughput.random_llama`) in bf16 and random prompt ids:
 the step's cost depends on shapes and tier mixes, not on the weights' values (random weights give the
 preset's alpha-driven tier split all the same; the preset's measured ``kv_bytes_read`` records it).
 

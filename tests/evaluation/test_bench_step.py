@@ -66,7 +66,7 @@ def test_profile_table(smoke):
 
 def test_weight_bytes_count_a_tied_head_once():
     from trtllm_diffkv.model import ModelConfig
-    from trtllm_diffkv.throughput import random_llama
+    from trtllm_diffkv.evaluation.throughput import random_llama
 
     cfg = dict(bench_step.TINY_SHAPE, tie_word_embeddings=True)
     model = random_llama(ModelConfig(**cfg), device=torch.device("cpu"), dtype=torch.float32)

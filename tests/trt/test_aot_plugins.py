@@ -157,7 +157,7 @@ def _import_trt_plugins(monkeypatch, trtp):
         sys.modules.pop("trtllm_diffkv.trt.plugins.trt_plugins", None)
         import trtllm_diffkv.trt.plugins as plugins
 
-        trtllm_diffkv.trt.plugins.__dict__.pop("trt_plugins", None)
+        plugins.__dict__.pop("trt_plugins", None)
 
 
 def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch):

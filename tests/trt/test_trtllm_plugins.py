@@ -195,7 +195,7 @@ def trtllm():
             module = importlib.import_module("trtllm_diffkv.trt.plugins.trtllm_plugins")
         finally:
             sys.modules.pop("trtllm_diffkv.trt.plugins.trtllm_plugins", None)
-            trtllm_diffkv.trt.plugins.__dict__.pop("trtllm_plugins", None)
+            plugins.__dict__.pop("trtllm_plugins", None)
     return SimpleNamespace(module=module, pp=pp, registered=registered)
 
 
