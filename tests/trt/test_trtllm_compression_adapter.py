@@ -13,9 +13,10 @@ import types
 import pytest
 import torch
 
-import trtllm_standin as sti
-from conftest import peaked_tiny_llama
-from trtllm_diffkv import LLM, SamplingParams
+pytest.importorskip("pydantic", reason="TensorRT-LLM's config classes (and the stand-in's) are pydantic models")
+import trtllm_standin as sti  # noqa: E402
+from conftest import peaked_tiny_llama  # noqa: E402
+from trtllm_diffkv import LLM, SamplingParams  # noqa: E402
 
 KV_BYTES = 16 << 20
 
