@@ -199,11 +199,11 @@ def run_batch(args, model, n: int) -> list[dict]:
     runner = DecodeGraphRunner(model, cache, buckets=(n,)) if cuda else None
     capture_s = time.perf_counter() - t0
     batch = Batch(model, cache, n, args.context, args.prefill_chunk)
-    plan_graphs = cache._plan_graphs
+    plan_graphs = cache.plan_graphs
     rows = []
     for mode in ("plan_torch", "eager", "graph_fwd", "graph") if cuda else ("plan_torch", "eager"):
         # plan graphs only in "graph" (captured during its warm-up steps, then replayed)
-        cache._plan_graphs, cache.capture_plan_graphs = (plan_graphs, True) if mode == "graph" else ({}, False)
+        cache.plan_graphs, cache.capture_plan_graphs = (plan_graphs, True) if mode == "graph" else ({}, False)
         r = _time_mode(batch, mode, runner, args.steps, args.warmup)
         if mode == "graph":
             r["capture_s"] = round(capture_s, 2)
@@ -212,7 +212,7 @@ def run_batch(args, model, n: int) -> list[dict]:
         print(json.dumps(r), flush=True)
         rows.append(r)
     if cuda:
-        cache._plan_graphs, cache.capture_plan_graphs = {}, False  # the plan's kernels one by one
+        cache.plan_graphs, cache.capture_plan_graphs = {}, False  # the plan's kernels one by one
         rows.append(dict(batch=n, mode="plan_kernels_us", **profile_plan(batch, runner)))
         print(json.dumps(rows[-1]), flush=True)
     stats = [cache.request_stats(s) for s in batch.slots[:2]]

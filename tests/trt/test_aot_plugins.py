@@ -40,7 +40,7 @@ def test_plugin_ops_compute_what_the_paged_cache_computes(preset):
     T = sum(lens)
     qkv = [(torch.randn(T, H, D, generator=g) * 2, torch.randn(T, Hkv, D, generator=g) * 2,
             torch.randn(T, Hkv, D, generator=g)) for _ in range(L)]
-    p = cache._step.prefill
+    p = cache.planned_step.prefill
     state = [cache.pool.pages(), cache.manager.page_table, cache.manager.tokens, cache.row_meta.key_offsets,
              p["counts"], cache.error_flags]
     clones = [t.clone() for t in state]
@@ -56,7 +56,7 @@ def test_plugin_ops_compute_what_the_paged_cache_computes(preset):
     cache.forward(1, *qkv[1])
     # one decode step: the plan's tensors for layer 0 are the decode plugin's inputs
     cache.plan([0, 2], [n + 1 for n in lens], lens, [False, False])
-    d = cache._step.decode
+    d = cache.planned_step.decode
     q, k, v = torch.randn(2, H, D, generator=g), torch.randn(2, Hkv, D, generator=g), torch.randn(2, Hkv, D, generator=g)
     state = [cache.pool.pages(), cache.manager.page_table, cache.manager.tokens, cache.row_meta.key_offsets,
              cache.error_flags]
@@ -239,7 +239,7 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
     n, G, B = 2, L * Hkv, 3
     decided = [torch.zeros(n, L, Hkv, dtype=torch.int32), torch.zeros(n, L, Hkv, dtype=torch.int32),
                *(torch.zeros(n * G, dtype=torch.int64) for _ in range(3))]
-    ops.run_decode_decide([slots, positions, state["pool"], state["table"], state["tokens"], cache._prompt_len_dev],
+    ops.run_decode_decide([slots, positions, state["pool"], state["table"], state["tokens"], cache.prompt_len_device],
                           decided, kv, attrs)
     ops.run_page_update([slots, decided[0], decided[1], state["table"], state["tokens"], state["pages"],
                          state["slot_state"], state["ring"], state["ring_state"]], kv, attrs)
@@ -249,7 +249,7 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
     ops.run_decode_locate([slots, positions, tokens_pos, *decided[2:], state["table"], state["pool"]], located, kv,
                           attrs, use_triton=False)
     cache.plan([0, 2], [n + 1 for n in lens], lens, [False, False], pad_to=B)
-    d = cache._step.decode
+    d = cache.planned_step.decode
     assert torch.equal(state["pool"], cache.pool.pages())
     for name, ref in (("table", man.page_table), ("tokens", man.tokens), ("pages", man.pages),
                       ("slot_state", man.slot_state), ("ring", man.ring)):

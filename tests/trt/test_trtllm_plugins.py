@@ -298,7 +298,7 @@ def test_decode_plan_forward_is_the_ops(trtllm, preset):
     fields = {"num_layers": L, "num_kv_heads": Hkv, "head_dim": D, **kv_config_to_fields(kv)}
 
     decide = trtllm.module.DiffKVDecodeDecidePlugin(**fields)
-    inputs = [slots, positions, pool, table, tokens, cache._prompt_len_dev]
+    inputs = [slots, positions, pool, table, tokens, cache.prompt_len_device]
     before = [t.clone() for t in inputs]
     got, ref = _alloc(trtllm.pp, decide, inputs, -7), _alloc(trtllm.pp, decide, inputs, -7)
     decide.forward(inputs, got)

@@ -25,6 +25,7 @@ import triton
 from ..memory.page_format import PageFormat, TierLayout
 from .attn_decode_kernels import LOG2E, _decode_merge_kernel, _decode_partial_kernel, _decode_score_kernel
 from .cuda_decode import launch_partial, resolve_backend
+from .sizes import next_pow2
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUP = 64
@@ -40,9 +41,6 @@ DEFAULT_MAX_REGISTERS = 128
 """Convert codes to fp16 with the PTX byte permutes (GPU, fp16 products); False: Triton's per-element path (A/B)."""
 """Largest query:KV head ratio the kernels accept (the M dimension of one program's matrix products)."""
 
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def default_num_partitions(num_seqs: int, num_kv_heads: int, max_pages_per_row: int,
@@ -106,7 +104,7 @@ class DecodeWorkspace:
         if num_partitions < 1:
             raise ValueError(f"num_partitions={num_partitions} must be >= 1")
         group = num_heads // num_kv_heads
-        gp, bd = max(16, _next_pow2(group)), _next_pow2(page_format.head_dim)
+        gp, bd = max(16, next_pow2(group)), next_pow2(page_format.head_dim)
         pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
         rows = (num_seqs, num_kv_heads)
         f32 = dict(dtype=torch.float32, device=device)
@@ -137,8 +135,8 @@ def _tier_args(lay: TierLayout, head_dim: int, tokens_per_step: int = 64) -> dic
             raise ValueError(f"tier {tier.name}: {side}_groups={groups} has no decode kernel")
         if bits < 16 and (head_dim % groups or (head_dim // groups * bits) % 8):
             raise ValueError(f"tier {tier.name}: {side} groups={groups} at {bits} bits do not pack head_dim={head_dim}")
-    ppi = max(1, tokens_per_step // _next_pow2(lay.tokens_per_page))  # pages per loop step
-    return dict(TOKENS=lay.tokens_per_page, PPI=ppi, BLOCK_T=max(16, _next_pow2(ppi * lay.tokens_per_page)),
+    ppi = max(1, tokens_per_step // next_pow2(lay.tokens_per_page))  # pages per loop step
+    return dict(TOKENS=lay.tokens_per_page, PPI=ppi, BLOCK_T=max(16, next_pow2(ppi * lay.tokens_per_page)),
                 KB=tier.key_bits, KG=tier.key_groups, VB=tier.value_bits, VG=tier.value_groups,
                 KC=lay.key_codes.offset_bytes, KM=lay.key_meta.offset_bytes, VC=lay.value_codes.offset_bytes,
                 VM=lay.value_meta.offset_bytes, SC=lay.score.offset_bytes, HAS_SCORE=lay.score.size_bytes > 0)
@@ -250,13 +248,13 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
         return
     q = q.contiguous()
     nparts = workspace.num_partitions
-    gp, bd = max(16, _next_pow2(group)), _next_pow2(head_dim)
+    gp, bd = max(16, next_pow2(group)), next_pow2(head_dim)
     pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
     # The products stack (quantization group, query head) rows: NG groups x GP2 heads, 16 <= rows <= 32
     # (32 keeps every product on the mma.sync path, registers in check); larger query groups are split
     # into chunks of GP2 heads, one program each.
     groups = [max(a["KG"] if a["KB"] < 16 else 1, a["VG"] if a["VB"] < 16 else 1) for a in (high, low)]
-    gp2 = min(_next_pow2(group), max(1, MAX_STACK_ROWS // max(groups)))
+    gp2 = min(next_pow2(group), max(1, MAX_STACK_ROWS // max(groups)))
     nchunk = -(-group // gp2)
     for args, g in zip((high, low), groups):
         args["NG"] = max(g, max(1, 16 // gp2))
@@ -285,14 +283,14 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
             **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
     _decode_merge_kernel[(num_seqs, num_kv_heads)](
         out, workspace.part_m, workspace.part_l, workspace.part_acc, workspace.lse, num_kv_heads, nparts,
-        GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=_next_pow2(2 * nparts), num_warps=4)
+        GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=next_pow2(2 * nparts), num_warps=4)
     if not update_scores:
         return
     if cuda_scores is not None:
         cuda_scores()
         return
-    block_p = _next_pow2(pmax)
-    gps = _next_pow2(group)
+    block_p = next_pow2(pmax)
+    gps = next_pow2(group)
     pos_per_prog = max(1, min(16, 4096 // (block_p * gps)))
     _decode_score_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_pages, pos_per_prog))](
         pool_pages, page_table, tier_tokens, row_ids, workspace.page_probs, workspace.page_max, workspace.lse,
@@ -309,7 +307,7 @@ def _tl_dtype(name: str):
 
 def _check_workspace(ws: DecodeWorkspace, num_seqs: int, num_kv_heads: int, group: int, max_pages: int,
                      page_format: PageFormat, update_scores: bool) -> None:
-    gp, bd = max(16, _next_pow2(group)), _next_pow2(page_format.head_dim)
+    gp, bd = max(16, next_pow2(group)), next_pow2(page_format.head_dim)
     need = (num_kv_heads, ws.num_partitions, 2, gp, bd)
     if tuple(ws.part_acc.shape[1:]) != need or ws.part_acc.shape[0] < num_seqs:
         raise ValueError(f"workspace part_acc is {tuple(ws.part_acc.shape)}, this call needs [>= {num_seqs}, *{need}]: "

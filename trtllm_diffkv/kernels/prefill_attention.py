@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 
 from .attn_prefill_kernels import _prompt_lse_kernel, _prompt_lse_merge_kernel, _prompt_score_kernel
+from .sizes import next_pow2
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,9 +32,6 @@ SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 LSE_CHUNK_TOKENS = 256
 """Keys per program of the log-sum-exp pass (split-K over the prompt)."""
 
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def _check(q, k, v, cu_seqlens, num_scoring_queries, out, score_sums):
@@ -118,7 +116,7 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out = torch.zeros_like(q)
     if max_len == 0:
         return out, score_sums
-    s_pad = max(16, _next_pow2(min(num_scoring_queries, max_len)))
+    s_pad = max(16, next_pow2(min(num_scoring_queries, max_len)))
     block_q = min(s_pad, 64)
     group = num_heads // num_kv_heads
     num_chunks = triton.cdiv(max_len, LSE_CHUNK_TOKENS)
@@ -130,14 +128,14 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     part_l = torch.empty(num_seqs, num_heads, num_chunks, s_pad, **f32)
     lse = torch.empty(num_seqs, num_heads, s_pad, **f32)
     qk_scale = float(sm_scale) * LOG2E
-    shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_Q=block_q,
+    shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_Q=block_q,
                  IEEE=qc.dtype == torch.float32)
     warps = 4 if head_dim <= 128 else 8
     _prompt_lse_kernel[(num_seqs, num_heads, num_chunks)](
         qc, kc, cu_seqlens, part_m, part_l, qk_scale, num_scoring_queries, num_heads, num_kv_heads, num_chunks,
         LSE_STRIDE=s_pad, BLOCK_N=64, CHUNK=LSE_CHUNK_TOKENS, **shape, num_warps=warps, num_stages=2)
     _prompt_lse_merge_kernel[(num_seqs, num_heads)](part_m, part_l, lse, num_heads, num_chunks, LSE_STRIDE=s_pad,
-                                                    BLOCK_C=_next_pow2(num_chunks), num_warps=4)
+                                                    BLOCK_C=next_pow2(num_chunks), num_warps=4)
     _prompt_score_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_len, 64))](
         qc, kc, lse, cu_seqlens, score_sums, qk_scale, num_scoring_queries, num_heads, num_kv_heads,
         LSE_STRIDE=s_pad, BLOCK_N=64, **shape, num_warps=warps, num_stages=2)

@@ -69,8 +69,9 @@ class PagedCacheStats(CacheStats):
     pool_used_bytes: int = 0
 
 
-def _kernels(use_triton: bool, read_path: str = "auto"):
-    """(write ops module, decode attention, scored prefill attention) for this cache."""
+def kernel_functions(use_triton: bool, read_path: str = "auto"):
+    """(write ops module, decode attention, scored prefill attention) of a cache: the Triton kernels, or their
+    torch versions (:mod:`.torch_ops`) with ``use_triton=False`` or for the attention with ``read_path="torch"``."""
     if not use_triton:
         return torch_ops, torch_ops.paged_decode_attention, torch_ops.scored_prefill_attention
     from ..kernels import quant_write
@@ -113,6 +114,15 @@ class PagedDiffKVCache:
 
     Raises:
         ValueError: a configuration the model cannot run, or a bad size.
+
+    Attributes other modules read (the step functions of :mod:`.prefill` and :mod:`.decode`, the CUDA-graph
+    runner, the TensorRT layer's operations):
+        ops, decode_attention, prefill_attention: the kernel functions (:func:`kernel_functions`).
+        score_sums: fp32 ``[max_num_tokens, num_kv_heads]`` scratch of the scored prefill.
+        prompt_len_device: int64 ``[max_slots]`` prompt length per slot on the device (0: free).
+        planned_step: the step :meth:`plan` made whose layers have not all run, else ``None``.
+        decode_workspace, decode_buffers, plan_inputs, plan_graphs, decision_scratch: the decode step's
+            persistent buffers and captured plan graphs (:mod:`.decode`), allocated on first use.
     """
 
     def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -163,21 +173,22 @@ class PagedDiffKVCache:
             raise ValueError(f"max_num_tokens={max_num_tokens!r} must be a positive integer (or None)")
         if read_path not in ("auto", "torch"):
             raise ValueError(f"read_path={read_path!r}; allowed: 'auto', 'torch'")
-        self._ops, self._decode_attention, self._prefill_attention = _kernels(use_triton, read_path)
+        self.ops, self.decode_attention, self.prefill_attention = kernel_functions(use_triton, read_path)
         self.sm_scale = sm_scale if sm_scale is not None else torch_ops.default_sm_scale(head_dim)
         self.max_slots, self.max_seq_len_tokens = max_slots, max_seq_len_tokens
         self.max_num_tokens = max_num_tokens or max_slots * max_seq_len_tokens
         self._out = torch.empty(self.max_num_tokens, num_heads, head_dim, dtype=dtype, device=self.device)
-        self._score_sums = torch.zeros(self.max_num_tokens, num_kv_heads, dtype=torch.float32, device=self.device)
+        self.score_sums = torch.zeros(self.max_num_tokens, num_kv_heads, dtype=torch.float32, device=self.device)
         self.error_flags = torch.zeros(max_slots, dtype=torch.int32, device=self.device)
         self.prompt_len = [0] * max_slots  # host bookkeeping (0: slot free)
         self.seq_len = [0] * max_slots  # tokens stored
-        self._prompt_len_dev = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
-        self._step = None
-        self._workspace = None
-        self._decode_buffers = {}  # bucket size -> persistent decode step tensors (decode.step_buffers)
-        self._plan_graphs = {}  # (decode requests, bucket) -> CUDA graph of decode.plan_device
-        self._plan_inputs = None  # int64 [2, max_slots] (slots, positions) of padded plans: the graphs' inputs
+        self.prompt_len_device = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self.planned_step = None
+        self.decode_workspace = None
+        self.decode_buffers = {}  # bucket size -> persistent decode step tensors (decode.step_buffers)
+        self.plan_graphs = {}  # (decode requests, bucket) -> CUDA graph of decode.plan_device
+        self.plan_inputs = None  # int64 [2, max_slots] (slots, positions) of padded plans: the graphs' inputs
+        self.decision_scratch = None  # the Triton decisions' per-row scratch (decode._scratch)
         self.capture_plan_graphs = False  # padded plans capture their launches (set by DecodeGraphRunner)
 
     # ------------------------------------------------------------------ planning
@@ -218,9 +229,9 @@ class PagedDiffKVCache:
                 or a step already planned whose layers have not all run.
             OutOfPagesError: too few free pages; nothing changed.
         """
-        if self._step is not None:
+        if self.planned_step is not None:
             raise ValueError(f"a step is already planned and its layers have run up to layer "
-                             f"{self._step.next_layer - 1}: run layers {self._step.next_layer}..{self.num_layers - 1} "
+                             f"{self.planned_step.next_layer - 1}: run layers {self.planned_step.next_layer}..{self.num_layers - 1} "
                              "before planning the next step")
         n = len(slots)
         if not (len(seq_lens) == len(positions) == len(is_prefill) == n):
@@ -233,7 +244,7 @@ class PagedDiffKVCache:
         if len(set(slots)) != n:
             raise ValueError(f"slots must be distinct, got {slots}")
         for i, (slot, total, first, pre) in enumerate(zip(slots, seq_lens, positions, is_prefill)):
-            self._check_request(i, slot, total, first, pre)
+            self.check_request(i, slot, total, first, pre)
         if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int)
                                    or not n - n_pre <= pad_to <= self.max_slots or pad_to < 1):
             raise ValueError(f"pad_to={pad_to!r} must be an integer in [max(1, decode requests={n - n_pre}), "
@@ -250,9 +261,20 @@ class PagedDiffKVCache:
             prefill.plan_prefill(self, step)
         if n - n_pre or pad_to is not None:
             decode.plan_decode(self, step, pad_to=pad_to)
-        self._step = step
+        self.planned_step = step
 
-    def _check_request(self, i: int, slot: int, total: int, first: int, prefill: bool) -> None:
+    def check_request(self, i: int, slot: int, total: int, first: int, prefill: bool) -> None:
+        """The checks :meth:`plan` makes for request ``i`` of a step (also run by the TensorRT layer's graph steps).
+
+        Args:
+            i: the request's index in the step (for the message); slot: its slot.
+            total: its tokens after the step; first: the position of its first new token.
+            prefill: whether it brings its prompt (a free slot, position 0) or one decode token.
+
+        Raises:
+            ValueError: a slot outside the cache, a request beyond ``max_seq_len_tokens``, an empty prompt, a
+                prefill into an active slot, or a decode step at another position than the slot's next one.
+        """
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"request {i}: slot {slot} is outside [0, {self.max_slots})")
         if total > self.max_seq_len_tokens:
@@ -282,7 +304,7 @@ class PagedDiffKVCache:
             ValueError: no step planned, a layer out of order (each step runs
                 layers 0..L-1 once each, in order), or shapes that disagree with the plan.
         """
-        step = self._step
+        step = self.planned_step
         if step is None:
             raise ValueError("plan() the step before running the layers")
         T, H, D = step.num_tokens, self.num_kv_heads, self.head_dim
@@ -302,26 +324,28 @@ class PagedDiffKVCache:
             decode.decode_layer(self, step, layer_idx, q[tp:], k[tp:], v[tp:], out[tp:])
         step.next_layer += 1
         if layer_idx == self.num_layers - 1:
-            self._finish_step(step)
+            self.finish_step(step)
         return out
 
     def finish_replayed_step(self) -> None:
         """Close a planned step whose layers ran as a CUDA-graph replay (no ``forward`` calls).
 
         Does the host-side effects ``forward`` would have done: all layers marked run and
-        the step's bookkeeping (:meth:`_finish_step`).
+        the step's bookkeeping (:meth:`finish_step`).
 
         Raises:
             ValueError: no step planned, a step with prefill requests (never replayed), or
                 layers already run eagerly.
         """
-        step = self._step
+        step = self.planned_step
         if step is None or step.n_pre or step.next_layer:
             raise ValueError("finish_replayed_step needs a planned decode-only step none of whose layers ran")
         step.next_layer = self.num_layers
-        self._finish_step(step)
+        self.finish_step(step)
 
-    def _finish_step(self, step) -> None:
+    def finish_step(self, step) -> None:
+        """End ``step``: commit its prompts' tier counts to the page manager, advance the slots' lengths,
+        clear :attr:`planned_step` (called after the last layer, or by :meth:`finish_replayed_step`)."""
         if step.prefill is not None:
             counts = step.prefill["counts"]
             self.manager.commit_prompt(step.prefill["slots"], counts[..., 0], counts[..., 1])
@@ -329,7 +353,19 @@ class PagedDiffKVCache:
             if i < step.n_pre:
                 self.prompt_len[slot] = step.seq_lens[i]
             self.seq_len[slot] = step.seq_lens[i]
-        self._step = None
+        self.planned_step = None
+
+    def finish_graph_step(self, slots: Sequence[int], seq_lens: Sequence[int], positions: Sequence[int],
+                          num_tokens: int) -> None:
+        """End a decode-only step that a graph planned and ran on this cache's tensors (the TensorRT layer's
+        per-operation decode graph): the slots' lengths advance as :meth:`finish_step` does.
+
+        Args:
+            slots, seq_lens, positions: ``[n]`` the step's requests, their tokens after the step and the
+                positions they wrote; num_tokens: tokens the step carried (padding included).
+        """
+        self.finish_step(_Step([int(x) for x in slots], [int(x) for x in seq_lens], [int(x) for x in positions], 0,
+                               num_tokens))
 
     # ------------------------------------------------------------------ lifecycle and reports
     def step_errors(self) -> dict[int, str]:
@@ -355,10 +391,10 @@ class PagedDiffKVCache:
         The caller must :meth:`release` the step's slots: their pages and rows are in an
         unknown state. A no-op when no step is planned.
         """
-        if self._step is not None:
-            for slot in self._step.slots[:self._step.n_pre]:
-                self._prompt_len_dev[slot] = 0
-        self._step = None
+        if self.planned_step is not None:
+            for slot in self.planned_step.slots[:self.planned_step.n_pre]:
+                self.prompt_len_device[slot] = 0
+        self.planned_step = None
 
     def release(self, slots: Sequence[int]) -> None:
         """Return every page of ``slots`` to the ring (finish or abort; a free slot is a no-op)."""

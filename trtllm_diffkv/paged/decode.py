@@ -60,12 +60,12 @@ def _plan_padded(cache, host: torch.Tensor, n: int, B: int, bufs: dict) -> None:
     ``(n, B)`` replayed; without one, the launches run eagerly and, when ``cache.capture_plan_graphs``
     (set by ``DecodeGraphRunner``), the same launches are captured for the next steps of ``n`` requests
     (capturing records, it runs nothing: the eager run compiled exactly these specializations)."""
-    if cache._plan_inputs is None:
-        cache._plan_inputs = torch.zeros(2, cache.max_slots, dtype=torch.int64, device=cache.device)
-    inputs = cache._plan_inputs
+    if cache.plan_inputs is None:
+        cache.plan_inputs = torch.zeros(2, cache.max_slots, dtype=torch.int64, device=cache.device)
+    inputs = cache.plan_inputs
     inputs[:, :n].copy_(host, non_blocking=True)
     args = (cache, inputs[0, :n], inputs[1, :n], bufs)
-    graph = cache._plan_graphs.get((n, B))
+    graph = cache.plan_graphs.get((n, B))
     if graph is not None:
         graph.replay()
         return
@@ -73,7 +73,7 @@ def _plan_padded(cache, host: torch.Tensor, n: int, B: int, bufs: dict) -> None:
     if cache.capture_plan_graphs and n:
         graph = capture_plan_graph(cache, args)
         if graph is not None:
-            cache._plan_graphs[(n, B)] = graph
+            cache.plan_graphs[(n, B)] = graph
 
 
 def capture_plan_graph(cache, args: tuple):
@@ -95,8 +95,8 @@ def step_buffers(cache, B: int, persistent: bool) -> dict:
 
     ``persistent``: the cache keeps one set per ``B`` (graph-safe addresses); otherwise fresh tensors.
     """
-    if persistent and B in cache._decode_buffers:
-        return cache._decode_buffers[B]
+    if persistent and B in cache.decode_buffers:
+        return cache.decode_buffers[B]
     L, H, dev = cache.num_layers, cache.num_kv_heads, cache.device
     i32 = dict(dtype=torch.int32, device=dev)
     bufs = dict(rows=torch.zeros(L, B, H, dtype=torch.int64, device=dev), row_ids=torch.full((L, B, H), -1, **i32),
@@ -104,13 +104,13 @@ def step_buffers(cache, B: int, persistent: bool) -> dict:
                 positions=torch.zeros(B * H, **i32), scores=torch.zeros(B * H, dtype=torch.float32, device=dev),
                 err_idx=torch.zeros(B * H, **i32))
     if persistent:
-        cache._decode_buffers[B] = bufs
+        cache.decode_buffers[B] = bufs
     return bufs
 
 
 def _scratch(cache) -> dict:
     """Per-item scratch of the Triton path for ``max_slots`` sequences, allocated once."""
-    s = cache.__dict__.get("_decision_scratch")
+    s = getattr(cache, "decision_scratch", None)  # absent on the plugins' cache views
     if s is None:
         from ..kernels.decision_kernel import alpha_tensor
 
@@ -120,7 +120,7 @@ def _scratch(cache) -> dict:
                  moves=tuple(torch.empty(m, **i32) for _ in range(4)), keys=torch.empty(m, D, **f32),
                  values=torch.empty(m, D, **f32), score=torch.empty(m, **f32), pos=torch.empty(m, **i32),
                  alphas=alpha_tensor(cache.config.alpha_high, cache.config.alpha_low, dev))
-        cache._decision_scratch = s
+        cache.decision_scratch = s
     return s
 
 
@@ -138,7 +138,7 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: dict) -
     m, shape = n * G, (n, cache.num_layers, cache.num_kv_heads)
     s = _scratch(cache)
     act = decision_kernel.decide_rows(
-        cache.pool.pages(), fmt, man.page_table, man.tokens, slots, pos_seq, cache._prompt_len_dev, s["alphas"],
+        cache.pool.pages(), fmt, man.page_table, man.tokens, slots, pos_seq, cache.prompt_len_device, s["alphas"],
         rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
         prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.compress)
     man.append_decode(slots, act[0].view(shape), act[1].view(shape))
@@ -149,8 +149,8 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: dict) -
         src_page, src_slot, dst_page, dst_slot = moves
         k, v, score, pos = s["keys"][:m], s["values"][:m], s["score"][:m], s["pos"][:m]
         pages = cache.pool.pages()
-        cache._ops.read_tokens(pages, fmt, "high", src_page, src_slot, k, v, score, pos)
-        cache._ops.write_tokens(pages, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
+        cache.ops.read_tokens(pages, fmt, "high", src_page, src_slot, k, v, score, pos)
+        cache.ops.write_tokens(pages, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
 
 
 def _plan_torch(cache, step, slots, bufs) -> None:
@@ -167,7 +167,7 @@ def _plan_torch(cache, step, slots, bufs) -> None:
     pos = torch.tensor(pos_host, dtype=torch.int64, device=dev).repeat_interleave(G)
     table, tokens = cache.manager.page_table, cache.manager.tokens
     if cfg.compress:
-        act = decisions.decide(cache.pool, table, tokens, rows, pos, cache._prompt_len_dev[slots].repeat_interleave(G),
+        act = decisions.decide(cache.pool, table, tokens, rows, pos, cache.prompt_len_device[slots].repeat_interleave(G),
                                alpha_high=cfg.alpha_high, alpha_low=cfg.alpha_low,
                                recent_window_tokens=cfg.recent_window_tokens,
                                prompt_score_window_tokens=cfg.prompt_score_window_tokens, max_pos=max(pos_host))
@@ -202,8 +202,8 @@ def move_to_low(cache, rows: torch.Tensor, act: "decisions.StepActions") -> None
     score = torch.empty(m, dtype=torch.float32, device=cache.device)
     pos = torch.empty(m, dtype=torch.int32, device=cache.device)
     pages = cache.pool.pages()
-    cache._ops.read_tokens(pages, fmt, "high", src_page, src_slot, k, v, score, pos)
-    cache._ops.write_tokens(pages, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
+    cache.ops.read_tokens(pages, fmt, "high", src_page, src_slot, k, v, score, pos)
+    cache.ops.write_tokens(pages, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
 
 
 def decode_layer(cache, step, layer, q, k, v, out) -> None:
@@ -211,24 +211,24 @@ def decode_layer(cache, step, layer, q, k, v, out) -> None:
     cfg, d = cache.config, step.decode
     D = cache.head_dim
     centered = cfg.compress and cfg.center_keys
-    cache._ops.write_tokens(
+    cache.ops.write_tokens(
         cache.pool.pages(), cache.page_format, "high", d["page"][layer].reshape(-1), d["slot"][layer].reshape(-1),
         k.reshape(-1, D), v.reshape(-1, D), key_offsets=cache.row_meta.key_offsets if centered else None,
         offset_rows=d["rows"][layer].reshape(-1) if centered else None, scores=d["scores"],
         positions=d["positions"], error_flags=cache.error_flags, error_index=d["err_idx"])
     kwargs = {}
-    if cache._decode_attention is not torch_ops.paged_decode_attention:
+    if cache.decode_attention is not torch_ops.paged_decode_attention:
         kwargs["workspace"] = decode_workspace(cache)
-    cache._decode_attention(q, cache.pool.pages(), cache.page_format, cache.manager.page_table, cache.manager.tokens,
+    cache.decode_attention(q, cache.pool.pages(), cache.page_format, cache.manager.page_table, cache.manager.tokens,
                             d["row_ids"][layer], out, sm_scale=cache.sm_scale, update_scores=cfg.compress, **kwargs)
 
 
 def decode_workspace(cache):
     """The read-path kernel's scratch, allocated once for ``max_slots`` sequences (graph-safe reuse)."""
-    if cache._workspace is None:
+    if cache.decode_workspace is None:
         from ..kernels.decode_attention import DecodeWorkspace
 
-        cache._workspace = DecodeWorkspace.allocate(
+        cache.decode_workspace = DecodeWorkspace.allocate(
             cache.max_slots, cache.num_heads, cache.num_kv_heads, cache.page_format, cache.manager.max_pages_per_row,
             cache.device, update_scores=cache.config.compress)
-    return cache._workspace
+    return cache.decode_workspace

@@ -44,16 +44,16 @@ def plan_prefill(cache, step) -> None:
         err_idx=slots[req].to(torch.int32).repeat_interleave(cache.num_kv_heads),
     )
     for slot, n in zip(step.slots, lens):
-        cache._prompt_len_dev[slot] = n
+        cache.prompt_len_device[slot] = n
 
 
 def prefill_layer(cache, step, layer, q, k, v, out) -> None:
     """Scored prefill attention, prompt tiers, and the tokens quantized into the reserved pages (section 5)."""
     cfg, fmt, p = cache.config, cache.page_format, step.prefill
     H, D = cache.num_kv_heads, cache.head_dim
-    _, sums = cache._prefill_attention(q, k, v, p["cu"], sm_scale=cache.sm_scale,
+    _, sums = cache.prefill_attention(q, k, v, p["cu"], sm_scale=cache.sm_scale,
                                        num_scoring_queries=cfg.prompt_score_window_tokens, out=out,
-                                       score_sums=cache._score_sums[:q.shape[0]])
+                                       score_sums=cache.score_sums[:q.shape[0]])
     rows = p["row_base"][:, None] + layer * H + torch.arange(H, device=cache.device)  # [Tp, H]
     if cfg.compress:
         if cfg.center_keys:
@@ -75,7 +75,7 @@ def prefill_layer(cache, step, layer, q, k, v, out) -> None:
             col = (p["reserved"][:, None] - 1 - index // per_page).clamp(min=0)
             page = cache.manager.page_table[rows, col]
         page = torch.where(sel, page, -1).to(torch.int32)
-        cache._ops.write_tokens(
+        cache.ops.write_tokens(
             cache.pool.pages(), fmt, tier, page.reshape(-1), slot.reshape(-1), k.reshape(-1, D), v.reshape(-1, D),
             key_offsets=cache.row_meta.key_offsets if cfg.compress and cfg.center_keys else None,
             offset_rows=rows.reshape(-1) if cfg.compress and cfg.center_keys else None,

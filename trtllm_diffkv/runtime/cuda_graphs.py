@@ -88,7 +88,7 @@ class DecodeGraphRunner:
                              "it cannot be captured (run it eagerly)")
         from ..paged import torch_ops
 
-        if not cache.use_triton or cache._decode_attention is torch_ops.paged_decode_attention:
+        if not cache.use_triton or cache.decode_attention is torch_ops.paged_decode_attention:
             raise ValueError("CUDA graphs need the cache's Triton kernels (use_triton=True, read_path='auto'): "
                              "the torch fallbacks read tensor values on the host")
         buckets = sorted(set(default_buckets(cache.max_slots) if buckets is None else (int(b) for b in buckets)))
@@ -126,7 +126,7 @@ class DecodeGraphRunner:
         """
         if bucket not in self.buckets:
             raise ValueError(f"bucket {bucket} is not one of {self.buckets}")
-        if self.cache._step is not None:
+        if self.cache.planned_step is not None:
             raise ValueError("capture needs no step planned in the cache")
         dev = self.cache.device
         ids = torch.zeros(bucket, dtype=torch.int64, device=dev)
@@ -164,12 +164,12 @@ class DecodeGraphRunner:
         Raises:
             ValueError: no planned decode-only padded step, or ``n`` disagreeing with it.
         """
-        step = self.cache._step
+        step = self.cache.planned_step
         if step is None or step.n_pre or step.next_layer or step.decode is None:
             raise ValueError("run() needs a planned decode-only step (cache.plan(..., pad_to=bucket)) "
                              "none of whose layers ran")
         bucket, n = step.num_tokens, len(step.slots)
-        if bucket not in self.buckets or step.decode is not self.cache._decode_buffers.get(bucket):
+        if bucket not in self.buckets or step.decode is not self.cache.decode_buffers.get(bucket):
             raise ValueError(f"the planned step is not padded to a bucket of {self.buckets}: plan with "
                              f"pad_to=runner.bucket_for({n})")
         ids = torch.as_tensor(input_ids).reshape(-1)

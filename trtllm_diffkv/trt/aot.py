@@ -439,10 +439,11 @@ def _decode_specs(shape: EngineShape) -> list[KernelSpec]:
 
 def _prefill_variants(shape: EngineShape) -> list[tuple[int, int]]:
     """[(first, last)] ranges of the step's longest prompt over which the prefill kernels' constexprs stay fixed."""
-    from ..kernels.prefill_attention import LSE_CHUNK_TOKENS, _next_pow2
+    from ..kernels.prefill_attention import LSE_CHUNK_TOKENS
+    from ..kernels.sizes import next_pow2
 
     S = shape.kv_config.prompt_score_window_tokens
-    key = lambda n: (max(16, _next_pow2(min(S, n))), _next_pow2(-(-n // LSE_CHUNK_TOKENS)))  # noqa: E731
+    key = lambda n: (max(16, next_pow2(min(S, n))), next_pow2(-(-n // LSE_CHUNK_TOKENS)))  # noqa: E731
     ranges, first = [], 1
     for n in range(2, shape.max_seq_len + 2):
         if n > shape.max_seq_len or key(n) != key(first):

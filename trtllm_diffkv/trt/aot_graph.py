@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from . import aot
 from .fields import EngineShape
+from ..kernels.sizes import next_pow2
 
 SYMBOLS = {"n": "num_seqs", "B": "num_tokens", "P": "num_pages"}
 """Step sizes: decode sequences, tokens (the bucket), pool pages; the ONNX dim names of the graph tensors."""
@@ -63,7 +64,7 @@ def dims_of(shape: EngineShape, num_partitions: int) -> dict[str, TensorInfo]:
     fmt, cfg = shape.page_format, shape.kv_config
     rows = S * G
     group = Hq // H
-    gp, bd = max(16, _pow2(group)), _pow2(D)
+    gp, bd = max(16, next_pow2(group)), next_pow2(D)
     pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
     Bmax = shape.max_batch_size
     ws_rows = (Bmax, H)
@@ -118,9 +119,6 @@ def _storage(t) -> int:
     have no addresses)."""
     return t.untyped_storage()._cdata
 
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def _max_blocks(rows: int) -> int:

@@ -22,7 +22,8 @@ Step sizes: ``n`` = prompts, ``B`` = tokens, ``P`` = pool pages (the graph's ``n
 from __future__ import annotations
 
 from . import aot
-from .aot_graph import Launch, TensorInfo, _launch, _pow2, _storage, eval_dim
+from ..kernels.sizes import next_pow2
+from .aot_graph import Launch, TensorInfo, _launch, _storage, eval_dim
 from .fields import EngineShape
 
 
@@ -32,7 +33,7 @@ def dims_of_prefill(shape: EngineShape) -> dict[str, TensorInfo]:
 
     H, Hq, D = shape.num_kv_heads, shape.num_heads, shape.head_dim
     rows = shape.max_batch_size * shape.num_layers * H
-    s_pad = max(16, _pow2(min(shape.kv_config.prompt_score_window_tokens, shape.max_seq_len)))
+    s_pad = max(16, next_pow2(min(shape.kv_config.prompt_score_window_tokens, shape.max_seq_len)))
     chunks = -(-shape.max_seq_len // LSE_CHUNK_TOKENS)
     th = f"B*{H}"
     return {

@@ -242,7 +242,7 @@ def decode_feeds(cache, slots, step_positions) -> dict[str, np.ndarray]:
              "row_pages": man.pages, "slot_state": man.slot_state, "ring": man.ring,
              "ring_state": torch.tensor(man.snapshot_counters(), dtype=torch.int64),
              "key_offsets": cache.row_meta.key_offsets, "error_flags": cache.error_flags,
-             "prompt_len": cache._prompt_len_dev}
+             "prompt_len": cache.prompt_len_device}
     feeds = {"step_slots": np.asarray(slots, dtype=np.int64), "step_positions": np.asarray(step_positions, dtype=np.int64)}
     for name in PHASE_STATE["decode"]:
         feeds[name] = np_(state[name]).astype(STATE_INPUTS[name][0], copy=False)
@@ -255,7 +255,7 @@ def _check_decode_step(cache, num_tokens: int, slots, seq_lens, step_positions) 
 
     from ..paged.cache import OutOfPagesError
 
-    if cache._step is not None:
+    if cache.planned_step is not None:
         raise ValueError("a step is already planned on the cache; run or discard it first")
     n = len(slots)
     if not n or len(seq_lens) != n or len(step_positions) != n:
@@ -265,7 +265,7 @@ def _check_decode_step(cache, num_tokens: int, slots, seq_lens, step_positions) 
     if num_tokens < n:
         raise ValueError(f"{num_tokens} tokens for {n} decode requests (one token each, then any padding)")
     for i, (slot, total, first) in enumerate(zip(slots, seq_lens, step_positions)):
-        cache._check_request(i, int(slot), int(total), int(first), False)
+        cache.check_request(i, int(slot), int(total), int(first), False)
     need, free = cache.manager.worst_case_decode_pages(n), cache.manager.free_pages()
     if need > free:
         raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
@@ -278,7 +278,6 @@ def _run_decode_graph(session, cache, input_ids, positions, logits_indices, slot
                       step_positions) -> np.ndarray:
     """:func:`run_per_op_step` of a decode step: the graph plans it (no ``cache.plan``)."""
     from ..memory.page_manager import PageTableSnapshot
-    from ..paged.cache import _Step
 
     i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
     _check_decode_step(cache, len(input_ids), slots, seq_lens, step_positions)
@@ -297,8 +296,7 @@ def _run_decode_graph(session, cache, input_ids, positions, logits_indices, slot
                                         slot_state=t("slot_state"), status=status))
     cache.pool.pages().copy_(t("kv_pool"))
     cache.error_flags.copy_(t("error_flags"))
-    slots, seq_lens, step_positions = ([int(x) for x in a] for a in (slots, seq_lens, step_positions))
-    cache._finish_step(_Step(slots, seq_lens, step_positions, 0, len(input_ids)))  # seq_len bookkeeping
+    cache.finish_graph_step(slots, seq_lens, step_positions, len(input_ids))  # seq_len bookkeeping
     return outs["logits"]
 
 
@@ -360,7 +358,7 @@ def plan_feeds(cache, phase: str) -> dict[str, np.ndarray]:
     """
     if phase != "prefill":
         raise ValueError(f"phase={phase!r}: plan_feeds is for the prefill graph; the decode graph takes decode_feeds")
-    step = cache._step
+    step = cache.planned_step
     part = None if step is None else step.prefill
     if part is None or step.next_layer:
         raise ValueError(f"no planned {phase} step whose layers have not run")
@@ -418,14 +416,14 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
         feeds = {"input_ids": i64(input_ids), "positions": i64(positions), "logits_indices": i64(logits_indices),
                  **plan_feeds(cache, phase)}
         outs = _run_graph(sessions[phase], feeds)
-        step = cache._step
+        step = cache.planned_step
         targets = {"kv_pool": cache.pool.pages(), "key_offsets": cache.row_meta.key_offsets,
                    "error_flags": cache.error_flags, "tier_counts": step.prefill["counts"]}
         for name, t in targets.items():
             if f"{name}_out" in outs:
                 t.copy_(torch.from_numpy(outs[f"{name}_out"]))
         step.next_layer = cache.num_layers
-        cache._finish_step(step)
+        cache.finish_step(step)
     except BaseException:
         cache.discard_step()
         raise

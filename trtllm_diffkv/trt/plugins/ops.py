@@ -118,18 +118,18 @@ def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
 def _cache_view(cfg, attrs: dict, pool, table, tokens, key_offsets, flags, num_tokens: int, use_triton: bool):
     """An object with the attributes ``prefill_layer`` / ``decode_layer`` read, over the plugin's tensors."""
     from trtllm_diffkv.memory import PageFormat
-    from trtllm_diffkv.paged.cache import _kernels
+    from trtllm_diffkv.paged.cache import kernel_functions
 
-    ops, decode_attention, prefill_attention = _kernels(use_triton)
+    ops, decode_attention, prefill_attention = kernel_functions(use_triton)
     fmt = PageFormat.for_config(cfg, attrs["head_dim"], attrs.get("high_tokens_per_page", 32))
     return SimpleNamespace(
         config=cfg, page_format=fmt, num_heads=attrs["num_heads"], num_kv_heads=attrs["num_kv_heads"],
-        head_dim=attrs["head_dim"], device=pool.device, sm_scale=attrs["sm_scale"], _ops=ops,
-        _decode_attention=decode_attention, _prefill_attention=prefill_attention,
-        _score_sums=torch.zeros(num_tokens, attrs["num_kv_heads"], dtype=torch.float32, device=pool.device),
+        head_dim=attrs["head_dim"], device=pool.device, sm_scale=attrs["sm_scale"], ops=ops,
+        decode_attention=decode_attention, prefill_attention=prefill_attention,
+        score_sums=torch.zeros(num_tokens, attrs["num_kv_heads"], dtype=torch.float32, device=pool.device),
         row_meta=SimpleNamespace(key_offsets=key_offsets), error_flags=flags, pool=SimpleNamespace(pages=lambda: pool),
         manager=SimpleNamespace(page_table=table, tokens=tokens, max_pages_per_row=table.shape[1]),
-        max_slots=max(1, num_tokens), _workspace=None)
+        max_slots=max(1, num_tokens), decode_workspace=None)
 
 
 def run_prefill(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bool) -> None:
@@ -167,7 +167,7 @@ def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bo
     scratch = scratch or {}
     q, k, v, row_ids, page, slot, positions, err_idx, pool, table, tokens, key_offsets, flags = inputs
     cache = _cache_view(cfg, attrs, pool, table, tokens, key_offsets, flags, q.shape[0], use_triton)
-    cache._workspace = scratch.get("workspace")
+    cache.decode_workspace = scratch.get("workspace")
     rows = scratch.get("rows")
     scores = scratch.get("scores")
     step = SimpleNamespace(decode=dict(rows=(row_ids.long() if rows is None else rows)[None], row_ids=row_ids[None],
@@ -261,7 +261,7 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
     import torch
 
     from trtllm_diffkv.kernels import decision_kernel
-    from trtllm_diffkv.paged.cache import _kernels
+    from trtllm_diffkv.paged.cache import kernel_functions
 
     slots, positions, token_positions, new, move_from, move_to, table, pool = inputs
     fmt, L, H, G = _plan_shape(cfg, attrs)
@@ -280,7 +280,7 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
     decision_kernel.locate_rows(table, fmt, slots, positions, (None, None, new, move_from, move_to), bufs, moves,
                                 num_kv_heads=H, rows_per_slot=G)
     if moves is not None and m:
-        ops = _kernels(use_triton)[0]
+        ops = kernel_functions(use_triton)[0]
         src_page, src_slot, dst_page, dst_slot = moves
         D = int(attrs["head_dim"])
         new_t = lambda name, *shape, dtype=torch.float32: scratch[name] if name in scratch else \
