@@ -23,6 +23,7 @@ the forced span (:class:`~trtllm_diffkv.cache.CacheStats`).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -215,17 +216,21 @@ def evaluate(model, tokenizer, model_config, cases: list[Case], points: list[Met
                 record["pass_at_1"] = float(run_humaneval_tests(case.problem, result.text))
             records.append(record)
             bar.update(1)
-            bar.set_postfix_str(f"{case.task} {case.case_id} {gen.point.method}", refresh=False)
         if on_case is not None:
             on_case(records)
-    bar.close()
+    bar.__exit__(None, None, None)
     return records
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
+    """A tqdm bar over (case, method) runs; nothing when tqdm is missing (a bare device image)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        from ..throughput import NullProgress
 
-    return tqdm(total=total, disable=not enabled, unit="run", dynamic_ncols=True)
+        return NullProgress()
+    return tqdm(total=total, disable=not enabled, unit="run", dynamic_ncols=True, file=sys.stderr)
 
 
 METRICS = ("top1_agreement", "mean_kl_nats", "span_logprob", "span_top1", "span_exact", "pass_at_1")
