@@ -11,6 +11,7 @@ or killed keeps what it measured.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 import sys
@@ -37,6 +38,10 @@ def add_parser(subparsers) -> None:
                    help="gold tokens teacher-forced in code_recall and humaneval (default: 16)")
     p.add_argument("--humaneval-new-tokens", type=int, default=128,
                    help="greedy tokens of each graded humaneval completion (default: 128)")
+    p.add_argument("--graded-methods", default="all",
+                   help="methods whose humaneval completions are generated and graded by the unit tests "
+                        "(comma-separated, 'all' or 'none'; each costs --humaneval-new-tokens decode steps per "
+                        "case and point; default: all)")
     p.add_argument("--bigbench", help="the bigbench sdist (.tar.gz from `pip download --no-deps --no-binary :all: "
                                       "bigbench`) or a folder/task.json from it; without it fewshot_reasoning is "
                                       "skipped (default: none)")
@@ -93,8 +98,11 @@ def run(args) -> int:
 
     from ..model.loader import stop_token_ids
 
+    graded = {"all": None, "none": set()}.get(args.graded_methods.strip())
+    if graded is None and args.graded_methods.strip() != "all":
+        graded = {m.strip() for m in args.graded_methods.split(",") if m.strip()}
     records = evaluate(model, tokenizer, model_config, cases, points, stop_token_ids=stop_token_ids(args.model),
-                       humaneval_new_tokens=args.humaneval_new_tokens, time_limit_s=args.time_limit_s,
+                       humaneval_new_tokens=args.humaneval_new_tokens, graded_methods=graded, time_limit_s=args.time_limit_s,
                        progress=not args.no_progress, on_case=save)
     save(records)
     rows = aggregate(records)
@@ -133,7 +141,7 @@ def _setup(args):
     model, tokenizer, model_config = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
     if tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-    cases, sources, skipped = [], {}, {}
+    per_task, sources, skipped = [], {}, {}
     for task in tasks:
         count = args.humaneval_cases or args.num_cases if task == "humaneval" else args.num_cases
         try:
@@ -148,9 +156,11 @@ def _setup(args):
         if too_long:
             raise ValueError(f"--context-tokens {args.context_tokens}: {task} case {too_long[0]} exceeds the model's "
                              f"{limit} positions")
-        cases += built
+        per_task.append(built)
         sources[task] = {"source": TASKS[task].source, "long_context": TASKS[task].long_context,
                          "prompt_tokens": [len(c.prompt_ids) for c in built]}
+    # Round robin over tasks: a run cut short by --time-limit-s still has every task at about the same n.
+    cases = [c for group in itertools.zip_longest(*per_task) for c in group if c is not None]
     if not cases:
         raise ValueError(f"no task could be built: {skipped}")
     env = environment()
