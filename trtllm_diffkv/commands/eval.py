@@ -74,6 +74,9 @@ def run(args) -> int:
     if args.plot_from:
         try:
             result = json.loads(Path(args.plot_from).read_text())
+            details = details_path(Path(args.plot_from))
+            if details.is_file():  # the device is recorded beside the rows, not in them
+                result["device"] = json.loads(details.read_text()).get("device", "")
             from ..evaluation.quality import plot_pareto
 
             plot_pareto(result["rows"], output.with_suffix(".png"), _title(result))
