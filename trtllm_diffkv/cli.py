@@ -19,7 +19,7 @@ from . import __version__
 from .config import PRESETS, resolve_kv_config
 
 DEFAULT_PROMPT = "Write a haiku about memory."
-COMMAND_MODULES: tuple[str, ...] = ("bench", "build", "serve", "triton_repo")
+COMMAND_MODULES: tuple[str, ...] = ("bench", "build", "calibrate", "serve", "triton_repo")
 """Subcommands besides ``generate``: modules of :mod:`trtllm_diffkv.commands`, each with
 ``add_parser(subparsers)`` that registers its parser and ``set_defaults(run=fn)``, ``fn(args) -> int``."""
 

@@ -1,0 +1,1 @@
+"""Evaluation and calibration of DiffKV configurations against the uncompressed cache."""
