@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 
-def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int]) -> torch.Tensor:
+def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int], cache=None) -> torch.Tensor:
     """Next-token logits at every step of a forced continuation, through ``generator``'s cache.
 
     Args:
@@ -26,6 +26,8 @@ def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int
             model, device and KV configuration are used).
         prompt_ids: prompt token ids, at least one.
         forced_ids: the continuation fed one token per step, at least one.
+        cache: an empty cache to run in (``generator.new_cache(len(prompt_ids) + len(forced_ids))``, so the
+            caller can read its ``stats()`` afterwards); default: a new one.
 
     Returns:
         ``float32 [len(forced_ids), vocab_size]`` on the CPU: row ``i`` is the
@@ -38,7 +40,7 @@ def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int
     if not prompt_ids or not forced_ids:
         raise ValueError("teacher forcing needs a non-empty prompt and a non-empty continuation")
     model, device = generator.model, generator.device
-    cache = generator.new_cache(len(prompt_ids) + len(forced_ids))
+    cache = generator.new_cache(len(prompt_ids) + len(forced_ids)) if cache is None else cache
     rows = []
     with torch.inference_mode():
         logits = model(torch.tensor(prompt_ids, device=device), torch.arange(len(prompt_ids), device=device), cache,

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import PRESETS, get_preset
+from .config import PRESETS, resolve_kv_config
 
 DEFAULT_PROMPT = "Write a haiku about memory."
-COMMAND_MODULES: tuple[str, ...] = ("bench", "build", "eval", "serve", "triton_repo")
+COMMAND_MODULES: tuple[str, ...] = ("bench", "build", "calibrate", "eval", "serve", "triton_repo")
 """Subcommands besides ``generate``: modules of :mod:`trtllm_diffkv.commands`, each with
 ``add_parser(subparsers)`` that registers its parser and ``set_defaults(run=fn)``, ``fn(args) -> int``."""
 
@@ -136,7 +136,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                             "(default: none, use --prompt)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per request, at most "
                                                                     "(default: 64)")
-    gen.add_argument("--kv-config", default="default", choices=sorted(PRESETS), help="DiffKV preset (default: default)")
+    gen.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
+                     help=f"DiffKV preset ({', '.join(sorted(PRESETS))}) or a kv-config JSON file written by "
+                          "`trtllm-diffkv calibrate` (default: default)")
     gen.add_argument("--alpha-high", type=float, help="override the preset's alpha_high (default: the preset's)")
     gen.add_argument("--alpha-low", type=float, help="override the preset's alpha_low (default: the preset's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request (default: text)")
@@ -211,7 +213,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from .model.loader import load_model, stop_token_ids
 
     try:
-        kv_config = get_preset(args.kv_config)
+        kv_config = resolve_kv_config(args.kv_config)
         overrides = {k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None}
         if overrides and not kv_config.compress:
             raise ValueError(f"--alpha-high/--alpha-low have no effect with --kv-config {args.kv_config} "

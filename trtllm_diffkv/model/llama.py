@@ -240,7 +240,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """q/k/v projections, RoPE, backend attention, output projection."""
+    """q/k/v projections, RoPE, backend attention, output projection.
+
+    ``key_rotation`` (a non-persistent fp32 buffer, ``None`` unless the model
+    was made by :func:`~trtllm_diffkv.model.rotation.rotate_model`): ``float32
+    [num_kv_heads, head_dim, head_dim]``; keys after RoPE become ``k @ R`` and
+    queries ``q @ R`` of their KV head, in fp32, cast back to the model dtype.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -251,6 +257,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.register_buffer("key_rotation", None, persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
@@ -258,6 +265,11 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.key_rotation is not None:  # values are rotated through the folded v_proj / o_proj weights
+            r = self.key_rotation
+            k = torch.einsum("nhd,hde->nhe", k.float(), r).to(k.dtype)
+            qg = q.float().view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            q = torch.einsum("nhgd,hde->nhge", qg, r).reshape(q.shape).to(q.dtype)
         out = backend.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -324,10 +336,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _apply(self, fn, recurse=True):
-        # Keep the RoPE table fp32 across ``.to(dtype)`` / ``.half()``.
+        # Keep the RoPE table and the key rotations fp32 across ``.to(dtype)`` / ``.half()``.
         inv_freq = self.model.rotary_emb.inv_freq
+        rotations = [layer.self_attn.key_rotation for layer in self.model.layers]
         out = super()._apply(fn, recurse)
-        self.model.rotary_emb.inv_freq = inv_freq.to(device=self.model.embed_tokens.weight.device)
+        device = self.model.embed_tokens.weight.device
+        self.model.rotary_emb.inv_freq = inv_freq.to(device=device)
+        for layer, r in zip(self.model.layers, rotations):
+            if r is not None:
+                layer.self_attn.key_rotation = r.to(device=device)
         return out
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import policy
 from . import decisions
 from .gather import token_location
 
@@ -62,7 +63,10 @@ def prefill_layer(cache, step, layer, q, k, v, out) -> None:
         if cfg.center_keys:
             for s, e in zip(p["cu_host"], p["cu_host"][1:]):  # host bounds: no sync
                 cache.row_meta.key_offsets[rows[s]] = k[s:e].transpose(0, 1).float().mean(1).to(torch.float16)
-        importance = sums / p["count"][:, None]
+        importance = sums / p["count"][:, None]  # [Tp, H]
+        if cfg.score_pool_tokens > 1:  # per request (host bounds: no sync), policy.pool_importance
+            importance = torch.cat([policy.pool_importance(importance[s:e].T, cfg.score_pool_tokens).T
+                                    for s, e in zip(p["cu_host"], p["cu_host"][1:])])
         high = (importance > p["thr_h"][:, None]) | p["window"][:, None]
         low = ~high & (importance >= p["thr_l"][:, None])
     else:
