@@ -54,6 +54,10 @@ def add_parser(subparsers) -> None:
                    help="results JSON; details JSON and PNG beside it (default: benchmarks/results/quality.json)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--plot-from", metavar="JSON", help="run nothing: plot a results JSON at --output's stem + .png")
+    p.add_argument("--merge-details", nargs="+", metavar="DETAILS_JSON",
+                   help="run nothing: merge the per-case records of several runs' details JSONs (the same cases, "
+                        "e.g. a second run of more methods; the first file wins a duplicate record) into --output, "
+                        "its details JSON and PNG")
     p.add_argument("--time-limit-s", type=float, help="start no case after this many seconds (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -85,6 +89,12 @@ def run(args) -> int:
             return 2
         print(f"[eval] wrote {output.with_suffix('.png')}")
         return 0
+    if args.merge_details:
+        try:
+            return _merge(args.merge_details, output, plot=not args.no_plot)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"trtllm-diffkv eval: error: --merge-details: {exc}", file=sys.stderr)
+            return 2
     try:
         setup = _setup(args)
     except (ValueError, OSError) as exc:
@@ -115,6 +125,34 @@ def run(args) -> int:
     done = len({(r["task"], r["case_id"]) for r in records})
     print(f"[eval] {done}/{len(cases)} cases x {len(points)} method points; wrote {output}, {details_path(output)}"
           + ("" if args.no_plot else f", {output.with_suffix('.png')}"))
+    return 0
+
+
+def _merge(files: list[str], output: Path, plot: bool) -> int:
+    """Union of the records of several details JSONs, re-aggregated; ``model``/``date``/``commit``/``command``
+    of each run joined with `` + `` where they differ."""
+    from ..evaluation.quality import aggregate, plot_pareto
+
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    results = [json.loads(Path(f).with_name(Path(f).name.replace("_details.json", ".json")).read_text()) for f in files]
+    records, seen = [], set()
+    for run in runs:
+        for r in run["records"]:
+            key = (r["task"], r["case_id"], r["method"], r["config"])
+            if key not in seen:
+                seen.add(key)
+                records.append(r)
+    meta = {k: " + ".join(dict.fromkeys(str(r[k]) for r in results)) for k in ("model", "date", "commit", "command")}
+    details = dict(runs[0], merged_from=[str(f) for f in files],
+                   points=[p for run in runs for p in run["points"]])
+    details["points"] = list({(p["method"], p["config"]): p for p in details["points"]}.values())
+    rows = aggregate(records)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(dict(meta, rows=rows), indent=1) + "\n")
+    details_path(output).write_text(json.dumps(dict(details, records=records), indent=1) + "\n")
+    if plot:
+        plot_pareto(rows, output.with_suffix(".png"), _title(dict(meta, device=details.get("device", ""))))
+    print(f"[eval] merged {len(records)} records from {len(files)} runs into {output}")
     return 0
 
 

@@ -93,6 +93,16 @@ def method_points() -> list[MethodPoint]:
               _baseline_point("k4v4", "K4V4 per token", baselines.UniformQuantCache, 4, 4),
               _baseline_point("kivi", "KIVI-4 (G=32, R=128)", baselines.KIVICache, 4),
               _baseline_point("kivi", "KIVI-2 (G=32, R=128)", baselines.KIVICache, 2)]
+    # The low-tier options of issue 18 section 3 (config.py: key_rotation, score_pool_tokens, K8V2) and the paper's rules.
+    k8v2, rotated = get_preset("default-k8v2"), get_preset("default-rotated")
+    pooled = default.replace(score_pool_tokens=5, name="pool5")
+    points += [_diffkv_point("paper", "paper preset (alpha/i, no centring, ah=1, al=0.02)", get_preset("paper")),
+               _diffkv_point("diffkv-k8v2", "low K8V2, ah=1, al=0", k8v2),
+               _diffkv_point("diffkv-k8v2", "low K8V2, ah=1, al=0.02", k8v2.replace(alpha_low=0.02)),
+               _diffkv_point("diffkv-rotated", "Hadamard keys, low K4V2, ah=1, al=0", rotated),
+               _diffkv_point("diffkv-rotated", "Hadamard keys, low K4V2, ah=1, al=0.02", rotated.replace(alpha_low=0.02)),
+               _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.005", pooled.replace(alpha_low=0.005)),
+               _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.02", pooled.replace(alpha_low=0.02))]
     for cls, name in ((baselines.SnapKVCache, "snapkv"), (baselines.H2OCache, "h2o"),
                       (baselines.StreamingLLMCache, "streamingllm")):
         for budget in EVICTION_BUDGETS:
@@ -116,16 +126,15 @@ def select_points(points: list[MethodPoint], methods: list[str] | None) -> list[
 
 
 class PointGenerator(ReferenceGenerator):
-    """A :class:`ReferenceGenerator` whose caches come from a :class:`MethodPoint`; remembers the last one."""
+    """A :class:`ReferenceGenerator` whose caches come from a :class:`MethodPoint` (a DiffKV point's
+    ``key_rotation`` rotates the model as ``ReferenceGenerator`` does)."""
 
     def __init__(self, model, tokenizer, model_config, point: MethodPoint, stop_token_ids=None):
         super().__init__(model, tokenizer, model_config, point.kv_config or get_preset("fp16"), stop_token_ids)
         self.point = point
-        self.last_cache = None
 
     def new_cache(self, max_seq_len_tokens: int):
-        self.last_cache = self.point.build(self.model_config, max_seq_len_tokens, self.device)
-        return self.last_cache
+        return self.point.build(self.model_config, max_seq_len_tokens, self.device)
 
 
 def case_metrics(ref_logits: torch.Tensor, logits: torch.Tensor, span_ids: list[int]) -> dict[str, float]:
@@ -205,8 +214,9 @@ def evaluate(model, tokenizer, model_config, cases: list[Case], points: list[Met
             break
         ref_logits = None
         for gen in generators:
-            logits = teacher_forced_logits(gen, case.prompt_ids, case.span_ids)
-            stats = gen.last_cache.stats()
+            cache = gen.new_cache(len(case.prompt_ids) + len(case.span_ids))
+            logits = teacher_forced_logits(gen, case.prompt_ids, case.span_ids, cache=cache)
+            stats = cache.stats()
             if ref_logits is None:
                 ref_logits = logits
             record = {"task": case.task, "case_id": case.case_id, "method": gen.point.method,
