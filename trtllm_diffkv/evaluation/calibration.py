@@ -97,18 +97,22 @@ def humaneval_fewshot_prompts(first: int, count: int, shots: int = 3) -> list[st
 
 
 def sweep_settings(alpha_high: list[float], alpha_low: list[float], low_tiers: list[str],
-                   score_pool_tokens: list[int], base: DiffKVConfig | None = None) -> dict[str, DiffKVConfig]:
-    """The grid: ``k8v4`` (quantization only, the yardstick) plus every (alpha_high, alpha_low <= alpha_high,
-    low tier, pool) on ``base`` (default: the ``default`` preset's other fields).
+                   score_pool_tokens: list[int], base: DiffKVConfig | None = None,
+                   presets: tuple[str, ...] = ()) -> dict[str, DiffKVConfig]:
+    """The grid: ``k8v4`` (quantization only, the yardstick), the named ``presets`` (rows
+    ``preset:<name>``, e.g. ``paper``), then every (alpha_high, alpha_low <= alpha_high, low tier, pool) on
+    ``base`` (default: the ``default`` preset's other fields).
 
     Raises:
-        ValueError: an unknown low-tier name (listing :data:`LOW_TIERS`) or a value the config refuses.
+        ValueError: an unknown low-tier name (listing :data:`LOW_TIERS`), an unknown preset, or a value the
+            config refuses.
     """
     base = base or get_preset("default")
     unknown = [t for t in low_tiers if t not in LOW_TIERS]
     if unknown:
         raise ValueError(f"--low-tier {unknown[0]!r}: expected one of {sorted(LOW_TIERS)}")
     settings = {"k8v4": get_preset("k8v4")}
+    settings.update({f"preset:{name}": get_preset(name) for name in presets})
     for ah, al, tier, pool in itertools.product(alpha_high, alpha_low, low_tiers, score_pool_tokens):
         if al <= ah:
             name = f"ah={ah:g} al={al:g} low={tier} pool={pool}"
@@ -126,11 +130,12 @@ def measure(model, tokenizer, model_config, settings: dict[str, DiffKVConfig], c
         per-case ``top1`` / ``kl_nats`` / ``kv_memory_fraction`` lists and their means
         ``teacher_forced_top1``, ``mean_kl_nats``, ``kv_memory_fraction``, plus ``steps`` (all cases).
     """
-    from ..accuracy import compare_logits, teacher_forced_logits
+    from ..accuracy import compare_logits, teacher_forced_logits_shared_prefill
     from ..config import kv_config_to_dict
     from ..engine import ReferenceGenerator
 
-    base = ReferenceGenerator(model, tokenizer, model_config, get_preset("fp16"))
+    fp16 = get_preset("fp16")
+    base = ReferenceGenerator(model, tokenizer, model_config, fp16)
     forced = []
     for case in cases:
         if case.forced_ids is None:
@@ -140,23 +145,44 @@ def measure(model, tokenizer, model_config, settings: dict[str, DiffKVConfig], c
             forced.append(result.token_ids)
         else:
             forced.append(case.forced_ids)
-    ref_logits = [teacher_forced_logits(base, c.prompt_ids, f) for c, f in zip(cases, forced)]
+    # Settings that run the same model (rotated or not) share one prefill forward per case; fp16 rides along.
+    gens = {name: ReferenceGenerator(model, tokenizer, model_config, cfg) for name, cfg in settings.items()}
+    groups: dict[int, list[str]] = {}
+    for name, gen in gens.items():
+        groups.setdefault(id(gen.model), []).append(name)
+    per = {name: dict(top1=[], kl=[], mem=[], steps=0) for name in settings}
+    for case, ids in zip(cases, forced):
+        total = len(case.prompt_ids) + len(ids)
+        ref_logits = None
+        for names in sorted(groups.values(), key=lambda ns: gens[ns[0]].model is not model):  # unrotated first
+            group_model = gens[names[0]].model
+            caches = [gens[n].new_cache(total) for n in names]
+            with_ref = ref_logits is None and group_model is model
+            if with_ref:
+                caches.append(base.new_cache(total))
+            out = teacher_forced_logits_shared_prefill(group_model, caches, case.prompt_ids, ids)
+            if with_ref:
+                ref_logits = out.pop()
+                caches.pop()
+            pending = list(zip(names, caches, out))
+            if ref_logits is None:  # no unrotated setting: the fp16 reference alone
+                ref_logits = teacher_forced_logits_shared_prefill(model, [base.new_cache(total)], case.prompt_ids,
+                                                                  ids)[0]
+            for name, cache, got in pending:
+                comparison = compare_logits(ref_logits, got)
+                per[name]["top1"].append(comparison.top1_agreement)
+                per[name]["kl"].append(comparison.mean_kl_nats)
+                per[name]["mem"].append(cache.stats().kv_memory_fraction)
+                per[name]["steps"] += comparison.steps
+                if progress is not None:
+                    progress()
     rows = []
     for name, cfg in settings.items():
-        gen = ReferenceGenerator(model, tokenizer, model_config, cfg)
-        top1, kl, mem, steps = [], [], [], 0
-        for case, ids, ref in zip(cases, forced, ref_logits):
-            cache = gen.new_cache(len(case.prompt_ids) + len(ids))
-            comparison = compare_logits(ref, teacher_forced_logits(gen, case.prompt_ids, ids, cache=cache))
-            top1.append(comparison.top1_agreement)
-            kl.append(comparison.mean_kl_nats)
-            mem.append(cache.stats().kv_memory_fraction)
-            steps += comparison.steps
-            if progress is not None:
-                progress()
-        rows.append({"setting": name, "config": kv_config_to_dict(cfg), "top1": top1, "kl_nats": kl,
-                     "kv_memory_fractions": mem, "teacher_forced_top1": sum(top1) / len(top1),
-                     "mean_kl_nats": sum(kl) / len(kl), "kv_memory_fraction": sum(mem) / len(mem), "steps": steps})
+        m = per[name]
+        rows.append({"setting": name, "config": kv_config_to_dict(cfg), "top1": m["top1"], "kl_nats": m["kl"],
+                     "kv_memory_fractions": m["mem"], "teacher_forced_top1": sum(m["top1"]) / len(m["top1"]),
+                     "mean_kl_nats": sum(m["kl"]) / len(m["kl"]), "kv_memory_fraction": sum(m["mem"]) / len(m["mem"]),
+                     "steps": m["steps"]})
     return rows
 
 
