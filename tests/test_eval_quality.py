@@ -84,7 +84,8 @@ def test_eval_command_smoke_on_the_tiny_model(tmp_path):
     out = tmp_path / "quality.json"
     rc = main(["eval", "--model", str(folder), "--tasks", "code_recall,passkey,humaneval", "--methods",
                "diffkv,k8v8,snapkv", "--num-cases", "1", "--context-tokens", "150", "--span-tokens", "4",
-               "--humaneval-new-tokens", "4", "--output", str(out), "--no-progress", "--threads", "1"])
+               "--humaneval-new-tokens", "4", "--kv-config", "qwen2.5-7b", "--output", str(out), "--no-progress",
+               "--threads", "1"])
     assert rc == 0
     result = json.loads(out.read_text())
     assert set(result) == {"model", "date", "commit", "command", "rows"}
@@ -99,6 +100,7 @@ def test_eval_command_smoke_on_the_tiny_model(tmp_path):
         # K8V8, one group, nothing evicted: (64 + 64 + 8) / (2 x 2 x 64) bytes per token per KV head
         assert by[("k8v8", "K8V8 per token", task, "span_top1")]["kv_memory_fraction"] == round(136 / 256, 4)
     assert ("diffkv", "default (ah=1, al=0)", "humaneval", "pass_at_1") in by
+    assert ("custom", "qwen2.5-7b (qwen2.5-7b)", "passkey", "span_top1") in by  # --kv-config adds a point
     # SnapKV at a 0.2 budget drops most of a 150-token prompt: its distributions differ from fp16's
     assert max(by[("snapkv", "budget=0.2", task, "mean_kl_nats")]["value"] for task in ("code_recall", "passkey")) > 1e-3
     # the fp16 span log-likelihood equals one dense causal forward over prompt + span (independent path)
@@ -125,3 +127,5 @@ def test_eval_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert "--tasks: unknown task(s) ['nope']" in capsys.readouterr().err
     assert main(["eval", "--methods", "quest", "--output", str(tmp_path / "q.json")]) == 2
     assert "unknown method(s) ['quest']" in capsys.readouterr().err
+    assert main(["eval", "--kv-config", "nope", "--output", str(tmp_path / "q.json")]) == 2
+    assert "unknown kv-config preset 'nope'" in capsys.readouterr().err

@@ -30,6 +30,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma-separated tasks (default: {DEFAULT_TASKS})")
     p.add_argument("--methods", help="comma-separated methods (curves): diffkv, k8v4, k8v8, k4v4, kivi, snapkv, h2o, "
                                      "streamingllm; fp16 always runs (default: all)")
+    p.add_argument("--kv-config", action="append", metavar="PRESET|FILE",
+                   help="add a DiffKV point (curve 'custom'): a preset name or a kv-config JSON file written by "
+                        "`trtllm-diffkv calibrate`; repeat for several (default: none)")
     p.add_argument("--num-cases", type=int, default=8, help="cases per long-context / reasoning task (default: 8)")
     p.add_argument("--humaneval-cases", type=int, help="humaneval cases (default: --num-cases)")
     p.add_argument("--context-tokens", type=int, default=4096,
@@ -161,7 +164,7 @@ def _setup(args):
     import torch
 
     from ..cli import _device, default_cpu_threads
-    from ..evaluation.quality import method_points, select_points
+    from ..evaluation.quality import custom_point, method_points, select_points
     from ..evaluation.tasks import TASKS, build_cases
     from ..model.loader import load_model, resolve_model_path
     from ..throughput import environment
@@ -171,7 +174,10 @@ def _setup(args):
     if unknown or not tasks:
         raise ValueError(f"--tasks: unknown task(s) {unknown}; known tasks: {sorted(TASKS)}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    points = select_points(method_points(), methods)
+    points = method_points()
+    for spec in args.kv_config or ():
+        points.append(custom_point(spec))
+    points = select_points(points, methods)
     for name in ("num_cases", "humaneval_cases", "context_tokens", "span_tokens", "humaneval_new_tokens", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:

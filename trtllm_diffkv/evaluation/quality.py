@@ -33,7 +33,7 @@ import torch
 
 from ..accuracy import teacher_forced_logits
 from ..cache import DiffKVReferenceCache
-from ..config import DiffKVConfig, get_preset
+from ..config import DiffKVConfig, get_preset, resolve_kv_config
 from ..engine import ReferenceGenerator
 from . import baselines
 from .tasks import Case, run_humaneval_tests
@@ -110,8 +110,18 @@ def method_points() -> list[MethodPoint]:
     return points
 
 
+def custom_point(spec) -> MethodPoint:
+    """A DiffKV point (curve ``custom``) from a preset name or a kv-config file (:func:`resolve_kv_config`).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`~trtllm_diffkv.config.resolve_kv_config`.
+    """
+    cfg = resolve_kv_config(spec)
+    return _diffkv_point("custom", f"{spec} ({cfg.name})", cfg)
+
+
 def select_points(points: list[MethodPoint], methods: list[str] | None) -> list[MethodPoint]:
-    """The points of the named methods (curves), fp16 always first.
+    """The points of the named methods (curves); fp16 (first) and ``custom`` points (``--kv-config``) always.
 
     Raises:
         ValueError: an unknown method name, listing the known ones.
@@ -122,7 +132,7 @@ def select_points(points: list[MethodPoint], methods: list[str] | None) -> list[
     unknown = sorted(set(methods) - set(known))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known methods: {known}")
-    return [p for p in points if p.method == REFERENCE_METHOD or p.method in methods]
+    return [p for p in points if p.method in (REFERENCE_METHOD, "custom") or p.method in methods]
 
 
 class PointGenerator(ReferenceGenerator):
