@@ -305,7 +305,8 @@ def plot_pareto(rows: list[dict], path, title: str = "") -> None:
     nrows = math.ceil(len(tasks) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.9 * nrows), squeeze=False)
     methods = sorted({r["method"] for r in rows})
-    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    palette = plt.cm.tab20 if len(methods) > 10 else plt.cm.tab10  # one colour per curve
+    colors = {m: palette(i % palette.N) for i, m in enumerate(methods)}
     for ax, task in zip(axes.flat, tasks):
         metric = PRIMARY_METRIC.get(task, "span_top1")
         if not any(r["task"] == task and r["metric"] == metric for r in rows):
@@ -318,7 +319,8 @@ def plot_pareto(rows: list[dict], path, title: str = "") -> None:
             x, y, lo, hi = zip(*pts)
             err = [[v - a for v, a in zip(y, lo)], [b - v for v, b in zip(y, hi)]]
             style = dict(marker="*", markersize=11, linestyle="none") if method == REFERENCE_METHOD else \
-                dict(marker="o", markersize=4, linestyle="-")
+                dict(marker="s" if method.startswith(("diffkv", "paper", "custom")) else "o", markersize=4,
+                     linestyle="-")
             ax.errorbar(x, y, yerr=err, label=method, color=colors[method], capsize=2, linewidth=1.2, **style)
         ax.axvline(0.35, color="grey", linestyle=":", linewidth=0.8)
         ax.set_title(f"{task}: {metric}", fontsize=10)
