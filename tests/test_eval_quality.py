@@ -129,3 +129,42 @@ def test_eval_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert "unknown method(s) ['quest']" in capsys.readouterr().err
     assert main(["eval", "--kv-config", "nope", "--output", str(tmp_path / "q.json")]) == 2
     assert "unknown kv-config preset 'nope'" in capsys.readouterr().err
+
+
+def test_greedy_completion_is_the_reference_generation_cut_at_the_first_stop_sequence(tmp_path):
+    from trtllm_diffkv.evaluation.quality import PointGenerator, greedy_completion, method_points
+    from trtllm_diffkv.evaluation.tasks import truncate_completion
+    from trtllm_diffkv.model import load_model
+
+    folder = write_tiny_text_checkpoint(tmp_path / "tiny")
+    model, tokenizer, config = load_model(folder, dtype=torch.float32)
+    points = {p.config: p for p in method_points()}
+    for name in ("fp16", "default (ah=1, al=0)", "budget=0.2"):
+        gen = PointGenerator(model, tokenizer, config, points[name])
+        for prompt in ("def add(a, b):\n", "# sort a list\ndef f(xs):\n    \"\"\"Sort.\"\"\"\n"):
+            ids = tokenizer(prompt)["input_ids"]
+            full = gen.generate_ids(ids, 12)  # the reference loop, no stop strings
+            assert greedy_completion(gen, ids, 12) == truncate_completion(full.text)
+
+
+def test_merge_details_unions_two_runs(tmp_path):
+    from trtllm_diffkv.cli import main
+
+    def run_file(name, methods, value):
+        records = [{"task": "t", "case_id": str(i), "method": m, "config": m, "kv_memory_fraction": 0.5,
+                    "span_top1": value, "span_exact": 0.0, "span_logprob": -1.0, "top1_agreement": 1.0,
+                    "mean_kl_nats": 0.0} for i in range(2) for m in methods]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"model": "m", "date": name, "commit": name,
+                                                           "command": name, "rows": []}))
+        (tmp_path / f"{name}_details.json").write_text(json.dumps({"device": "d", "records": records, "points": [
+            {"method": m, "config": m} for m in methods]}))
+        return str(tmp_path / f"{name}_details.json")
+
+    a, b = run_file("a", ["fp16", "x"], 0.5), run_file("b", ["fp16", "y"], 0.25)
+    out = tmp_path / "merged.json"
+    assert main(["eval", "--merge-details", a, b, "--output", str(out), "--no-plot"]) == 0
+    result = json.loads(out.read_text())
+    assert result["date"] == "a + b" and result["commit"] == "a + b"
+    rows = {(r["method"], r["metric"]): r for r in result["rows"]}
+    assert rows[("fp16", "span_top1")]["value"] == 0.5 and rows[("fp16", "span_top1")]["n"] == 2  # first run wins
+    assert rows[("y", "span_top1_delta_vs_fp16")]["value"] == pytest.approx(-0.25)  # paired with run a's fp16
