@@ -12,7 +12,14 @@ policy (paper section 4; ``shared/reference/DiffKV.md``, "Policy details"):
   generation phase, the prompt length in the prompt phase);
 * ``recent_window_tokens``: the newest tokens are always kept at high precision;
 * ``prompt_score_window_tokens``: only the last queries of the prompt score the
-  prompt tokens, as the authors' implementation does.
+  prompt tokens, as the authors' implementation does;
+* low-tier key treatments beyond the paper: ``key_rotation`` (a randomized
+  Hadamard transform per KV head, :mod:`trtllm_diffkv.model.rotation`) and
+  ``score_pool_tokens`` (SnapKV-style max-pooling of the prompt scores).
+
+A configuration can also come from a JSON file written by ``trtllm-diffkv
+calibrate`` (:func:`load_kv_config_file`); :func:`resolve_kv_config` is the one
+place that turns a preset name, a file path or a config into a config.
 
 Every invalid value raises ``ValueError`` naming the field and its allowed
 range. Model-dependent checks (head_dim, GQA ratio) live in
@@ -32,6 +39,12 @@ SUPPORTED_GROUPS = (1, 2, 4)
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 """Head dimensions the packed formats and page layouts are defined for."""
+
+KEY_ROTATIONS = ("none", "hadamard")
+"""``DiffKVConfig.key_rotation`` choices."""
+
+ROTATION_HEAD_DIMS = (64, 128, 256)
+"""Head dimensions a Hadamard rotation exists for (powers of two)."""
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -162,6 +175,24 @@ class DiffKVConfig:
             longer inflate every token's quantization step.
         compress: ``False`` turns all compression off (the ``fp16`` preset):
             every token is kept, unquantized, and thresholds are ignored.
+        key_rotation: ``"none"`` or ``"hadamard"``: keys (after RoPE) and
+            queries are multiplied by a seeded randomized Hadamard matrix per
+            (layer, KV head), values by the same matrix folded into
+            ``v_proj`` with its inverse folded into ``o_proj``
+            (:mod:`trtllm_diffkv.model.rotation`; QuaRot, arXiv:2404.00456).
+            ``q . k`` and the attention output are unchanged, so are the tier
+            scores; key outlier channels are spread over all channels before
+            quantization. Not in the paper. Needs head_dim in
+            :data:`ROTATION_HEAD_DIMS`.
+        rotation_seed: seed of the rotation's random signs, in [0, 2**31 - 1].
+        score_pool_tokens: width of a max-pool over neighbouring prompt
+            tokens' importance before the prompt-phase tier decision (SnapKV,
+            arXiv:2404.14469, pools its observation window's scores the same
+            way), odd, in [1, 63]; 1 = off (the paper). Stored scores stay the
+            raw attention sums; only the prompt decision sees the pooled value.
+        calibrated_for: ``(num_heads, num_kv_heads, head_dim)`` of the model a
+            calibration file was written for, or ``None``;
+            :meth:`validate_for_model` refuses any other model.
         name: preset name, for reports only.
 
     Raises:
@@ -177,6 +208,10 @@ class DiffKVConfig:
     prompt_threshold_base: str = "prompt_len"
     center_keys: bool = True
     compress: bool = True
+    key_rotation: str = "none"
+    rotation_seed: int = 0
+    score_pool_tokens: int = 1
+    calibrated_for: tuple[int, int, int] | None = None
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -189,13 +224,24 @@ class DiffKVConfig:
         for name in ("center_keys", "compress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        for name in ("recent_window_tokens", "prompt_score_window_tokens"):
+        for name in ("recent_window_tokens", "prompt_score_window_tokens", "rotation_seed", "score_pool_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}={value!r} must be an integer")
         _check_range("recent_window_tokens", self.recent_window_tokens, 0, 65536)
         _check_range("prompt_score_window_tokens", self.prompt_score_window_tokens, 1, 65536)
         _check_choice("prompt_threshold_base", self.prompt_threshold_base, ("position", "prompt_len"))
+        _check_choice("key_rotation", self.key_rotation, KEY_ROTATIONS)
+        _check_range("rotation_seed", self.rotation_seed, 0, 2**31 - 1)
+        _check_range("score_pool_tokens", self.score_pool_tokens, 1, 63)
+        if self.score_pool_tokens % 2 == 0:
+            raise ValueError(f"score_pool_tokens={self.score_pool_tokens} must be odd (a window centred on the token)")
+        if self.calibrated_for is not None:
+            shape = self.calibrated_for
+            if (not isinstance(shape, tuple) or len(shape) != 3
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in shape)):
+                raise ValueError(f"calibrated_for={shape!r} must be (num_heads, num_kv_heads, head_dim), "
+                                 "three positive integers")
         if self.compress and (self.high.key_bits < self.low.key_bits or self.high.value_bits < self.low.value_bits):
             raise ValueError(
                 f"high tier {self.high.name} must have at least the bits of low tier {self.low.name}"
@@ -209,13 +255,24 @@ class DiffKVConfig:
         """Refuse a model this configuration cannot run, at configuration time.
 
         Raises:
-            ValueError: unsupported head_dim for a quantized tier, or
-                ``num_heads`` not a positive multiple of ``num_kv_heads``.
+            ValueError: unsupported head_dim for a quantized tier or for
+                ``key_rotation``, ``num_heads`` not a positive multiple of
+                ``num_kv_heads``, or a model other than ``calibrated_for``
+                (naming the differing field).
         """
         if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
             )
+        if self.calibrated_for is not None:
+            for field_name, want, got in zip(("num_heads", "num_kv_heads", "head_dim"), self.calibrated_for,
+                                             (num_heads, num_kv_heads, head_dim)):
+                if want != got:
+                    raise ValueError(f"kv-config {self.name!r} was calibrated for {field_name}={want}; "
+                                     f"this model has {field_name}={got}")
+        if self.key_rotation != "none" and head_dim not in ROTATION_HEAD_DIMS:
+            raise ValueError(f"key_rotation={self.key_rotation!r} needs a power-of-two head_dim "
+                             f"{list(ROTATION_HEAD_DIMS)}; this model has head_dim={head_dim}")
         if self.compress:
             self.high.validate_for_head_dim(head_dim)
             self.low.validate_for_head_dim(head_dim)
@@ -252,6 +309,14 @@ PRESETS: dict[str, DiffKVConfig] = {
 # HumanEval problems 100-123 (docs/CALIBRATION.md): pruning at any alpha_low > 0 broke greedy agreement.
 PRESETS["smollm2-135m"] = _preset("smollm2-135m", alpha_low=0.0, alpha_high=1.0)
 PRESETS["default"] = PRESETS["smollm2-135m"].replace(name="default")
+# The paper's rules as its text states them (section 4.2): alpha / i in the prompt phase, no key centering,
+# the Llama3-8B thresholds (alpha_low 0.02, alpha_high 1). docs/CALIBRATION.md lists each departure of
+# `default` from it with its measured effect.
+PRESETS["paper"] = _preset("paper", alpha_low=0.02, alpha_high=1.0, prompt_threshold_base="position",
+                           center_keys=False)
+# Low-tier variants of `default` (issue 18 section 3; docs/CALIBRATION.md "Low-tier formats").
+PRESETS["default-k8v2"] = PRESETS["default"].replace(name="default-k8v2", low=TierConfig(8, 2))
+PRESETS["default-rotated"] = PRESETS["default"].replace(name="default-rotated", key_rotation="hadamard")
 
 
 def get_preset(name: str) -> DiffKVConfig:
@@ -264,3 +329,150 @@ def get_preset(name: str) -> DiffKVConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown kv-config preset {name!r}; known presets: {sorted(PRESETS)}") from None
+
+
+# --------------------------------------------------------------------------- calibration files
+
+KV_CONFIG_FILE_FORMAT = "trtllm-diffkv-kv-config"
+"""``format`` value of a kv-config JSON file (written by ``trtllm-diffkv calibrate``)."""
+
+KV_CONFIG_FILE_VERSION = 1
+
+_TOP_KEYS = ("format", "version", "model", "kv_config", "calibration")
+_MODEL_KEYS = ("num_heads", "num_kv_heads", "head_dim")
+_TIER_KEYS = ("key_bits", "value_bits", "key_groups", "value_groups")
+_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(DiffKVConfig) if f.name != "calibrated_for")
+
+
+def kv_config_to_dict(config: DiffKVConfig) -> dict:
+    """JSON-ready dict of every field but ``calibrated_for`` (tiers as ``{key_bits, value_bits, ...}``)."""
+    out = {}
+    for name in _CONFIG_KEYS:
+        value = getattr(config, name)
+        out[name] = {k: getattr(value, k) for k in _TIER_KEYS} if isinstance(value, TierConfig) else value
+    return out
+
+
+def _refuse_unknown(where: str, data, known) -> None:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; known keys: {list(known)}")
+
+
+def kv_config_from_dict(data: dict, model: dict | None = None, where: str = "kv_config") -> DiffKVConfig:
+    """Inverse of :func:`kv_config_to_dict`; missing keys take :class:`DiffKVConfig`'s defaults.
+
+    Args:
+        data: the ``kv_config`` object of a file.
+        model: the file's ``model`` object (``num_heads``, ``num_kv_heads``, ``head_dim``) or ``None``;
+            becomes ``calibrated_for``.
+        where: prefix of error messages (the file and object).
+
+    Raises:
+        ValueError: an unknown key or a value out of range, naming the field (``where.field``).
+    """
+    _refuse_unknown(where, data, _CONFIG_KEYS)
+    kwargs = {}
+    for name, value in data.items():
+        if name in ("high", "low"):
+            _refuse_unknown(f"{where}.{name}", value, _TIER_KEYS)
+            try:
+                value = TierConfig(**value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{where}.{name}: {exc}") from None
+        kwargs[name] = value
+    if model is not None:
+        _refuse_unknown("model", model, _MODEL_KEYS)
+        missing = [k for k in _MODEL_KEYS if k not in model]
+        if missing:
+            raise ValueError(f"model: missing key {missing[0]!r}; a calibration file names {list(_MODEL_KEYS)}")
+        kwargs["calibrated_for"] = tuple(model[k] for k in _MODEL_KEYS)
+    try:
+        return DiffKVConfig(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def save_kv_config_file(path, config: DiffKVConfig, model_shape: tuple[int, int, int] | None = None,
+                        calibration: dict | None = None) -> None:
+    """Write ``config`` as a kv-config JSON file (what :func:`load_kv_config_file` reads).
+
+    Args:
+        path: the file to write.
+        model_shape: ``(num_heads, num_kv_heads, head_dim)`` of the model the file is for; default
+            ``config.calibrated_for``. ``None`` writes a file any model may use.
+        calibration: free-form record of how it was chosen (command, date, commit, table).
+    """
+    import json
+    from pathlib import Path
+
+    shape = model_shape if model_shape is not None else config.calibrated_for
+    data = {"format": KV_CONFIG_FILE_FORMAT, "version": KV_CONFIG_FILE_VERSION}
+    if shape is not None:
+        data["model"] = dict(zip(_MODEL_KEYS, (int(x) for x in shape)))
+    data["kv_config"] = kv_config_to_dict(config)
+    if calibration is not None:
+        data["calibration"] = calibration
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_kv_config_file(path) -> DiffKVConfig:
+    """Read a kv-config JSON file (``trtllm-diffkv calibrate`` writes them).
+
+    Layout: ``{"format": "trtllm-diffkv-kv-config", "version": 1, "model": {"num_heads", "num_kv_heads",
+    "head_dim"} (optional), "kv_config": {DiffKVConfig fields; tiers as objects}, "calibration": {...}
+    (optional, not read)}``. The ``model`` object makes the config refuse any other model
+    (:meth:`DiffKVConfig.validate_for_model`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not JSON, another format or version, an unknown key, a value out of range, each
+            naming the file and the field.
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"kv-config file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"kv-config file {path}: not valid JSON ({exc})") from None
+    _refuse_unknown(f"kv-config file {path}", data, _TOP_KEYS)
+    if data.get("format") != KV_CONFIG_FILE_FORMAT:
+        raise ValueError(f"kv-config file {path}: format={data.get('format')!r}, expected {KV_CONFIG_FILE_FORMAT!r}")
+    if data.get("version") != KV_CONFIG_FILE_VERSION:
+        raise ValueError(f"kv-config file {path}: version={data.get('version')!r}, expected {KV_CONFIG_FILE_VERSION}")
+    if "kv_config" not in data:
+        raise ValueError(f"kv-config file {path}: missing key 'kv_config'")
+    try:
+        return kv_config_from_dict(data["kv_config"], data.get("model"), where="kv_config")
+    except ValueError as exc:
+        raise ValueError(f"kv-config file {path}: {exc}") from None
+
+
+def resolve_kv_config(spec) -> DiffKVConfig:
+    """The one way a user's ``--kv-config`` / ``kv_config=`` becomes a :class:`DiffKVConfig`.
+
+    Args:
+        spec: a :class:`DiffKVConfig` (returned as is), a preset name (:data:`PRESETS`), or the path of a
+            kv-config JSON file (a name ending in ``.json``, or any existing file).
+
+    Raises:
+        ValueError: an unknown preset, or a bad file (see :func:`load_kv_config_file`).
+        FileNotFoundError: a ``.json`` path that does not exist.
+    """
+    import os
+
+    if isinstance(spec, DiffKVConfig):
+        return spec
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and spec not in PRESETS
+                                          and (spec.endswith(".json") or os.path.isfile(spec))):
+        return load_kv_config_file(spec)
+    if not isinstance(spec, str):
+        raise ValueError(f"kv_config must be a preset name, a JSON file path or a DiffKVConfig; got "
+                         f"{type(spec).__name__}")
+    return get_preset(spec)

@@ -155,9 +155,30 @@ def classify(importance: torch.Tensor, alpha_high: float, alpha_low: float, leng
                    tier_thresholds(alpha_low, length).to(device))
 
 
+def pool_importance(importance: torch.Tensor, score_pool_tokens: int) -> torch.Tensor:
+    """Max-pool importance over each token's neighbours (``DiffKVConfig.score_pool_tokens``).
+
+    Token ``p`` takes the max over tokens ``p - r .. p + r`` (``r = score_pool_tokens // 2``,
+    clipped at the sequence's ends), so the tokens of a span one query attends to sharply are
+    tiered together. SnapKV (arXiv:2404.14469, section 4.2) pools its observation window's scores
+    the same way (``max_pool1d``, stride 1, padding ``kernel // 2``) before selecting.
+
+    Args:
+        importance: ``float32 [num_kv_heads, num_tokens]`` of one sequence.
+        score_pool_tokens: odd window width; 1 returns ``importance`` unchanged.
+
+    Returns:
+        ``float32 [num_kv_heads, num_tokens]``.
+    """
+    if score_pool_tokens <= 1 or importance.shape[-1] == 0:
+        return importance
+    return torch.nn.functional.max_pool1d(importance[:, None, :], score_pool_tokens, stride=1,
+                                          padding=score_pool_tokens // 2)[:, 0, :]
+
+
 def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
                  recent_window_tokens: int, prompt_score_window_tokens: int,
-                 threshold_base: str = "prompt_len") -> torch.Tensor:
+                 threshold_base: str = "prompt_len", score_pool_tokens: int = 1) -> torch.Tensor:
     """Prompt-phase tiers (paper section 4.2, "prompt phase").
 
     Args:
@@ -168,6 +189,8 @@ def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
         threshold_base: ``"prompt_len"`` (default, the authors' code): every
             token is compared with ``alpha / prompt_len``; ``"position"``: token
             ``p`` with ``alpha / (p + 1)`` (the paper text's ``alpha / i``).
+        score_pool_tokens: importance is max-pooled over this many neighbouring
+            tokens before the comparison (:func:`pool_importance`; 1 = off).
 
     Raises:
         ValueError: unknown ``threshold_base``.
@@ -184,7 +207,7 @@ def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
         length = float(prompt_len)
     else:
         raise ValueError(f"threshold_base={threshold_base!r}; allowed: 'position', 'prompt_len'")
-    tier = classify(score_sums / counts, alpha_high, alpha_low, length)
+    tier = classify(pool_importance(score_sums / counts, score_pool_tokens), alpha_high, alpha_low, length)
     tier[:, max(prompt_len - recent_window_tokens, 0):] = TIER_HIGH
     return tier
 

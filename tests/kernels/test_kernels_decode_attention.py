@@ -92,7 +92,8 @@ def test_group_sizes(num_heads, num_kv_heads):
     run_decode(DiffKVConfig(), 64, num_heads, num_kv_heads, counts, num_partitions=2)
 
 
-@pytest.mark.parametrize("k_bits,k_groups,v_bits,v_groups", [(4, 1, 2, 1), (2, 4, 2, 2), (8, 2, 8, 4), (4, 4, 4, 1)])
+@pytest.mark.parametrize("k_bits,k_groups,v_bits,v_groups", [(4, 1, 2, 1), (2, 4, 2, 2), (8, 2, 8, 4), (4, 4, 4, 1),
+                                                             (8, 1, 2, 4)])  # K8V2: a low tier of issue 18
 def test_other_tier_formats(k_bits, k_groups, v_bits, v_groups):
     """Any bits/groups combination a TierConfig allows, in the low tier (high K8V8)."""
     cfg = DiffKVConfig(high=TierConfig(8, 8), low=TierConfig(k_bits, v_bits, k_groups, v_groups))

@@ -133,7 +133,7 @@ class CheckedCache:
             try:
                 expected_tiers = rules.prompt_tiers(stored[head].tolist(), cfg.alpha_high, cfg.alpha_low,
                                                     cfg.recent_window_tokens, cfg.prompt_score_window_tokens,
-                                                    cfg.prompt_threshold_base)
+                                                    cfg.prompt_threshold_base, cfg.score_pool_tokens)
             except rules.AmbiguousDecision as exc:
                 self.ambiguous += 1
                 self.ambiguities.append(f"layer {layer_idx} head {head}: {exc}")

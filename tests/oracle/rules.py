@@ -87,12 +87,15 @@ def decode_query_count(t: int, pos: int, prompt_len: int, prompt_score_window_to
 
 
 def prompt_tiers(score_sums: list[float], alpha_high: float, alpha_low: float, recent_window_tokens: int,
-                 prompt_score_window_tokens: int, threshold_base: str = "prompt_len") -> list[int]:
+                 prompt_score_window_tokens: int, threshold_base: str = "prompt_len",
+                 score_pool_tokens: int = 1) -> list[int]:
     """Tiers of one KV head's prompt tokens.
 
     Args:
         score_sums: ``prompt_len`` floats, the stored score of each prompt token.
         threshold_base: ``"prompt_len"`` (L = prompt_len) or ``"position"`` (L = t + 1).
+        score_pool_tokens: token ``t`` is tiered by the largest importance of tokens
+            ``t - w // 2 .. t + w // 2`` (those that exist), ``w`` this width.
 
     Returns:
         ``prompt_len`` tier codes.
@@ -106,9 +109,11 @@ def prompt_tiers(score_sums: list[float], alpha_high: float, alpha_low: float, r
         if t >= prompt_len - recent_window_tokens:
             tiers.append(HIGH)
             continue
-        count = prompt_query_count(t, prompt_len, prompt_score_window_tokens)
+        half = score_pool_tokens // 2
+        importance = max(importance_f32(score_sums[u], prompt_query_count(u, prompt_len, prompt_score_window_tokens))
+                         for u in range(max(t - half, 0), min(t + half, prompt_len - 1) + 1))
         length = prompt_len if threshold_base == "prompt_len" else t + 1
-        tiers.append(classify(importance_f32(score_sums[t], count), alpha_high, alpha_low, length))
+        tiers.append(classify(importance, alpha_high, alpha_low, length))
     return tiers
 
 

@@ -71,7 +71,7 @@ def test_write_repository_layout_and_errors(tmp_path):
     with pytest.raises(FileExistsError):
         write_repository(tmp_path, model=tmp_path, name="m")
     write_repository(tmp_path, model=tmp_path, name="m", overwrite=True)
-    with pytest.raises(ValueError, match="unknown kv_config"):
+    with pytest.raises(ValueError, match="unknown kv-config preset"):
         write_repository(tmp_path, name="n", kv_config="nope")
     with pytest.raises(FileNotFoundError):
         write_repository(tmp_path, model=tmp_path / "missing", name="n")

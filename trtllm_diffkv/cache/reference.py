@@ -210,7 +210,7 @@ class DiffKVReferenceCache:
         scores = policy.prompt_score_sums(probs, self.num_kv_heads)
         self.scores[layer_idx, :, :n] = scores
         tiers = policy.prompt_tiers(scores, cfg.alpha_high, cfg.alpha_low, cfg.recent_window_tokens,
-                                    cfg.prompt_score_window_tokens, cfg.prompt_threshold_base)
+                                    cfg.prompt_score_window_tokens, cfg.prompt_threshold_base, cfg.score_pool_tokens)
         self._store_tiered(layer_idx, n, kh, vh, tiers)
         return out.transpose(0, 1)
 

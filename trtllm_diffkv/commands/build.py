@@ -48,7 +48,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint folder or .gguf file")
     p.add_argument("--output", required=True, help="engine directory to create (must not exist)")
     p.add_argument("--plugin", required=True, help="the attention plugin; only 'diffkv'")
-    p.add_argument("--kv-config", default="default", choices=sorted(PRESETS), help="DiffKV preset (default: default)")
+    p.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
+                   help=f"DiffKV preset ({', '.join(sorted(PRESETS))}) or a kv-config JSON file written by "
+                        "`trtllm-diffkv calibrate` (default: default)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests per step (default: 8)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens (default: 2048)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
@@ -118,7 +120,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     from ..trt import aot
     from ..trt.engine_dir import engine_config
     from ..trt.fields import EngineShape
-    from ..config import get_preset
+    from ..config import resolve_kv_config
     from ..model.loader import load_model, resolve_model_path
 
     if plugin != "diffkv":
@@ -135,7 +137,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
     if output.exists():
         raise ValueError(f"output {output} already exists; choose a new directory")
-    kv = get_preset(kv_config)
+    kv = resolve_kv_config(kv_config)
     model, _, mc = load_model(str(checkpoint), device="cpu", dtype=None if dtype == "auto" else getattr(torch, dtype))
     from ..generation.prompts import position_limit
 

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import PRESETS, get_preset
+from ..config import PRESETS, resolve_kv_config
 from .common import default_cpu_threads, resolve_device
 
 DEFAULT_PROMPT = "Write a haiku about memory."
@@ -89,7 +89,9 @@ def add_parser(subparsers) -> None:
                                             "(default: none, use --prompt)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per request, at most "
                                                                     "(default: 64)")
-    gen.add_argument("--kv-config", default="default", choices=sorted(PRESETS), help="DiffKV preset (default: default)")
+    gen.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
+                     help=f"DiffKV preset ({', '.join(sorted(PRESETS))}) or a kv-config JSON file written by "
+                          "`trtllm-diffkv calibrate` (default: default)")
     gen.add_argument("--alpha-high", type=float, help="override the preset's alpha_high (default: the preset's)")
     gen.add_argument("--alpha-low", type=float, help="override the preset's alpha_low (default: the preset's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request (default: text)")
@@ -163,7 +165,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from ..model.loader import load_model, stop_token_ids
 
     try:
-        kv_config = get_preset(args.kv_config)
+        kv_config = resolve_kv_config(args.kv_config)
         overrides = {k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None}
         if overrides and not kv_config.compress:
             raise ValueError(f"--alpha-high/--alpha-low have no effect with --kv-config {args.kv_config} "

@@ -27,7 +27,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                                                "'trtllm-diffkv-default')")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    p.add_argument("--kv-config", default="default", help="DiffKV preset (default: default; fp16 = no compression)")
+    p.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
+                   help="DiffKV preset (default: default; fp16 = no compression) or a kv-config JSON file "
+                        "written by `trtllm-diffkv calibrate`")
     p.add_argument("--max-batch-size", type=int, default=64, help="requests per executor step at most (default: 64)")
     p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: 0.9 of free GPU memory; 256 MiB on CPU)")
     p.add_argument("--max-seq-len", type=int, help="prompt + new tokens per request at most (default: the model's)")

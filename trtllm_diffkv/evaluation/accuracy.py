@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 
-def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int]) -> torch.Tensor:
+def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int], cache=None) -> torch.Tensor:
     """Next-token logits at every step of a forced continuation, through ``generator``'s cache.
 
     Args:
@@ -26,6 +26,8 @@ def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int
             model, device and KV configuration are used).
         prompt_ids: prompt token ids, at least one.
         forced_ids: the continuation fed one token per step, at least one.
+        cache: an empty cache to run in (``generator.new_cache(len(prompt_ids) + len(forced_ids))``, so the
+            caller can read its ``stats()`` afterwards); default: a new one.
 
     Returns:
         ``float32 [len(forced_ids), vocab_size]`` on the CPU: row ``i`` is the
@@ -35,20 +37,55 @@ def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int
     Raises:
         ValueError: empty ``prompt_ids`` or ``forced_ids``.
     """
-    if not prompt_ids or not forced_ids:
-        raise ValueError("teacher forcing needs a non-empty prompt and a non-empty continuation")
-    model, device = generator.model, generator.device
-    cache = generator.new_cache(len(prompt_ids) + len(forced_ids))
-    rows = []
+    cache = generator.new_cache(len(prompt_ids) + len(forced_ids)) if cache is None else cache
+    return teacher_forced_logits_shared_prefill(generator.model, [cache], prompt_ids, forced_ids)[0]
+
+
+class _FanOut:
+    """Attention backend that runs every cache on the same q/k/v and returns the first one's output."""
+
+    def __init__(self, caches):
+        self.caches = caches
+
+    def forward(self, layer_idx, q, k, v):
+        outs = [c.forward(layer_idx, q, k, v) for c in self.caches]
+        return outs[0]
+
+
+def teacher_forced_logits_shared_prefill(model, caches: list, prompt_ids: list[int],
+                                         forced_ids: list[int]) -> list[torch.Tensor]:
+    """:func:`teacher_forced_logits` for several empty caches of one model, with one prefill forward.
+
+    The prefill runs the model once; every cache stores the same prompt q/k/v at its own
+    configuration, and the output of the first is used. That is exact for
+    :class:`~trtllm_diffkv.cache.DiffKVReferenceCache` (its prefill attention reads the
+    unquantized prompt, whatever the configuration); the decode steps run each cache on its own.
+
+    Args:
+        model: the model (its device is used).
+        caches: empty caches of at least ``len(prompt_ids) + len(forced_ids)`` tokens.
+
+    Returns:
+        One ``float32 [len(forced_ids), vocab_size]`` CPU tensor per cache, as :func:`teacher_forced_logits`.
+
+    Raises:
+        ValueError: empty ``prompt_ids`` or ``forced_ids``, or no cache.
+    """
+    if not prompt_ids or not forced_ids or not caches:
+        raise ValueError("teacher forcing needs a non-empty prompt, a non-empty continuation and a cache")
+    device = next(model.parameters()).device
+    rows = [[] for _ in caches]
     with torch.inference_mode():
-        logits = model(torch.tensor(prompt_ids, device=device), torch.arange(len(prompt_ids), device=device), cache,
+        logits = model(torch.tensor(prompt_ids, device=device), torch.arange(len(prompt_ids), device=device),
+                       _FanOut(caches) if len(caches) > 1 else caches[0],
                        logits_indices=torch.tensor([len(prompt_ids) - 1], device=device))
-        rows.append(logits[-1].float().cpu())
-        for step, token in enumerate(forced_ids[:-1]):
-            pos = torch.tensor([len(prompt_ids) + step], device=device)
-            logits = model(torch.tensor([token], device=device), pos, cache)
-            rows.append(logits[-1].float().cpu())
-    return torch.stack(rows)
+        for r in rows:
+            r.append(logits[-1].float().cpu())
+        for r, cache in zip(rows, caches):
+            for step, token in enumerate(forced_ids[:-1]):
+                pos = torch.tensor([len(prompt_ids) + step], device=device)
+                r.append(model(torch.tensor([token], device=device), pos, cache)[-1].float().cpu())
+    return [torch.stack(r) for r in rows]
 
 
 @dataclass(frozen=True)

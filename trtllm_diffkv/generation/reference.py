@@ -12,6 +12,7 @@ import torch
 
 from ..cache import DiffKVReferenceCache
 from ..config import DiffKVConfig
+from ..model.rotation import model_for_kv_config
 from .prompts import check_prompt_ids
 from .results import GenerationResult, result_fields
 
@@ -45,6 +46,7 @@ class ReferenceGenerator:
     def __init__(self, model, tokenizer, model_config, kv_config: DiffKVConfig,
                  stop_token_ids: set[int] | None = None):
         kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy (model/rotation.py)
         self.model, self.tokenizer, self.model_config, self.kv_config = model, tokenizer, model_config, kv_config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -59,7 +59,7 @@ def load_source(model, kv_config, device, dtype):
     """
     import torch
 
-    from ..config import DiffKVConfig, get_preset
+    from ..config import resolve_kv_config
     from ..model.loader import load_model, stop_token_ids
 
     device = torch.device(device) if device is not None else torch.device(
@@ -77,8 +77,7 @@ def load_source(model, kv_config, device, dtype):
             if dtype is None and device.type == "cuda":  # on the CPU: float32 (half matmuls are slow there)
                 dtype = getattr(torch, info.dtype)
     kv_config = "default" if kv_config is None else kv_config
-    if not isinstance(kv_config, DiffKVConfig):
-        kv_config = get_preset(kv_config)
+    kv_config = resolve_kv_config(kv_config)
     dtype = dtype if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     net, tokenizer, model_config = load_model(model, device=device, dtype=dtype)
     if info is not None:
@@ -142,10 +141,10 @@ class LLM:
                    max_seq_len: int | None = None, **executor_kwargs) -> "LLM":
         """An LLM over an already loaded model (``load_model``'s triple); ``tokenizer`` may be ``None``
         (prompts must then be token ids). Other arguments as :class:`LLM`."""
-        from ..config import DiffKVConfig, get_preset
+        from ..config import resolve_kv_config
 
         self = cls.__new__(cls)
-        kv_config = kv_config if isinstance(kv_config, DiffKVConfig) else get_preset(kv_config)
+        kv_config = resolve_kv_config(kv_config)
         self._start(model, tokenizer, model_config, kv_config, set(stop_token_ids), max_seq_len=max_seq_len,
                     **executor_kwargs)
         return self

@@ -278,6 +278,11 @@ class Attention(nn.Module):
     After :meth:`fuse_projections` (done at load), q/k/v are one matrix product over the concatenated
     weight and one RoPE kernel on CUDA (:func:`~trtllm_diffkv.model.fused.qkv_rope`); the CPU keeps
     the separate products (bit-identical to the transformers parity path).
+
+    ``key_rotation`` (a non-persistent fp32 buffer, ``None`` unless the model
+    was made by :func:`~trtllm_diffkv.model.rotation.rotate_model`): ``float32
+    [num_kv_heads, head_dim, head_dim]``; keys after RoPE become ``k @ R`` and
+    queries ``q @ R`` of their KV head, in fp32, cast back to the model dtype.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -291,6 +296,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self._qkv_weight: torch.Tensor | None = None
         self._qkv_bias: torch.Tensor | None = None
+        self.register_buffer("key_rotation", None, persistent=False)
 
     def fuse_projections(self) -> None:
         """Concatenate the q/k/v weights (and biases) into one buffer; the parameters become its row views."""
@@ -314,6 +320,11 @@ class Attention(nn.Module):
             q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
             k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
             v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.key_rotation is not None:  # values are rotated through the folded v_proj / o_proj weights
+            r = self.key_rotation
+            k = torch.einsum("nhd,hde->nhe", k.float(), r).to(k.dtype)
+            qg = q.float().view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            q = torch.einsum("nhgd,hde->nhge", qg, r).reshape(q.shape).to(q.dtype)
         out = backend.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -399,15 +410,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _apply(self, fn, recurse=True):
-        # Keep the RoPE table fp32 across ``.to(dtype)`` / ``.half()``; concatenate the projections again
-        # (``fn`` makes each parameter a separate tensor; the old buffers are dropped first).
+        # Keep the RoPE table and the key rotations fp32 across ``.to(dtype)`` / ``.half()``; concatenate the
+        # projections again (``fn`` makes each parameter a separate tensor; the old buffers are dropped first).
         inv_freq = self.model.rotary_emb.inv_freq
+        rotations = [layer.self_attn.key_rotation for layer in self.model.layers]
         fused = any(layer.self_attn._qkv_weight is not None for layer in self.model.layers)
         for layer in self.model.layers:
             layer.self_attn._qkv_weight = layer.self_attn._qkv_bias = layer.mlp._gate_up_weight = None
         out = super()._apply(fn, recurse)
-        self.model.rotary_emb.inv_freq = inv_freq.to(device=self.model.embed_tokens.weight.device)
-        if fused and self.model.embed_tokens.weight.device.type != "meta":
+        device = self.model.embed_tokens.weight.device
+        self.model.rotary_emb.inv_freq = inv_freq.to(device=device)
+        for layer, r in zip(self.model.layers, rotations):
+            if r is not None:
+                layer.self_attn.key_rotation = r.to(device=device)
+        if fused and device.type != "meta":
             self.fuse_projections()
         return out
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..policy import tier_thresholds
+from .. import policy
 from .gather import token_location
 
 
@@ -34,7 +34,7 @@ def plan_prefill(cache, step) -> None:
     n_tok = lens_t[req]
     S, W = cfg.prompt_score_window_tokens, cfg.recent_window_tokens
     length = t + 1 if cfg.prompt_threshold_base == "position" else n_tok
-    thr_h, thr_l = tier_thresholds(cfg.alpha_high, length), tier_thresholds(cfg.alpha_low, length)
+    thr_h, thr_l = policy.tier_thresholds(cfg.alpha_high, length), policy.tier_thresholds(cfg.alpha_low, length)
     step.prefill = dict(
         slots=slots, cu=cu.to(torch.int32), cu_host=[0] + list(torch.tensor(lens).cumsum(0).tolist()), req=req,
         t=t.to(torch.int32), count=torch.minimum(n_tok - t, torch.full_like(t, S)).float(), thr_h=thr_h, thr_l=thr_l,
@@ -59,7 +59,10 @@ def prefill_layer(cache, step, layer, q, k, v, out) -> None:
         if cfg.center_keys:
             for s, e in zip(p["cu_host"], p["cu_host"][1:]):  # host bounds: no sync
                 cache.row_meta.key_offsets[rows[s]] = k[s:e].transpose(0, 1).float().mean(1).to(torch.float16)
-        importance = sums / p["count"][:, None]
+        importance = sums / p["count"][:, None]  # [Tp, H]
+        if cfg.score_pool_tokens > 1:  # per request (host bounds: no sync), policy.pool_importance
+            importance = torch.cat([policy.pool_importance(importance[s:e].T, cfg.score_pool_tokens).T
+                                    for s, e in zip(p["cu_host"], p["cu_host"][1:])])
         high = (importance > p["thr_h"][:, None]) | p["window"][:, None]
         low = ~high & (importance >= p["thr_l"][:, None])
     else:

@@ -35,6 +35,7 @@ import torch
 
 from ..generation.prompts import check_prompt_ids, position_limit
 from ..generation.results import PagedGenerationResult, result_fields
+from ..model.rotation import model_for_kv_config
 from ..paged.cache import OutOfPagesError
 from .request import Request, RequestState, RequestUpdate
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
@@ -98,6 +99,8 @@ class Executor:
                 high_tokens_per_page=high_tokens_per_page, use_triton=use_triton)
         self.rm = resource_manager
         self.cache = resource_manager.cache
+        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        self.model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy
         self.decode_backend = self._decode_backend(param.dtype)
         self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens
         self.max_seq_len = min(resource_manager.max_seq_len_tokens, position_limit(model_config))

@@ -82,7 +82,8 @@ def write_repository(out: str | Path, *, model: str | Path | None = None, name: 
         out: the repository directory (created; other models in it are left alone).
         model: a checkpoint folder, ``.gguf`` or engine dir (made absolute); ``None`` = the default model.
         name: the Triton model name.
-        kv_config: a DiffKV preset name (``trtllm_diffkv.config.PRESETS``).
+        kv_config: a DiffKV preset name (``trtllm_diffkv.config.PRESETS``) or a kv-config JSON file
+            (``config.load_kv_config_file``; the model reads it from its absolute path).
         max_batch_size: the executor's running batch limit, also Triton's rows per request limit.
         kv_memory_bytes: the KV pool's size in bytes (``None``: the LLM's default).
         max_seq_len: prompt + new tokens limit per request (``None``: the model's).
@@ -98,10 +99,11 @@ def write_repository(out: str | Path, *, model: str | Path | None = None, name: 
         FileNotFoundError: ``model`` does not exist.
         ValueError: an unknown preset or dtype, a bad name or size.
     """
-    from ..config import PRESETS
+    from ..config import PRESETS, resolve_kv_config
 
-    if kv_config not in PRESETS:
-        raise ValueError(f"unknown kv_config {kv_config!r}; presets: {', '.join(sorted(PRESETS))}")
+    resolve_kv_config(kv_config)  # an unknown preset or a bad file fails here, not in the server
+    if kv_config not in PRESETS:  # a file: the server reads it by absolute path
+        kv_config = str(Path(kv_config).resolve())
     if dtype not in (None, "float32", "float16", "bfloat16"):
         raise ValueError(f"dtype {dtype!r}: expected float32, float16 or bfloat16")
     if model is not None and not Path(model).exists():

@@ -10,7 +10,9 @@ scalars or 1-D arrays, so the config is flattened): ``high_key_bits``,
 ``high_value_bits``, ``high_key_groups``, ``high_value_groups`` (and ``low_*``),
 ``alpha_high``, ``alpha_low``, ``recent_window_tokens``,
 ``prompt_score_window_tokens``, ``prompt_threshold_base``, ``center_keys`` (0/1),
-``compress`` (0/1), ``kv_config_name``.
+``compress`` (0/1), ``key_rotation``, ``rotation_seed``, ``score_pool_tokens``
+(these three default to the config's defaults when absent: engine directories
+written before they existed), ``kv_config_name``.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ def kv_config_to_fields(config: DiffKVConfig) -> dict[str, int | float | str]:
     fields["prompt_threshold_base"] = config.prompt_threshold_base
     for name in _BOOL_FIELDS:
         fields[name] = int(getattr(config, name))
+    fields["key_rotation"] = config.key_rotation
+    fields["rotation_seed"], fields["score_pool_tokens"] = int(config.rotation_seed), int(config.score_pool_tokens)
     fields["kv_config_name"] = config.name
     return fields
 
@@ -58,6 +62,8 @@ def kv_config_from_fields(fields: dict) -> DiffKVConfig:
             prompt_score_window_tokens=int(fields["prompt_score_window_tokens"]),
             prompt_threshold_base=str(_text(fields["prompt_threshold_base"])),
             center_keys=bool(int(fields["center_keys"])), compress=bool(int(fields["compress"])),
+            key_rotation=str(_text(fields.get("key_rotation", "none"))),
+            rotation_seed=int(fields.get("rotation_seed", 0)), score_pool_tokens=int(fields.get("score_pool_tokens", 1)),
             name=str(_text(fields.get("kv_config_name", "custom"))))
     except KeyError as exc:
         raise ValueError(f"DiffKV fields are missing {exc.args[0]!r}") from None

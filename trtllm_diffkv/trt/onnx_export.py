@@ -158,9 +158,14 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
         The ``onnx.ModelProto`` (checked with ``onnx.checker`` and run through shape inference).
 
     Raises:
-        ValueError: a configuration that cannot run the model, weights beyond 2 GB, an unknown ``graph``, or a
-            ``phase`` that does not fit it.
+        ValueError: a configuration that cannot run the model, weights beyond 2 GB, an unknown ``graph``, a
+            ``phase`` that does not fit it, or a ``key_rotation`` / ``score_pool_tokens`` the graphs do not
+            implement yet (the PyTorch paths do).
     """
+    if kv_config.key_rotation != "none" or kv_config.score_pool_tokens != 1:
+        raise ValueError(f"the ONNX graphs do not implement key_rotation={kv_config.key_rotation!r} or "
+                         f"score_pool_tokens={kv_config.score_pool_tokens} yet; build with --no-onnx (the engine "
+                         f"directory's PyTorch path runs them) or a configuration without them")
     if graph == "per-op":
         return export_per_op(model, kv_config, phase, path, max_positions=max_positions)
     if graph == "aot":

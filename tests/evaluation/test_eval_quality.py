@@ -1,0 +1,170 @@
+"""The quality harness (``trtllm-diffkv eval``): metrics against hand-computed values, the noise band,
+the HumanEval grader, the tasks' recall property, and a CPU smoke run of the command on the tiny
+random checkpoint whose fp16 figures are checked against one dense causal forward of prompt + span."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_checkpoint import write_tiny_text_checkpoint  # noqa: E402
+from trtllm_diffkv.evaluation.quality import aggregate, bootstrap_ci, case_metrics  # noqa: E402
+from trtllm_diffkv.evaluation.tasks import run_humaneval_tests  # noqa: E402
+
+ROW_KEYS = {"method", "config", "task", "kv_memory_fraction", "metric", "value", "ci_low", "ci_high", "n"}
+
+
+def test_case_metrics_match_hand_computed_values():
+    ref = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    cand = torch.tensor([[2.0, 0.0, 0.0], [1.5, 0.0, 0.3]])
+    m = case_metrics(ref, cand, [0, 1])
+    assert m["top1_agreement"] == 0.5  # step 1: argmax 0 vs fp16's 1
+    assert m["span_top1"] == 0.5 and m["span_exact"] == 0.0  # gold 0 hit, gold 1 missed
+    lq = torch.log_softmax(cand, -1)
+    assert m["span_logprob"] == pytest.approx(float((lq[0, 0] + lq[1, 1]) / 2))
+    p = torch.softmax(ref[1], -1)
+    kl1 = float((p * (torch.log_softmax(ref[1], -1) - lq[1])).sum())
+    assert m["mean_kl_nats"] == pytest.approx(kl1 / 2)
+    with pytest.raises(ValueError, match="span"):
+        case_metrics(ref, cand, [0])
+
+
+def test_bootstrap_band_and_paired_deltas():
+    assert bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5, 0.5)
+    mean, low, high = bootstrap_ci([0.0, 1.0] * 10)
+    half = 1.96 * math.sqrt(0.25 / 20)  # normal approximation: binomial sd of the mean of 20 coin flips
+    assert mean == 0.5 and abs((high - low) / 2 - half) < 0.04
+    records = [{"task": "t", "case_id": str(i), "method": m, "config": m, "kv_memory_fraction": f,
+                "span_top1": v, "span_exact": 0.0, "span_logprob": -1.0, "top1_agreement": 1.0, "mean_kl_nats": 0.0}
+               for i in range(4) for m, f, v in (("fp16", 1.0, 0.5 + 0.1 * i), ("x", 0.3, 0.4 + 0.1 * i))]
+    rows = {(r["method"], r["metric"]): r for r in aggregate(records)}
+    assert all(set(r) == ROW_KEYS for r in rows.values())
+    delta = rows[("x", "span_top1_delta_vs_fp16")]
+    assert delta["value"] == pytest.approx(-0.1) and delta["ci_low"] == pytest.approx(-0.1)  # paired: no spread
+    assert rows[("x", "span_top1")]["ci_high"] - rows[("x", "span_top1")]["ci_low"] > 0.1  # unpaired: spread
+    assert ("fp16", "span_top1_delta_vs_fp16") not in rows
+
+
+def test_humaneval_grader_runs_unit_tests_in_a_subprocess_with_timeout():
+    problem = {"prompt": "def add(a, b):\n", "entry_point": "add",
+               "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}
+    assert run_humaneval_tests(problem, "    return a + b\n")
+    assert not run_humaneval_tests(problem, "    return a - b\n")
+    assert run_humaneval_tests(problem, "    return a + b\n\ndef unrelated():\n    raise SystemExit(1)\n")  # cut at \ndef
+    assert not run_humaneval_tests(problem, "    while True:\n        pass\n", timeout_s=2.0)
+
+
+def test_long_context_spans_appear_earlier_in_the_prompt(tmp_path):
+    from trtllm_diffkv.evaluation.tasks import TASKS, build_cases
+    from trtllm_diffkv.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(write_tiny_text_checkpoint(tmp_path / "tiny"))
+    for task, spec in TASKS.items():
+        if not spec.long_context:
+            continue
+        for case in build_cases(task, tokenizer, 2, 400, 6, seed=3):
+            assert len(case.prompt_ids) >= 400
+            span = tokenizer.decode(case.span_ids).strip(' .)"')
+            context = tokenizer.decode(case.prompt_ids)
+            cut = context.rfind("\n", 0, len(context) - 1)  # the question's own line does not count
+            assert span and span in context[:cut], (task, case.case_id, span)
+
+
+def test_eval_command_smoke_on_the_tiny_model(tmp_path):
+    from trtllm_diffkv.cli import main
+    from trtllm_diffkv.model import load_model
+    from trtllm_diffkv.model.attention_api import DenseCausalAttention
+
+    folder = write_tiny_text_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "quality.json"
+    rc = main(["eval", "--model", str(folder), "--tasks", "code_recall,passkey,humaneval", "--methods",
+               "diffkv,k8v8,snapkv", "--num-cases", "1", "--context-tokens", "150", "--span-tokens", "4",
+               "--humaneval-new-tokens", "4", "--kv-config", "qwen2.5-7b", "--output", str(out), "--no-progress",
+               "--threads", "1"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"model", "date", "commit", "command", "rows"}
+    rows = result["rows"]
+    assert rows and all(set(r) == ROW_KEYS for r in rows)
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    by = {(r["method"], r["config"], r["task"], r["metric"]): r for r in rows}
+    for task in ("code_recall", "passkey", "humaneval"):
+        assert by[("fp16", "fp16", task, "top1_agreement")]["value"] == 1.0
+        assert by[("fp16", "fp16", task, "mean_kl_nats")]["value"] == 0.0
+        assert by[("fp16", "fp16", task, "span_top1")]["kv_memory_fraction"] == 1.0
+        # K8V8, one group, nothing evicted: (64 + 64 + 8) / (2 x 2 x 64) bytes per token per KV head
+        assert by[("k8v8", "K8V8 per token", task, "span_top1")]["kv_memory_fraction"] == round(136 / 256, 4)
+    assert ("diffkv", "default (ah=1, al=0)", "humaneval", "pass_at_1") in by
+    assert ("custom", "qwen2.5-7b (qwen2.5-7b)", "passkey", "span_top1") in by  # --kv-config adds a point
+    # SnapKV at a 0.2 budget drops most of a 150-token prompt: its distributions differ from fp16's
+    assert max(by[("snapkv", "budget=0.2", task, "mean_kl_nats")]["value"] for task in ("code_recall", "passkey")) > 1e-3
+    # the fp16 span log-likelihood equals one dense causal forward over prompt + span (independent path)
+    details = json.loads(out.with_name("quality_details.json").read_text())
+    model, _, _ = load_model(folder, dtype=torch.float32)
+    from trtllm_diffkv.evaluation.tasks import build_cases
+    from trtllm_diffkv.model.loader import load_tokenizer
+
+    case = build_cases("passkey", load_tokenizer(folder), 1, 150, 4, seed=0)[0]
+    ids = torch.tensor(case.prompt_ids + case.span_ids)
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(len(ids)), DenseCausalAttention())
+    rows_pred = torch.log_softmax(logits[len(case.prompt_ids) - 1:-1].double(), -1)
+    want = float(rows_pred.gather(1, torch.tensor(case.span_ids)[:, None]).mean())
+    got = next(r["span_logprob"] for r in details["records"] if r["method"] == "fp16" and r["task"] == "passkey")
+    assert math.isclose(got, want, abs_tol=1e-4)
+    assert details["tasks"]["passkey"]["source"].startswith("filler: HumanEval docstrings")
+
+
+def test_eval_command_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from trtllm_diffkv.cli import main
+
+    assert main(["eval", "--tasks", "nope", "--output", str(tmp_path / "q.json")]) == 2
+    assert "--tasks: unknown task(s) ['nope']" in capsys.readouterr().err
+    assert main(["eval", "--methods", "quest", "--output", str(tmp_path / "q.json")]) == 2
+    assert "unknown method(s) ['quest']" in capsys.readouterr().err
+    assert main(["eval", "--kv-config", "nope", "--output", str(tmp_path / "q.json")]) == 2
+    assert "unknown kv-config preset 'nope'" in capsys.readouterr().err
+
+
+def test_greedy_completion_is_the_reference_generation_cut_at_the_first_stop_sequence(tmp_path):
+    from trtllm_diffkv.evaluation.quality import PointGenerator, greedy_completion, method_points
+    from trtllm_diffkv.evaluation.tasks import truncate_completion
+    from trtllm_diffkv.model import load_model
+
+    folder = write_tiny_text_checkpoint(tmp_path / "tiny")
+    model, tokenizer, config = load_model(folder, dtype=torch.float32)
+    points = {p.config: p for p in method_points()}
+    for name in ("fp16", "default (ah=1, al=0)", "budget=0.2"):
+        gen = PointGenerator(model, tokenizer, config, points[name])
+        for prompt in ("def add(a, b):\n", "# sort a list\ndef f(xs):\n    \"\"\"Sort.\"\"\"\n"):
+            ids = tokenizer(prompt)["input_ids"]
+            full = gen.generate_ids(ids, 12)  # the reference loop, no stop strings
+            assert greedy_completion(gen, ids, 12) == truncate_completion(full.text)
+
+
+def test_merge_details_unions_two_runs(tmp_path):
+    from trtllm_diffkv.cli import main
+
+    def run_file(name, methods, value):
+        records = [{"task": "t", "case_id": str(i), "method": m, "config": m, "kv_memory_fraction": 0.5,
+                    "span_top1": value, "span_exact": 0.0, "span_logprob": -1.0, "top1_agreement": 1.0,
+                    "mean_kl_nats": 0.0} for i in range(2) for m in methods]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"model": "m", "date": name, "commit": name,
+                                                           "command": name, "rows": []}))
+        (tmp_path / f"{name}_details.json").write_text(json.dumps({"device": "d", "records": records, "points": [
+            {"method": m, "config": m} for m in methods]}))
+        return str(tmp_path / f"{name}_details.json")
+
+    a, b = run_file("a", ["fp16", "x"], 0.5), run_file("b", ["fp16", "y"], 0.25)
+    out = tmp_path / "merged.json"
+    assert main(["eval", "--merge-details", a, b, "--output", str(out), "--no-plot"]) == 0
+    result = json.loads(out.read_text())
+    assert result["date"] == "a + b" and result["commit"] == "a + b"
+    rows = {(r["method"], r["metric"]): r for r in result["rows"]}
+    assert rows[("fp16", "span_top1")]["value"] == 0.5 and rows[("fp16", "span_top1")]["n"] == 2  # first run wins
+    assert rows[("y", "span_top1_delta_vs_fp16")]["value"] == pytest.approx(-0.25)  # paired with run a's fp16

