@@ -1,28 +1,37 @@
 #!/usr/bin/env python3
-"""Mutation check of the reference path: plant small bugs, see which fast test catches each.
+"""Mutation check of the product: plant small bugs, see which fast test catches each.
 
-Each mutation is a textual replacement in one module (policy, quantization,
-reference cache, page manager). The script snapshots the repository into a
-throwaway directory under /tmp (never touching the checkout, which others edit
-live), checks that the chosen fast tests pass there unmutated, then for each
-mutation restores the pristine file, applies the replacement and runs the
-mutation's test files with ``pytest -x -q -p no:cacheprovider -m "not slow and
-not gpu"`` under a timeout. A mutation is *caught* when a test fails; the first
-failing test is reported. A replacement whose text is not found (the module
-changed) is reported ``STALE``: update its snippet.
+Each mutation is a textual replacement in one module, a realistic slip (a comparison, an
+off-by-one, swapped operands, a dropped term, a wrong axis), in one of the areas of ``AREAS``:
+policy, quantizer, reference cache, page manager, runtime (scheduler, executor, sampler, stop
+checks, resource manager), OpenAI server, paged cache (decisions, decode planning and moves,
+gather, row metadata) and the Triton kernels (decode attention, decision, write, prompt scores)
+run by the interpreter at small shapes. The script snapshots the repository into a throwaway
+directory under /tmp (never touching the checkout, which others edit live), checks that the
+chosen fast tests pass there unmutated, then for each mutation restores the pristine file,
+applies the replacement and runs the mutation's tests with ``pytest -x -q -p no:cacheprovider
+-m "not slow and not gpu"`` under a timeout. A mutation is *caught* when a test fails; the first
+failing test is reported. A replacement whose text is not found (the module changed) is
+reported ``STALE``: update its snippet (``--list`` marks them without running anything).
+
+Paths are relative to the repository root (the parent of this script's folder); a module that
+moved is found by its file name under the same package, and a test file by its name anywhere
+under ``tests/``, so the check survives the layout change (issue 17).
 
 Usage (repository root; one core is enough)::
 
-    OMP_NUM_THREADS=1 python3 build_scripts/mutation_check.py            # all mutations
+    OMP_NUM_THREADS=1 python3 build_scripts/mutation_check.py            # all mutations (~20 min budget)
+    OMP_NUM_THREADS=1 python3 build_scripts/mutation_check.py --area runtime --area serve
     OMP_NUM_THREADS=1 python3 build_scripts/mutation_check.py -k policy  # ids containing "policy"
     python3 build_scripts/mutation_check.py --list
 
-Options: ``--tests FILE...`` runs those files for every mutation instead of
-its own list (to see whether one test file alone catches them all);
-``--source head`` (default) takes the modules from ``git archive HEAD``
-and ``tests/`` from the working tree; ``--source worktree`` copies the whole
-working tree. ``--json PATH`` writes the results; ``--markdown`` prints the
-table for docs/TESTING.md. Exit status 1 when a mutation survives or is stale.
+Options: ``--tests FILE...`` runs those files for every mutation instead of its own list (to
+see whether one test file alone catches them all); ``--source head`` (default) takes the
+modules from ``git archive HEAD`` and ``tests/`` from the working tree; ``--source worktree``
+copies the whole working tree. ``--budget S`` (default 1200) stops starting mutations after S
+seconds (the rest are reported ``NOT-RUN``); ``--timeout`` bounds one mutation. ``--json PATH``
+writes the results; ``--markdown`` prints the tables for docs/TESTING.md. Exit status 1 when a
+mutation survives, is stale or was not run.
 """
 from __future__ import annotations
 
@@ -341,9 +350,10 @@ MUTATIONS = [
     m("paged-counts-prompt-twice", DECISIONS, "query counts: decode queries also counted for prompt tokens' window",
       [("from_decode = (n - torch.maximum(p, pl)).clamp(min=0)", "from_decode = (n - p).clamp(min=0)")],
       PAGED_TESTS),
-    m("paged-low-victim-tie-to-candidate", DECISIONS, "low victim: a tie goes to the candidate, not the low token",
-      [("victim_is_cand = imp_c[:, 0] < imp_vl", "victim_is_cand = imp_c[:, 0] <= imp_vl")],
-      DECISION_TESTS + PAGED_TESTS),
+    m("paged-new-token-slot-swapped", DECISIONS, "a freed high slot: the new token takes the candidate's, not the victim's",
+      [("torch.where(~found | (c_high & v_stays), h_count, torch.where(c_high, iv_h, ic))",
+        "torch.where(~found | (c_high & v_stays), h_count, torch.where(c_high, ic, iv_h))")],
+      PAGED_TESTS + DECISION_TESTS),
     m("paged-victim-after-candidate", DECISIONS, "high victim search includes tokens newer than the candidate",
       [("elig_h = high.valid & (high.positions.long() <= cand[:, None])", "elig_h = high.valid")], PAGED_TESTS),
     m("paged-row-meta-half-bytes", ROW_META, "row metadata counts head_dim bytes for the fp16 key offset",
@@ -387,8 +397,8 @@ MUTATIONS = [
     m("kernels-decision-low-strict", DECISION_KERNEL, "decision kernel: LOW needs importance > alpha_low/N",
       [("return tl.where(imp > thr_h, 1, tl.where(imp >= thr_l, 2, 0))",
         "return tl.where(imp > thr_h, 1, tl.where(imp > thr_l, 2, 0))")], DECISION_TESTS),
-    m("kernels-decision-low-victim-tie", DECISION_KERNEL, "decision kernel: a low-victim tie goes to the candidate",
-      [("imp_v = tl.where(imp_c < imp_vl, imp_c, imp_vl)", "imp_v = tl.where(imp_c <= imp_vl, imp_c, imp_vl)")],
+    m("kernels-decision-new-slot-swapped", DECISION_KERNEL, "decision kernel: new token into the candidate's slot",
+      [("tl.where(append, h_count, tl.where(c_high, iv_h, ic))", "tl.where(append, h_count, tl.where(c_high, ic, iv_h))")],
       DECISION_TESTS),
     m("kernels-decision-candidate-off-by-one", DECISION_KERNEL, "decision kernel: the candidate one position too old",
       [("    cand = pos - W\n", "    cand = pos - W - 1\n")], DECISION_TESTS),
