@@ -63,6 +63,7 @@ SERVER = "trtllm_diffkv/serve/openai_server.py"
 PROTOCOL = "trtllm_diffkv/serve/openai_protocol.py"
 DECISIONS = "trtllm_diffkv/paged/decisions.py"
 DECODE = "trtllm_diffkv/paged/decode.py"
+PREFILL = "trtllm_diffkv/paged/prefill.py"
 GATHER = "trtllm_diffkv/paged/gather.py"
 ROW_META = "trtllm_diffkv/paged/row_meta.py"
 PAGED_ORACLE = "trtllm_diffkv/paged/oracle.py"
@@ -338,6 +339,19 @@ MUTATIONS = [
     m("serve-chat-default-ignores-prompt", SERVER, "chat default max_tokens is max_seq_len (prompt not subtracted)",
       [("max(1, llm.max_seq_len - len(ids))", "max(1, llm.max_seq_len)")], SERVE_TESTS),
     # ------------------------------------------------------------------ paged: decisions, planning, moves, gather
+    m("paged-prefill-window-off-by-one", PREFILL, "paged prefill: recent window one token short",
+      [("window=t >= n_tok - W,", "window=t > n_tok - W,")], PAGED_TESTS),
+    m("paged-prefill-counts-unclamped", PREFILL, "paged prefill: query counts not clamped to S",
+      [("count=torch.minimum(n_tok - t, torch.full_like(t, S)).float()", "count=(n_tok - t).float()")], PAGED_TESTS),
+    m("paged-prefill-low-strict", PREFILL, "paged prefill: low tier needs importance > alpha_low/N",
+      [("low = ~high & (importance >= p[\"thr_l\"][:, None])", "low = ~high & (importance > p[\"thr_l\"][:, None])")],
+      PAGED_TESTS),
+    m("paged-prefill-low-page-column", PREFILL, "paged prefill: low tokens written one reserved page too far left",
+      [('col = (p["reserved"][:, None] - 1 - index // per_page).clamp(min=0)',
+        'col = (p["reserved"][:, None] - 2 - index // per_page).clamp(min=0)')], PAGED_TESTS),
+    m("paged-decode-candidate-off-by-one", DECISIONS, "paged decode: the candidate one position too old",
+      [("    cand = pos - max(recent_window_tokens, 1)\n", "    cand = pos - max(recent_window_tokens, 1) - 1\n")],
+      PAGED_TESTS),
     m("paged-moves-unmasked", DECODE, "decode moves: rows that move nothing still copy token 0 into the low tier",
       [("    src_page = torch.where(moving, src_page, -1)\n    dst_page = torch.where(moving, dst_page, -1)\n", "")],
       PAGED_TESTS),
