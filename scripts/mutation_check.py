@@ -1,28 +1,37 @@
 #!/usr/bin/env python3
-"""Mutation check of the reference path: plant small bugs, see which fast test catches each.
+"""Mutation check of the product: plant small bugs, see which fast test catches each.
 
-Each mutation is a textual replacement in one module (policy, quantization,
-reference cache, page manager). The script snapshots the repository into a
-throwaway directory under /tmp (never touching the checkout, which others edit
-live), checks that the chosen fast tests pass there unmutated, then for each
-mutation restores the pristine file, applies the replacement and runs the
-mutation's test files with ``pytest -x -q -p no:cacheprovider -m "not slow and
-not gpu"`` under a timeout. A mutation is *caught* when a test fails; the first
-failing test is reported. A replacement whose text is not found (the module
-changed) is reported ``STALE``: update its snippet.
+Each mutation is a textual replacement in one module, a realistic slip (a comparison, an
+off-by-one, swapped operands, a dropped term, a wrong axis), in one of the areas of ``AREAS``:
+policy, quantizer, reference cache, page manager, runtime (scheduler, executor, sampler, stop
+checks, resource manager), OpenAI server, paged cache (decisions, decode planning and moves,
+gather, row metadata) and the Triton kernels (decode attention, decision, write, prompt scores)
+run by the interpreter at small shapes. The script snapshots the repository into a throwaway
+directory under /tmp (never touching the checkout, which others edit live), checks that the
+chosen fast tests pass there unmutated, then for each mutation restores the pristine file,
+applies the replacement and runs the mutation's tests with ``pytest -x -q -p no:cacheprovider
+-m "not slow and not gpu"`` under a timeout. A mutation is *caught* when a test fails; the first
+failing test is reported. A replacement whose text is not found (the module changed) is
+reported ``STALE``: update its snippet (``--list`` marks them without running anything).
+
+Paths are relative to the repository root (the parent of this script's folder); a module that
+moved is found by its file name under the same package, and a test file by its name anywhere
+under ``tests/``, so the check survives the layout change (issue 17).
 
 Usage (repository root; one core is enough)::
 
-    OMP_NUM_THREADS=1 python3 scripts/mutation_check.py            # all mutations
+    OMP_NUM_THREADS=1 python3 scripts/mutation_check.py            # all mutations (~20 min budget)
+    OMP_NUM_THREADS=1 python3 scripts/mutation_check.py --area runtime --area serve
     OMP_NUM_THREADS=1 python3 scripts/mutation_check.py -k policy  # ids containing "policy"
     python3 scripts/mutation_check.py --list
 
-Options: ``--tests FILE...`` runs those files for every mutation instead of
-its own list (to see whether one test file alone catches them all);
-``--source head`` (default) takes the modules from ``git archive HEAD``
-and ``tests/`` from the working tree; ``--source worktree`` copies the whole
-working tree. ``--json PATH`` writes the results; ``--markdown`` prints the
-table for docs/TESTING.md. Exit status 1 when a mutation survives or is stale.
+Options: ``--tests FILE...`` runs those files for every mutation instead of its own list (to
+see whether one test file alone catches them all); ``--source head`` (default) takes the
+modules from ``git archive HEAD`` and ``tests/`` from the working tree; ``--source worktree``
+copies the whole working tree. ``--budget S`` (default 1200) stops starting mutations after S
+seconds (the rest are reported ``NOT-RUN``); ``--timeout`` bounds one mutation. ``--json PATH``
+writes the results; ``--markdown`` prints the tables for docs/TESTING.md. Exit status 1 when a
+mutation survives, is stale or was not run.
 """
 from __future__ import annotations
 
@@ -38,33 +47,89 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (scripts/ or scripts/)
 
+# Modules, relative to the repository root; a module moved to another folder is found by its name (resolve_module).
 POLICY = "trtllm_diffkv/policy.py"
 CACHE = "trtllm_diffkv/cache/reference.py"
 QUANT = "trtllm_diffkv/quant.py"
 PAGES = "trtllm_diffkv/memory/page_manager.py"
+SCHEDULER = "trtllm_diffkv/runtime/scheduler.py"
+EXECUTOR = "trtllm_diffkv/runtime/executor.py"
+RESOURCES = "trtllm_diffkv/runtime/resource_manager.py"
+SAMPLING = "trtllm_diffkv/runtime/sampling.py"
+STOPS = "trtllm_diffkv/runtime/stop_checker.py"
+SERVER = "trtllm_diffkv/serve/openai_server.py"
+PROTOCOL = "trtllm_diffkv/serve/openai_protocol.py"
+DECISIONS = "trtllm_diffkv/paged/decisions.py"
+DECODE = "trtllm_diffkv/paged/decode.py"
+PREFILL = "trtllm_diffkv/paged/prefill.py"
+GATHER = "trtllm_diffkv/paged/gather.py"
+ROW_META = "trtllm_diffkv/paged/row_meta.py"
+PAGED_ORACLE = "trtllm_diffkv/testing/paged_oracle.py"
+DECODE_KERNELS = "trtllm_diffkv/kernels/attn_decode_kernels.py"
+PREFILL_KERNELS = "trtllm_diffkv/kernels/attn_prefill_kernels.py"
+DECISION_KERNEL = "trtllm_diffkv/kernels/decision_kernel.py"
+WRITE_KERNEL = "trtllm_diffkv/kernels/quant_write.py"
 
-# Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure.
-REFERENCE_TESTS = ["tests/oracle/test_oracle_rules.py", "tests/core/test_policy.py", "tests/oracle/test_oracle_cache.py", "tests/core/test_cache.py"]
-CACHE_TESTS = ["tests/oracle/test_oracle_cache.py", "tests/core/test_cache.py", "tests/core/test_policy.py"]
-QUANT_TESTS = ["tests/core/test_quant.py", "tests/core/test_quant_pages.py", "tests/oracle/test_oracle_cache.py"]
-PAGE_TESTS = ["tests/oracle/test_oracle_page_manager.py", "tests/memory/test_page_manager.py"]
+# Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure. A test is named
+# by its file name (found anywhere under tests/, so that moving tests into subfolders keeps the check working),
+# optionally with ``::test_name`` to run only that test (all its parameters).
+REFERENCE_TESTS = ["test_oracle_rules.py", "test_policy.py", "test_oracle_cache.py", "test_cache.py"]
+CACHE_TESTS = ["test_oracle_cache.py", "test_cache.py", "test_policy.py"]
+QUANT_TESTS = ["test_quant.py", "test_quant_pages.py", "test_oracle_cache.py"]
+PAGE_TESTS = ["test_oracle_page_manager.py", "test_page_manager.py"]
+SCHEDULER_TESTS = ["test_scheduler_rules.py", "test_executor.py::test_preemption_fp16_keeps_outputs_equal_to_solo_runs",
+                   "test_executor.py::test_preemption_diffkv_loses_and_duplicates_no_token",
+                   "test_executor.py::test_random_traffic_edge_case_9"]
+EXECUTOR_TESTS = ["test_executor.py::test_bad_requests_fail_alone", "test_executor.py::test_max_seq_len_is_inclusive",
+                  "test_executor.py::test_abort_at_every_stage_returns_every_page",
+                  "test_executor.py::test_request_larger_than_the_pool_fails_alone",
+                  "test_executor.py::test_staggered_batch_equals_each_request_alone_and_the_reference",
+                  "test_resource_manager.py"]
+SAMPLING_TESTS = ["test_sampling.py::test_top_p_on_the_exact_boundary_drops_the_token_as_transformers",
+                  "test_sampling.py::test_top_p_on_the_boundary_with_ties_keeps_as_transformers",
+                  "test_sampling.py::test_filtered_logits_match_transformers_and_numpy",
+                  "test_sampling.py::test_top_k_keeps_ties_with_the_kth",
+                  "test_sampling.py::test_greedy_rows_are_exactly_argmax_of_the_penalized_logits",
+                  "test_sampling.py::test_same_seed_same_tokens_whatever_the_batch"]
+STOP_TESTS = ["test_sampling.py::test_stop_strings_across_tokens_tiny_tokenizer",
+              "test_sampling.py::test_stop_ids_max_tokens_and_ignore_eos", "test_executor.py::test_stop_ids_and_stop_strings"]
+SERVE_TESTS = ["test_openai_app_rules.py"]
+PAGED_TESTS = ["test_paged_cache.py", "test_paged_metadata_rules.py"]
+DECISION_TESTS = ["test_decision_kernel.py::test_decision_kernel_equals_reference_all_presets"]
+DECODE_KERNEL_TESTS = ["test_kernels_decode_attention.py"]
+PREFILL_KERNEL_TESTS = ["test_kernels_prefill_scores.py"]
+WRITE_KERNEL_TESTS = ["test_kernels_quant_write.py::test_triton_write_path_bit_exact_under_interpreter"]
+
+AREAS = {"policy": "policy", "cache": "reference cache", "quant": "quantizer", "pages": "page manager",
+         "runtime": "runtime (scheduler, executor, sampler, stop checks, resource manager)",
+         "serve": "OpenAI server", "paged": "paged cache (decisions, decode planning and moves, gather, row metadata)",
+         "kernels": "Triton kernels (decode attention, decision, write, prompt scores; interpreter)"}
+"""Areas (``--area``): a mutation's area is its id's first word."""
 
 
 @dataclass(frozen=True)
 class Mutation:
-    """One planted bug: ``replacements`` (old, new) applied to ``path``; ``tests`` run in order."""
+    """One planted bug: ``replacements`` (old, new) applied to ``path``; ``tests`` run in order.
+
+    A replacement's ``old`` must occur exactly once in the module, unless the replacement is
+    ``(old, new, "all")``: then every occurrence (at least one) is replaced.
+    """
 
     id: str
     path: str
     description: str
-    replacements: tuple[tuple[str, str], ...]
+    replacements: tuple[tuple[str, ...], ...]
     tests: tuple[str, ...]
+
+    @property
+    def area(self) -> str:
+        return self.id.split("-")[0]
 
 
 def m(id, path, description, replacements, tests):
-    return Mutation(id, path, description, tuple(replacements), tuple(tests))
+    return Mutation(id, path, description, tuple(tuple(r) for r in replacements), tuple(tests))
 
 
 MUTATIONS = [
@@ -96,9 +161,11 @@ MUTATIONS = [
     m("policy-prompt-threshold-position", POLICY, "prompt: alpha/(p+1) used under the prompt_len base",
       [("        length = float(prompt_len)\n", "        length = (positions + 1).float()\n")], REFERENCE_TESTS),
     m("policy-high-threshold-inclusive", POLICY, "classify: high tier for importance >= alpha_high/N (not >)",
-      [("high = importance > alpha_high / length", "high = importance >= alpha_high / length")], REFERENCE_TESTS),
+      [("torch.where(importance > high_threshold, TIER_HIGH, tier)",
+        "torch.where(importance >= high_threshold, TIER_HIGH, tier)")], REFERENCE_TESTS),
     m("policy-low-threshold-strict", POLICY, "classify: low tier needs importance > alpha_low/N (not >=)",
-      [("low = importance >= alpha_low / length", "low = importance > alpha_low / length")], REFERENCE_TESTS),
+      [("torch.where(importance >= low_threshold, TIER_LOW, TIER_PRUNED)",
+        "torch.where(importance > low_threshold, TIER_LOW, TIER_PRUNED)")], REFERENCE_TESTS),
     # --------------------------------------------------------- reference cache
     m("cache-prefill-no-causal-mask", CACHE, "prefill attention without the causal mask",
       [("vh.repeat_interleave(group, 0), is_causal=True)", "vh.repeat_interleave(group, 0), is_causal=False)")],
@@ -182,7 +249,7 @@ MUTATIONS = [
     m("quant-no-saturation", QUANT, "codes not clamped to [0, 2**bits - 1]",
       [(".clamp_(0, qmax)", "")], QUANT_TESTS),
     m("quant-scale-one-level-short", QUANT, "scale divides the range by 2**bits instead of 2**bits - 1",
-      [("scale = ((hi - lo) / qmax)", "scale = ((hi - lo) / (qmax + 1))")], QUANT_TESTS),
+      [("torch.full_like(hi, float(qmax))", "torch.full_like(hi, float(qmax + 1))")], QUANT_TESTS),
     # ------------------------------------------------------------- page manager
     m("pages-take-wraps-early", PAGES, "ring: allocation wraps one slot early",
       [("idx = (self.ring_start + torch.arange(count)) % self.num_pages",
@@ -207,6 +274,173 @@ MUTATIONS = [
       [("capacity = pages * torch.tensor([self.high_tokens_per_page, self.low_tokens_per_page])\n        need",
         "capacity = pages * torch.tensor([self.high_tokens_per_page, self.high_tokens_per_page])\n        need")],
       PAGE_TESTS),
+    # ------------------------------------------------------------------ runtime: scheduler (issue 24's survivors 2-4)
+    m("runtime-preempt-oldest", SCHEDULER, "preemption takes the oldest running request, not the newest",
+      [("victim = self.running[-1]", "victim = self.running[0]")], SCHEDULER_TESTS),
+    m("runtime-estimate-never-stale", SCHEDULER, "a release never marks the free-page estimate stale (never re-read)",
+      [("            self.rm.free_resources(request)\n            self._stale = True\n",
+        "            self.rm.free_resources(request)\n")], SCHEDULER_TESTS),
+    m("runtime-estimate-always-reread", SCHEDULER, "every refusal re-reads the free pages (a device read), stale or not",
+      [("        if self._stale:\n            self.observe_free(self.rm.free_pages())",
+        "        if True:\n            self.observe_free(self.rm.free_pages())")], SCHEDULER_TESTS),
+    m("runtime-unschedule-order-reversed", SCHEDULER, "a refused plan's new requests go back in reverse order",
+      [("for request in reversed(batch.context_requests):", "for request in batch.context_requests:")],
+      SCHEDULER_TESTS),
+    m("runtime-admission-no-decode-reserve", SCHEDULER, "admission forgets the running requests' decode reserve",
+      [("need = reserve + self.rm.prefill_pages_needed(n)", "need = self.rm.prefill_pages_needed(n)")],
+      SCHEDULER_TESTS),
+    m("runtime-fifo-rejects-waiting-head", SCHEDULER, "a head that waits for pages behind new admissions is rejected",
+      [("if self.running or batch.context_requests:", "if self.running:")], SCHEDULER_TESTS),
+    m("runtime-preempt-forgets-output", SCHEDULER, "a preempted request re-prefills its prompt only (tokens lost)",
+      [("request.prefill_token_ids = request.prompt_token_ids + request.output_token_ids",
+        "request.prefill_token_ids = list(request.prompt_token_ids)")], SCHEDULER_TESTS),
+    m("runtime-free-resources-keeps-pages", RESOURCES, "free_resources frees the slot but not the cache's pages",
+      [("        self.cache.release([request.slot])\n        self._give_slot(request)",
+        "        self._give_slot(request)")], EXECUTOR_TESTS),
+    m("runtime-max-seq-len-inclusive", EXECUTOR, "a prompt + max_tokens of exactly max_seq_len is refused",
+      [("if n + params.max_tokens > self.max_seq_len:", "if n + params.max_tokens >= self.max_seq_len:")],
+      EXECUTOR_TESTS),
+    # ------------------------------------------------------------------ runtime: sampler (survivor 1) and stops
+    m("runtime-top-p-boundary-strict", SAMPLING, "top-p keeps a token whose cumulative mass equals 1 - top_p (< not <=)",
+      [("drop_sorted = cumulative <= (1 - top_p)", "drop_sorted = cumulative < (1 - top_p)")], SAMPLING_TESTS),
+    m("runtime-top-p-may-drop-all", SAMPLING, "top-p may drop the most likely token too",
+      [("    drop_sorted[:, -1] = False\n", "")], SAMPLING_TESTS),
+    m("runtime-penalty-direction", SAMPLING, "repetition penalty divides negative logits (CTRL rule inverted)",
+      [("torch.where(chosen < 0, chosen * penalty, chosen / penalty)",
+        "torch.where(chosen < 0, chosen / penalty, chosen * penalty)")], SAMPLING_TESTS),
+    m("runtime-top-k-drops-kth", SAMPLING, "top-k drops the k-th logit and its ties (<= not <)",
+      [("scores.masked_fill(scores < kth, -math.inf)", "scores.masked_fill(scores <= kth, -math.inf)")],
+      SAMPLING_TESTS),
+    m("runtime-temperature-multiplies", SAMPLING, "logits multiplied by the temperature",
+      [("scores = scores / temperature.unsqueeze(1)", "scores = scores * temperature.unsqueeze(1)")], SAMPLING_TESTS),
+    m("runtime-greedy-ignores-penalty", SAMPLING, "greedy rows take the argmax of the raw logits (penalty skipped)",
+      [("        tokens = torch.argmax(scores, dim=-1)\n", "        tokens = torch.argmax(logits.float(), dim=-1)\n")],
+      SAMPLING_TESTS),
+    m("runtime-max-tokens-one-late", STOPS, "max_tokens stops one token late (> not >=)",
+      [("if len(generated_ids) >= self.params.max_tokens:", "if len(generated_ids) > self.params.max_tokens:")],
+      STOP_TESTS),
+    m("runtime-stop-string-search-late", STOPS, "the stop-string search starts one character late",
+      [("start = max(0, settled - max(len(s) for s in self._stops) + 1)",
+        "start = max(0, settled - max(len(s) for s in self._stops) + 2)")], STOP_TESTS),
+    m("runtime-ignore-eos-ignored", STOPS, "ignore_eos has no effect (the model's stop ids always apply)",
+      [("        if not params.ignore_eos:\n            self._stop_ids |= set(stop_token_ids)",
+        "        if True:\n            self._stop_ids |= set(stop_token_ids)")], STOP_TESTS),
+    # ------------------------------------------------------------------ OpenAI server (survivors 5, 6)
+    m("serve-usage-first-prompt", SERVER, "completion usage counts the first prompt only",
+      [('usage = {k: sum(_usage(f)[k] for f in finals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}',
+        "usage = _usage(finals[0])")], SERVE_TESTS),
+    m("serve-neutral-ignores-type", PROTOCOL, "neutral-value check by == only (True == 1, 0 == False accepted)",
+      [("(type(value) is type(neutral) or {type(value), type(neutral)} <= {int, float}) and value == neutral",
+        "value == neutral")], SERVE_TESTS),
+    m("serve-completion-default-max-tokens", SERVER, "completions default to SamplingParams' 64 tokens, not OpenAI's 16",
+      [("16 if body.max_tokens is None else body.max_tokens", "64 if body.max_tokens is None else body.max_tokens")],
+      SERVE_TESTS),
+    m("serve-chat-limit-priority", SERVER, "chat: max_tokens wins over max_completion_tokens",
+      [("body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens",
+        "body.max_tokens if body.max_tokens is not None else body.max_completion_tokens")], SERVE_TESTS),
+    m("serve-chat-default-ignores-prompt", SERVER, "chat default max_tokens is max_seq_len (prompt not subtracted)",
+      [("max(1, llm.max_seq_len - len(ids))", "max(1, llm.max_seq_len)")], SERVE_TESTS),
+    # ------------------------------------------------------------------ paged: decisions, planning, moves, gather
+    m("paged-prefill-window-off-by-one", PREFILL, "paged prefill: recent window one token short",
+      [("window=t >= n_tok - W,", "window=t > n_tok - W,")], PAGED_TESTS),
+    m("paged-prefill-counts-unclamped", PREFILL, "paged prefill: query counts not clamped to S",
+      [("count=torch.minimum(n_tok - t, torch.full_like(t, S)).float()", "count=(n_tok - t).float()")], PAGED_TESTS),
+    m("paged-prefill-low-strict", PREFILL, "paged prefill: low tier needs importance > alpha_low/N",
+      [("low = ~high & (importance >= p[\"thr_l\"][:, None])", "low = ~high & (importance > p[\"thr_l\"][:, None])")],
+      PAGED_TESTS),
+    m("paged-prefill-low-page-column", PREFILL, "paged prefill: low tokens written one reserved page too far left",
+      [('col = (p["reserved"][:, None] - 1 - index // per_page).clamp(min=0)',
+        'col = (p["reserved"][:, None] - 2 - index // per_page).clamp(min=0)')], PAGED_TESTS),
+    m("paged-decode-candidate-off-by-one", DECISIONS, "paged decode: the candidate one position too old",
+      [("    cand = pos - max(recent_window_tokens, 1)\n", "    cand = pos - max(recent_window_tokens, 1) - 1\n")],
+      PAGED_TESTS),
+    m("paged-moves-unmasked", DECODE, "decode moves: rows that move nothing still copy token 0 into the low tier",
+      [("    src_page = torch.where(moving, src_page, -1)\n    dst_page = torch.where(moving, dst_page, -1)\n", "")],
+      PAGED_TESTS),
+    m("paged-low-column-off-by-one", GATHER, "low tier pages located one column left of the right edge",
+      [("        col = width - 1 - col\n", "        col = width - col\n")], PAGED_TESTS),
+    m("paged-gather-one-past-count", GATHER, "a tier view counts one token past the tier's count as valid",
+      [("valid = index < count[:, None]", "valid = index <= count[:, None]")], PAGED_TESTS),
+    m("paged-threshold-n-plus-one", DECISIONS, "decode thresholds alpha/N with N = pos + 1",
+      [("    n = pos.clamp(min=1)\n", "    n = (pos + 1).clamp(min=1)\n")], PAGED_TESTS),
+    m("paged-counts-prompt-twice", DECISIONS, "query counts: decode queries also counted for prompt tokens' window",
+      [("from_decode = (n - torch.maximum(p, pl)).clamp(min=0)", "from_decode = (n - p).clamp(min=0)")],
+      PAGED_TESTS),
+    m("paged-new-token-slot-swapped", DECISIONS, "a freed high slot: the new token takes the candidate's, not the victim's",
+      [("torch.where(~found | (c_high & v_stays), h_count, torch.where(c_high, iv_h, ic))",
+        "torch.where(~found | (c_high & v_stays), h_count, torch.where(c_high, ic, iv_h))")],
+      PAGED_TESTS + DECISION_TESTS),
+    m("paged-victim-after-candidate", DECISIONS, "high victim search includes tokens newer than the candidate",
+      [("elig_h = high.valid & (high.positions.long() <= cand[:, None])", "elig_h = high.valid")], PAGED_TESTS),
+    m("paged-row-meta-half-bytes", ROW_META, "row metadata counts head_dim bytes for the fp16 key offset",
+      [("return 2 * self.head_dim if self.key_offset else 0", "return self.head_dim if self.key_offset else 0")],
+      PAGED_TESTS),
+    m("paged-oracle-drops-last-token", PAGED_ORACLE, "the gather oracle reads one token short of each tier",
+      [("view = gather_tier(pool, table, tokens, rows, tier, count)",
+        "view = gather_tier(pool, table, tokens, rows, tier, max(count - 1, 0))")], PAGED_TESTS),
+    # ------------------------------------------------------------------ kernels: decode attention (interpreter)
+    m("kernels-merge-no-rescale", DECODE_KERNELS, "merge: partial sums added without their max rescale",
+      [("        acc += a * w_s[:, None]\n", "        acc += a\n")], DECODE_KERNEL_TESTS),
+    m("kernels-partial-sum-not-rescaled", DECODE_KERNELS, "online softmax: the running sum is not rescaled",
+      [("        l = l * alpha + tl.sum(p, axis=1)\n", "        l = l + tl.sum(p, axis=1)\n", "all")],
+      DECODE_KERNEL_TESTS),
+    m("kernels-tail-unmasked", DECODE_KERNELS, "the last page's slots past the tier count are read",
+      [("valid = (sub < PPI) & (j < last) & (j * TOKENS + slot < n_tok)", "valid = (sub < PPI) & (j < last)", "all")],
+      DECODE_KERNEL_TESTS),
+    m("kernels-scale-zero-swapped", DECODE_KERNELS, "folded path: scale and zero read from each other's half-word",
+      [("        scale = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)\n"
+        "        zero = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)\n",
+        "        zero = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)\n"
+        "        scale = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)\n")], DECODE_KERNEL_TESTS),
+    m("kernels-zero-term-dropped", DECODE_KERNELS, "folded path: the key zero-point term q . zero is dropped",
+      [("logits = tl.sum(l3 * ks[:, None, :] + kz[:, None, :] * qsum3[:, :, None], axis=0)",
+        "logits = tl.sum(l3 * ks[:, None, :], axis=0)")], DECODE_KERNEL_TESTS),
+    m("kernels-partition-overrun", DECODE_KERNELS, "a partition reads past its last page into the next one",
+      [("    last = tl.minimum(first + per_part, n_pages)\n", "    last = tl.minimum(first + per_part + 1, n_pages)\n",
+        "all")], DECODE_KERNEL_TESTS),
+    m("kernels-score-sum-over-group", DECODE_KERNELS, "score update sums the group's probabilities (not the max)",
+      [("prob = tl.max(e.to(tl.float32) * factor[:, None, :], axis=2)",
+        "prob = tl.sum(e.to(tl.float32) * factor[:, None, :], axis=2)")], DECODE_KERNEL_TESTS),
+    m("kernels-score-overwritten", DECODE_KERNELS, "score update overwrites the accumulated score",
+      [("tl.store(score_ptr, old + prob, mask=tok_ok)", "tl.store(score_ptr, prob, mask=tok_ok)")],
+      DECODE_KERNEL_TESTS),
+    m("kernels-score-low-column-off-by-one", DECODE_KERNELS, "score update: the low tier's first page is missed",
+      [("    is_low = pos >= R - lp\n", "    is_low = pos > R - lp\n")], DECODE_KERNEL_TESTS),
+    # ------------------------------------------------------------------ kernels: decision kernel
+    m("kernels-decision-high-inclusive", DECISION_KERNEL, "decision kernel: HIGH for importance >= alpha_high/N",
+      [("return tl.where(imp > thr_h, 1, tl.where(imp >= thr_l, 2, 0))",
+        "return tl.where(imp >= thr_h, 1, tl.where(imp >= thr_l, 2, 0))")], DECISION_TESTS),
+    m("kernels-decision-low-strict", DECISION_KERNEL, "decision kernel: LOW needs importance > alpha_low/N",
+      [("return tl.where(imp > thr_h, 1, tl.where(imp >= thr_l, 2, 0))",
+        "return tl.where(imp > thr_h, 1, tl.where(imp > thr_l, 2, 0))")], DECISION_TESTS),
+    m("kernels-decision-new-slot-swapped", DECISION_KERNEL, "decision kernel: new token into the candidate's slot",
+      [("tl.where(append, h_count, tl.where(c_high, iv_h, ic))", "tl.where(append, h_count, tl.where(c_high, ic, iv_h))")],
+      DECISION_TESTS),
+    m("kernels-decision-candidate-off-by-one", DECISION_KERNEL, "decision kernel: the candidate one position too old",
+      [("    cand = pos - W\n", "    cand = pos - W - 1\n")], DECISION_TESTS),
+    m("kernels-decision-tie-to-newest", DECISION_KERNEL, "decision kernel: importance ties go to the newest token",
+      [("m_pos = tl.min(tl.where(tie, p, 2147483647), 0)\n        m_col = tl.min(tl.where(tie & (p == m_pos), j, 2147483647), 0)",
+        "m_pos = tl.max(tl.where(tie, p, -1), 0)\n        m_col = tl.min(tl.where(tie & (p == m_pos), j, 2147483647), 0)")],
+      DECISION_TESTS),
+    m("kernels-decision-counts-unclamped", DECISION_KERNEL, "decision kernel: prompt counts not clamped to S",
+      [("from_prompt = tl.where(p < prompt_len, tl.minimum(prompt_len - p, S), 0)",
+        "from_prompt = tl.where(p < prompt_len, prompt_len - p, 0)")], DECISION_TESTS),
+    # ------------------------------------------------------------------ kernels: write (quantize) and prompt scores
+    m("kernels-write-no-clamp", WRITE_KERNEL, "write kernel: codes not clamped to [0, 2**bits - 1]",
+      [("code = tl.minimum(tl.maximum(_round_half_even(y), 0.0), QMAX * 1.0).to(tl.int32)",
+        "code = _round_half_even(y).to(tl.int32)")], WRITE_KERNEL_TESTS),
+    m("kernels-write-scale-divisor", WRITE_KERNEL, "write kernel: scale divides the range by 2**bits",
+      [("tl.math.div_rn(hi - lo, tl.full(hi.shape, QMAX, tl.float32))",
+        "tl.math.div_rn(hi - lo, tl.full(hi.shape, QMAX + 1, tl.float32))")], WRITE_KERNEL_TESTS),
+    m("kernels-prefill-scores-self-masked", PREFILL_KERNELS, "prompt scores: a query's own key masked (< not <=)",
+      [("keep = i_mask[:, None] & (t[None, :] <= pos[:, None]) & t_mask[None, :]",
+        "keep = i_mask[:, None] & (t[None, :] < pos[:, None]) & t_mask[None, :]")], PREFILL_KERNEL_TESTS),
+    m("kernels-prefill-scores-window-shifted", PREFILL_KERNELS, "prompt scores: the scoring window one query early",
+      [("    first_q = n - s\n    # queries before", "    first_q = n - s - 1\n    # queries before")],
+      PREFILL_KERNEL_TESTS),
+    m("kernels-prefill-lse-not-causal", PREFILL_KERNELS, "prompt log-sum-exp over every key (no causal mask)",
+      [("keep = i_mask[:, None] & (t[None, :] <= pos[:, None]) & (t < k_end)[None, :]",
+        "keep = i_mask[:, None] & (t < k_end)[None, :]")], PREFILL_KERNEL_TESTS),
 ]
 
 
@@ -214,7 +448,8 @@ def snapshot(source: str) -> str:
     """A throwaway copy of the repository under /tmp; returns its path."""
     dest = tempfile.mkdtemp(prefix="diffkv-mutation-")
     repo = os.path.join(dest, "repo")
-    ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info", "build", "dist")
+    ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info", "build", "dist",
+                                    ".carry_*")
     if source == "worktree":
         shutil.copytree(ROOT, repo, ignore=ignore)
         return repo
@@ -226,24 +461,54 @@ def snapshot(source: str) -> str:
     return repo
 
 
-def run_tests(repo: str, tests, timeout_s: int) -> tuple[str, str, float]:
+def resolve_module(repo: str, path: str) -> str:
+    """``path`` if it exists in ``repo``, else the one module of that file name under the same package folder
+    (e.g. ``trtllm_diffkv/generation/reference.py`` after a move to ``trtllm_diffkv/generation/engine.py``)."""
+    if os.path.exists(os.path.join(repo, path)):
+        return path
+    top, name = path.split("/")[0], os.path.basename(path)
+    found = sorted(os.path.relpath(os.path.join(d, name), repo)
+                   for d, _, files in os.walk(os.path.join(repo, top)) if name in files)
+    if len(found) != 1:
+        raise SystemExit(f"module {path}: {len(found)} files named {name} under {top}/ ({found})")
+    return found[0]
+
+
+def resolve_tests(repo: str, tests) -> list[str]:
+    """pytest arguments for test names ``file.py`` or ``file.py::test`` (the file found anywhere under tests/)."""
+    files = {}
+    for d, _, names in os.walk(os.path.join(repo, "tests")):
+        for name in names:
+            if name.startswith("test_") and name.endswith(".py"):
+                files.setdefault(name, []).append(os.path.relpath(os.path.join(d, name), repo))
+    out = []
+    for test in tests:
+        name, sep, node = test.partition("::")
+        where = files.get(os.path.basename(name), [])
+        if len(where) != 1:
+            raise SystemExit(f"test file {name}: {len(where)} matches under tests/ ({where})")
+        out.append(where[0] + sep + node)
+    return out
+
+
+def run_tests(repo: str, tests, timeout_s: float) -> tuple[str, str, float]:
     """Run ``tests`` in ``repo``: ``("pass" | "fail" | "timeout" | "error", first failing test or note, seconds)``."""
     env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONDONTWRITEBYTECODE="1", DIFFKV_PAGE_FUZZ_OPS=os.environ.get("DIFFKV_PAGE_FUZZ_OPS", "3000"))
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-           "-o", "addopts=", *tests]
+           "-o", "addopts=", *resolve_tests(repo, tests)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return "timeout", f"no result in {timeout_s} s", time.perf_counter() - t0
+        return "timeout", f"no result in {timeout_s:.0f} s", time.perf_counter() - t0
     seconds = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     if proc.returncode == 0:
         return "pass", "", seconds
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)
     if failed:
-        return "fail", failed[0], seconds
+        return "fail", failed[0].split("/")[-1], seconds
     return "error", (out.strip().splitlines() or ["?"])[-1][:200], seconds
 
 
@@ -256,67 +521,85 @@ def check_imports_copy(repo: str) -> None:
         raise SystemExit(f"the copy imports {path}, not its own package under {repo}")
 
 
-def apply(repo: str, mutation: Mutation, pristine: dict[str, str]) -> bool:
-    """Write the mutated file; False when a replacement's text is not found exactly once."""
-    text = pristine[mutation.path]
-    for old, new in mutation.replacements:
-        if text.count(old) != 1:
-            return False
+def mutate(text: str, mutation: Mutation) -> str | None:
+    """The module text with the mutation's replacements; None when a snippet is not found as required."""
+    for old, new, *mode in mutation.replacements:
+        count = text.count(old)
+        if count == 0 or (count != 1 and mode != ["all"]):
+            return None
         text = text.replace(old, new)
-    with open(os.path.join(repo, mutation.path), "w") as f:
-        f.write(text)
-    return True
+    return text
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", default="", help="run only mutations whose id contains this")
+    parser.add_argument("--area", action="append", choices=sorted(AREAS),
+                        help="run only this area's mutations (repeatable)")
     parser.add_argument("--source", choices=["head", "worktree"], default="head")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per mutation")
+    parser.add_argument("--budget", type=int, default=1200,
+                        help="seconds for the whole check: mutations not started by then are reported NOT-RUN")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--keep", action="store_true", help="keep the /tmp copy")
     parser.add_argument("--tests", nargs="+", help="run these test files for every mutation instead of its own list")
     args = parser.parse_args()
-    chosen = [mu for mu in MUTATIONS if args.k in mu.id]
+    t_start = time.perf_counter()
+    chosen = [mu for mu in MUTATIONS if args.k in mu.id and (not args.area or mu.area in args.area)]
     if args.tests:
         chosen = [Mutation(mu.id, mu.path, mu.description, mu.replacements, tuple(args.tests)) for mu in chosen]
-    if args.list:
+    if args.list:  # against the checkout's modules: STALE marks a snippet that no longer matches
         for mu in chosen:
-            print(f"{mu.id:40s} {mu.path:38s} {mu.description}")
+            text = open(os.path.join(ROOT, resolve_module(ROOT, mu.path))).read()
+            stale = "STALE " if mutate(text, mu) is None else ""
+            print(f"{stale}{mu.id:42s} {mu.path:44s} {mu.description}")
         return 0
     repo = snapshot(args.source)
     check_imports_copy(repo)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"copy: {repo} (source {args.source}, HEAD {commit})", flush=True)
-    paths = sorted({mu.path for mu in chosen})
-    pristine = {p: open(os.path.join(repo, p)).read() for p in paths}
-    all_tests = sorted({t for mu in chosen for t in mu.tests})
-    status, note, seconds = run_tests(repo, all_tests, args.timeout * 3)
-    print(f"baseline ({' '.join(all_tests)}): {status} {note} in {seconds:.0f} s", flush=True)
+    print(f"copy: {repo} (source {args.source}, HEAD {commit}); {len(chosen)} mutations", flush=True)
+    where = {mu.path: resolve_module(repo, mu.path) for mu in chosen}
+    pristine = {p: open(os.path.join(repo, where[p])).read() for p in sorted(where)}
+    all_tests = list(dict.fromkeys(t for mu in chosen for t in mu.tests))
+    status, note, baseline_s = run_tests(repo, all_tests, args.timeout * 3)
+    print(f"baseline ({len(all_tests)} test selections): {status} {note} in {baseline_s:.0f} s", flush=True)
     if status != "pass":
         print("the unmutated copy must pass its tests first", file=sys.stderr)
         return 2
     results = []
     for mu in chosen:
-        if not apply(repo, mu, pristine):
-            result = dict(id=mu.id, path=mu.path, description=mu.description, outcome="STALE", test="", seconds=0.0)
+        text = mutate(pristine[mu.path], mu)
+        elapsed = time.perf_counter() - t_start
+        if text is None:
+            result = dict(outcome="STALE", test="", seconds=0.0)
+        elif elapsed > args.budget:
+            result = dict(outcome="NOT-RUN", test=f"budget of {args.budget} s spent", seconds=0.0)
         else:
-            status, note, seconds = run_tests(repo, mu.tests, args.timeout)
-            outcome = {"fail": "caught", "pass": "SURVIVED"}.get(status, status)
-            result = dict(id=mu.id, path=mu.path, description=mu.description, outcome=outcome, test=note,
+            with open(os.path.join(repo, where[mu.path]), "w") as f:
+                f.write(text)
+            status, note, seconds = run_tests(repo, mu.tests, min(args.timeout, max(args.budget - elapsed, 30)))
+            result = dict(outcome={"fail": "caught", "pass": "SURVIVED"}.get(status, status), test=note,
                           seconds=round(seconds, 1))
-        with open(os.path.join(repo, mu.path), "w") as f:
-            f.write(pristine[mu.path])
+            with open(os.path.join(repo, where[mu.path]), "w") as f:
+                f.write(pristine[mu.path])
+        result = dict(id=mu.id, area=mu.area, path=where[mu.path], description=mu.description, **result)
         results.append(result)
-        print(f"{result['outcome']:8s} {mu.id:40s} {result['test']} ({result['seconds']} s)", flush=True)
+        print(f"{result['outcome']:8s} {mu.id:42s} {result['test']} ({result['seconds']} s)", flush=True)
+    total_s = time.perf_counter() - t_start
     summary = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
-                   source=args.source, results=results)
+                   source=args.source, total_s=round(total_s, 1), baseline_s=round(baseline_s, 1), results=results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
     if args.markdown:
+        print("\n| area | mutations | caught | survived or not run |\n|---|---|---|---|")
+        for area in AREAS:
+            rows = [r for r in results if r["area"] == area]
+            if rows:
+                caught = sum(r["outcome"] == "caught" for r in rows)
+                print(f"| {AREAS[area]} | {len(rows)} | {caught} | {len(rows) - caught} |")
         print("\n| mutation | file | planted bug | outcome | first failing test | s |\n|---|---|---|---|---|---|")
         for r in results:
             print(f"| `{r['id']}` | `{r['path'].split('/')[-1]}` | {r['description']} | {r['outcome']} | "
@@ -324,7 +607,7 @@ def main() -> int:
     if not args.keep:
         shutil.rmtree(os.path.dirname(repo), ignore_errors=True)
     bad = [r for r in results if r["outcome"] != "caught"]
-    print(f"\n{len(results) - len(bad)} of {len(results)} mutations caught", flush=True)
+    print(f"\n{len(results) - len(bad)} of {len(results)} mutations caught in {total_s:.0f} s", flush=True)
     return 1 if bad else 0
 
 

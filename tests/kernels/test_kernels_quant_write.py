@@ -136,11 +136,34 @@ def check_error_flags(write_tokens) -> None:
     assert flags.tolist() == [0, 1, 1], flags.tolist()
 
 
+def check_saturation(write_tokens) -> None:
+    """Rows far from 0 with a small range: the fp16 zero point misses the minimum by more than a step
+    (1000.3 -> 1000.5, 1000.2 -> 1000.0), so unclamped codes would leave [0, 2**bits - 1]; the stored
+    codes saturate exactly as ``quant.quantize`` (checked against the scalar oracle in test_quant.py)."""
+    from trtllm_diffkv.config import DiffKVConfig, TierConfig
+    from trtllm_diffkv.memory import KVCachePool, PageFormat
+    from trtllm_diffkv.quant import quantize
+
+    ramp = torch.linspace(0.0, 0.5, 64)
+    x = torch.stack([1000.3 + ramp, 1000.2 + ramp, -1000.3 - ramp])
+    for bits, groups in ((8, 1), (4, 2), (2, 1)):
+        tier = TierConfig(bits, bits, groups, groups)
+        fmt = PageFormat.for_config(DiffKVConfig(high=tier, low=tier, alpha_low=0.0), 64, high_tokens_per_page=4)
+        pool = KVCachePool(fmt, 1, device="cpu")
+        slots = torch.arange(3, dtype=torch.int32)
+        write_tokens(pool.pages(), fmt, "high", torch.zeros(3, dtype=torch.int32), slots, x, x,
+                     scores=torch.zeros(3), positions=slots)
+        q = quantize(x[None], bits, groups)
+        for side in ("key", "value"):
+            assert torch.equal(pool.segment("high", f"{side}_codes")[0, :3], q.codes[0]), (bits, groups, side)
+
+
 def test_torch_write_path_bit_exact():
     from trtllm_diffkv.paged import torch_ops
 
     assert check_write_path(torch_ops.write_tokens, torch_ops.read_tokens) == len(HEAD_DIMS) * len(_tiers())
     check_error_flags(torch_ops.write_tokens)
+    check_saturation(torch_ops.write_tokens)
 
 
 def test_write_tokens_rejects_bad_shapes():
@@ -165,6 +188,7 @@ def main() -> None:
     from trtllm_diffkv.config import DiffKVConfig
 
     check_error_flags(write_tokens)
+    check_saturation(write_tokens)
     # Interpreted programs are slow: every format at head_dim 80 (not a power of two: padded lanes),
     # the default tiers at every other head_dim. The torch version covers the full product in-process.
     count = check_write_path(write_tokens, read_tokens, head_dims=(80,))

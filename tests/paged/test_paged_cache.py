@@ -40,6 +40,16 @@ def test_lockstep_with_reference_tiers_change(peaked_model):
         assert s.pool_used_bytes >= s.kv_cache_bytes > 0
 
 
+
+def test_lockstep_with_importances_exactly_on_a_zero_threshold():
+    """alpha_low = 0 (several presets): a token whose importance is exactly 0 (probabilities underflowed in
+    fp32, q/k scaled by 40) sits on the threshold and is LOW (``>=``), never pruned, as in the reference."""
+    cfg = CFG.replace(alpha_low=0.0)
+    report = run_lockstep(peaked_tiny_llama(40.0), cfg, _prompts((20, 7, 33)), 2, num_pages=200, kv_atol=KV_ATOL,
+                          out_atol=1e-3, high_tokens_per_page=4)
+    assert sum(s.low_tokens for s in report.final_stats) > 0
+    assert sum(s.pruned_tokens for s in report.final_stats) == 0
+
 def test_lockstep_default_page_size_and_gqa_groups(peaked_model):
     cfg = CFG.replace(alpha_low=0.5, prompt_threshold_base="position")
     run_lockstep(peaked_model, cfg, _prompts((40, 13), seed=3), 6, num_pages=100, kv_atol=KV_ATOL)

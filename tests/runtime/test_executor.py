@@ -237,6 +237,15 @@ def test_bad_requests_fail_alone(model):
     assert got["good"][0] == solo(model, CFG, prompts[0], good)[0]
 
 
+def test_max_seq_len_is_inclusive(model):
+    """prompt + max_tokens == max_seq_len fits (every position < max_seq_len is used); one more is refused."""
+    prompt = _prompts((8,), seed=9)[0]
+    got = drive(make(model, max_seq_len=32), {0: [("fits", prompt, _greedy(24)), ("over", prompt, _greedy(25))]})
+    assert got["fits"][1].finish_reason == "length", got["fits"][1].error
+    assert got["fits"][0] == solo(model, CFG, prompt, _greedy(24))[0] and len(got["fits"][0]) == 24
+    assert got["over"][1].finish_reason == "error" and "exceeds max_seq_len=32" in got["over"][1].error
+
+
 def test_request_larger_than_the_pool_fails_alone(model):
     """A prompt whose prefill reserve exceeds the whole pool, and one that would outgrow it alone while decoding."""
     ex = make(model, FP16, num_pages=60)

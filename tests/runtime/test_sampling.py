@@ -444,3 +444,37 @@ def test_nan_and_inf_logits_never_draw_a_nan_token():
     for _ in range(20):
         a, b = sampler.sample(logits, ["a", "b"], [[], []]).tolist()
         assert a in (1, 2) and b in (1, 3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_top_p_on_the_exact_boundary_drops_the_token_as_transformers(seed):
+    """A token whose ascending cumulative probability equals ``1 - top_p`` exactly (in float32) is dropped
+    (HF's ``<=``), on distinct logits, as transformers' ``TopPLogitsWarper`` does."""
+    from transformers import TopPLogitsWarper
+
+    logits = torch.randn(1, 11, generator=torch.Generator().manual_seed(seed)) * 0.5
+    ascending = torch.sort(logits, dim=-1).values.softmax(dim=-1).cumsum(dim=-1)[0]
+    boundary_rank = int((ascending >= 0.5).nonzero()[0])      # a mass in [0.5, 1): 1 - (1 - mass) is exact
+    assert boundary_rank < 10
+    mass = float(ascending[boundary_rank])
+    top_p = 1.0 - mass
+    assert float(1 - torch.tensor(top_p, dtype=torch.float32)) == mass  # the comparison is an exact tie
+    sampler = Sampler(11, "cpu")
+    sampler.add("r", SamplingParams(top_p=top_p))
+    ours = torch.isfinite(sampler.filtered_logits(logits, ["r"], [[]]))[0]
+    hf = torch.isfinite(TopPLogitsWarper(top_p)(torch.zeros(1, 0, dtype=torch.long), logits.clone()))[0]
+    assert ours.tolist() == hf.tolist()
+    assert int(ours.sum()) == 11 - (boundary_rank + 1)         # the boundary token itself is dropped
+
+
+def test_top_p_on_the_boundary_with_ties_keeps_as_transformers():
+    """Uniform logits over 4 tokens: probabilities 1/4 exactly; top_p 0.75 keeps 3, 0.5 keeps 2 (HF rule)."""
+    from transformers import TopPLogitsWarper
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, -math.inf]])
+    for top_p, kept in ((0.75, 3), (0.5, 2), (0.25, 1)):
+        sampler = Sampler(5, "cpu")
+        sampler.add("r", SamplingParams(top_p=top_p))
+        ours = torch.isfinite(sampler.filtered_logits(logits, ["r"], [[]]))[0]
+        hf = torch.isfinite(TopPLogitsWarper(top_p)(torch.zeros(1, 0, dtype=torch.long), logits.clone()))[0]
+        assert int(ours.sum()) == int(hf.sum()) == kept, top_p

@@ -1,0 +1,122 @@
+"""The OpenAI server's request rules in process (FastAPI's TestClient over a recording stand-in LLM).
+
+The real-process tests (test_openai_server.py) check texts; these check the rules that a text does
+not show: usage summed over every prompt of a completion request, the default ``max_tokens`` (16
+for completions; the rest of the context for chat), ``max_completion_tokens`` over ``max_tokens``,
+and the neutral-value check comparing by type (``True`` is not ``1``, ``0`` is not ``False``).
+The stand-in tokenizes by characters and answers each prompt with ``len(prompt) % 5 + 1`` tokens, so
+that every prompt of a request has its own counts.
+"""
+from types import SimpleNamespace
+
+import pytest
+
+from trtllm_diffkv.serve.openai_protocol import NEUTRAL, is_neutral
+
+pytest.importorskip("fastapi")
+
+MAX_SEQ_LEN = 64
+
+
+class CharTokenizer:
+    chat_template = "{{ messages }}"  # only tested for presence by the server
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class Handle:
+    finished = True
+
+    def __init__(self, output):
+        self.output = output
+
+    async def __anext__(self):
+        return self.output
+
+    def abort(self):
+        pass
+
+
+class RecordingLLM:
+    """Answers every prompt at once; ``calls`` holds (prompt token ids, SamplingParams) per request."""
+
+    tokenizer, max_seq_len = CharTokenizer(), MAX_SEQ_LEN
+
+    def __init__(self):
+        self.calls = []
+
+    def generate_async(self, prompt, params, streaming=False):
+        ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
+        self.calls.append((ids, params))
+        n = min(params.max_tokens, len(ids) % 5 + 1)
+        completion = SimpleNamespace(text="x" * n, token_ids=list(range(n)), finish_reason="length", text_diff="x" * n)
+        return Handle(SimpleNamespace(error=None, prompt_token_ids=ids, finished=True, outputs=[completion]))
+
+
+@pytest.fixture()
+def app():
+    from fastapi.testclient import TestClient
+
+    from trtllm_diffkv.serve.openai_server import create_app
+
+    llm = RecordingLLM()
+    with TestClient(create_app(llm, "tiny"), raise_server_exceptions=False) as http:
+        yield http, llm
+
+
+def test_usage_is_summed_over_every_prompt(app):
+    http, llm = app
+    prompts = ["ab", "hello world", "x", "seven!!"]
+    answer = http.post("/v1/completions", json={"prompt": prompts, "max_tokens": 4}).json()
+    prompt_tokens = [len(p) for p in prompts]                     # the stand-in's tokenizer: one id per char
+    completion_tokens = [min(4, len(p) % 5 + 1) for p in prompts]
+    assert [c["text"] for c in answer["choices"]] == ["x" * n for n in completion_tokens]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert answer["usage"] == {"prompt_tokens": sum(prompt_tokens), "completion_tokens": sum(completion_tokens),
+                               "total_tokens": sum(prompt_tokens) + sum(completion_tokens)}
+
+
+def test_default_and_explicit_max_tokens(app):
+    http, llm = app
+    http.post("/v1/completions", json={"prompt": "hi"})
+    assert llm.calls[-1][1].max_tokens == 16                      # OpenAI's completions default
+    http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert llm.calls[-1][1].max_tokens == 3
+    messages = [{"role": "user", "content": "hey"}]
+    http.post("/v1/chat/completions", json={"messages": messages})
+    ids = llm.calls[-1][0]
+    assert ids == [ord(c) for c in "<user>hey<assistant>"]
+    assert llm.calls[-1][1].max_tokens == MAX_SEQ_LEN - len(ids)  # chat: the rest of the context
+    http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 7})
+    assert llm.calls[-1][1].max_tokens == 7
+    http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 7, "max_completion_tokens": 5})
+    assert llm.calls[-1][1].max_tokens == 5                       # the newer field wins when both are sent
+    chat = http.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 2}).json()
+    n = min(2, len(ids) % 5 + 1)
+    assert chat["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
+
+@pytest.mark.parametrize("name, value", [("n", True), ("best_of", True), ("logprobs", 0), ("echo", 0),
+                                         ("echo", 0.0), ("presence_penalty", False), ("frequency_penalty", False),
+                                         ("top_logprobs", False), ("logprobs", 0.0)])
+def test_a_value_equal_to_a_neutral_one_but_of_another_type_is_not_neutral(name, value):
+    assert any(value == v for v in NEUTRAL[name] if v is not None)  # Python says equal (True == 1, 0.0 == False)
+    assert not is_neutral(name, value)
+
+
+@pytest.mark.parametrize("name, value", [("n", 1), ("n", None), ("logprobs", False), ("presence_penalty", 0),
+                                         ("presence_penalty", 0.0), ("logit_bias", {}), ("suffix", "")])
+def test_neutral_values_are_neutral(name, value):
+    assert is_neutral(name, value)
+
+
+def test_completion_logprobs_zero_is_refused_not_taken_as_false(app):
+    http, llm = app
+    answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 0})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "logprobs", answer.text
+    assert llm.calls == []
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
