@@ -293,9 +293,8 @@ def test_shutdown_leaves_no_process(checkpoint, tmp_path):
 
     def drain():
         try:
-            list(lines)
-            ended.append("complete")
-        except httpx.HTTPError as exc:  # the server cut the stream at its shutdown timeout
+            ended.extend(line for line in lines if line)
+        except httpx.HTTPError as exc:  # the server cut the stream without ending it
             ended.append(type(exc).__name__)
 
     reader = threading.Thread(target=drain, daemon=True)
@@ -303,6 +302,6 @@ def test_shutdown_leaves_no_process(checkpoint, tmp_path):
     assert server.stop(grace_s=30) == 0  # graceful: uvicorn stopped, the LLM shut down
     assert group_pids(pgid) == []
     reader.join(timeout=10)
-    assert ended == ["RemoteProtocolError"]  # the client saw its stream end, not hang
-    log = server.log_tail(20000)  # uvicorn cancels the stream left after --shutdown-timeout-s (5 s), and says so
-    assert "timeout graceful shutdown exceeded" in log
+    assert ended[-1] == "data: [DONE]" and 'shutting down' in ended[-2]  # ended by the drain, with an error event
+    log = server.log_tail(20000)  # the drain aborted it after --shutdown-timeout-s (5 s); uvicorn cancelled nothing
+    assert "aborting 1 request(s) still in flight after 5.0 s" in log and "graceful shutdown exceeded" not in log

@@ -234,7 +234,7 @@ async def _next(handle, request: Request):
 async def _finals(handles, request: Request) -> list:
     """The final outputs of ``handles`` (non-streaming), with one disconnect watcher for all of them;
     on a disconnect every handle is aborted and the list holds ``None``."""
-    together = asyncio.gather(*(handle.aresult() for handle in handles))
+    together = asyncio.gather(*(handle.__anext__() for handle in handles))  # non-streaming: the final output
     while True:
         done, _ = await asyncio.wait({together}, timeout=DISCONNECT_POLL_S)
         if done:
