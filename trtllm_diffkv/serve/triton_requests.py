@@ -194,7 +194,8 @@ def llm_kwargs_from_parameters(parameters: dict[str, str]) -> dict:
     """``LLM(**kwargs)`` from the ``parameters`` of ``config.pbtxt`` (string values; empty = default).
 
     Keys: ``model`` (path; empty = the default model), ``kv_config`` (preset), ``max_batch_size``,
-    ``kv_memory_bytes``, ``max_seq_len``, ``device``, ``dtype`` (``float32``, ``float16``, ``bfloat16``).
+    ``kv_memory_bytes``, ``max_seq_len``, ``num_threads``, ``device``, ``dtype`` (``float32``, ``float16``,
+    ``bfloat16``). Other keys (``python_path``, ``shutdown_timeout_s``) are the model's own.
 
     Raises:
         ValueError: a number that does not parse, an unknown dtype.
@@ -206,7 +207,7 @@ def llm_kwargs_from_parameters(parameters: dict[str, str]) -> dict:
         return text or None
 
     kwargs = {"model": value("model"), "kv_config": value("kv_config"), "device": value("device")}
-    for key in ("max_batch_size", "kv_memory_bytes", "max_seq_len"):
+    for key in ("max_batch_size", "kv_memory_bytes", "max_seq_len", "num_threads"):
         if value(key) is not None:
             try:
                 kwargs[key] = int(value(key))
