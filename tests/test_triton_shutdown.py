@@ -74,3 +74,42 @@ def test_sigterm_with_live_streams_drains_cancels_and_exits_0(checkpoint, tmp_pa
     assert "aborting 2 request(s) still in flight after 1.0 s" in log
     assert "finalized; KV pool pages held: 0" in log  # finalize() reached, the aborted requests' pages freed
     assert "Signal (11)" not in log and "Exit timeout expired" not in log
+
+
+def test_trtllm_optional_inputs_and_diffkv_outputs(checkpoint, tmp_path):
+    """TensorRT-LLM's ensemble's return_num_*_tokens inputs are accepted; the final response carries the
+    DiffKV outputs, equal to the same prompt run alone in an in-process LLM (its RequestOutput.metrics)."""
+    from trtllm_diffkv.llm import LLM
+    from trtllm_diffkv.runtime.sampling import SamplingParams
+    from trtllm_diffkv.serve.triton_server import TritonServer, TritonUnavailable
+
+    write_repository(tmp_path / "repo", model=checkpoint, name="diffkv", max_batch_size=4, kv_memory_bytes=KV_BYTES,
+                     device="cpu", dtype="float32", num_threads=1)
+    try:
+        server = TritonServer(tmp_path / "repo", tmp_path / "ws", install_stub_numpy=True)
+    except TritonUnavailable as exc:
+        pytest.skip(f"the bundled tritonserver cannot run here: {exc}")
+    prompt = "The capital of France is"
+    with LLM(str(checkpoint), device="cpu", kv_memory_bytes=KV_BYTES, max_batch_size=4) as llm:
+        alone = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0)).metrics
+    server.start()
+    try:
+        server.wait_ready(timeout_s=300)
+        with grpc.InferenceServerClient(server.grpc_url) as client:
+            tensors = _inputs(prompt, 6)[:2]  # text_input, max_tokens; not streaming: one response
+            for name in ("return_num_input_tokens", "return_num_output_tokens"):
+                flag = grpc.InferInput(name, [1, 1], "BOOL")
+                flag.set_data_from_numpy(np.array([[True]]))
+                tensors.append(flag)
+            results = queue.Queue()
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            client.async_stream_infer("diffkv", tensors, enable_empty_final_response=True)
+            result, error = results.get(timeout=120)
+            client.stop_stream()
+        assert error is None, error
+        assert result.as_numpy("num_output_tokens")[0, 0] == 6
+        assert result.as_numpy("kv_pool_bytes")[0, 0] == alone["pool_used_bytes"] > 0
+        for name in ("kv_memory_fraction", "high_fraction", "low_fraction", "pruned_fraction"):
+            assert result.as_numpy(name)[0, 0] == pytest.approx(alone[name], rel=1e-6), name
+    finally:
+        assert server.stop() == 0

@@ -44,9 +44,9 @@ ignoring them would hand the client text it did not ask for."""
 def is_neutral(name: str, value, neutrals: dict | None = None) -> bool:
     """Whether ``value`` of field ``name`` is one of its neutral values in ``neutrals`` (default
     :data:`NEUTRAL`; :data:`CHAT_NEUTRAL` for a chat completion). ``True`` is never ``1``."""
-    return any(value is None if neutral is None else
-               (type(value) is type(neutral) or {type(value), type(neutral)} <= {int, float}) and value == neutral
-               for neutral in (NEUTRAL if neutrals is None else neutrals)[name])
+    from ..runtime.sampling import is_neutral_value
+
+    return is_neutral_value(value, (NEUTRAL if neutrals is None else neutrals)[name])
 
 
 def new_id(prefix: str) -> str:

@@ -304,7 +304,8 @@ class TritonPythonModel:
                 return output if self.shutdown_aborted else None
             if completion.text_diff or output.finished:
                 _send(sender, self._response([completion.text_diff], [completion.finish_reason or ""],
-                                           [len(output.prompt_token_ids)], [len(completion.token_ids)], [index]))
+                                           [len(output.prompt_token_ids)], [len(completion.token_ids)], [index],
+                                           [output] if output.finished else None))
 
     def _whole_response(self, rows, finals):
         errors, client = _errors(finals)
@@ -314,19 +315,25 @@ class TritonPythonModel:
                  for row, f in zip(rows, finals)]
         return self._response(texts, [f.outputs[0].finish_reason or "" for f in finals],
                               [len(f.prompt_token_ids) for f in finals],
-                              [len(f.outputs[0].token_ids) for f in finals], list(range(len(rows))))
+                              [len(f.outputs[0].token_ids) for f in finals], list(range(len(rows))), finals)
 
-    @staticmethod
-    def _response(texts, reasons, num_input, num_output, batch_index):
+    def _response(self, texts, reasons, num_input, num_output, batch_index, finals=None):
+        """One response's tensors; ``finals`` (the rows' final outputs) adds the DiffKV outputs."""
         def column(values, dtype):
             return np.array(values, dtype=dtype).reshape(len(values), 1)
 
+        extra = []
+        if finals is not None:
+            values = [self.requests_module.diffkv_output_values(f.metrics) for f in finals]
+            extra = [pb_utils.Tensor(name, column([v[name] for v in values],
+                                                  np.int64 if name == "kv_pool_bytes" else np.float32))
+                     for name in self.requests_module.DIFFKV_OUTPUTS]
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", column([t.encode("utf-8") for t in texts], np.object_)),
             pb_utils.Tensor("finish_reason", column([r.encode() for r in reasons], np.object_)),
             pb_utils.Tensor("num_input_tokens", column(num_input, np.int32)),
             pb_utils.Tensor("num_output_tokens", column(num_output, np.int32)),
-            pb_utils.Tensor("batch_index", column(batch_index, np.int32))])
+            pb_utils.Tensor("batch_index", column(batch_index, np.int32))] + extra)
 
     # ------------------------------------------------------------------ metrics
     async def _export_metrics(self):
