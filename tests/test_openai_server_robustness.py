@@ -278,3 +278,33 @@ def test_shutdown_ends_streams_with_an_error_event_and_waiting_requests_with_a_5
     log = server.log_tail(200000)
     assert "Traceback" not in log and "ASGI" not in log, log[-3000:]
     assert "aborting 3 request(s) still in flight after 1.0 s" in log
+
+
+def _scrape(server) -> dict[str, float]:
+    """Every sample of /metrics: 'name{labels}' (or 'name') -> value."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([^#\s][^ ]*) (\S+)$", text, re.M)}
+
+
+def test_metrics_count_the_requests_sent_and_never_go_nan(server, client, solo):
+    label = f'{{model_name="{NAME}"}}'
+    prompts, max_tokens = ["Memory is", "Hello there", "Three colours:"], [3, 5, 7]
+    before = _scrape(server)
+    for prompt, tokens in zip(prompts, max_tokens):
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=tokens, temperature=0)
+    list(client.completions.create(model=NAME, prompt=prompts[0], max_tokens=4, temperature=0, stream=True))
+    after = _scrape(server)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    tokenizer = solo.llm.tokenizer
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in prompts + prompts[:1])
+    assert delta["vllm:prompt_tokens_total" + label] == delta["trtllm_diffkv_prompt_tokens_total"] == prompt_tokens
+    assert delta["vllm:generation_tokens_total" + label] == sum(max_tokens) + 4
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds",
+                 "vllm:time_per_output_token_seconds"):  # every request had more than one token
+        assert delta[f"{name}_count{label}"] == 4, name
+    assert 0 < delta["vllm:time_to_first_token_seconds_sum" + label] < delta["vllm:e2e_request_latency_seconds_sum"
+                                                                                + label]
+    assert after["vllm:num_preemptions_total" + label] == after["trtllm_diffkv_preemptions_total"] == 0
+    assert after["vllm:kv_cache_usage_perc" + label] == after["trtllm_diffkv_kv_pool_usage_percent"] / 100 == 0  # idle
+    assert not any(v != v for v in after.values()), [k for k, v in after.items() if v != v]  # no NaN
+    assert 0 < after["trtllm_diffkv_kv_memory_fraction"] < 1  # idle: the last value, not NaN

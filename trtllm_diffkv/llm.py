@@ -202,7 +202,7 @@ class LLM:
         self._live: dict[int, AsyncRequest] = {}  # owned by the loop thread
         self._ids = itertools.count()
         self._counts = {"requests_submitted": 0, "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
-                        "step_errors": 0}
+                        "step_errors": 0, "prompt_tokens": 0}
         self._counts_lock = threading.Lock()
         self._closed = False
         self._max_prompt_chars = None
@@ -283,6 +283,8 @@ class LLM:
             return request
         request = AsyncRequest(self, rid, text, ids, params, streaming, self.stop_token_ids, _listener)
         self._count("requests_submitted")
+        with self._counts_lock:
+            self._counts["prompt_tokens"] += len(ids)
         with self._submit_lock:  # shutdown() cannot slip between this check and the put
             if self._closed:  # shut down while the prompt was being tokenized: answer it here
                 request._channel.put(_Event([], True, "abort", "the LLM was shut down before the request started"))
@@ -324,7 +326,8 @@ class LLM:
 
     def stats(self) -> dict:
         """LLM counters (``requests_submitted``, ``requests_finished``, ``requests_failed``,
-        ``requests_cancelled``, ``step_errors``: steps that raised) and the
+        ``requests_cancelled``, ``step_errors``: steps that raised, ``prompt_tokens``: prompt tokens of the
+        requests accepted) and the
         executor's ``stats()`` (running, waiting, pool pages, kv_memory_fraction, tokens/s, ...; read
         between steps: it waits for a step in progress to end)."""
         with self._counts_lock:

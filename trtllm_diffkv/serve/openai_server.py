@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import is_server_fault
-from .metrics import prometheus_text
+from .metrics import ServingMetrics
 from .openai_protocol import (CHAT_NEUTRAL, NEUTRAL, UNSUPPORTED, ChatCompletionRequest, CompletionRequest, created,
                               is_neutral, new_id)
 
@@ -293,6 +293,7 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     app = FastAPI(title="trtllm-diffkv OpenAI-compatible server")
     drain = app.state.drain = Drain()
+    serving_metrics = app.state.metrics = ServingMetrics(llm, model_name)
     app.add_middleware(_Guard, drain=drain, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
@@ -340,8 +341,8 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
 
     @app.get("/metrics")
     async def metrics():
-        stats = await asyncio.to_thread(llm.stats)  # waits for a step in progress: off the event loop
-        return PlainTextResponse(prometheus_text(stats), media_type="text/plain; version=0.0.4")
+        text = await asyncio.to_thread(serving_metrics.text)  # llm.stats() waits for a step: off the event loop
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -362,8 +363,11 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
         try:
             meta = {"id": new_id("cmpl"), "object": "text_completion", "created": created(), "model": model_name}
             if body.stream:
-                return await _stream(handles[0], request, body, meta, chat=False, drain=drain)
+                return await _stream(handles[0], request, body, meta, chat=False, drain=drain,
+                                     observe=serving_metrics.observe)
             finals = await _finals(handles, request)
+            for handle in handles:
+                serving_metrics.observe(handle)
             _raise_first_error(finals, handles, drain)
             choices = [{"index": i, "text": f.outputs[0].text, "logprobs": None,
                         "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
@@ -389,8 +393,9 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
             meta = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": created(), "model": model_name}
             if body.stream:
                 return await _stream(handle, request, body, {**meta, "object": "chat.completion.chunk"}, chat=True,
-                                     drain=drain)
+                                     drain=drain, observe=serving_metrics.observe)
             final = await _next(handle, request)
+            serving_metrics.observe(handle)
             _raise_first_error([final], [handle], drain)
             completion = final.outputs[0]
             usage = request.state.usage = _usage([final])
@@ -451,7 +456,7 @@ def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
             raise BadRequest(final.error, None, 500 if server_side else 400)
 
 
-async def _stream(handle, request: Request, body, meta: dict, chat: bool, drain: Drain):
+async def _stream(handle, request: Request, body, meta: dict, chat: bool, drain: Drain, observe):
     """Wait for the first output (an error then is a 400 response), then stream the rest as SSE; a client
     that disconnects aborts the request (before the first token: :func:`_next`; after: Starlette cancels
     the stream, whose ``finally`` aborts). A stream cut by the shutdown ends with an error event and
@@ -502,6 +507,7 @@ async def _stream(handle, request: Request, body, meta: dict, chat: bool, drain:
             yield "data: [DONE]\n\n"
         finally:
             drain.discard([handle])
+            observe(handle)
             if not handle.finished:  # the client went away mid-stream: free the request's pages
                 handle.abort()
 

@@ -127,6 +127,7 @@ class TritonPythonModel:
                          for m in metrics.METRICS]  # kept: a family is unregistered when collected
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.gauges = {m.name: family.Metric(labels=labels) for m, family in zip(metrics.METRICS, self.families)}
+        self.last_metrics = {}  # a gauge with nothing to report keeps its last value
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="trtllm-diffkv-triton", daemon=True)
         self.thread.start()
@@ -340,6 +341,6 @@ class TritonPythonModel:
         loop = asyncio.get_running_loop()
         while True:
             stats = await loop.run_in_executor(None, self.llm.stats)  # waits for a step in progress
-            for name, value in self.metrics_module.metric_values(stats).items():
+            for name, value in self.metrics_module.metric_values(stats, self.last_metrics).items():
                 self.gauges[name].set(value)
             await asyncio.sleep(METRICS_PERIOD_S)
