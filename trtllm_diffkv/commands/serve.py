@@ -37,8 +37,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="model dtype (default: float32 on "
                                                                                "CPU, bfloat16 on GPU)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, all cores; on the CPU the "
-                                               "speed changes up to 10x with it)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default on the CPU: $OMP_NUM_THREADS, else the "
+                                               "idle cores, 1 to 4, as generate; the speed changes 10x with it)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request bodies above this get a 413 "
                                                                        "(default: 8 MiB)")
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0, help="at SIGINT/SIGTERM, wait this long for "
@@ -105,9 +105,9 @@ def run(args) -> int:
         check_port(args.port)
         import torch
 
-        from ..cli import _device
+        from ..cli import _device, default_cpu_threads
 
-        _device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
+        device = _device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes {args.max_body_bytes} must be >= 1")
         if args.shutdown_timeout_s < 0:
@@ -118,6 +118,10 @@ def run(args) -> int:
     except (ImportError, ValueError) as exc:
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
         return 2
+    threads = args.threads or (default_cpu_threads() if device.type == "cpu" else None)
+    if device.type == "cpu":
+        print(f"trtllm-diffkv serve: CPU threads: {threads} (set with --threads or OMP_NUM_THREADS)", file=sys.stderr,
+              flush=True)
     try:
         import uvicorn
 
@@ -126,7 +130,7 @@ def run(args) -> int:
 
         llm = LLM(args.model, kv_config=args.kv_config, device=args.device,
                   dtype=getattr(torch, args.dtype) if args.dtype else None, max_batch_size=args.max_batch_size,
-                  kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len, num_threads=args.threads)
+                  kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len, num_threads=threads)
     except (ImportError, OSError, ValueError) as exc:
         sock.close()
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
