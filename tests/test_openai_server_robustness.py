@@ -11,15 +11,14 @@ every process stopped, each wait bounded.
 import json
 import re
 import socket
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from serve_fixtures import KV_BYTES, checkpoint  # noqa: F401 (fixture)
-from trtllm_diffkv.serve.process import ServerProcess, free_port, group_pids
+from serve_fixtures import KV_BYTES, checkpoint, client, start_openai_server  # noqa: F401 (fixtures)
+from trtllm_diffkv.serve.process import group_pids
 
 openai = pytest.importorskip("openai")
 
@@ -28,14 +27,7 @@ BODY_CAP = 1_000_000
 
 
 def _start(checkpoint, log_path, *flags):
-    port = free_port()
-    command = [sys.executable, "-m", "trtllm_diffkv.commands.serve", "--model", str(checkpoint), "--port", str(port),
-               "--served-model-name", NAME, "--device", "cpu", "--kv-memory-bytes", str(KV_BYTES),
-               "--max-batch-size", "8", "--threads", "1", "--max-body-bytes", str(BODY_CAP), *flags]
-    server = ServerProcess(command, f"http://127.0.0.1:{port}/health", log_path).start()
-    server.wait_ready(timeout_s=180)
-    server.port, server.base_url = port, f"http://127.0.0.1:{port}"
-    return server
+    return start_openai_server(checkpoint, log_path, NAME, "--threads", "1", "--max-body-bytes", str(BODY_CAP), *flags)
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +35,6 @@ def server(checkpoint, tmp_path_factory):
     server = _start(checkpoint, tmp_path_factory.mktemp("serve") / "serve.log")
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +101,7 @@ def _read_response(sock: socket.socket, timeout_s: float) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_oversized_body_is_a_413_within_a_second_and_health_answers(server, client, chunked):
-    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+    head = ("POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             + ("transfer-encoding: chunked\r\n" if chunked else f"content-length: {24 << 20}\r\n") + "\r\n")
     with _HealthProbe(server.base_url) as probe, socket.create_connection(("127.0.0.1", server.port)) as sock:
         start = time.monotonic()

@@ -6,25 +6,12 @@ token streamed. What does not: "the same output as without preemption" (6 of 20 
 preemption storm on the default model in fp32 differed from their solo runs): the re-prefill attends
 over K/V freshly computed in the model's dtype, while decode read them rounded to FP16 in the pool.
 """
-from test_executor import FP16, _greedy, _prompts, check_pool, make, model, solo  # noqa: F401 (fixture)
+from test_executor import FP16, _greedy, _prompts, make, model, preemption_storm, solo  # noqa: F401 (fixture)
 
 
 def test_fp16_preemption_keeps_the_prefix_and_loses_or_repeats_no_token(model):
     prompts = _prompts((10, 13, 11, 9, 12, 8), seed=5)
-    ex = make(model, FP16, num_pages=110)
-    keys = [ex.add_request(p, _greedy(16)) for p in prompts]
-    streamed = {k: [] for k in keys}
-    before, finals = {}, {}  # tokens streamed before a request's first preemption; final updates
-    while ex.has_unfinished():
-        for update in ex.step():
-            streamed[update.request_id] += update.new_token_ids
-            if update.finished:
-                finals[update.request_id] = update
-        for request in ex.waiting:
-            if request.num_preemptions == 1 and request.request_id not in before:
-                before[request.request_id] = list(streamed[request.request_id])
-                assert request.prefill_token_ids == request.prompt_token_ids + streamed[request.request_id]
-        check_pool(ex)
+    keys, streamed, before, finals = preemption_storm(make(model, FP16, num_pages=110), prompts, _greedy(16))
     assert len(before) >= 2, "the storm preempted fewer than two requests"
     for key, prompt in zip(keys, prompts):
         update = finals[key]
