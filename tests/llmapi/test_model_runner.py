@@ -114,8 +114,10 @@ def test_bad_inputs_and_unsupported_options_are_clear_errors(setup):
         runner.generate(prompts, max_new_tokens=2, num_beams=2)
     with pytest.raises(ValueError, match="temperature"):
         runner.generate(prompts, max_new_tokens=2, top_k=0, top_p=0.9, temperature=-1.0)
-    with pytest.raises(RuntimeError, match="exceeds"):  # fails while running: reported, others finished
-        runner.generate([prompts[0], torch.ones(4096, dtype=torch.int32)], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"batch_input_ids\[1\]: 4096 tokens \+ max_new_tokens 2 exceeds max_seq_len"):
+        runner.generate([prompts[0], torch.ones(4096, dtype=torch.int32)], max_new_tokens=2)  # before anything runs
+    with pytest.raises(ValueError, match="num_beams=True is not supported"):  # a bool is not num_beams=1
+        runner.generate(prompts, max_new_tokens=2, num_beams=True)
     stats = runner.llm.stats()
     assert stats["free_pages"] == stats["pool_pages"]
     # the defaults TensorRT-LLM scripts pass are accepted
@@ -166,7 +168,7 @@ def test_from_dir_reads_an_engine_dir_written_by_build(tmp_path):
         ref = ReferenceGenerator(runner.llm.executor.model, None, runner.llm.model_config,
                                  get_preset("k8v4")).generate_ids([1, 2, 3, 4], 5)
         assert out[0, 0].tolist() == [1, 2, 3, 4] + ref.token_ids
-        with pytest.raises(RuntimeError, match="exceeds max_seq_len 96"):
+        with pytest.raises(ValueError, match=r"95 tokens \+ max_new_tokens 5 exceeds max_seq_len 96"):
             runner.generate([torch.ones(95, dtype=torch.int32)], max_new_tokens=5)
     finally:
         runner.shutdown()

@@ -171,10 +171,12 @@ def test_preemption_fp16_keeps_outputs_equal_to_solo_runs(model):
         assert update.result.kv_memory_fraction == 1.0 and update.result.high_fraction is None
 
 
-def test_preemption_diffkv_loses_and_duplicates_no_token(model):
-    prompts = _prompts((10, 13, 11, 9), seed=4)
-    ex = make(model, CFG, num_pages=90)
-    keys = [ex.add_request(p, _greedy(14)) for p in prompts]
+def preemption_storm(ex, prompts, params):
+    """Run ``prompts`` together in ``ex`` until idle, checking the pool after every step and that a
+    preempted request's next prefill is its prompt + every token streamed. Returns ``(keys, streamed,
+    before, finals)``: request ids, streamed ids per id, the ids streamed before each preempted request's
+    first preemption, the final updates."""
+    keys = [ex.add_request(p, params) for p in prompts]
     streamed = {k: [] for k in keys}
     before = {}  # tokens streamed before a request's first preemption
     finals = {}
@@ -188,6 +190,12 @@ def test_preemption_diffkv_loses_and_duplicates_no_token(model):
                 before[request.request_id] = list(streamed[request.request_id])
                 assert request.prefill_token_ids == request.prompt_token_ids + streamed[request.request_id]
         check_pool(ex)
+    return keys, streamed, before, finals
+
+
+def test_preemption_diffkv_loses_and_duplicates_no_token(model):
+    prompts = _prompts((10, 13, 11, 9), seed=4)
+    keys, streamed, before, finals = preemption_storm(make(model, CFG, num_pages=90), prompts, _greedy(14))
     assert before, "no preemption happened"
     for key, prompt in zip(keys, prompts):
         update = finals[key]

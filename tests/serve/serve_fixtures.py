@@ -1,5 +1,8 @@
 """Fixtures shared by the server tests (test_triton_repo.py, test_openai_server.py): a tiny checkpoint
-with the default model's tokenizer and the reference texts both servers are compared with."""
+with the default model's tokenizer, the reference texts both servers are compared with, and the
+``trtllm-diffkv serve`` process of the OpenAI server tests."""
+import sys
+
 import pytest
 
 from tiny_checkpoint import write_tiny_text_checkpoint
@@ -35,3 +38,26 @@ def reference(checkpoint):
     text.tokenizer = llm.tokenizer
     yield text
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An ``openai.OpenAI`` client (no retries, 120 s timeout) of the test module's ``server`` fixture."""
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def start_openai_server(checkpoint, log_path, name: str, *flags: str):
+    """``trtllm-diffkv serve`` on the tiny checkpoint (CPU, ``KV_BYTES``, batch 8, model id ``name``) on a free
+    loopback port, ready; ``.port`` and ``.base_url`` set. ``flags``: more command-line flags."""
+    from trtllm_diffkv.serve.process import ServerProcess, free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "trtllm_diffkv.commands.serve", "--model", str(checkpoint), "--port", str(port),
+               "--served-model-name", name, "--device", "cpu", "--kv-memory-bytes", str(KV_BYTES),
+               "--max-batch-size", "8", *flags]
+    server = ServerProcess(command, f"http://127.0.0.1:{port}/health", log_path).start()
+    server.wait_ready(timeout_s=180)
+    server.port, server.base_url = port, f"http://127.0.0.1:{port}"
+    return server

@@ -6,6 +6,11 @@ then writes the results JSON (``{"gpu", "date", "commit", "command", "rows"}``),
 JSON beside it (``<stem>_details.json``: steps, preemptions, wall time, tier split, prompt
 source per run) and a PNG (``<stem>.png``): throughput and achieved batch size per workload,
 DiffKV against FP16 (paper figure 17), and mean latency against request rate (figure 16).
+
+``--server-url URL`` instead loads a running server (``trtllm-diffkv serve``, ``--api openai``; or
+Triton, ``--api triton``) with ``--concurrency`` streaming clients (:mod:`trtllm_diffkv.evaluation.
+serving_client`) and writes throughput and TTFT/TPOT/ITL/e2e mean, p50, p90 and p99 to the JSON
+(``{"gpu", "date", "commit", "command", "server": {...}}``) and their distributions to the PNG.
 """
 from __future__ import annotations
 
@@ -55,7 +60,71 @@ def add_parser(subparsers) -> None:
                         "on a GPU; the CPU is always eager)")
     p.add_argument("--no-profile", action="store_true", help="skip the synchronizations that make "
                                                              "bookkeeping_fraction device time (default: profile)")
+    client = p.add_argument_group("client mode (a running server)")
+    client.add_argument("--server-url", help="load the server at this URL (http://host:port) instead of running the "
+                                             "workloads")
+    client.add_argument("--api", choices=("openai", "triton"), default="openai", help="the server's API "
+                                                                                      "(default: openai)")
+    client.add_argument("--server-model", help="model id (openai: default the server's first; triton: default "
+                                               "trtllm_diffkv)")
+    client.add_argument("--num-requests", type=int, default=256, help="requests to send (default: 256)")
+    client.add_argument("--concurrency", type=int, default=64, help="concurrent clients (default: 64)")
+    client.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    client.add_argument("--warmup", type=int, default=8, help="requests sent before measuring (default: 8)")
+    client.add_argument("--prompts-file", help="prompts, one per line (default: a few built-in prompts)")
     p.set_defaults(run=run)
+
+
+CLIENT_PROMPTS = ("The capital of France is", "Once upon a time", "A short history of the bicycle:",
+                  "def fibonacci(n):", "Three facts about the moon:", "The best way to learn a language is")
+"""Prompts of the client mode without --prompts-file (continuations: no chat template on either API)."""
+
+
+def _client_mode(args) -> int:
+    """``--server-url``: load the server, write the JSON and the PNG, print one line; 0, 1 (a request failed)
+    or 2 (a usage error or the server cannot be reached)."""
+    import asyncio
+
+    import httpx
+
+    from ..evaluation.serving_client import load, plot
+    from ..evaluation.throughput import environment
+
+    try:
+        if min(args.num_requests, args.concurrency, args.max_tokens) < 1 or args.warmup < 0:
+            raise ValueError("--num-requests, --concurrency and --max-tokens must be >= 1, --warmup >= 0")
+        prompts = (list(CLIENT_PROMPTS) if not args.prompts_file else
+                   [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()])
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
+        model = args.server_model
+        if model is None:
+            model = "trtllm_diffkv" if args.api == "triton" else httpx.get(
+                args.server_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+    except (ValueError, OSError, httpx.HTTPError, KeyError) as exc:
+        print(f"trtllm-diffkv bench: error: {exc}", file=sys.stderr)
+        return 2
+    kwargs = dict(api=args.api, model=model, prompts=prompts, concurrency=args.concurrency,
+                  max_tokens=args.max_tokens)
+    if args.warmup:
+        asyncio.run(load(args.server_url, num_requests=args.warmup, **kwargs))
+    result, records = asyncio.run(load(args.server_url, num_requests=args.num_requests, **kwargs))
+    command = getattr(args, "command_line", None) or "trtllm-diffkv bench " + shlex.join(sys.argv[2:])
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    server = dict(result, api=args.api, model=model, url=args.server_url, concurrency=args.concurrency,
+                  max_tokens=args.max_tokens)
+    output.write_text(json.dumps(dict(**environment(), command=command.strip(), server=server), indent=2) + "\n")
+    if not args.no_plot:
+        plot(records, output.with_suffix(".png"), f"{args.api} server, {args.concurrency} clients, "
+                                                  f"{args.max_tokens} tokens")
+    print(f"[bench] {args.api} {args.server_url}: {result['completed']}/{result['requests']} requests, "
+          f"{result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 "
+          f"{result['ttft_p50_ms'] or 0:.1f}/{result['ttft_p99_ms'] or 0:.1f} ms, TPOT p99 "
+          f"{result['tpot_p99_ms'] or 0:.2f} ms; wrote {output}", flush=True)
+    for error in result["errors"]:
+        print(f"trtllm-diffkv bench: a request failed: {error}", file=sys.stderr)
+    return 1 if result["errors"] else 0
 
 
 def _default_text(workload, name: str) -> str:
@@ -101,6 +170,8 @@ def run(args) -> int:
 
     if args.plot_from:
         return _plot_from(Path(args.plot_from), Path(args.output).with_suffix(".png"))
+    if getattr(args, "server_url", None):
+        return _client_mode(args)
 
     try:
         workloads = workloads_from_args(args)

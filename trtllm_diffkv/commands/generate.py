@@ -133,17 +133,21 @@ def _rate(value: float | None, spec: str, none: str) -> str:
     return none if value is None else f"{value:{spec}} tok/s"
 
 
-def _report(index: int, result, as_json: bool) -> None:
+def _report(index: int, result, as_json: bool, streamed: bool = False) -> None:
     if as_json:
         print(json.dumps({"request": index, **result.to_json_dict()}), flush=True)
         return
     if result.error:
-        print(f"=== request {index}: ERROR: {result.error}", flush=True)
+        print(f"{chr(10) if streamed else ''}=== request {index}: ERROR: {result.error}", flush=True)
         return
     stop = f", token {result.stop_token_id}" if result.stop_token_id is not None else ""
-    print(f"=== request {index}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} generated "
-          f"({result.finish_reason}{stop})")
-    print(result.text)
+    counts = (f"{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated "
+              f"({result.finish_reason}{stop})")
+    if streamed:  # the text is on the terminal already
+        print(f"\n--- request {index}: {counts}")
+    else:
+        print(f"=== request {index}: {counts}")
+        print(result.text)
     tiers = ("no tiers (no compression)" if result.high_fraction is None else
              f"tokens high {result.high_fraction:.1%}, low {result.low_fraction:.1%}, "
              f"pruned {result.pruned_fraction:.1%}")
@@ -219,8 +223,9 @@ def generate_command(args: argparse.Namespace) -> int:
         print(f"trtllm-diffkv: error: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
               else f"trtllm-diffkv: error: {exc}", file=sys.stderr)
         return 2
+    stream = engine == "executor" and not args.json and sys.stdout.isatty()  # a terminal: text as it comes
     if engine == "executor":
-        results = _generate_in_flight(generator, prompts, sampling, args)
+        results = _generate_in_flight(generator, prompts, sampling, args, stream=stream)
     elif engine == "paged":
         results = _generate_static_batch(generator, prompts, args)
     else:
@@ -231,7 +236,7 @@ def generate_command(args: argparse.Namespace) -> int:
     try:
         for index, result in enumerate(results):
             failed += result.error is not None
-            _report(index, result, args.json)
+            _report(index, result, args.json, streamed=stream)
     finally:
         if engine == "executor":
             generator.shutdown()
@@ -304,18 +309,24 @@ def _executor_llm(model, tokenizer, model_config, kv_config, args: argparse.Name
     return llm
 
 
-def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace):
-    """Submit every prompt to the executor at once (in-flight batching); yield results in the prompts' order."""
+def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace, stream: bool = False):
+    """Submit every prompt to the executor at once (in-flight batching); yield results in the prompts' order.
+    ``stream``: print each request's text to stdout as it is generated (``=== request i`` first), in order."""
     from ..generation.results import PagedGenerationResult
     from ..runtime.sampling import SamplingParams
 
     params = sampling or SamplingParams.greedy_params(args.max_new_tokens)
     requests = [prompt if isinstance(prompt, Exception)
-                else llm.generate_async(prompt, params, chat_template=not args.no_chat_template) for prompt in prompts]
-    for request in requests:
+                else llm.generate_async(prompt, params, streaming=stream, chat_template=not args.no_chat_template)
+                for prompt in prompts]
+    for index, request in enumerate(requests):
         if isinstance(request, Exception):
             yield PagedGenerationResult(finish_reason="error", error=str(request))
             continue
+        if stream:
+            print(f"=== request {index}:", flush=True)
+            for partial in request:
+                print(partial.outputs[0].text_diff, end="", flush=True)
         out = request.result()
         fields = {k: v for k, v in (out.metrics or {}).items() if k in PagedGenerationResult.__dataclass_fields__}
         done = out.outputs[0]

@@ -1,13 +1,16 @@
 """``trtllm-diffkv serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one ``LLM``.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (``"stream": true`` for server-sent events),
-``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Runs until SIGINT/SIGTERM, then
-cancels the requests left (freeing their pages) and exits 0. ``python -m
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Runs until SIGINT/SIGTERM, then drains:
+new requests get a 503, requests in flight get ``--shutdown-timeout-s`` to finish, then are aborted
+through the LLM (pages freed; a stream ends with an error event and ``[DONE]``); exits 0. ``python -m
 trtllm_diffkv.commands.serve ...`` runs the same command.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import signal
 import socket
 import sys
@@ -23,8 +26,8 @@ def add_parser(subparsers) -> None:
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder, .gguf or engine dir (default: the default model)")
-    p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name, or "
-                                               "'trtllm-diffkv-default')")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the --model folder's or "
+                                               "file's name, or 'trtllm-diffkv-default' without --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     p.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
@@ -36,10 +39,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="model dtype (default: float32 on "
                                                                                "CPU, bfloat16 on GPU)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default on the CPU: $OMP_NUM_THREADS, else the "
+                                               "idle cores, 1 to 4, as generate; the speed changes 10x with it)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request bodies above this get a 413 "
+                                                                       "(default: 8 MiB)")
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0, help="at SIGINT/SIGTERM, wait this long for "
                                                                          "requests in flight, then cancel them "
                                                                          "(default: 5)")
-    p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
+    p.add_argument("--log-level", default="info", help="log level of uvicorn and of the access log, one line per "
+                                                       "request at info (default: info)")
 
 
 def check_port(port: int, flag: str = "--port") -> None:
@@ -72,6 +80,21 @@ def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
     return sock
 
 
+def _draining_server(config, drain, shutdown_timeout_s: float):
+    """A ``uvicorn.Server`` that, when it starts shutting down, runs ``drain.drain(shutdown_timeout_s)``
+    (refuse new requests, wait, abort the rest through the LLM) before uvicorn waits for the
+    connections (its own ``timeout_graceful_shutdown`` is the backstop, a few seconds later)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            drained = asyncio.ensure_future(drain.drain(shutdown_timeout_s))
+            await super().shutdown(sockets)
+            await drained
+
+    return DrainingServer(config)
+
+
 def run(args) -> int:
     """Check the flags and bind the port, load the model, serve until interrupted, shut the LLM down.
 
@@ -84,13 +107,23 @@ def run(args) -> int:
         check_port(args.port)
         import torch
 
-        from .common import resolve_device
+        from .common import default_cpu_threads, resolve_device
 
-        resolve_device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
+        device = resolve_device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
+        if args.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes {args.max_body_bytes} must be >= 1")
+        if args.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout-s {args.shutdown_timeout_s} must be >= 0")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads {args.threads} must be >= 1")
         sock = bind_socket(args.host, args.port)
     except (ImportError, ValueError) as exc:
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
         return 2
+    threads = args.threads or (default_cpu_threads() if device.type == "cpu" else None)
+    if device.type == "cpu":
+        print(f"trtllm-diffkv serve: CPU threads: {threads} (set with --threads or OMP_NUM_THREADS)", file=sys.stderr,
+              flush=True)
     try:
         import uvicorn
 
@@ -99,7 +132,7 @@ def run(args) -> int:
 
         llm = LLM(args.model, kv_config=args.kv_config, device=args.device,
                   dtype=getattr(torch, args.dtype) if args.dtype else None, max_batch_size=args.max_batch_size,
-                  kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len)
+                  kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len, num_threads=threads)
     except (ImportError, OSError, ValueError) as exc:
         sock.close()
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
@@ -109,12 +142,20 @@ def run(args) -> int:
     # installed before it: a no-op here, so that the LLM is shut down below and the exit code is 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(name)s: %(message)s"))
+    serve_log = logging.getLogger("trtllm_diffkv.serve")
+    serve_log.setLevel(level)
+    serve_log.addHandler(handler)
     try:
-        config = uvicorn.Config(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.shutdown_timeout_s)
+        app = create_app(llm, name, max_body_bytes=args.max_body_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                access_log=False,  # ours: one line per request with its tokens (serve.access)
+                                timeout_graceful_shutdown=args.shutdown_timeout_s + 5.0)
         print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (kv_config {args.kv_config})", file=sys.stderr,
               flush=True)  # the port is bound already: uvicorn listens on this socket
-        uvicorn.Server(config).run(sockets=[sock])
+        _draining_server(config, app.state.drain, args.shutdown_timeout_s).run(sockets=[sock])
     finally:
         sock.close()
         llm.shutdown()

@@ -100,6 +100,32 @@ def take_all(q: queue.Queue, block: bool) -> list:
         except queue.Empty:
             return items
 
+def set_num_threads(num_threads: int | None) -> None:
+    """``torch.set_num_threads(num_threads)`` (``None``: leave torch's setting).
+
+    Raises:
+        ValueError: not an int >= 1.
+    """
+    if num_threads is None:
+        return
+    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+        raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
+    import torch
+
+    torch.set_num_threads(num_threads)
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` can decode to: the longest vocabulary entry.
+
+    A byte-level BPE entry has one character per byte (GPT-2's byte-to-unicode map) and a
+    SentencePiece entry one per character (``"\u2581"`` for the space, ``<0xNN>`` for a byte), so
+    an entry is never shorter than its decoded text; a text of ``c`` characters needs at least
+    ``c / max_token_chars`` tokens.
+    """
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
 class LLM:
     """Generate with a DiffKV-compressed, in-flight batched KV cache (TensorRT-LLM ``LLM`` shape).
 
@@ -116,6 +142,8 @@ class LLM:
             fraction of the free GPU memory); ``None``: 0.9 of the free GPU memory on CUDA,
             :data:`DEFAULT_CPU_KV_MEMORY_BYTES` (256 MiB) on the CPU.
         max_seq_len: prompt + ``max_tokens`` limit per request (tokens); ``None`` = the model's.
+        num_threads: torch's intra-op CPU threads (``torch.set_num_threads``, process-wide); ``None``:
+            torch's default (all cores). On the CPU the speed changes up to 10x with it.
         **executor_kwargs: passed to :class:`~trtllm_diffkv.runtime.executor.Executor`.
 
     Attributes:
@@ -127,7 +155,8 @@ class LLM:
 
     def __init__(self, model=None, kv_config=None, *, device=None, dtype=None, max_batch_size: int | None = None,
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
-                 max_seq_len: int | None = None, **executor_kwargs):
+                 max_seq_len: int | None = None, num_threads: int | None = None, **executor_kwargs):
+        set_num_threads(num_threads)
         net, tokenizer, model_config, kv_config, stop_ids, info = load_source(model, kv_config, device, dtype)
         if info is not None:
             max_batch_size = info.max_batch_size if max_batch_size is None else max_batch_size
@@ -172,9 +201,10 @@ class LLM:
         self._live: dict[int, AsyncRequest] = {}  # owned by the loop thread
         self._ids = itertools.count()
         self._counts = {"requests_submitted": 0, "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
-                        "step_errors": 0}
+                        "step_errors": 0, "prompt_tokens": 0}
         self._counts_lock = threading.Lock()
         self._closed = False
+        self._max_prompt_chars = None
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="trtllm-diffkv-llm", daemon=True)
         self._thread.start()
@@ -247,6 +277,8 @@ class LLM:
             return request
         request = AsyncRequest(self, rid, text, ids, params, streaming, self.stop_token_ids, _listener)
         self._count("requests_submitted")
+        with self._counts_lock:
+            self._counts["prompt_tokens"] += len(ids)
         with self._submit_lock:  # shutdown() cannot slip between this check and the put
             if self._closed:  # shut down while the prompt was being tokenized: answer it here
                 request._channel.put(_Event([], True, "abort", "the LLM was shut down before the request started"))
@@ -255,12 +287,24 @@ class LLM:
                 self._commands.put(("add", request))
         return request
 
+    def max_prompt_chars(self) -> int | None:
+        """Characters a prompt text may have at most: ``max_seq_len`` tokens x :func:`max_token_chars`.
+        A longer text cannot fit in any tokenization, so it is refused before it is tokenized (a 24 MB
+        prompt would take tens of seconds to tokenize only to be refused). ``None`` without a tokenizer."""
+        if self._max_prompt_chars is None and hasattr(self.tokenizer, "get_vocab"):
+            self._max_prompt_chars = self.max_seq_len * max_token_chars(self.tokenizer)
+        return self._max_prompt_chars
+
     def _prompt_ids(self, prompt, chat_template: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("empty prompt: at least one non-blank character is needed")
             if self.tokenizer is None:
                 raise ValueError("the model has no tokenizer files: give prompts as lists of token ids")
+            limit = self.max_prompt_chars()
+            if limit is not None and len(prompt) > limit:
+                raise ValueError(f"prompt of {len(prompt)} characters exceeds max_seq_len {self.max_seq_len} in any "
+                                 f"tokenization ({limit} characters at most)")
             return encode_prompt(self.tokenizer, prompt, chat_template)
         if hasattr(prompt, "tolist"):  # a 1-D tensor / array of ids
             prompt = prompt.tolist()
@@ -276,7 +320,8 @@ class LLM:
 
     def stats(self) -> dict:
         """LLM counters (``requests_submitted``, ``requests_finished``, ``requests_failed``,
-        ``requests_cancelled``, ``step_errors``: steps that raised) and the
+        ``requests_cancelled``, ``step_errors``: steps that raised, ``prompt_tokens``: prompt tokens of the
+        requests accepted) and the
         executor's ``stats()`` (running, waiting, pool pages, kv_memory_fraction, tokens/s, ...; read
         between steps: it waits for a step in progress to end)."""
         with self._counts_lock:

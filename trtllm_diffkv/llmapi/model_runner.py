@@ -23,10 +23,11 @@ import queue
 import torch
 
 from .llm import LLM, take_all
+from .runtime.sampling import is_neutral_value
 
 # TensorRT-LLM generate() arguments we accept only at their "off" value (anything else is refused).
 _OFF_VALUES = {"num_beams": (1,), "num_return_sequences": (None, 1), "length_penalty": (1.0,),
-               "early_stopping": (1, False), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+               "early_stopping": (1, 0, False, True), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
                "bad_words_list": (None,), "lora_uids": (None,), "prompt_table": (None,), "prompt_tasks": (None,),
                "no_repeat_ngram_size": (None,), "output_log_probs": (False,), "output_cum_log_probs": (False,),
                "output_generation_logits": (False,), "medusa_choices": (None,), "min_length": (1, None),
@@ -155,6 +156,10 @@ class ModelRunner:
         params = self._params(max_new_tokens, end_id, temperature, top_k, top_p, repetition_penalty, random_seed)
         if no_end:
             params = params.with_changes(ignore_eos=True)
+        for index, ids in enumerate(inputs):  # TensorRT-LLM raises here too, before anything runs
+            if len(ids) + params.max_tokens > self.max_seq_len:
+                raise ValueError(f"batch_input_ids[{index}]: {len(ids)} tokens + max_new_tokens {params.max_tokens} "
+                                 f"exceeds max_seq_len {self.max_seq_len}")
         stops = _stop_words(stop_words_list, len(inputs))
         pad = _first_not_none(pad_id, end_id, getattr(self.tokenizer, "pad_token_id", None),
                               getattr(self.tokenizer, "eos_token_id", None), 0)
@@ -168,7 +173,7 @@ class ModelRunner:
         for name, value in kwargs.items():
             if name not in _OFF_VALUES:
                 raise ValueError(f"generate() got an unknown argument {name!r}")
-            if not any(value is off or value == off for off in _OFF_VALUES[name]):
+            if not is_neutral_value(value, _OFF_VALUES[name]):  # True is not num_beams=1
                 raise ValueError(f"{name}={value!r} is not supported by trtllm-diffkv's ModelRunner "
                                  f"(only {_OFF_VALUES[name][0]!r})")
 

@@ -100,6 +100,8 @@ class _Event:
     metrics: dict | None = None
     text: str | None = None
     stop_reason: int | str | None = None
+    time: float = field(default_factory=time.monotonic)
+    """When the loop thread produced it (``time.monotonic()`` seconds): the request's latency marks."""
 
 
 class _Channel:
@@ -162,6 +164,9 @@ class AsyncRequest:
 
     Attributes:
         request_id, prompt, prompt_token_ids, sampling_params, streaming: as submitted.
+        arrival_time, first_token_time, finished_time: ``time.monotonic()`` seconds at submission, when
+            the loop thread produced the first token and the end (``None`` until then; set as the consumer
+            reads the events, stamped when they were produced): TTFT, TPOT and end-to-end latency.
     """
 
     def __init__(self, llm, request_id: int, prompt, prompt_token_ids: list[int], sampling_params,
@@ -182,6 +187,8 @@ class AsyncRequest:
         self._final: RequestOutput | None = None
         self._shown_text, self._shown_ids = 0, 0
         self._finish_reason = self._stop_reason = self._error = self._metrics = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time = self.finished_time = None
 
     # ------------------------------------------------------------------ consumer API
     @property
@@ -252,6 +259,10 @@ class AsyncRequest:
                     break
                 ids = list(event.new_token_ids)
                 self._ids.extend(ids)
+                if ids and self.first_token_time is None:
+                    self.first_token_time = event.time
+                if event.finished:
+                    self.finished_time = event.time
                 if event.finished:
                     self._finish(event, ids)
                 elif self._detok is not None:

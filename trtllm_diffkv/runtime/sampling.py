@@ -3,7 +3,9 @@
 - :class:`SamplingParams`: one request's sampling settings, field names as TensorRT-LLM's LLM API
   ``SamplingParams`` (``tensorrt_llm/sampling_params.py``: ``max_tokens``, ``temperature``,
   ``top_k``, ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ``stop_token_ids``,
-  ``ignore_eos``), checked by :meth:`SamplingParams.validate`.
+  ``ignore_eos``, ``end_id``, ``pad_id``), checked by :meth:`SamplingParams.validate`; TensorRT-LLM's
+  other fields (:data:`TRTLLM_NEUTRAL`: ``n``, ``best_of``, ``use_beam_search``, ...) are accepted at
+  their neutral values and refused by name otherwise.
 - :class:`Sampler`: one :meth:`Sampler.sample` call per executor step for every running request:
   repetition penalty, temperature, top-k, top-p as per-row tensors, then one draw per row.
 - :class:`StopChecker` (defined in :mod:`.stop_checker`, re-exported here): per request, after
@@ -26,13 +28,40 @@ import torch
 
 from .stop_checker import StopChecker
 
-__all__ = ["SamplingParams", "Sampler", "StopChecker"]
+__all__ = ["SamplingParams", "Sampler", "StopChecker", "TRTLLM_NEUTRAL", "is_neutral_value"]
 
 _SEED_LIMIT = 2 ** 64
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 """Allowed repetition penalties: dividing or multiplying float32 logits by a factor beyond this overflows them."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (see :attr:`SamplingParams.greedy`)."""
+
+
+TRTLLM_NEUTRAL = {
+    "n": (1,), "best_of": (None, 1), "use_beam_search": (False,), "beam_width_array": (None,),
+    "beam_search_diversity_rate": (None, 0), "length_penalty": (None, 1), "early_stopping": (None,),
+    "min_tokens": (None, 0, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "no_repeat_ngram_size": (None,), "min_p": (None, 0), "top_p_min": (None,), "top_p_reset_ids": (None,),
+    "top_p_decay": (None,), "bad": (None,), "bad_token_ids": (None,), "include_stop_str_in_output": (False,),
+    "embedding_bias": (None,), "logits_processor": (None,), "apply_batched_logits_processor": (False,),
+    "logprobs": (None,), "prompt_logprobs": (None,), "return_context_logits": (False,),
+    "return_generation_logits": (False,), "exclude_input_from_output": (True,), "return_encoder_output": (False,),
+    "return_perf_metrics": (False,), "additional_model_outputs": (None,), "lookahead_config": (None,),
+    "guided_decoding": (None,), "detokenize": (True,), "add_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+}
+"""TensorRT-LLM ``SamplingParams`` fields (``tensorrt_llm/sampling_params.py``) this runtime does not implement:
+field -> the values accepted (its default and the values that change nothing, e.g. ``n=1``,
+``best_of=None`` or 1, ``use_beam_search=False``, penalties 0). Another value fails the request with a
+``ValueError`` naming the field; booleans are never counts (``n=True`` is refused: :func:`is_neutral_value`)."""
+
+
+def is_neutral_value(value, neutrals) -> bool:
+    """Whether ``value`` is one of ``neutrals`` (``None`` matches only ``None``), compared by type too: a
+    ``bool`` never equals an ``int`` (``True == 1`` in Python), an ``int`` may equal a ``float``."""
+    return any(value is None if neutral is None else
+               (type(value) is type(neutral) or {type(value), type(neutral)} <= {int, float}) and value == neutral
+               for neutral in neutrals)
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,11 @@ class SamplingParams:
         stop_token_ids: ids that stop generation besides the model's own stop ids (these
             still apply with ``ignore_eos``); the id stays in the token ids, not in the text.
         ignore_eos: ignore the model's stop ids (benchmarks with fixed output lengths).
+        end_id: TensorRT-LLM's end token: an id >= 0 is one more stop id (added to
+            ``stop_token_ids``); ``-1`` means no end token, run to ``max_tokens`` (sets ``ignore_eos``).
+        pad_id: accepted and unused (outputs are not padded).
+        n, best_of, use_beam_search, ...: TensorRT-LLM's fields at their neutral values only
+            (:data:`TRTLLM_NEUTRAL`).
 
     Validation is explicit (:meth:`validate`), not in ``__init__``, so that an executor can
     accept a request with bad values and fail it alone with the error.
@@ -76,8 +110,50 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    end_id: int | None = None
+    pad_id: int | None = None
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    beam_width_array: object = None
+    beam_search_diversity_rate: float | None = None
+    length_penalty: float | None = None
+    early_stopping: int | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    min_p: float | None = None
+    top_p_min: float | None = None
+    top_p_reset_ids: int | None = None
+    top_p_decay: float | None = None
+    bad: object = None
+    bad_token_ids: object = None
+    include_stop_str_in_output: bool = False
+    embedding_bias: object = None
+    logits_processor: object = None
+    apply_batched_logits_processor: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    exclude_input_from_output: bool = True
+    return_encoder_output: bool = False
+    return_perf_metrics: bool = False
+    additional_model_outputs: object = None
+    lookahead_config: object = None
+    guided_decoding: object = None
+    detokenize: bool = True
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if _is_int(self.end_id) and self.end_id >= 0 and self.end_id not in (self.stop_token_ids or ()):
+            object.__setattr__(self, "stop_token_ids", [*(self.stop_token_ids or ()), int(self.end_id)])
+        elif _is_int(self.end_id) and self.end_id == -1:
+            object.__setattr__(self, "ignore_eos", True)
         # NumPy scalars (np.float64 subclasses float, np.int64 does not subclass int) become Python numbers here,
         # so that every later tensor is built from plain floats/ints; anything else is left for validate() to refuse
         for name in ("temperature", "top_p", "repetition_penalty"):
@@ -155,6 +231,9 @@ class SamplingParams:
                      "in [1e-6, 1e6] (1 = off; beyond, float32 logits overflow)")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, _SEED_LIMIT - 1, "None or an int in [0, 2**64)")
+        if self.end_id is not None and self.end_id != -1:
+            _check_int("end_id", self.end_id, 0, None if vocab_size is None else vocab_size - 1,
+                       "None, -1 (no end token) or a token id")  # before stop_token_ids, which holds it
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and (not isinstance(stops, (list, tuple))
                                   or not all(isinstance(s, str) and s for s in stops)):
@@ -168,6 +247,13 @@ class SamplingParams:
                 _check_int("stop_token_ids", token, 0, upper, where)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.pad_id is not None:
+            _check_int("pad_id", self.pad_id, 0, None, "None or an int >= 0")
+        for name, neutrals in TRTLLM_NEUTRAL.items():
+            value = getattr(self, name)
+            if not is_neutral_value(value, neutrals):
+                allowed = " or ".join(repr(v) for v in neutrals)
+                raise ValueError(f"{name}={value!r} is not supported by trtllm-diffkv (only {allowed})")
 
 
 def _is_int(value) -> bool:

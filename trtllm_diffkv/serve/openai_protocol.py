@@ -4,7 +4,12 @@ Only what the server implements is accepted: ``n``, ``best_of``, ``logprobs``, `
 ``echo``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``suffix`` at their
 neutral values (:data:`NEUTRAL`: absent, ``null`` or the value that changes nothing, e.g.
 ``"n": 1``, ``"logit_bias": {}``, ``"logprobs": false``); another value is a 400 error naming the
-field, never silently ignored. ``top_k``,
+field, never silently ignored. ``tools``, ``tool_choice``, ``functions``, ``function_call`` and
+``response_format`` (features the server does not implement) are refused with a 400 naming the field
+unless absent or ``null`` (:data:`UNSUPPORTED`). Where OpenAI's API says integer (``max_tokens``,
+``n``, ``best_of``, ``logprobs`` of a completion, ``top_logprobs``, ``seed``, ...) only a JSON integer
+is accepted: ``true`` or ``"3"`` is a 400 naming the field, never coerced (pydantic's strict types);
+number fields take integers and floats but not booleans or strings. ``top_k``,
 ``repetition_penalty`` and ``ignore_eos`` are extensions (vLLM and TensorRT-LLM's
 ``trtllm-serve`` accept the same names). Unknown fields are ignored, as OpenAI's SDK may add some.
 """
@@ -14,25 +19,34 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "UsageInfo", "ErrorBody", "new_id",
-           "NEUTRAL", "is_neutral"]
+           "NEUTRAL", "CHAT_NEUTRAL", "UNSUPPORTED", "is_neutral"]
 
-NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None,), "top_logprobs": (None, 0),
            "echo": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
            "logit_bias": (None, {}), "suffix": (None, "")}
-"""Fields accepted only at these values (OpenAI features the server does not implement): field -> the
-neutral values (``None`` = absent or ``null``). ``logprobs`` of a completion is an int (``0`` asks for
-the chosen tokens' log-probabilities, so only ``null`` is neutral there); ``False == 0`` in Python, so
-the server compares booleans and numbers by type as well (:func:`is_neutral`)."""
+"""Fields of a completion accepted only at these values (OpenAI features the server does not implement):
+field -> the neutral values (``None`` = absent or ``null``). ``logprobs`` of a completion is an integer
+(``0`` asks for the chosen tokens' log-probabilities, so only ``null`` is neutral there; ``false`` is
+not an integer and is refused by the strict type); ``False == 0`` in Python, so the server compares
+booleans and numbers by type as well (:func:`is_neutral`)."""
+
+CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False)}
+"""The same for a chat completion, where ``logprobs`` is a boolean (``false`` changes nothing)."""
+
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls")
+"""Fields refused unless absent or ``null``: tool calling and structured output are not implemented, and
+ignoring them would hand the client text it did not ask for."""
 
 
-def is_neutral(name: str, value) -> bool:
-    """Whether ``value`` of field ``name`` is one of its :data:`NEUTRAL` values (``True`` is never ``1``)."""
-    return any(value is None if neutral is None else
-               (type(value) is type(neutral) or {type(value), type(neutral)} <= {int, float}) and value == neutral
-               for neutral in NEUTRAL[name])
+def is_neutral(name: str, value, neutrals: dict | None = None) -> bool:
+    """Whether ``value`` of field ``name`` is one of its neutral values in ``neutrals`` (default
+    :data:`NEUTRAL`; :data:`CHAT_NEUTRAL` for a chat completion). ``True`` is never ``1``."""
+    from ..runtime.sampling import is_neutral_value
+
+    return is_neutral_value(value, (NEUTRAL if neutrals is None else neutrals)[name])
 
 
 def new_id(prefix: str) -> str:
@@ -44,31 +58,37 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, description="new tokens at most (default 16 for completions, "
+    max_tokens: StrictInt | None = Field(default=None, description="new tokens at most (default 16 for completions, "
                                    "the model's limit minus the prompt for chat)")
-    temperature: float | None = Field(default=None, description="OpenAI default 1.0; 0 = greedy")
-    top_p: float | None = None
-    top_k: int | None = Field(default=None, description="extension: 0 = off, 1 = greedy")
-    repetition_penalty: float | None = Field(default=None, description="extension: > 0, 1 = off")
-    seed: int | None = None
+    temperature: StrictFloat | None = Field(default=None, description="OpenAI default 1.0; 0 = greedy")
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = Field(default=None, description="extension: 0 = off, 1 = greedy")
+    repetition_penalty: StrictFloat | None = Field(default=None, description="extension: > 0, 1 = off")
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict | None = Field(default=None, description='{"include_usage": true} adds a usage chunk')
-    ignore_eos: bool = False
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     logit_bias: dict | None = None
     user: str | None = None
+    tools: object = None
+    tool_choice: object = None
+    functions: object = None
+    function_call: object = None
+    response_format: object = None
+    parallel_tool_calls: object = None
 
 
 class CompletionRequest(_Request):
     """``POST /v1/completions``: ``prompt`` is a string, or a list of strings (one choice each)."""
 
     prompt: str | list[str]
-    best_of: int | None = None
-    logprobs: int | None = None
-    echo: bool | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
     suffix: str | None = Field(default=None, description="refused unless empty (no fill-in-the-middle)")
 
 
@@ -100,9 +120,9 @@ class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessage]
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
 
 
 class UsageInfo(BaseModel):

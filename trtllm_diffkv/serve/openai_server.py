@@ -4,20 +4,32 @@ Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream
 server-sent events ``data: {chunk}`` and ends with ``data: [DONE]``), ``GET /v1/models``,
 ``GET /health`` and ``GET /metrics`` (Prometheus text: :mod:`trtllm_diffkv.serve.metrics`).
 
-Every request is one ``llm.generate_async`` call; the LLM's executor batches all of them in
-flight. A bad request (empty prompt, bad sampling values, too long, an unsupported field, text
+Every request is one ``llm.generate_async`` call, made in a worker thread (tokenizing a long prompt
+or a list of thousands never blocks the event loop: ``/health`` keeps answering); the LLM's executor
+batches all of them in flight. A body over ``max_body_bytes`` (default :data:`MAX_BODY_BYTES`) is
+answered 413 before it is read in full, and a prompt with more characters than the model's context
+can hold (:meth:`~trtllm_diffkv.llmapi.llm.LLM.max_prompt_chars`) is refused before it is tokenized. A bad request (empty prompt, bad sampling values, too long, an unsupported field, text
 that is not valid Unicode, a body that is not JSON) gets a 400 response in OpenAI's error shape
 (``{"error": {"message", "type", "param", "code"}}``) and fails alone; every other error response
 (404, 405, and a 500 for a server fault, which is logged with its traceback) has the same
 shape. When a client disconnects its request is aborted, which frees its KV pages. Sampling
 defaults are OpenAI's (``temperature`` 1, ``top_p`` 1; ``max_tokens`` 16 for completions, the
 rest of the context for chat).
+
+``usage`` carries DiffKV's numbers besides OpenAI's token counts (:func:`_usage`): ``kv_memory_fraction``
+(KV bytes / FP16 KV bytes of the same tokens), ``high_fraction``, ``low_fraction``, ``pruned_fraction``
+(tier shares; ``null`` for the ``fp16`` preset) and ``kv_pool_bytes`` (pool bytes the request held at its
+end). Shutdown (:class:`Drain`): new requests get a 503 in OpenAI's shape, requests in flight get the
+drain time to finish, then are aborted through the LLM (pages freed): a waiting non-streaming request
+gets a 503, a stream ends with an error event and ``data: [DONE]``. One access-log line per request
+goes to the ``trtllm_diffkv.serve.access`` logger at INFO.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,14 +37,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import is_server_fault
-from .metrics import prometheus_text
-from .openai_protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest, created, is_neutral, new_id
+from .metrics import ServingMetrics
+from .openai_protocol import (CHAT_NEUTRAL, NEUTRAL, UNSUPPORTED, ChatCompletionRequest, CompletionRequest, created,
+                              is_neutral, new_id)
 
 LOG = logging.getLogger("trtllm_diffkv.serve")
+ACCESS_LOG = logging.getLogger("trtllm_diffkv.serve.access")
 
-__all__ = ["create_app", "BadRequest"]
+__all__ = ["create_app", "BadRequest", "Drain", "MAX_BODY_BYTES"]
 
 DISCONNECT_POLL_S = 0.5
+MAX_BODY_BYTES = 8 << 20
+"""Request bodies above this many bytes get a 413 (``trtllm-diffkv serve --max-body-bytes``); 8 MiB holds
+a prompt filling a 128k-token context several times over."""
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class BadRequest(Exception):
@@ -43,9 +61,124 @@ class BadRequest(Exception):
         self.message, self.param, self.status = message, param, status
 
 
+def _error_body(message: str, param: str | None = None, status: int = 400) -> dict:
+    kind = "invalid_request_error" if status < 500 else "service_unavailable" if status == 503 else "internal_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
 def _error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "internal_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+    return JSONResponse(_error_body(message, param, status), status)
+
+
+class Drain:
+    """The app's shutdown state and the handles of the requests in flight (``app.state.drain``).
+
+    :meth:`drain` (``trtllm-diffkv serve`` calls it when uvicorn starts shutting down) sets
+    ``draining`` (new requests: 503), waits up to ``timeout_s`` for the requests in flight, then
+    aborts the rest through the LLM (``aborted`` set: their responses become 503s / error events).
+    """
+
+    def __init__(self):
+        self.draining = False
+        self.aborted = False
+        self.live: set = set()
+
+    def add(self, handles) -> None:
+        """Track ``handles`` (refused with a 503 once draining)."""
+        if self.draining:
+            for handle in handles:
+                handle.abort()
+            raise BadRequest(SHUTDOWN_MESSAGE, status=503)
+        self.live.update(handles)
+
+    def discard(self, handles) -> None:
+        self.live.difference_update(handles)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, wait up to ``timeout_s`` seconds for the live ones, abort what is left.
+
+        Returns:
+            the number of requests aborted.
+        """
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.live)
+        if left:
+            self.aborted = True
+            LOG.warning("shutdown: aborting %d request(s) still in flight after %.1f s", len(left), timeout_s)
+            for handle in left:
+                handle.abort()
+        return len(left)
+
+
+class _Guard:
+    """Pure ASGI middleware: the body cap (413), the draining state (503) and the access log.
+
+    The body cap checks ``Content-Length`` before anything is read and counts the bytes of a chunked
+    body as they arrive, so an oversized request never reaches JSON parsing.
+    """
+
+    def __init__(self, app, drain: Drain, max_body_bytes: int):
+        self.app, self.drain, self.max_body_bytes = app, drain, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = [None]
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, send_logged)
+        finally:
+            usage = (scope.get("state") or {}).get("usage") or {}
+            ACCESS_LOG.info("%s %s %s %.1f ms prompt_tokens=%s completion_tokens=%s", scope["method"], scope["path"],
+                            status[0], (time.perf_counter() - start) * 1e3, usage.get("prompt_tokens", "-"),
+                            usage.get("completion_tokens", "-"))
+
+    async def _guarded(self, scope, receive, send):
+        if self.drain.draining and scope["path"].startswith("/v1/") and scope["method"] == "POST":
+            return await _send_json(send, 503, _error_body(SHUTDOWN_MESSAGE, status=503))
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        too_big = _error_body(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _send_json(send, 413, too_big)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:  # read the body here, counting: a chunked body has no Content-Length
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await _send_json(send, 413, too_big)
+            if not message.get("more_body"):
+                break
+        body, sent = b"".join(chunks), [False]
+
+        async def replay():
+            if not sent[0]:
+                sent[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _send_json(send, status: int, payload: dict) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": data})
 
 
 def _check_text(value, param: str) -> None:
@@ -69,8 +202,12 @@ def _check_text(value, param: str) -> None:
 def _sampling_params(body, max_tokens: int):
     from ..runtime.sampling import SamplingParams
 
-    for name, neutrals in NEUTRAL.items():
-        if name in type(body).model_fields and not is_neutral(name, getattr(body, name)):
+    for name in UNSUPPORTED:
+        if getattr(body, name, None) is not None:
+            raise BadRequest(f"'{name}' is not supported by this server (send it null or leave it out)", name)
+    table = CHAT_NEUTRAL if isinstance(body, ChatCompletionRequest) else NEUTRAL
+    for name, neutrals in table.items():
+        if name in type(body).model_fields and not is_neutral(name, getattr(body, name), table):
             allowed = " or ".join(repr(v) if v is not None else "null" for v in neutrals)
             raise BadRequest(f"'{name}' = {getattr(body, name)!r} is not supported (only {allowed})", name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -94,21 +231,70 @@ async def _next(handle, request: Request):
             return None
 
 
-def _usage(output) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+async def _finals(handles, request: Request) -> list:
+    """The final outputs of ``handles`` (non-streaming), with one disconnect watcher for all of them;
+    on a disconnect every handle is aborted and the list holds ``None``."""
+    together = asyncio.gather(*(handle.__anext__() for handle in handles))  # non-streaming: the final output
+    while True:
+        done, _ = await asyncio.wait({together}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return together.result()
+        if await request.is_disconnected():
+            for handle in handles:
+                handle.abort()
+            await together
+            return [None] * len(handles)
+
+
+def _usage(outputs) -> dict:
+    """OpenAI's token counts of the finished ``outputs`` (one per choice) plus DiffKV's numbers.
+
+    ``kv_memory_fraction``: KV bytes / FP16 KV bytes over all choices' tokens; ``high_fraction``,
+    ``low_fraction``, ``pruned_fraction``: tier shares weighted by each choice's FP16 KV bytes (its
+    stored tokens); ``kv_pool_bytes``: pool bytes the choices held at their end (pages and metadata).
+    ``None`` where the executor reported nothing (tier shares under the ``fp16`` preset).
+    """
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    metrics = [o.metrics or {} for o in outputs]
+    fp16 = [m.get("fp16_kv_cache_bytes") or 0 for m in metrics]
+    kv = [m.get("kv_cache_bytes") for m in metrics]
+    usage["kv_memory_fraction"] = (sum(kv) / sum(fp16) if sum(fp16) and None not in kv else None)
+    for name in ("high_fraction", "low_fraction", "pruned_fraction"):
+        values = [m.get(name) for m in metrics]
+        usage[name] = (sum(v * w for v, w in zip(values, fp16)) / sum(fp16)
+                       if sum(fp16) and None not in values else None)
+    pool = [m.get("pool_used_bytes") for m in metrics]
+    usage["kv_pool_bytes"] = sum(pool) if None not in pool else None
+    return usage
 
 
 def _sse(payload) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def create_app(llm, model_name: str) -> FastAPI:
+def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving ``llm`` under the model id ``model_name``.
 
+    Args:
+        llm: an :class:`~trtllm_diffkv.llmapi.llm.LLM` (or an object with its ``generate_async``, ``tokenizer``,
+            ``max_seq_len`` and ``stats``).
+        model_name: the id clients send as ``model``.
+        max_body_bytes: request bodies above this get a 413 (read no further).
+
     The app does not own ``llm``: the caller shuts it down (``trtllm-diffkv serve`` does after uvicorn exits).
+    ``app.state.drain`` is its :class:`Drain`.
+
+    Raises:
+        ValueError: ``max_body_bytes`` < 1.
     """
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     app = FastAPI(title="trtllm-diffkv OpenAI-compatible server")
+    drain = app.state.drain = Drain()
+    serving_metrics = app.state.metrics = ServingMetrics(llm, model_name)
+    app.add_middleware(_Guard, drain=drain, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -155,8 +341,8 @@ def create_app(llm, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        stats = await asyncio.to_thread(llm.stats)  # waits for a step in progress: off the event loop
-        return PlainTextResponse(prometheus_text(stats), media_type="text/plain; version=0.0.4")
+        text = await asyncio.to_thread(serving_metrics.text)  # llm.stats() waits for a step: off the event loop
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -168,37 +354,70 @@ def create_app(llm, model_name: str) -> FastAPI:
         if body.stream and len(prompts) > 1:
             raise BadRequest("streaming takes one prompt (got a list of several)", "prompt")
         params = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
-        handles = [llm.generate_async(p, params, streaming=body.stream) for p in prompts]
-        meta = {"id": new_id("cmpl"), "object": "text_completion", "created": created(), "model": model_name}
-        if body.stream:
-            return await _stream(handles[0], request, body, meta, chat=False)
-        finals = await asyncio.gather(*(_next(h, request) for h in handles))
-        _raise_first_error(finals, handles)
-        choices = [{"index": i, "text": f.outputs[0].text, "logprobs": None,
-                    "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
-        usage = {k: sum(_usage(f)[k] for f in finals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        return {**meta, "choices": choices, "usage": usage}
+        for prompt in prompts:  # each is one request
+            _check_prompt_chars(llm, [prompt], "prompt")
+        # tokenizing happens in generate_async: in a worker thread, so the event loop keeps serving
+        handles = await asyncio.to_thread(lambda: [llm.generate_async(p, params, streaming=body.stream)
+                                                   for p in prompts])
+        drain.add(handles)
+        try:
+            meta = {"id": new_id("cmpl"), "object": "text_completion", "created": created(), "model": model_name}
+            if body.stream:
+                return await _stream(handles[0], request, body, meta, chat=False, drain=drain,
+                                     observe=serving_metrics.observe)
+            finals = await _finals(handles, request)
+            for handle in handles:
+                serving_metrics.observe(handle)
+            _raise_first_error(finals, handles, drain)
+            choices = [{"index": i, "text": f.outputs[0].text, "logprobs": None,
+                        "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
+            usage = request.state.usage = _usage(finals)
+            return {**meta, "choices": choices, "usage": usage}
+        finally:
+            if not body.stream:
+                drain.discard(handles)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
         _check_text(body.model_dump(), "")
         params = _sampling_params(body, 1)  # refuses unsupported fields before the chat template runs
-        ids = _chat_prompt_ids(llm, body)
+        _check_prompt_chars(llm, [m.content if isinstance(m.content, str) else json.dumps(m.content)
+                                  for m in body.messages], "messages")
+        ids = await asyncio.to_thread(_chat_prompt_ids, llm, body)  # the template and tokenizer: off the loop
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max(1, llm.max_seq_len - len(ids)) if max_tokens is None else max_tokens)
         handle = llm.generate_async(ids, params, streaming=body.stream)
-        meta = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": created(), "model": model_name}
-        if body.stream:
-            return await _stream(handle, request, body, {**meta, "object": "chat.completion.chunk"}, chat=True)
-        final = await _next(handle, request)
-        _raise_first_error([final], [handle])
-        completion = final.outputs[0]
-        return {**meta, "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
-                                     "logprobs": None, "finish_reason": completion.finish_reason}],
-                "usage": _usage(final)}
+        drain.add([handle])
+        try:
+            meta = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": created(), "model": model_name}
+            if body.stream:
+                return await _stream(handle, request, body, {**meta, "object": "chat.completion.chunk"}, chat=True,
+                                     drain=drain, observe=serving_metrics.observe)
+            final = await _next(handle, request)
+            serving_metrics.observe(handle)
+            _raise_first_error([final], [handle], drain)
+            completion = final.outputs[0]
+            usage = request.state.usage = _usage([final])
+            return {**meta, "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+                                         "logprobs": None, "finish_reason": completion.finish_reason}],
+                    "usage": usage}
+        finally:
+            if not body.stream:
+                drain.discard([handle])
 
     return app
+
+
+def _check_prompt_chars(llm, texts, param: str) -> None:
+    """Refuse ``texts`` (the parts of one prompt) whose characters cannot fit the context in any tokenization
+    (:meth:`~trtllm_diffkv.llmapi.llm.LLM.max_prompt_chars`), before anything is tokenized."""
+    limit = getattr(llm, "max_prompt_chars", None)
+    limit = limit() if callable(limit) else None
+    chars = sum(len(t) for t in texts if isinstance(t, str))
+    if limit is not None and chars > limit:
+        raise BadRequest(f"'{param}' holds {chars} characters: more than max_seq_len {llm.max_seq_len} tokens "
+                         f"can hold ({limit} characters at most with this tokenizer)", param)
 
 
 def _chat_prompt_ids(llm, body: ChatCompletionRequest) -> list[int]:
@@ -218,11 +437,15 @@ def _chat_prompt_ids(llm, body: ChatCompletionRequest) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _raise_first_error(finals, handles) -> None:
+def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
     if any(f is None for f in finals):  # the client is gone: nobody reads the answer
         for handle in handles:
             handle.abort()
         raise BadRequest("client disconnected", status=499)
+    if drain is not None and drain.aborted and any(f.outputs[0].finish_reason == "cancelled" for f in finals):
+        for handle in handles:
+            handle.abort()
+        raise BadRequest(f"{SHUTDOWN_MESSAGE}: the request was cancelled before it finished", status=503)
     for final in finals:
         if final.error is not None:
             for handle in handles:
@@ -233,12 +456,17 @@ def _raise_first_error(finals, handles) -> None:
             raise BadRequest(final.error, None, 500 if server_side else 400)
 
 
-async def _stream(handle, request: Request, body, meta: dict, chat: bool):
+async def _stream(handle, request: Request, body, meta: dict, chat: bool, drain: Drain, observe):
     """Wait for the first output (an error then is a 400 response), then stream the rest as SSE; a client
     that disconnects aborts the request (before the first token: :func:`_next`; after: Starlette cancels
-    the stream, whose ``finally`` aborts)."""
-    first = await _next(handle, request)
-    _raise_first_error([first], [handle])
+    the stream, whose ``finally`` aborts). A stream cut by the shutdown ends with an error event and
+    ``[DONE]``."""
+    try:
+        first = await _next(handle, request)
+        _raise_first_error([first], [handle], drain)
+    except BaseException:
+        drain.discard([handle])
+        raise
     include_usage = bool((body.stream_options or {}).get("include_usage"))
 
     def chunk(output) -> dict:
@@ -262,15 +490,24 @@ async def _stream(handle, request: Request, body, meta: dict, chat: bool):
                     yield _sse({"error": {"message": output.error, "type": "internal_error", "param": None,
                                           "code": None}})
                     break
+                if drain.aborted and output.outputs[0].finish_reason == "cancelled":
+                    if output.outputs[0].text_diff:
+                        yield _sse({**meta, "choices": [{**chunk(output)["choices"][0], "finish_reason": None}]})
+                    yield _sse(_error_body(f"{SHUTDOWN_MESSAGE}: the stream was cancelled before it finished",
+                                           status=503))
+                    break
                 if output.outputs[0].text_diff or output.finished:
                     yield _sse(chunk(output))
                 if output.finished:
+                    request.state.usage = usage = _usage([output])
                     if include_usage:
-                        yield _sse({**meta, "choices": [], "usage": _usage(output)})
+                        yield _sse({**meta, "choices": [], "usage": usage})
                     break
                 output = await handle.__anext__()
             yield "data: [DONE]\n\n"
         finally:
+            drain.discard([handle])
+            observe(handle)
             if not handle.finished:  # the client went away mid-stream: free the request's pages
                 handle.abort()
 

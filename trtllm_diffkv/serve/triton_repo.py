@@ -75,7 +75,8 @@ def model_config_text(name: str, *, max_batch_size: int = 64, decoupled: bool = 
 def write_repository(out: str | Path, *, model: str | Path | None = None, name: str = "trtllm_diffkv",
                      kv_config: str = "default", max_batch_size: int = 64, kv_memory_bytes: int | None = None,
                      max_seq_len: int | None = None, device: str | None = None, dtype: str | None = None,
-                     decoupled: bool = True, overwrite: bool = False) -> Path:
+                     decoupled: bool = True, overwrite: bool = False, num_threads: int | None = None,
+                     shutdown_timeout_s: float | None = None) -> Path:
     """Write ``out/<name>/config.pbtxt`` and ``out/<name>/1/model.py``.
 
     Args:
@@ -90,6 +91,9 @@ def write_repository(out: str | Path, *, model: str | Path | None = None, name: 
         device, dtype: the LLM's (``None``: CUDA if available, float32 on CPU / bfloat16 on GPU).
         decoupled: see :func:`model_config_text`.
         overwrite: replace an existing ``out/<name>``.
+        num_threads: torch CPU threads in the model's stub process (``None``: torch's default).
+        shutdown_timeout_s: at SIGTERM, seconds the requests in flight get before they are aborted
+            (``None``: the model's default, 5 s); keep it below tritonserver's ``--exit-timeout-secs``.
 
     Returns:
         the model's directory.
@@ -111,6 +115,8 @@ def write_repository(out: str | Path, *, model: str | Path | None = None, name: 
     parameters = {"model": "" if model is None else str(Path(model).resolve()), "kv_config": kv_config,
                   "max_batch_size": str(max_batch_size), "kv_memory_bytes": str(kv_memory_bytes or ""),
                   "max_seq_len": str(max_seq_len or ""), "device": device or "", "dtype": dtype or "",
+                  "num_threads": str(num_threads or ""),
+                  "shutdown_timeout_s": "" if shutdown_timeout_s is None else str(float(shutdown_timeout_s)),
                   "python_path": str(Path(__file__).resolve().parents[2])}
     text = model_config_text(name, max_batch_size=max_batch_size, decoupled=decoupled, parameters=parameters)
     model_dir = Path(out) / name

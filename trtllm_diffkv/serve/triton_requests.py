@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TensorSpec", "INPUTS", "OUTPUTS", "RowRequest", "parse_request", "llm_kwargs_from_parameters",
-           "DEFAULT_MAX_TOKENS"]
+__all__ = ["TensorSpec", "INPUTS", "OUTPUTS", "DIFFKV_OUTPUTS", "RowRequest", "parse_request",
+           "llm_kwargs_from_parameters", "diffkv_output_values", "DEFAULT_MAX_TOKENS"]
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens when a request has no ``max_tokens`` (TensorRT-LLM's ensemble requires it; we default)."""
@@ -74,7 +74,25 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("beam_width", "TYPE_INT32", (1,), neutral=1, doc="greedy or sampled decoding only: must be 1"),
     TensorSpec("num_return_sequences", "TYPE_INT32", (1,), neutral=1, doc="one sequence per prompt: must be 1"),
     TensorSpec("stream", "TYPE_BOOL", (1,), doc="true: one response per new piece of text (decoupled)"),
+    TensorSpec("return_num_input_tokens", "TYPE_BOOL", (1,), doc="accepted either way: num_input_tokens is "
+               "always returned"),
+    TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), doc="accepted either way: num_output_tokens is "
+               "always returned"),
+    TensorSpec("return_perf_metrics", "TYPE_BOOL", (1,), neutral=False, doc="not supported: must be false "
+               "(the DiffKV outputs kv_memory_fraction, ... come with every final response)"),
+    TensorSpec("return_kv_cache_reuse_stats", "TYPE_BOOL", (1,), neutral=False,
+               doc="not supported (no KV cache reuse): must be false"),
+    TensorSpec("embedding_bias_words", "TYPE_STRING", (-1,), neutral="", doc="not supported: must be empty"),
+    TensorSpec("embedding_bias_weights", "TYPE_FP32", (-1,), doc="accepted only with no embedding_bias_words "
+               "(ignored then)"),
 )
+"""Inputs: TensorRT-LLM's ensemble's (``all_models/inflight_batcher_llm/ensemble/config.pbtxt``) except those
+for features outside this model, which are not declared, so Triton refuses a request sending them
+(``unexpected inference input``): ``decoder_text_input``, ``image_input`` and the other multimodal
+inputs (text-only models), ``prompt_embedding_table`` / ``prompt_vocab_size`` / ``prompt_table_extra_id``
+(prompt tuning), ``lora_task_id`` / ``lora_weights`` / ``lora_config`` (LoRA), ``num_draft_tokens`` /
+``use_draft_logits`` (speculative decoding), ``guided_decoding_guide_type`` / ``guided_decoding_guide``
+(guided decoding) and ``min_length`` (the older name of ``min_tokens``)."""
 
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "TYPE_STRING", (-1,), doc="streaming: the new text; else the whole text"),
@@ -82,7 +100,17 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("num_input_tokens", "TYPE_INT32", (1,), doc="prompt tokens"),
     TensorSpec("num_output_tokens", "TYPE_INT32", (1,), doc="generated tokens so far"),
     TensorSpec("batch_index", "TYPE_INT32", (1,), doc="the row of the request this response is for"),
+    TensorSpec("kv_memory_fraction", "TYPE_FP32", (1,), doc="DiffKV: KV bytes / FP16 KV bytes of the request's "
+               "tokens at its end (final responses only; NaN when not reported)"),
+    TensorSpec("high_fraction", "TYPE_FP32", (1,), doc="DiffKV: share of (layer, KV head, token) in the high "
+               "tier at the end (final responses; NaN for the fp16 preset)"),
+    TensorSpec("low_fraction", "TYPE_FP32", (1,), doc="DiffKV: share in the low tier (as high_fraction)"),
+    TensorSpec("pruned_fraction", "TYPE_FP32", (1,), doc="DiffKV: share pruned (as high_fraction)"),
+    TensorSpec("kv_pool_bytes", "TYPE_INT64", (1,), doc="DiffKV: KV pool bytes the request held at its end "
+               "(final responses; -1 when not reported)"),
 )
+DIFFKV_OUTPUTS = ("kv_memory_fraction", "high_fraction", "low_fraction", "pruned_fraction", "kv_pool_bytes")
+"""The outputs carrying DiffKV's numbers (``RequestOutput.metrics``), sent with final responses only."""
 
 _BY_NAME = {spec.name: spec for spec in INPUTS}
 
@@ -163,14 +191,16 @@ def parse_request(inputs: dict[str, np.ndarray]) -> list[RowRequest]:
     rows = []
     for row in range(batch_size):
         values = {name: _row_values(name, array, batch_size, row) for name, array in inputs.items()}
-        scalars = {name: _scalar(name, v) for name, v in values.items() if name not in ("bad_words", "stop_words")}
+        lists = ("bad_words", "stop_words", "embedding_bias_words", "embedding_bias_weights")
+        scalars = {name: _scalar(name, v) for name, v in values.items() if name not in lists}
         for name, value in scalars.items():
             neutral = _BY_NAME[name].neutral
             if neutral is not None and value != neutral:
                 raise ValueError(f"input '{name}' = {value!r} is not supported (only {neutral!r}): "
                                  f"{_BY_NAME[name].doc}")
-        if any(_text("bad_words", v) for v in values.get("bad_words", ())):
-            raise ValueError("input 'bad_words' is not supported: send it empty or leave it out")
+        for name in ("bad_words", "embedding_bias_words"):
+            if any(_text(name, v) for v in values.get(name, ())):
+                raise ValueError(f"input '{name}' is not supported: send it empty or leave it out")
         seed = scalars.get("seed", scalars.get("random_seed"))
         end_id = scalars.get("end_id")
         params = SamplingParams(
@@ -190,11 +220,22 @@ def parse_request(inputs: dict[str, np.ndarray]) -> list[RowRequest]:
     return rows
 
 
+def diffkv_output_values(metrics: dict | None) -> dict[str, float | int]:
+    """The :data:`DIFFKV_OUTPUTS` of one finished request from its ``RequestOutput.metrics`` (the executor's
+    result: ``kv_memory_fraction``, tier fractions, ``pool_used_bytes``); NaN / -1 where not reported."""
+    metrics = metrics or {}
+    values = {name: float("nan") if metrics.get(name) is None else float(metrics[name])
+              for name in DIFFKV_OUTPUTS[:4]}
+    values["kv_pool_bytes"] = -1 if metrics.get("pool_used_bytes") is None else int(metrics["pool_used_bytes"])
+    return values
+
+
 def llm_kwargs_from_parameters(parameters: dict[str, str]) -> dict:
     """``LLM(**kwargs)`` from the ``parameters`` of ``config.pbtxt`` (string values; empty = default).
 
     Keys: ``model`` (path; empty = the default model), ``kv_config`` (preset), ``max_batch_size``,
-    ``kv_memory_bytes``, ``max_seq_len``, ``device``, ``dtype`` (``float32``, ``float16``, ``bfloat16``).
+    ``kv_memory_bytes``, ``max_seq_len``, ``num_threads``, ``device``, ``dtype`` (``float32``, ``float16``,
+    ``bfloat16``). Other keys (``python_path``, ``shutdown_timeout_s``) are the model's own.
 
     Raises:
         ValueError: a number that does not parse, an unknown dtype.
@@ -206,7 +247,7 @@ def llm_kwargs_from_parameters(parameters: dict[str, str]) -> dict:
         return text or None
 
     kwargs = {"model": value("model"), "kv_config": value("kv_config"), "device": value("device")}
-    for key in ("max_batch_size", "kv_memory_bytes", "max_seq_len"):
+    for key in ("max_batch_size", "kv_memory_bytes", "max_seq_len", "num_threads"):
         if value(key) is not None:
             try:
                 kwargs[key] = int(value(key))
