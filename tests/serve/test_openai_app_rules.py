@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trtllm_diffkv.serve.openai_protocol import NEUTRAL, is_neutral
+from trtllm_diffkv.serve.openai_protocol import CHAT_NEUTRAL, NEUTRAL, is_neutral
 
 pytest.importorskip("fastapi")
 
@@ -54,7 +54,8 @@ class RecordingLLM:
         self.calls.append((ids, params))
         n = min(params.max_tokens, len(ids) % 5 + 1)
         completion = SimpleNamespace(text="x" * n, token_ids=list(range(n)), finish_reason="length", text_diff="x" * n)
-        return Handle(SimpleNamespace(error=None, prompt_token_ids=ids, finished=True, outputs=[completion]))
+        return Handle(SimpleNamespace(error=None, prompt_token_ids=ids, finished=True, outputs=[completion],
+                                      metrics=None))
 
 
 @pytest.fixture()
@@ -76,8 +77,9 @@ def test_usage_is_summed_over_every_prompt(app):
     completion_tokens = [min(4, len(p) % 5 + 1) for p in prompts]
     assert [c["text"] for c in answer["choices"]] == ["x" * n for n in completion_tokens]
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
-    assert answer["usage"] == {"prompt_tokens": sum(prompt_tokens), "completion_tokens": sum(completion_tokens),
-                               "total_tokens": sum(prompt_tokens) + sum(completion_tokens)}
+    counts = {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert counts == {"prompt_tokens": sum(prompt_tokens), "completion_tokens": sum(completion_tokens),
+                      "total_tokens": sum(prompt_tokens) + sum(completion_tokens)}
 
 
 def test_default_and_explicit_max_tokens(app):
@@ -97,21 +99,25 @@ def test_default_and_explicit_max_tokens(app):
     assert llm.calls[-1][1].max_tokens == 5                       # the newer field wins when both are sent
     chat = http.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 2}).json()
     n = min(2, len(ids) % 5 + 1)
-    assert chat["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+    counts = {k: chat["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert counts == {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
 
-@pytest.mark.parametrize("name, value", [("n", True), ("best_of", True), ("logprobs", 0), ("echo", 0),
-                                         ("echo", 0.0), ("presence_penalty", False), ("frequency_penalty", False),
-                                         ("top_logprobs", False), ("logprobs", 0.0)])
-def test_a_value_equal_to_a_neutral_one_but_of_another_type_is_not_neutral(name, value):
-    assert any(value == v for v in NEUTRAL[name] if v is not None)  # Python says equal (True == 1, 0.0 == False)
-    assert not is_neutral(name, value)
+@pytest.mark.parametrize("name, value, table", [
+    ("n", True, NEUTRAL), ("best_of", True, NEUTRAL), ("echo", 0, NEUTRAL), ("echo", 0.0, NEUTRAL),
+    ("presence_penalty", False, NEUTRAL), ("frequency_penalty", False, NEUTRAL), ("top_logprobs", False, NEUTRAL),
+    ("logprobs", 0, CHAT_NEUTRAL), ("logprobs", 0.0, CHAT_NEUTRAL)])
+def test_a_value_equal_to_a_neutral_one_but_of_another_type_is_not_neutral(name, value, table):
+    assert any(value == v for v in table[name] if v is not None)  # Python says equal (True == 1, 0.0 == False)
+    assert not is_neutral(name, value, table)
 
 
-@pytest.mark.parametrize("name, value", [("n", 1), ("n", None), ("logprobs", False), ("presence_penalty", 0),
-                                         ("presence_penalty", 0.0), ("logit_bias", {}), ("suffix", "")])
-def test_neutral_values_are_neutral(name, value):
-    assert is_neutral(name, value)
+@pytest.mark.parametrize("name, value, table", [
+    ("n", 1, NEUTRAL), ("n", None, NEUTRAL), ("logprobs", None, NEUTRAL), ("logprobs", False, CHAT_NEUTRAL),
+    ("presence_penalty", 0, NEUTRAL), ("presence_penalty", 0.0, NEUTRAL), ("logit_bias", {}, NEUTRAL),
+    ("suffix", "", NEUTRAL)])
+def test_neutral_values_are_neutral(name, value, table):
+    assert is_neutral(name, value, table)
 
 
 def test_completion_logprobs_zero_is_refused_not_taken_as_false(app):

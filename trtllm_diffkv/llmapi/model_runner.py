@@ -23,7 +23,7 @@ import queue
 import torch
 
 from .llm import LLM, take_all
-from .runtime.sampling import is_neutral_value
+from ..runtime.sampling import is_neutral_value
 
 # TensorRT-LLM generate() arguments we accept only at their "off" value (anything else is refused).
 _OFF_VALUES = {"num_beams": (1,), "num_return_sequences": (None, 1), "length_penalty": (1.0,),
