@@ -174,3 +174,14 @@ def test_k8v2_and_rotated_k4v2_low_tiers_run_the_paged_path(model):
         got = PagedGenerator(model, None, model.config, cfg, num_pages=200, high_tokens_per_page=4).generate_ids(prompt, 8)
         assert got.error is None and got.token_ids == ref.token_ids == _executor_tokens(model, cfg, prompt, 8)
         assert 0 < got.low_fraction and got.kv_memory_fraction == pytest.approx(ref.kv_memory_fraction, abs=0.02)
+
+
+def test_onnx_graphs_refuse_rotation_and_pooling_by_name(model):
+    pytest.importorskip("onnx")
+    from trtllm_diffkv.build.onnx_export import export_onnx
+
+    for cfg, field in ((get_preset("default-rotated"), "key_rotation='hadamard'"),
+                       (get_preset("default").replace(score_pool_tokens=5), "score_pool_tokens=5")):
+        for graph, phase in (("composite", None), ("per-op", "decode")):
+            with pytest.raises(ValueError, match=field):
+                export_onnx(model, cfg, max_positions=32, graph=graph, phase=phase)
