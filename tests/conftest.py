@@ -1,9 +1,16 @@
 """Shared pytest setup: the ``gpu`` marker, skipping GPU tests where CUDA is absent, and Triton's
 interpreter for the kernel tests on a machine without a GPU."""
 import os
+import tempfile
 
 import pytest
 import torch
+
+if "TRITON_CACHE_DIR" not in os.environ:
+    # Triton's compile cache is keyed on the kernel source, not its path, while the PTX it returns embeds the
+    # source path (.file lines): a cache filled from another checkout makes the AOT-vs-JIT PTX comparisons
+    # differ there. One fresh cache per test session, inherited by the tests' child processes.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="diffkv-triton-cache-")
 
 if not torch.cuda.is_available():
     # Set before any test module imports Triton: kernels are then built for the interpreter
