@@ -8,11 +8,11 @@ paged cache (:mod:`.paged`), the in-flight batching runtime (:mod:`.runtime`)
 and the serving APIs :class:`LLM`, :class:`SamplingParams` and :class:`ModelRunner`
 (imported on first use: ``import trtllm_diffkv`` stays light).
 """
-from .config import PRESETS, DiffKVConfig, TierConfig, get_preset
+from .config import PRESETS, DiffKVConfig, TierConfig, get_preset, load_kv_config_file, resolve_kv_config
 
 __version__ = "0.1.0"
-__all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "LLM", "SamplingParams", "ModelRunner",
-           "__version__"]
+__all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "resolve_kv_config", "load_kv_config_file", "LLM",
+           "SamplingParams", "ModelRunner", "__version__"]
 
 _LAZY = {"LLM": ".llm", "SamplingParams": ".runtime.sampling", "ModelRunner": ".runner"}
 
