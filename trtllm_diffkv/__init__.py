@@ -10,11 +10,11 @@ on first use: ``import trtllm_diffkv`` stays light). Around the core: the server
 the TensorRT layer (:mod:`.trt`), evaluation (:mod:`.evaluation`), the command line
 (:mod:`.commands`) and the tests' helpers (:mod:`.testing`).
 """
-from .config import PRESETS, DiffKVConfig, TierConfig, get_preset
+from .config import PRESETS, DiffKVConfig, TierConfig, get_preset, load_kv_config_file, resolve_kv_config
 
 __version__ = "0.1.0"
-__all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "LLM", "SamplingParams", "ModelRunner",
-           "__version__"]
+__all__ = ["DiffKVConfig", "TierConfig", "PRESETS", "get_preset", "resolve_kv_config", "load_kv_config_file", "LLM",
+           "SamplingParams", "ModelRunner", "__version__"]
 
 from .lazy import lazy_exports
 

@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--plot-from", metavar="JSON", help="run nothing: read a results JSON (e.g. fetched from the GPU "
                                                        "machine), print its table and write the PNG at --output's "
                                                        "stem + .png")
-    p.add_argument("--preset", help="DiffKV preset of workloads a and c (default: default)")
+    p.add_argument("--preset", help="DiffKV preset or kv-config JSON file of workloads a and c (default: default)")
     p.add_argument("--b-preset", help="DiffKV preset of workload b (default: llama3-8b)")
     p.add_argument("--kv-memory-bytes", type=int, help="KV budget of workload a (default: the bytes that hold "
                                                        "--a-fp16-capacity full FP16 requests)")

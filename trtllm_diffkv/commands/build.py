@@ -2,7 +2,7 @@
 
 ::
 
-    trtllm-diffkv build --checkpoint DIR --output ENGINE_DIR --plugin diffkv [--kv-config PRESET]
+    trtllm-diffkv build --checkpoint DIR --output ENGINE_DIR --plugin diffkv [--kv-config PRESET|FILE]
                         [--max-batch-size N] [--max-seq-len N] [--dtype auto|float16|bfloat16|float32]
                         [--targets 80,90] [--no-onnx] [--graph composite|per-op|aot]
 

@@ -112,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
                                 cwd=Path(__file__).resolve().parent).stdout.strip() or None
     except OSError:
         commit = None
-    record = {"command": "trtllm-diffkv " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("trtllm-diffkv")
-              else " ".join(sys.argv), "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit,
+    program = {"__main__.py": "python3 -m trtllm_diffkv", "trtllm-diffkv": "trtllm-diffkv"}.get(
+        Path(sys.argv[0]).name, sys.argv[0])
+    record = {"command": " ".join([program, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit,
               "machine": f"{platform.machine()} {args.device}, torch {torch.__version__}, "
                          f"Python {platform.python_version()}",
               "data": args.data, "prompts": [c.source for c in cases], "prompt_tokens": [len(c.prompt_ids) for c in cases],

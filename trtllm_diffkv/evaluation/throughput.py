@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import get_preset
+from ..config import get_preset, resolve_kv_config
 
 if TYPE_CHECKING:
     import torch
@@ -83,7 +83,7 @@ class Workload:
                                  or not all(math.isfinite(r) and r > 0 for r in self.request_rates)):
             raise ValueError(f"workload c needs positive, finite request rates, got {self.request_rates!r}")
         for preset in self.presets:
-            get_preset(preset)
+            resolve_kv_config(preset)
 
 
 def default_workloads(smoke: bool = False) -> dict[str, Workload]:
@@ -217,7 +217,7 @@ def _executor(model, workload: Workload, preset: str, budget: int, tokenizer, pr
     from ..runtime.executor import Executor
 
     cpu = next(model.parameters()).device.type == "cpu"
-    return Executor(model, model.config, get_preset(preset), tokenizer=tokenizer,
+    return Executor(model, model.config, resolve_kv_config(preset), tokenizer=tokenizer,
                     max_batch_size=workload.max_batch_size, kv_memory_bytes=budget,
                     max_seq_len=workload.prompt_tokens + workload.output_tokens,
                     use_triton=False if cpu else None, profile=profile, use_cuda_graphs=bool(cuda_graphs) and not cpu)
