@@ -115,3 +115,23 @@ def test_the_api_names_are_one_object_wherever_imported():
 
     assert (trtllm_diffkv.LLM, trtllm_diffkv.ModelRunner, trtllm_diffkv.SamplingParams) == (LLM, ModelRunner,
                                                                                             SamplingParams)
+
+
+def test_test_modules_import_helpers_of_their_own_folder_or_the_root():
+    """A test importing another folder's test module works only when pytest happened to put that folder on
+    ``sys.path`` first; shared helpers live at ``tests/`` (conftest, tiny_checkpoint, oracle)."""
+    tests = PACKAGE.parent / "tests"
+    homes = {}
+    for path in tests.rglob("*.py"):
+        homes.setdefault(path.stem, set()).add(path.parent)
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+            for name in names:
+                top = name.split(".")[0]
+                where = homes.get(top)
+                if where and top != "oracle" and path.parent not in where and tests not in where:
+                    bad.append(f"{path.relative_to(tests)}:{node.lineno}: imports {top} from {sorted(map(str, where))}")
+    assert bad == []

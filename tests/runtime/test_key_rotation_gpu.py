@@ -1,6 +1,6 @@
 """``key_rotation="hadamard"`` on CUDA: the executor (Triton kernels, CUDA graphs) with rotation.
 
-Run on the device: ``python3 -m pytest -q -s -m gpu tests/model/test_key_rotation_gpu.py``. Not yet
+Run on the device: ``python3 -m pytest -q -s -m gpu tests/runtime/test_key_rotation_gpu.py``. Not yet
 run on a GPU (written on the CPU machine; the CPU counterparts are in tests/model/test_key_rotation.py).
 """
 import pytest
