@@ -251,7 +251,7 @@ def test_max_seq_len_is_inclusive(model):
     got = drive(make(model, max_seq_len=32), {0: [("fits", prompt, _greedy(24)), ("over", prompt, _greedy(25))]})
     assert got["fits"][1].finish_reason == "length", got["fits"][1].error
     assert got["fits"][0] == solo(model, CFG, prompt, _greedy(24))[0] and len(got["fits"][0]) == 24
-    assert got["over"][1].finish_reason == "error" and "exceeds max_seq_len=32" in got["over"][1].error
+    assert got["over"][1].finish_reason == "error" and "exceeds max_seq_len 32" in got["over"][1].error
 
 
 def test_request_larger_than_the_pool_fails_alone(model):
