@@ -4,16 +4,17 @@ NOT RUN: TensorRT-LLM cannot be installed on this project's machines (the adapte
 ``tests/trt/trtllm_standin.py``). Install, beside TensorRT-LLM:
 
     pip install tensorrt_llm                    # NVIDIA's index: a release with kv_cache_compression_config
-    pip install --no-deps trtllm-diffkv         # this package (TensorRT-LLM already brings torch, triton)
+    pip install --no-deps -e /path/to/trtllm-diffkv   # this package's checkout (TensorRT-LLM already brings torch, triton)
 
 Usage: ``python examples/trtllm_llm_api.py /path/to/hf_checkpoint``
 """
 import sys
 
-from tensorrt_llm import LLM, SamplingParams
-from tensorrt_llm.llmapi import KvCacheConfig
+# first: without TensorRT-LLM it says what to install (importing it registers "diffkv" / "DIFFKV")
+from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig
 
-from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig  # importing it registers "diffkv" / "DIFFKV"
+from tensorrt_llm import LLM, SamplingParams  # noqa: E402
+from tensorrt_llm.llmapi import KvCacheConfig  # noqa: E402
 
 
 def main(model_dir: str) -> None:

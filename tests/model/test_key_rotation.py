@@ -178,7 +178,7 @@ def test_k8v2_and_rotated_k4v2_low_tiers_run_the_paged_path(model):
 
 def test_onnx_graphs_refuse_rotation_and_pooling_by_name(model):
     pytest.importorskip("onnx")
-    from trtllm_diffkv.build.onnx_export import export_onnx
+    from trtllm_diffkv.trt.onnx_export import export_onnx
 
     for cfg, field in ((get_preset("default-rotated"), "key_rotation='hadamard'"),
                        (get_preset("default").replace(score_pool_tokens=5), "score_pool_tokens=5")):

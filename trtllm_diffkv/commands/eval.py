@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -182,6 +183,9 @@ def _setup(args):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if args.bigbench is not None and not os.path.exists(args.bigbench):
+        raise ValueError(f"--bigbench {args.bigbench}: no such file or folder (the bigbench sdist .tar.gz, or a "
+                         "folder / task.json from it)")
     device = resolve_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads or default_cpu_threads())
