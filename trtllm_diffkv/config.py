@@ -435,12 +435,14 @@ def load_kv_config_file(path) -> DiffKVConfig:
     from pathlib import Path
 
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"kv-config file {path} is a directory")
     if not path.is_file():
         raise FileNotFoundError(f"kv-config file {path} does not exist")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"kv-config file {path}: not valid JSON ({exc})") from None
+        data = json.loads(path.read_text(encoding="utf-8-sig"))  # a leading byte-order mark is ignored
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as exc:
+        raise ValueError(f"kv-config file {path}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     _refuse_unknown(f"kv-config file {path}", data, _TOP_KEYS)
     if data.get("format") != KV_CONFIG_FILE_FORMAT:
         raise ValueError(f"kv-config file {path}: format={data.get('format')!r}, expected {KV_CONFIG_FILE_FORMAT!r}")

@@ -83,6 +83,19 @@ def test_not_json_and_missing_files(tmp_path):
         resolve_kv_config(str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="unknown kv-config preset 'nope'"):
         resolve_kv_config("nope")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000)  # json.loads raises RecursionError on this: still one line naming the file
+    with pytest.raises(ValueError, match="deep.json: not valid JSON"):
+        load_kv_config_file(deep)
+    with pytest.raises(ValueError, match="is a directory"):
+        load_kv_config_file(tmp_path)
+
+
+def test_a_byte_order_mark_is_ignored(tmp_path):
+    path = tmp_path / "bom.json"
+    save_kv_config_file(path, get_preset("default"))
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_kv_config_file(path).alpha_high == get_preset("default").alpha_high
 
 
 def test_cli_llm_triton_repo_and_build_accept_a_file(tmp_path):

@@ -168,3 +168,22 @@ def test_merge_details_unions_two_runs(tmp_path):
     rows = {(r["method"], r["metric"]): r for r in result["rows"]}
     assert rows[("fp16", "span_top1")]["value"] == 0.5 and rows[("fp16", "span_top1")]["n"] == 2  # first run wins
     assert rows[("y", "span_top1_delta_vs_fp16")]["value"] == pytest.approx(-0.25)  # paired with run a's fp16
+
+
+def test_points_a_model_cannot_take_are_dropped_or_refused():
+    """Key rotation needs a power-of-two head_dim: at head_dim 80 the built-in rotated point is dropped (with a
+    notice), a --kv-config point the model refuses fails the run with its field named."""
+    from trtllm_diffkv.commands.eval import _points_for_model
+    from trtllm_diffkv.evaluation.quality import custom_point, method_points
+    from trtllm_diffkv.model import ModelConfig
+
+    mc = ModelConfig(vocab_size=512, hidden_size=640, intermediate_size=512, num_layers=2, num_heads=8,
+                     num_kv_heads=2, head_dim=80, max_position_embeddings=4096)
+    points = method_points()
+    kept = _points_for_model(points, mc)
+    assert [p for p in points if p.kv_config is not None and p.kv_config.key_rotation != "none"]
+    assert all(p.kv_config is None or p.kv_config.key_rotation == "none" for p in kept)
+    assert len(kept) == len(points) - sum(p.kv_config is not None and p.kv_config.key_rotation != "none"
+                                          for p in points)
+    with pytest.raises(ValueError, match="--kv-config default-rotated.*head_dim"):
+        _points_for_model([custom_point("default-rotated")], mc)

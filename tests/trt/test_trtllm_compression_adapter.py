@@ -193,11 +193,16 @@ def test_chunked_prefill_and_oversized_prompt_fail_with_clear_errors(trt, model)
     ex.run_until_done()
     assert "enable_chunked_prefill=False" in ex.errors[0]
     assert_all_pages_back(ex)
-    small = executor(trt, model, kv_memory_bytes=256 << 10, preset="fp16")
-    small.add_request(prompts_of([500])[0], 2)
-    small.run_until_done()
-    assert "DiffKV pages" in small.errors[0]
-    assert_all_pages_back(small)
+    # a pool that cannot hold one prefill of max_seq_len is refused when bound: a prompt TensorRT-LLM admits could
+    # otherwise only fail every request of its iteration (a hook cannot fail one request alone)
+    with pytest.raises(ValueError, match=r"cannot hold one prefill of max_seq_len=\d+ tokens"):
+        executor(trt, model, kv_memory_bytes=256 << 10, preset="fp16")
+
+
+def test_rotation_refused_inside_tensorrt_llm(trt, model):
+    with pytest.raises(ValueError, match="key_rotation='hadamard' is not supported inside TensorRT-LLM"):
+        trt.DiffKVCompressionManager(trt.DiffKVCompressionConfig(preset="default-rotated"),
+                                     pretrained_config=hf_dict(model.config))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -242,8 +247,7 @@ def test_restarted_prefill_gives_back_the_old_pages(trt, model):
 
 
 def test_config_fields_and_calibration_file(trt, model, tmp_path):
-    from trtllm_diffkv.trt.fields import kv_config_to_fields
-    from trtllm_diffkv.config import get_preset
+    from trtllm_diffkv.config import get_preset, load_kv_config_file, save_kv_config_file
 
     cfg = trt.DiffKVCompressionConfig()
     assert cfg.algorithm == "diffkv" and type(cfg).changes_physical_kv_length is True
@@ -255,14 +259,16 @@ def test_config_fields_and_calibration_file(trt, model, tmp_path):
         trt.DiffKVCompressionConfig(preset="nope")
     calibrated = get_preset("llama3-8b").replace(alpha_high=0.5, alpha_low=0.05, name="mine")
     path = tmp_path / "diffkv.json"
-    path.write_text(json.dumps({**kv_config_to_fields(calibrated), "model": {"head_dim": model.config.head_dim}}))
+    mc = model.config
+    save_kv_config_file(path, calibrated, (mc.num_heads, mc.num_kv_heads, mc.head_dim))  # what calibrate writes
     from_file = trt.DiffKVCompressionConfig(calibration_path=str(path), kv_memory_bytes=KV_BYTES)
-    assert from_file.to_kv_config() == calibrated
+    assert from_file.to_kv_config() == load_kv_config_file(path)
     ex = sti.StandInPyExecutor(model, sti.llm_args(attn_backend="DIFFKV", kv_cache_config=sti.KvCacheConfig(
         enable_block_reuse=False), kv_cache_compression_config=from_file), hf_dict(model.config))
-    assert ex.compression_manager.kv_config == calibrated
-    path.write_text(json.dumps({**kv_config_to_fields(calibrated), "model": {"head_dim": 128}}))
-    with pytest.raises(ValueError, match="head_dim=128"):
+    assert ex.compression_manager.kv_config == load_kv_config_file(path)
+    assert (ex.compression_manager.kv_config.alpha_high, ex.compression_manager.kv_config.alpha_low) == (0.5, 0.05)
+    save_kv_config_file(path, calibrated, (mc.num_heads, mc.num_kv_heads, 128))  # another model's shape
+    with pytest.raises(ValueError, match="head_dim"):
         trt.DiffKVCompressionManager(from_file, pretrained_config=hf_dict(model.config))
     missing = trt.DiffKVCompressionConfig(calibration_path=str(tmp_path / "absent.json"))
     with pytest.raises(FileNotFoundError, match="absent.json"):

@@ -69,9 +69,20 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluation import calibration as cal
     from ..model.loader import load_model
 
+    from .common import check_output_path, resolve_device
+
     try:
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be >= 1")
+        if args.data == "humaneval" and not 0 <= args.first <= 164 - 4 * args.num_prompts:
+            raise ValueError(f"--first={args.first}: HumanEval has 164 problems and each prompt takes 4 "
+                             f"(--num-prompts {args.num_prompts} needs --first in [0, {164 - 4 * args.num_prompts}])")
+        for name in ("output", "table"):
+            if getattr(args, name):
+                check_output_path(getattr(args, name), f"--{name}")
+        resolve_device(args.device)
         if args.threads:
             torch.set_num_threads(args.threads)
         settings = cal.sweep_settings(args.alpha_high, args.alpha_low, args.low_tier.split(","), args.score_pool,

@@ -42,3 +42,19 @@ def resolve_device(name: str | None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this torch build sees no CUDA GPU")
     return device
+
+
+def check_output_path(path, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written at the end.
+
+    Raises:
+        ValueError: ``path`` is a directory, or its folder does not exist; the message names ``flag``.
+    """
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {path.parent} does not exist")
+

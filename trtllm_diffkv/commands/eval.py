@@ -160,6 +160,28 @@ def _merge(files: list[str], output: Path, plot: bool) -> int:
     return 0
 
 
+def _points_for_model(points, model_config) -> list:
+    """The points this model can run: a built-in DiffKV point the model cannot take (key rotation needs a
+    power-of-two head_dim) is dropped with a notice; a ``--kv-config`` point (curve ``custom``) is refused.
+
+    Raises:
+        ValueError: a ``--kv-config`` the model refuses (another model's shape, rotation at this head_dim).
+    """
+    kept = []
+    for point in points:
+        try:
+            if point.kv_config is not None:
+                point.kv_config.validate_for_model(model_config.head_dim, model_config.num_heads,
+                                                   model_config.num_kv_heads)
+        except ValueError as exc:
+            if point.method == "custom":
+                raise ValueError(f"--kv-config {point.config}: {exc}") from None
+            print(f"[eval] skipping {point.method} {point.config}: {exc}", file=sys.stderr, flush=True)
+            continue
+        kept.append(point)
+    return kept
+
+
 def _setup(args):
     """Load the model, build the cases and the points; raises ValueError/OSError on bad input."""
     import torch
@@ -183,6 +205,9 @@ def _setup(args):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    from .common import check_output_path
+
+    check_output_path(args.output, "--output")
     if args.bigbench is not None and not os.path.exists(args.bigbench):
         raise ValueError(f"--bigbench {args.bigbench}: no such file or folder (the bigbench sdist .tar.gz, or a "
                          "folder / task.json from it)")
@@ -192,6 +217,7 @@ def _setup(args):
     model, tokenizer, model_config = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
     if tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    points = _points_for_model(points, model_config)
     per_task, sources, skipped = [], {}, {}
     for task in tasks:
         count = args.humaneval_cases or args.num_cases if task == "humaneval" else args.num_cases

@@ -17,17 +17,13 @@ Usage::
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from ...config import DiffKVConfig, get_preset
+from ...config import DiffKVConfig, get_preset, load_kv_config_file
 from ._bases import KvCacheCompressionConfig
 
-CALIBRATION_MODEL_KEYS = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
-"""Model facts a calibration file may carry; each one present must equal the served model's."""
 
 
 class DiffKVCompressionConfig(KvCacheCompressionConfig):
@@ -37,11 +33,10 @@ class DiffKVCompressionConfig(KvCacheCompressionConfig):
         algorithm: ``"diffkv"`` (selects this config and :class:`~.manager.DiffKVCompressionManager`).
         preset: a preset name (``trtllm_diffkv.config.PRESETS``: ``"default"``, ``"llama3-8b"``,
             ``"qwen2.5-7b"``, ``"fp16"``, ...); ``None`` with no ``calibration_path``: ``"default"``.
-        calibration_path: a JSON file of the flat DiffKV fields (``trtllm_diffkv.trt.fields``:
-            ``high_key_bits`` ... ``alpha_high``, ``alpha_low``, ...), optionally with the model facts
-            :data:`CALIBRATION_MODEL_KEYS` it was calibrated for. Produced offline
-            (``examples/calibrate_thresholds.py``, paper section 6); loaded and checked against the
-            model when the manager is built, never computed while serving. Not with ``preset``.
+        calibration_path: a kv-config JSON file as ``trtllm-diffkv calibrate`` writes it
+            (:func:`trtllm_diffkv.config.load_kv_config_file`, docs/CALIBRATION.md; the model shape it was
+            calibrated for is checked against the served model). Produced offline (paper section 6);
+            loaded when the manager is built, never computed while serving. Not with ``preset``.
         kv_memory_bytes, kv_memory_fraction: DiffKV's page pool budget, bookkeeping included (one of
             them; a fraction of the free GPU memory when the manager is bound; on the CPU give bytes).
         high_tokens_per_page: tokens per page in the high tier (``PageFormat.for_config``), >= 1.
@@ -99,53 +94,17 @@ class DiffKVCompressionConfig(KvCacheCompressionConfig):
         return False
 
     def to_kv_config(self) -> DiffKVConfig:
-        """The :class:`DiffKVConfig`: the preset's, or the calibration file's (read now).
+        """The :class:`DiffKVConfig`: the preset's, or the kv-config file's (read now, by
+        :func:`~trtllm_diffkv.config.load_kv_config_file`: the files ``trtllm-diffkv calibrate`` writes;
+        a file made for another model shape is refused by ``validate_for_model`` at the manager).
 
         Raises:
             FileNotFoundError: ``calibration_path`` does not exist.
-            ValueError: the file is not a JSON object of DiffKV fields, or a field is missing or out of range.
+            ValueError: not a kv-config file, an unknown key or a value out of range, naming the field.
         """
         if self.calibration_path is None:
             return get_preset(self.preset or "default")
-        return kv_config_from_file(self.calibration_path)
-
-    def check_calibration_model(self, model_config) -> None:
-        """Refuse a calibration file made for another model shape (no-op for a preset).
-
-        Raises:
-            ValueError: a :data:`CALIBRATION_MODEL_KEYS` value in the file differs from ``model_config``'s.
-        """
-        if self.calibration_path is None:
-            return
-        facts = _read_json(self.calibration_path).get("model", {})
-        for key in CALIBRATION_MODEL_KEYS:
-            if key in facts and facts[key] != getattr(model_config, key):
-                raise ValueError(f"calibration file {self.calibration_path} was made for {key}={facts[key]}, "
-                                 f"the model has {key}={getattr(model_config, key)}")
-
-
-def kv_config_from_file(path: str) -> DiffKVConfig:
-    """A :class:`DiffKVConfig` from a JSON calibration file (the flat fields of ``build.fields``).
-
-    Raises:
-        FileNotFoundError, ValueError: as :meth:`DiffKVCompressionConfig.to_kv_config`.
-    """
-    from ..fields import kv_config_from_fields
-
-    return kv_config_from_fields(_read_json(path))
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"DiffKV calibration file {path!r} does not exist")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"DiffKV calibration file {path!r} is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"DiffKV calibration file {path!r} must hold a JSON object, got {type(data).__name__}")
-    return data
+        return load_kv_config_file(self.calibration_path)
 
 
 def _register() -> None:

@@ -94,9 +94,12 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         super().__init__(config, pretrained_config=pretrained_config, **kwargs)
         self.model_config = model_config_from_pretrained(pretrained_config)
         self.kv_config = config.to_kv_config()
-        config.check_calibration_model(self.model_config)
         mc = self.model_config
-        self.kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads)
+        self.kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads)  # calibrated_for too
+        if self.kv_config.key_rotation != "none":
+            raise ValueError(f"key_rotation={self.kv_config.key_rotation!r} is not supported inside TensorRT-LLM: "
+                             "it folds the rotation into v_proj / o_proj of our model (model/rotation.py), and "
+                             "TensorRT-LLM runs its own; use a preset or file without key_rotation")
         self._dtype = _dtype_of(config.dtype, pretrained_config)
         self.rm: DiffKVResourceManager | None = None
         self._requests: dict = {}  # TensorRT-LLM request id -> our runtime Request
@@ -112,7 +115,9 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
 
         Raises:
             ValueError: a draft KV cache (speculative decoding), tensor / pipeline / context
-                parallelism or attention data parallelism, block reuse on, or a budget below one page.
+                parallelism or attention data parallelism, block reuse on, or a pool that cannot hold one
+                prefill of ``max_seq_len`` tokens (TensorRT-LLM admits any prompt up to it, and a refusal
+                inside a hook fails every request of the iteration).
         """
         super().bind_kv_cache_managers(kv_cache_manager, draft_kv_cache_manager)
         if draft_kv_cache_manager is not None:
@@ -128,6 +133,11 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
             max_seq_len_tokens=kv_cache_manager.max_seq_len, max_num_tokens=kv_cache_manager.max_num_tokens,
             device=device, dtype=self._dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16),
             high_tokens_per_page=config.high_tokens_per_page)
+        need, total = self.rm.prefill_pages_needed(kv_cache_manager.max_seq_len), self.rm.get_max_resource_count()
+        if need > total:  # else a prompt TensorRT-LLM admits could only fail every request of its iteration
+            raise ValueError(f"DiffKV's pool ({total} pages) cannot hold one prefill of max_seq_len="
+                             f"{kv_cache_manager.max_seq_len} tokens ({need} pages): raise kv_memory_bytes / "
+                             "kv_memory_fraction or lower max_seq_len")
         setattr(kv_cache_manager, MANAGER_ATTRIBUTE, self)
 
     # ------------------------------------------------------------------ the five hooks
