@@ -243,11 +243,11 @@ def check_padded_plan(page_manager: str = "cpu", read_path: str = "auto") -> Non
                 lens[s], toks[s] = lens[s] + 1, int(logits[i].argmax())
             assert torch.equal(plain.pool.buffer, padded.pool.buffer), f"step {step}: pool bytes differ"
             assert plain.manager.snapshot().diff(padded.manager.snapshot()) == [], f"step {step}: page state differs"
-            bufs = padded._decode_buffers[4]
+            bufs = padded.decode_buffers[4]
             assert (bufs["row_ids"][:, n:] == -1).all() and (bufs["page"][:, n:] == -1).all()
     assert sum(plain.request_stats(s).low_tokens for s in lens) > 0  # the steps moved tokens to the low tier
     # first plan of n requests eager (and "captured"), then replays: 2 requests in steps 0-1, 3 in steps 2-5
-    assert {k: g.replays for k, g in padded._plan_graphs.items()} == {(2, 4): 1, (3, 4): 3}
+    assert {k: g.replays for k, g in padded.plan_graphs.items()} == {(2, 4): 1, (3, 4): 3}
     for cache in caches:
         assert cache.step_errors() == {}, "padding rows (NaN keys/values) must not raise error flags"
         cache.release(sorted(lens))

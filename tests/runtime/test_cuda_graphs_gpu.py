@@ -92,12 +92,12 @@ def test_graph_replay_equals_eager_decode(preset):
             torch.cuda.synchronize()
             assert torch.equal(eager.pool.buffer, graphed.pool.buffer), f"step {step}: pool bytes differ"
             assert eager.manager.snapshot().diff(graphed.manager.snapshot()) == [], f"step {step}: page state differs"
-            assert eager.seq_len == graphed.seq_len and graphed._step is None
+            assert eager.seq_len == graphed.seq_len and graphed.planned_step is None
             for i, s in enumerate(slots):
                 lens[s], toks[s] = lens[s] + 1, int(want[i].argmax())
     assert buckets_seen == {1, 4, 8}
     # the plan's device work was captured at the first padded plan of each request count, then replayed
-    assert {(3, 4), (2, 4), (4, 4), (1, 1), (5, 8)} <= set(graphed._plan_graphs) and not eager._plan_graphs
+    assert {(3, 4), (2, 4), (4, 4), (1, 1), (5, 8)} <= set(graphed.plan_graphs) and not eager.plan_graphs
     for cache in (eager, graphed):
         assert cache.step_errors() == {}
         cache.release(sorted(lens))

@@ -58,7 +58,8 @@ SHAPE_FIELDS = {"layer_idx": int, "num_layers": int, "num_heads": int, "num_kv_h
 CONFIG_FIELDS = {"high_key_bits": int, "high_value_bits": int, "high_key_groups": int, "high_value_groups": int,
                  "low_key_bits": int, "low_value_bits": int, "low_key_groups": int, "low_value_groups": int,
                  "alpha_high": str, "alpha_low": str, "recent_window_tokens": int, "prompt_score_window_tokens": int,
-                 "prompt_threshold_base": str, "center_keys": int, "compress": int, "kv_config_name": str}
+                 "prompt_threshold_base": str, "center_keys": int, "compress": int, "key_rotation": str,
+                 "rotation_seed": int, "score_pool_tokens": int, "kv_config_name": str}
 """The DiffKV configuration as plugin fields (``trt/fields.py::kv_config_to_fields``; the thresholds as decimal
 strings, since ONNX float attributes are fp32)."""
 ATTENTION_FIELDS = {**SHAPE_FIELDS, **CONFIG_FIELDS}
