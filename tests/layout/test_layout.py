@@ -60,6 +60,17 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def _absolute_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute ``import x`` / ``from x import ...`` in ``path`` (in functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
 def _violations() -> list[str]:
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -126,14 +137,11 @@ def test_test_modules_import_helpers_of_their_own_folder_or_the_root():
         homes.setdefault(path.stem, set()).add(path.parent)
     bad = []
     for path in sorted(tests.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
-            for name in names:
-                top = name.split(".")[0]
-                where = homes.get(top)
-                if where and top != "oracle" and path.parent not in where and tests not in where:
-                    bad.append(f"{path.relative_to(tests)}:{node.lineno}: imports {top} from {sorted(map(str, where))}")
+        for line, name in _absolute_imports(path):
+            top = name.split(".")[0]
+            where = homes.get(top)
+            if where and top != "oracle" and path.parent not in where and tests not in where:
+                bad.append(f"{path.relative_to(tests)}:{line}: imports {top} from {sorted(map(str, where))}")
     assert bad == []
 
 
@@ -144,9 +152,6 @@ def test_every_imported_package_module_exists():
     bad = []
     for folder in ("tests", "scripts", "benchmarks", "examples"):
         for path in sorted((PACKAGE.parent / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
-                bad += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {name}" for name in names
-                        if name.split(".")[0] == "trtllm_diffkv" and name not in modules]
+            bad += [f"{path.relative_to(PACKAGE.parent)}:{line}: {name}" for line, name in _absolute_imports(path)
+                    if name.split(".")[0] == "trtllm_diffkv" and name not in modules]
     assert bad == []

@@ -186,7 +186,7 @@ def _setup(args):
     """Load the model, build the cases and the points; raises ValueError/OSError on bad input."""
     import torch
 
-    from .common import default_cpu_threads, resolve_device
+    from .common import check_output_path, default_cpu_threads, resolve_device
     from ..evaluation.quality import custom_point, method_points, select_points
     from ..evaluation.tasks import TASKS, build_cases
     from ..model.loader import load_model, resolve_model_path
@@ -205,8 +205,6 @@ def _setup(args):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
-    from .common import check_output_path
-
     check_output_path(args.output, "--output")
     if args.bigbench is not None and not os.path.exists(args.bigbench):
         raise ValueError(f"--bigbench {args.bigbench}: no such file or folder (the bigbench sdist .tar.gz, or a "

@@ -312,7 +312,7 @@ def _executor_llm(model, tokenizer, model_config, kv_config, args: argparse.Name
 def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace, stream: bool = False):
     """Submit every prompt to the executor at once (in-flight batching); yield results in the prompts' order.
     ``stream``: print each request's text to stdout as it is generated (``=== request i`` first), in order."""
-    from ..generation.results import PagedGenerationResult
+    from ..generation.results import PagedGenerationResult, result_from_fields
     from ..runtime.sampling import SamplingParams
 
     params = sampling or SamplingParams.greedy_params(args.max_new_tokens)
@@ -328,10 +328,9 @@ def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace, 
             for partial in request:
                 print(partial.outputs[0].text_diff, end="", flush=True)
         out = request.result()
-        fields = {k: v for k, v in (out.metrics or {}).items() if k in PagedGenerationResult.__dataclass_fields__}
         done = out.outputs[0]
-        fields.update(text=done.text, token_ids=list(done.token_ids), generated_tokens=len(done.token_ids),
-                      prompt_tokens=len(out.prompt_token_ids), error=out.error,
-                      finish_reason="error" if out.error else done.finish_reason,
-                      stop_token_id=done.stop_reason if isinstance(done.stop_reason, int) else None)
-        yield PagedGenerationResult(**fields)
+        yield result_from_fields(**{
+            **(out.metrics or {}), "text": done.text, "token_ids": list(done.token_ids),
+            "generated_tokens": len(done.token_ids), "prompt_tokens": len(out.prompt_token_ids), "error": out.error,
+            "finish_reason": "error" if out.error else done.finish_reason,
+            "stop_token_id": done.stop_reason if isinstance(done.stop_reason, int) else None})
