@@ -88,6 +88,18 @@ def load_source(model, kv_config, device, dtype):
 
 
 
+def _with_cpu_budget(executor_kwargs: dict, device) -> dict:
+    """``executor_kwargs`` with ``kv_memory_bytes`` = :data:`DEFAULT_CPU_KV_MEMORY_BYTES` and ``max_batch_size``
+    = 64 when not given (the budget only off CUDA, where a fraction of free memory cannot be read)."""
+    import torch
+
+    budget_given = {"kv_memory_bytes", "kv_memory_fraction", "resource_manager"} & executor_kwargs.keys()
+    if torch.device(device).type != "cuda" and not budget_given:
+        executor_kwargs["kv_memory_bytes"] = DEFAULT_CPU_KV_MEMORY_BYTES
+    executor_kwargs.setdefault("max_batch_size", 64)
+    return executor_kwargs
+
+
 def take_all(q: queue.Queue, block: bool) -> list:
     """The queue's next item (waiting for one when ``block``) and every item already behind it; ``[]`` if none."""
     try:
@@ -142,20 +154,37 @@ class LLM:
             fraction of the free GPU memory); ``None``: 0.9 of the free GPU memory on CUDA,
             :data:`DEFAULT_CPU_KV_MEMORY_BYTES` (256 MiB) on the CPU.
         max_seq_len: prompt + ``max_tokens`` limit per request (tokens); ``None`` = the model's.
-        num_threads: torch's intra-op CPU threads (``torch.set_num_threads``, process-wide); ``None``:
-            torch's default (all cores). On the CPU the speed changes up to 10x with it.
+        num_threads: torch's intra-op CPU threads (``torch.set_num_threads``, process-wide; with
+            tensor parallelism, each rank's); ``None``: torch's default (all cores). On the CPU the speed
+            changes up to 10x with it.
+        tensor_parallel_size: ranks the model is split over (``None`` or 1: this process runs it). ``N >
+            1`` spawns N rank processes (:class:`~trtllm_diffkv.parallel.TensorParallelExecutor`: gloo on
+            the CPU, NCCL with one GPU per rank); ``kv_memory_bytes``/``kv_memory_fraction`` are then
+            per rank. Takes a HF folder, a ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md
+            "Tensor parallelism".
         **executor_kwargs: passed to :class:`~trtllm_diffkv.runtime.executor.Executor`.
 
     Attributes:
         tokenizer, model_config, kv_config, stop_token_ids, executor.
 
     Raises:
-        FileNotFoundError, ValueError: the model cannot be loaded or ``kv_config`` cannot run it.
+        FileNotFoundError, ValueError: the model cannot be loaded or ``kv_config`` cannot run it; a
+            ``tensor_parallel_size`` the model cannot be split over (naming the field).
     """
 
     def __init__(self, model=None, kv_config=None, *, device=None, dtype=None, max_batch_size: int | None = None,
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
-                 max_seq_len: int | None = None, num_threads: int | None = None, **executor_kwargs):
+                 max_seq_len: int | None = None, num_threads: int | None = None,
+                 tensor_parallel_size: int | None = None, **executor_kwargs):
+        if tensor_parallel_size is not None and (isinstance(tensor_parallel_size, bool) or not isinstance(
+                tensor_parallel_size, int) or tensor_parallel_size < 1):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        if tensor_parallel_size is not None and tensor_parallel_size > 1:
+            self._start_tensor_parallel(model, kv_config, tensor_parallel_size, device=device, dtype=dtype,
+                                        max_batch_size=max_batch_size, kv_memory_bytes=kv_memory_bytes,
+                                        kv_memory_fraction=kv_memory_fraction, max_seq_len=max_seq_len,
+                                        num_threads=num_threads, **executor_kwargs)
+            return
         set_num_threads(num_threads)
         net, tokenizer, model_config, kv_config, stop_ids, info = load_source(model, kv_config, device, dtype)
         if info is not None:
@@ -178,24 +207,46 @@ class LLM:
                     **executor_kwargs)
         return self
 
-    def _start(self, model, tokenizer, model_config, kv_config, stop_ids, *, max_seq_len=None, **executor_kwargs):
+    def _start_tensor_parallel(self, model, kv_config, tensor_parallel_size: int, *, device, dtype, num_threads,
+                               **executor_kwargs) -> None:
+        """``LLM(..., tensor_parallel_size=N)``: the same loop thread over a :class:`TensorParallelExecutor`."""
         import torch
 
+        from ..config import resolve_kv_config
+        from ..parallel.launcher import TensorParallelExecutor
+
+        if model is not None:
+            try:
+                from ..trt.engine_dir import is_engine_dir
+            except ImportError:  # the build package is optional
+                is_engine_dir = None
+            if is_engine_dir is not None and is_engine_dir(model):
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size} takes a HF folder, a .gguf or None; "
+                                 f"{model} is an engine dir (pass the model it was built from)")
+        device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        executor_kwargs = _with_cpu_budget({k: v for k, v in executor_kwargs.items() if v is not None}, device)
+        executor = TensorParallelExecutor(model, resolve_kv_config("default" if kv_config is None else kv_config),
+                                          tensor_parallel_size, device=device, dtype=dtype, num_threads=num_threads,
+                                          **executor_kwargs)
+        self._start(None, executor.tokenizer, executor.model_config, executor.kv_config, executor.stop_token_ids,
+                    executor=executor)
+
+    def _start(self, model, tokenizer, model_config, kv_config, stop_ids, *, max_seq_len=None, executor=None,
+               **executor_kwargs):
         from ..runtime.executor import Executor
 
         self.tokenizer, self.model_config, self.kv_config = tokenizer, model_config, kv_config
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_ids) | ({eos} if eos is not None else set())
-        executor_kwargs = {k: v for k, v in executor_kwargs.items() if v is not None}
-        device = executor_kwargs.get("device") or next(model.parameters()).device
-        budget_given = {"kv_memory_bytes", "kv_memory_fraction", "resource_manager"} & executor_kwargs.keys()
-        if torch.device(device).type != "cuda" and not budget_given:
-            executor_kwargs["kv_memory_bytes"] = DEFAULT_CPU_KV_MEMORY_BYTES
-        executor_kwargs.setdefault("max_batch_size", 64)
-        self.max_batch_size = executor_kwargs["max_batch_size"]
-        self.executor = Executor(model, model_config, kv_config, tokenizer=tokenizer,
-                                 stop_token_ids=tuple(self.stop_token_ids), max_seq_len=max_seq_len,
-                                 **executor_kwargs)
+        if executor is None:
+            executor_kwargs = {k: v for k, v in executor_kwargs.items() if v is not None}
+            device = executor_kwargs.get("device") or next(model.parameters()).device
+            executor_kwargs = _with_cpu_budget(executor_kwargs, device)
+            executor = Executor(model, model_config, kv_config, tokenizer=tokenizer,
+                                stop_token_ids=tuple(self.stop_token_ids), max_seq_len=max_seq_len, **executor_kwargs)
+        self.executor = executor
+        self.max_batch_size = executor.max_batch_size
         self.max_seq_len = self.executor.max_seq_len  # checked and capped at the model's positions there
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[int, AsyncRequest] = {}  # owned by the loop thread
@@ -336,6 +387,9 @@ class LLM:
                 self._commands.put(("shutdown",))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+        close = getattr(self.executor, "close", None)  # the tensor-parallel ranks
+        if close is not None and not self._thread.is_alive():
+            close()
 
     def __enter__(self) -> "LLM":
         return self

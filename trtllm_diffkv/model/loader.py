@@ -72,6 +72,8 @@ def load_model(
     path: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    *,
+    shard=None,
 ):
     """Load a model, its tokenizer and its config.
 
@@ -85,6 +87,12 @@ def load_model(
             checkpoint's: the config's ``dtype``/``torch_dtype`` when given
             (as transformers does), else the stored dtype of
             ``model.embed_tokens.weight`` (fp32 for GGUF).
+        shard: keyword-only; ``None`` loads the whole model. Otherwise one rank's part
+            (:class:`trtllm_diffkv.parallel.sharding.WeightShard`): an object with
+            ``config(model_config) -> ModelConfig`` (the rank's shape) and
+            ``read(name, tensor_slice) -> Tensor`` (the rank's rows/columns of a tensor, read
+            from a safetensors ``get_slice`` handle, so only that part is read from disk). Names
+            and full shapes are checked against the whole model first.
 
     Returns:
         ``(model, tokenizer, model_config)``: a :class:`LlamaForCausalLM` in
@@ -102,14 +110,32 @@ def load_model(
     """
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} is not a floating-point dtype")
-    path = resolve_model_path(path)
-    gguf = _gguf_in(path)
-    if gguf is not None:
-        path = converted_gguf_path(gguf)
+    path = checkpoint_folder(path)
     hf = _read_config(path)
     config = ModelConfig.from_hf_dict(hf)
-    model = _load_safetensors(path, hf, config, device, dtype)
+    model = _load_safetensors(path, hf, config, device, dtype, shard)
     return model, load_tokenizer(path), model.config
+
+
+def checkpoint_folder(path: str | os.PathLike | None) -> Path:
+    """The safetensors folder :func:`load_model` reads for ``path``: a HF folder as is, a GGUF's converted
+    folder (converting it once, :func:`converted_gguf_path`), the default model's folder for ``None``.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`resolve_model_path` and :func:`load_model`.
+    """
+    path = resolve_model_path(path)
+    gguf = _gguf_in(path)
+    return converted_gguf_path(gguf) if gguf is not None else path
+
+
+def load_model_config(path: str | os.PathLike | None) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint, read from its ``config.json`` only (no weight is read).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_model`.
+    """
+    return ModelConfig.from_hf_dict(_read_config(checkpoint_folder(path)))
 
 
 def stop_token_ids(path: str | os.PathLike | None) -> set[int]:
@@ -291,8 +317,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype) -> LlamaForCausalLM:
-    """Check every tensor's name, shape and dtype from the headers, then read and build.
+def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype, shard=None) -> LlamaForCausalLM:
+    """Check every tensor's name, shape and dtype from the headers, then read and build (with ``shard``:
+    only the rank's part of each tensor, see :func:`load_model`).
 
     Resolves config/tensor disagreements as transformers does, with a warning
     (see the module docstring).
@@ -324,7 +351,7 @@ def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if where.get(name) == file.name:
-                    weights[name] = f.get_tensor(name)
+                    weights[name] = f.get_tensor(name) if shard is None else shard.read(name, f.get_slice(name))
     config = _untie_if_lm_head_differs(folder, config, weights)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
@@ -333,7 +360,7 @@ def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype
     if len(mixed) > 1:
         logger.warning("%s: tensors are stored in several dtypes %s; all are cast to %s", folder, mixed, dtype)
     weights = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-    return LlamaForCausalLM.from_weights(config, weights)
+    return LlamaForCausalLM.from_weights(config if shard is None else shard.config(config), weights)
 
 
 def _untie_if_lm_head_differs(folder: Path, config: ModelConfig, weights: dict) -> ModelConfig:

@@ -43,6 +43,23 @@ from .sampling import Sampler, SamplingParams, StopChecker
 from .scheduler import Scheduler
 
 
+class SingleProcess:
+    """The executor's parallel hook when one process holds the whole model (the default; no-ops).
+
+    A multi-process hook (:class:`trtllm_diffkv.parallel.TensorParallelHook`) has the same two methods.
+    """
+
+    def resource_manager(self, *args, **kwargs) -> DiffKVResourceManager:
+        """The executor's resource manager: ``DiffKVResourceManager(*args, **kwargs)``."""
+        return DiffKVResourceManager(*args, **kwargs)
+
+    def step_status(self, status: torch.Tensor, num_requests: int) -> torch.Tensor:
+        """The step's status as the executor reads it: int64 ``[num_requests + max_batch_size + 2]`` (sampled
+        tokens, per-slot non-finite flags, ring start/end; :meth:`DiffKVResourceManager.device_status`),
+        here unchanged."""
+        return status
+
+
 class Executor:
     """In-flight batching of many requests over one :class:`DiffKVResourceManager`.
 
@@ -68,6 +85,9 @@ class Executor:
         high_tokens_per_page, use_triton: page sizing and kernels (:class:`PagedDiffKVCache`).
         profile: synchronize around the timed regions so that :meth:`stats`'s
             ``bookkeeping_fraction`` measures device time (slower; benchmarks only).
+        parallel: the hook of a multi-process run (:class:`SingleProcess` when ``None``): it builds
+            the resource manager and combines the step's status over the processes
+            (:class:`trtllm_diffkv.parallel.TensorParallelHook`: every rank takes the same decisions).
 
     Raises:
         ValueError: a bad size or budget, ``kv_config`` cannot run this model, or a value of
@@ -79,20 +99,21 @@ class Executor:
                  max_num_tokens: int | None = None, max_seq_len: int | None = None,
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None, device=None,
                  use_cuda_graphs: bool | None = None, high_tokens_per_page: int = 32,
-                 use_triton: bool | None = None, profile: bool = False) -> None:
+                 use_triton: bool | None = None, profile: bool = False, parallel=None) -> None:
         from ..kernels.cuda_decode import configured_backend
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
         param = next(model.parameters())
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
         self.device = torch.device(device) if device is not None else param.device
+        self.parallel = SingleProcess() if parallel is None else parallel
         if resource_manager is None:
             limit = position_limit(model_config)
             for name, value in (("max_seq_len", max_seq_len), ("max_num_tokens", max_num_tokens)):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                     raise ValueError(f"{name}={value!r} must be a positive integer (or None)")
             max_seq_len = min(max_seq_len or limit, limit)
-            resource_manager = DiffKVResourceManager(
+            resource_manager = self.parallel.resource_manager(
                 model_config, kv_config, kv_memory_bytes=kv_memory_bytes, kv_memory_fraction=kv_memory_fraction,
                 max_batch_size=max_batch_size, max_seq_len_tokens=max_seq_len,
                 max_num_tokens=max_num_tokens or max(8192, max_seq_len), device=self.device, dtype=param.dtype,
@@ -339,7 +360,8 @@ class Executor:
         try:
             with torch.inference_mode():
                 tokens = self._forward(batch, graphs)
-                host = self._read(torch.cat([tokens, self.rm.device_status()]))
+                host = self._read(self.parallel.step_status(torch.cat([tokens, self.rm.device_status()]),
+                                                            len(requests)))
         except Exception as exc:  # noqa: BLE001 - the step failed: its requests fail, the executor goes on
             self.cache.discard_step()
             for request in requests:
