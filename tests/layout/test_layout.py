@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trtllm_diffkv"
 
-CORE = ("config", "quant", "policy", "cache", "model", "memory", "kernels", "paged", "runtime")
+CORE = ("config", "quant", "policy", "cache", "model", "memory", "kernels", "paged", "runtime", "parallel")
 """The core: rules, formats, the caches, kernels and the executor."""
 ABOVE_CORE = ("trt", "serve", "llmapi", "commands", "evaluation", "testing", "cli")
 """What the core must never import: adapters, servers, the API shapes, the command line, benchmarks, test helpers."""
@@ -109,6 +109,7 @@ def test_no_package_is_named_build():
                                   "PagedGenerationResult", "result_fields", "check_prompt_ids", "position_limit"]),
     ("trtllm_diffkv.runtime", ["Executor", "DiffKVResourceManager", "SamplingParams", "StopChecker"]),
     ("trtllm_diffkv.paged", ["PagedDiffKVCache", "OutOfPagesError"]),
+    ("trtllm_diffkv.parallel", ["TensorParallelExecutor", "TensorParallelHook", "WeightShard", "check_tensor_parallel"]),
     ("trtllm_diffkv.memory", ["PageManager", "PageFormat", "KVCachePool"]),
     ("trtllm_diffkv.trt.plugins", []),
 ])

@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .common import refuse_tp
+
 
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
            "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -52,6 +54,8 @@ def add_parser(subparsers) -> None:
                    help=f"DiffKV preset ({', '.join(sorted(PRESETS))}) or a kv-config JSON file written by "
                         "`trtllm-diffkv calibrate` (default: default)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests per step (default: 8)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: only 1 (engine dirs are not split; "
+                   "use serve --tp on the checkpoint)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens (default: 2048)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
                    help="activation dtype (default: auto = the checkpoint's)")
@@ -73,6 +77,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build; 0 on success, 2 on a bad argument or a failed build (one line on stderr)."""
     try:
+        refuse_tp(args.tp, "build")
         out = build_engine_dir(args.checkpoint, args.output, plugin=args.plugin, kv_config=args.kv_config,
                                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype,
                                targets=_targets(args.targets), onnx=not args.no_onnx, graph=args.graph,

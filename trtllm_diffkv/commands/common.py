@@ -58,3 +58,15 @@ def check_output_path(path, flag: str) -> None:
     if not path.parent.is_dir():
         raise ValueError(f"{flag} {path}: the folder {path.parent} does not exist")
 
+
+
+def refuse_tp(tp: int, command: str) -> None:
+    """``--tp`` of a subcommand that does not run tensor parallelism (``triton-repo``, ``build``): only 1.
+
+    Raises:
+        ValueError: ``tp != 1``, naming the flag and what runs tensor parallelism instead.
+    """
+    if tp != 1:
+        raise ValueError(f"--tp {tp}: {command} does not run tensor parallelism (not wired); serve the checkpoint "
+                         f"with `trtllm-diffkv serve --tp {tp} --model CHECKPOINT` or "
+                         f"LLM(CHECKPOINT, tensor_parallel_size={tp})")

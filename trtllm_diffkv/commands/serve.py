@@ -37,6 +37,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: 0.9 of free GPU memory; 256 MiB on CPU)")
     p.add_argument("--max-seq-len", type=int, help="prompt + new tokens per request at most (default: the model's)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: N processes, one GPU each on CUDA "
+                   "(gloo on the CPU); --kv-memory-bytes is then per rank (default: 1)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="model dtype (default: float32 on "
                                                                                "CPU, bfloat16 on GPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default on the CPU: $OMP_NUM_THREADS, else the "
@@ -116,6 +118,8 @@ def run(args) -> int:
             raise ValueError(f"--shutdown-timeout-s {args.shutdown_timeout_s} must be >= 0")
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be >= 1")
+        if args.tp < 1:
+            raise ValueError(f"--tp {args.tp} must be >= 1")
         sock = bind_socket(args.host, args.port)
     except (ImportError, ValueError) as exc:
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
@@ -132,7 +136,8 @@ def run(args) -> int:
 
         llm = LLM(args.model, kv_config=args.kv_config, device=args.device,
                   dtype=getattr(torch, args.dtype) if args.dtype else None, max_batch_size=args.max_batch_size,
-                  kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len, num_threads=threads)
+                  kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len, num_threads=threads,
+                  tensor_parallel_size=args.tp)
     except (ImportError, OSError, ValueError) as exc:
         sock.close()
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)

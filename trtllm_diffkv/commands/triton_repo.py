@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from .common import refuse_tp
+
 
 def add_parser(subparsers) -> None:
     """Register ``triton-repo`` on the ``trtllm-diffkv`` subparsers."""
@@ -35,6 +37,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: the LLM's)")
     p.add_argument("--max-seq-len", type=int, help="prompt + new tokens per request at most (default: the model's)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: only 1 (not wired into the Triton "
+                   "model; use serve --tp)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="model dtype")
     p.add_argument("--threads", type=int, help="torch CPU threads per model instance (default: torch's, all "
                                                "cores; on the CPU the speed changes up to 10x with it)")
@@ -65,6 +69,11 @@ def run(args) -> int:
             return 2
     if not args.out:
         print("trtllm-diffkv triton-repo: --out is required", file=sys.stderr)
+        return 2
+    try:
+        refuse_tp(args.tp, "triton-repo")
+    except ValueError as exc:
+        print(f"trtllm-diffkv triton-repo: {exc}", file=sys.stderr)
         return 2
     from ..serve.triton_repo import write_repository
 

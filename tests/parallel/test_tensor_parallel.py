@@ -1,0 +1,200 @@
+"""Tensor parallelism on the CPU: 2 ranks over gloo against the single-process run of the same requests.
+
+One spawn of 2 ranks runs every scenario (presets fp16, k8v4, default; small windows where tiers change;
+an abort; preemptions; unseeded sampling). Each rank's run is compared with the whole model run in this
+process (its pool holding both ranks' pages): greedy tokens equal, per-step logits equal to fp32
+rounding (and bit-equal between the ranks), each rank's per-(layer, KV head) page and token counts
+equal the single run's rows of that rank's KV heads at every step, and every page back at the end.
+A second spawn drives ``LLM(..., tensor_parallel_size=2)``. The refusals need no spawn.
+"""
+import json
+
+import pytest
+import torch
+
+from conftest import peaked_tiny_llama, tiny_llama
+from trtllm_diffkv.config import DiffKVConfig, get_preset
+from trtllm_diffkv.model import ModelConfig
+from trtllm_diffkv.parallel.sharding import WeightShard, check_tensor_parallel, local_kv_config
+from trtllm_diffkv.runtime.sampling import SamplingParams
+from trtllm_diffkv.testing.tensor_parallel import (run_ranks, single_process_runs, tensor_parallel_runs,
+                                                   write_checkpoint)
+
+TP = 2
+SMALL_WINDOWS = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
+SIZES = dict(max_batch_size=4, max_seq_len=64)
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _scenario(kv_config, num_pages=400, lengths=(20, 33, 9), max_tokens=8, **extra):
+    prompts = _prompts(lengths)
+    params = extra.pop("params", [SamplingParams.greedy_params(max_tokens)] * len(prompts))
+    return dict(kv_config=kv_config, num_pages=num_pages, prompts=prompts, params=params, executor_kwargs=SIZES,
+                **extra)
+
+
+SCENARIOS = {
+    "fp16": _scenario(get_preset("fp16")),
+    "k8v4": _scenario(get_preset("k8v4")),
+    "default": _scenario(get_preset("default")),
+    "small-windows": _scenario(SMALL_WINDOWS, lengths=(24, 40, 12, 30), max_tokens=14),
+    "abort": _scenario(SMALL_WINDOWS, lengths=(24, 40, 12), max_tokens=12, abort_after={1: 2}),
+    "preempt-fp16": _scenario(get_preset("fp16"), num_pages=60),
+    "preempt-small-windows": _scenario(SMALL_WINDOWS, num_pages=60, lengths=(24, 40, 12, 30), max_tokens=14),
+    "sampled": _scenario(get_preset("default"), params=[SamplingParams(max_tokens=8, temperature=1.0)] * 3),
+}
+NAMES = list(SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_checkpoint(tmp_path_factory.mktemp("tp") / "peaked", peaked_tiny_llama()))
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint):
+    """``{name: (rank 0 run, rank 1 run, single-process run)}`` (``record_executor_run`` dicts)."""
+    scenarios = [SCENARIOS[n] for n in NAMES]
+    ranks = run_ranks(tensor_parallel_runs, TP, checkpoint, scenarios, timeout_s=240)
+    single = single_process_runs(checkpoint, scenarios, TP)
+    return {name: (ranks[0][i], ranks[1][i], single[i]) for i, name in enumerate(NAMES)}
+
+
+KV_PER_RANK = 1  # peaked_tiny_llama: 2 KV heads
+
+
+LOW_TIER_RUNS = ("small-windows", "abort", "preempt-small-windows")
+"""Runs whose tokens reach the low tier (K4V2): there the row-parallel sums, equal to the single run's to
+fp32 rounding, can move a key or value across a rounding boundary of the quantizer, one code of a 2-bit
+value, so their logits are compared at 3e-2 of a logit scale of ~1.2 (the tiers and pages stay exact)."""
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "sampled"])
+def test_tokens_logits_and_pages_equal_the_single_process_run(runs, name):
+    r0, r1, single = runs[name]
+    tol = dict(rtol=0, atol=3e-2) if name in LOW_TIER_RUNS else dict(rtol=1e-4, atol=2e-4)
+    assert r0["tokens"] == single["tokens"] and r1["tokens"] == single["tokens"]
+    assert r0["finish"] == r1["finish"] == single["finish"]
+    assert len(r0["logits"]) == len(r1["logits"]) == len(single["logits"])
+    for a, b, ref in zip(r0["logits"], r1["logits"], single["logits"]):
+        assert torch.equal(a, b)  # replicated lm_head over all-reduced hidden states: the same bits
+        torch.testing.assert_close(a, ref, **tol)  # row-parallel sums differ from one product in order only
+    assert len(r0["pages"]) == len(single["pages"])
+    for rank, run in enumerate((r0, r1)):
+        heads = slice(rank * KV_PER_RANK, (rank + 1) * KV_PER_RANK)
+        for step, (pages, tokens, ref_pages, ref_tokens) in enumerate(zip(
+                run["pages"], run["tokens_per_row"], single["pages"], single["tokens_per_row"])):
+            assert torch.equal(pages, ref_pages[:, :, heads]), (rank, step)
+            assert torch.equal(tokens, ref_tokens[:, :, heads]), (rank, step)
+        assert run["final_free"] == run["pool_pages"] == SCENARIOS[name]["num_pages"]
+
+
+def test_the_compressed_runs_differ_per_head(runs):
+    """The per-head comparison has teeth: the small-window run keeps different token counts per KV head."""
+    r0, r1, _ = runs["small-windows"]
+    assert any(not torch.equal(a, b) for a, b in zip(r0["tokens_per_row"], r1["tokens_per_row"]))
+
+
+def test_abort_frees_the_request_pages_on_both_ranks(runs):
+    for run in runs["abort"][:2]:
+        before, after, held = run["free_after_abort"][1]
+        assert held > 0 and after - before == held
+        assert run["finish"][1] == "abort"
+
+
+def test_preemption_frees_pages_on_both_ranks_in_the_same_step(runs):
+    for name in ("preempt-fp16", "preempt-small-windows"):
+        r0, r1, single = runs[name]
+        assert r0["preemptions"] == r1["preemptions"] == single["preemptions"] > 0, name
+    # fp16 keeps every token: preemption by recomputation gives the unpreempted tokens
+    assert runs["preempt-fp16"][0]["tokens"] == runs["fp16"][2]["tokens"]
+
+
+def test_unseeded_sampling_takes_rank_0_tokens_on_every_rank(runs):
+    r0, r1, _ = runs["sampled"]
+    assert r0["tokens"] == r1["tokens"] and len(r0["tokens"]) == 3
+    for run in (r0, r1):
+        assert run["final_free"] == run["pool_pages"]
+
+
+# ---------------------------------------------------------------------- the LLM API
+
+
+def test_llm_tensor_parallel_size_2_equals_one_process(checkpoint):
+    from trtllm_diffkv import LLM
+
+    prompts = _prompts((20, 33, 9))
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(checkpoint, "default", num_threads=1, kv_memory_bytes=1 << 23) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(checkpoint, "default", tensor_parallel_size=TP, num_threads=1, kv_memory_bytes=1 << 22) as llm:
+        outs = llm.generate(prompts + [[1, 2, 512]], [greedy] * 3 + [greedy])
+        assert [o.outputs[0].token_ids for o in outs[:3]] == want
+        assert outs[3].outputs[0].finish_reason == "error" and "vocabulary" in outs[3].error
+        stream = llm.generate_async(prompts[1], SamplingParams(max_tokens=40, temperature=0), streaming=True)
+        next(iter(stream))
+        stream.abort()
+        assert stream.result().outputs[0].finish_reason in ("cancelled", "abort")
+        llm.generate(prompts[0], greedy)  # a step after the abort: the abort is carried out and reported
+        stats = llm.stats()
+        assert stats["tensor_parallel_size"] == TP and stats["rank_used_pages"] == [0, 0]
+        assert stats["free_pages"] == stats["pool_pages"]
+
+
+# ---------------------------------------------------------------------- refusals (no spawn)
+
+
+def test_num_kv_heads_not_divisible_is_refused_by_name(tmp_path):
+    from trtllm_diffkv import LLM
+
+    one_kv_head = write_checkpoint(tmp_path / "kv1", _model(num_heads=4, num_kv_heads=1))
+    config = json.loads((one_kv_head / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"num_kv_heads=1 is not divisible by tensor_parallel_size=2"):
+        check_tensor_parallel(ModelConfig.from_hf_dict(config), 2)
+    with pytest.raises(ValueError, match=r"num_kv_heads=1 is not divisible"):
+        WeightShard(0, 2).config(ModelConfig.from_hf_dict(config))
+    with pytest.raises(ValueError, match=r"num_kv_heads=1 is not divisible"):
+        LLM(str(one_kv_head), tensor_parallel_size=2)  # refused before any rank starts
+
+
+def test_other_refusals_name_the_field():
+    config = tiny_llama().config  # 8 heads, 2 KV heads, intermediate 512
+    check_tensor_parallel(config, 2)
+    with pytest.raises(ValueError, match=r"num_kv_heads=2 is not divisible by tensor_parallel_size=4"):
+        check_tensor_parallel(config, 4)
+    with pytest.raises(ValueError, match="key_rotation='hadamard' is not supported with tensor_parallel_size=2"):
+        check_tensor_parallel(config, 2, get_preset("default-rotated"))
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 must be a positive integer"):
+        check_tensor_parallel(config, 0)
+    from trtllm_diffkv import LLM
+
+    with pytest.raises(ValueError, match="tensor_parallel_size='2' must be a positive integer"):
+        LLM(None, tensor_parallel_size="2")
+    calibrated = get_preset("default").replace(calibrated_for=(8, 2, 64))
+    assert local_kv_config(calibrated, 2).calibrated_for == (4, 1, 64)
+
+
+def test_weight_shards_tile_every_tensor():
+    """Each rank's part of every split tensor, put back together, is the whole tensor (module docstring's table)."""
+    model = tiny_llama()
+    state = model.state_dict()
+    for name, full in state.items():
+        parts = [WeightShard(r, 2).read(name, full) for r in range(2)]
+        where = WeightShard(0, 2).part(name, tuple(full.shape))
+        if where is None:
+            assert all(torch.equal(p, full) for p in parts), name
+        else:
+            assert torch.equal(torch.cat(parts, dim=where[0]), full), name
+            assert where[0] == (1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0), name
+
+
+def _model(**shape):
+    from conftest import random_llama
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                head_dim=16)
+    return random_llama(0, **{**base, **shape})
