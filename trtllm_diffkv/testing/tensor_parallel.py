@@ -72,14 +72,15 @@ def record_executor_run(executor, prompts, params, abort_after: dict | None = No
         dict: ``tokens`` (request id -> output ids), ``finish`` (id -> finish reason), ``logits`` (one
         float32 ``[rows, vocab]`` tensor per model call), ``pages``/``tokens_per_row`` (per step: int32
         ``[max_slots, num_layers, num_kv_heads, 2]`` from the page manager's snapshot), ``free`` (per step:
-        this pool's free pages), ``free_after_abort`` (id -> (free before, free after, pages the slot
+        this pool's free pages), ``free_estimate`` (per step: the scheduler's free count), ``free_after_abort`` (id -> (free before, free after, pages the slot
         held)), ``preemptions``, ``pool_pages``.
     """
     logits = []
     handle = executor.model.register_forward_hook(lambda _m, _i, out: logits.append(out.detach().clone()))
     rm = executor.rm
     local_free = getattr(rm, "local_free_pages", rm.free_pages)
-    out = dict(tokens={}, finish={}, logits=logits, pages=[], tokens_per_row=[], free=[], free_after_abort={})
+    out = dict(tokens={}, finish={}, logits=logits, pages=[], tokens_per_row=[], free=[], free_estimate=[],
+               free_after_abort={})
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             executor.add_request(prompt, p, request_id=i)
@@ -93,6 +94,7 @@ def record_executor_run(executor, prompts, params, abort_after: dict | None = No
             out["pages"].append(snap.pages.clone())
             out["tokens_per_row"].append(snap.tokens.clone())
             out["free"].append(local_free())
+            out["free_estimate"].append(executor.scheduler.free_estimate)
             for rid, at in (abort_after or {}).items():
                 request = executor.requests.get(rid)
                 if at == step and request is not None:
@@ -140,12 +142,12 @@ def tensor_parallel_runs(group, folder, scenarios) -> list[dict]:
     return out
 
 
-def single_process_runs(folder, scenarios, tensor_parallel_size: int) -> list[dict]:
-    """The same scenarios on the whole model in this process, each pool ``tensor_parallel_size`` times a rank's
-    pages (the ranks' pools together)."""
+def single_process_runs(folder, scenarios, tensor_parallel_size: int, device="cpu") -> list[dict]:
+    """The same scenarios on the whole model in this process (on ``device``), each pool ``tensor_parallel_size``
+    times a rank's pages (the ranks' pools together)."""
     from ..model.loader import load_model
 
-    model, _tokenizer, config = load_model(folder)
+    model, _tokenizer, config = load_model(folder, device=device)
     return [record_executor_run(_scenario_executor(model, config, s, pages_scale=tensor_parallel_size),
                                 s["prompts"], s["params"], s.get("abort_after")) for s in scenarios]
 
