@@ -60,7 +60,7 @@ def load_source(model, kv_config, device, dtype):
     import torch
 
     from ..config import resolve_kv_config
-    from ..model.loader import load_model, stop_token_ids
+    from ..model.loader import default_dtype, load_model, stop_token_ids
 
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -78,7 +78,7 @@ def load_source(model, kv_config, device, dtype):
                 dtype = getattr(torch, info.dtype)
     kv_config = "default" if kv_config is None else kv_config
     kv_config = resolve_kv_config(kv_config)
-    dtype = dtype if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    dtype = dtype if dtype is not None else default_dtype(device)
     net, tokenizer, model_config = load_model(model, device=device, dtype=dtype)
     if info is not None:
         from ..trt.engine_dir import check_engine_matches_model
@@ -88,7 +88,7 @@ def load_source(model, kv_config, device, dtype):
 
 
 
-def _with_cpu_budget(executor_kwargs: dict, device) -> dict:
+def _with_default_sizes(executor_kwargs: dict, device) -> dict:
     """``executor_kwargs`` with ``kv_memory_bytes`` = :data:`DEFAULT_CPU_KV_MEMORY_BYTES` and ``max_batch_size``
     = 64 when not given (the budget only off CUDA, where a fraction of free memory cannot be read)."""
     import torch
@@ -159,8 +159,8 @@ class LLM:
             changes up to 10x with it.
         tensor_parallel_size: ranks the model is split over (``None`` or 1: this process runs it). ``N >
             1`` spawns N rank processes (:class:`~trtllm_diffkv.parallel.TensorParallelExecutor`: gloo on
-            the CPU, NCCL with one GPU per rank); ``kv_memory_bytes``/``kv_memory_fraction`` are then
-            per rank. Takes a HF folder, a ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md
+            the CPU, NCCL with one GPU per rank, rank ``r`` on ``cuda:r``: ``device`` picks only the
+            type); ``kv_memory_bytes``/``kv_memory_fraction`` are then per rank. Takes a HF folder, a ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md
             "Tensor parallelism".
         **executor_kwargs: passed to :class:`~trtllm_diffkv.runtime.executor.Executor`.
 
@@ -225,7 +225,7 @@ class LLM:
                                  f"{model} is an engine dir (pass the model it was built from)")
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
-        executor_kwargs = _with_cpu_budget({k: v for k, v in executor_kwargs.items() if v is not None}, device)
+        executor_kwargs = _with_default_sizes({k: v for k, v in executor_kwargs.items() if v is not None}, device)
         executor = TensorParallelExecutor(model, resolve_kv_config("default" if kv_config is None else kv_config),
                                           tensor_parallel_size, device=device, dtype=dtype, num_threads=num_threads,
                                           **executor_kwargs)
@@ -242,7 +242,7 @@ class LLM:
         if executor is None:
             executor_kwargs = {k: v for k, v in executor_kwargs.items() if v is not None}
             device = executor_kwargs.get("device") or next(model.parameters()).device
-            executor_kwargs = _with_cpu_budget(executor_kwargs, device)
+            executor_kwargs = _with_default_sizes(executor_kwargs, device)
             executor = Executor(model, model_config, kv_config, tokenizer=tokenizer,
                                 stop_token_ids=tuple(self.stop_token_ids), max_seq_len=max_seq_len, **executor_kwargs)
         self.executor = executor

@@ -117,6 +117,12 @@ def load_model(
     return model, load_tokenizer(path), model.config
 
 
+def default_dtype(device) -> torch.dtype:
+    """The model dtype the ``LLM`` uses when none is given: float32 on the CPU (half-precision matmuls are
+    slow there), bfloat16 on CUDA."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
 def checkpoint_folder(path: str | os.PathLike | None) -> Path:
     """The safetensors folder :func:`load_model` reads for ``path``: a HF folder as is, a GGUF's converted
     folder (converting it once, :func:`converted_gguf_path`), the default model's folder for ``None``.

@@ -58,6 +58,15 @@ class TensorParallelGroup:
         return int(values.min()), int(values.max())
 
 
+def local_init_method() -> str:
+    """A rendezvous for ranks on this machine: ``"tcp://127.0.0.1:<a port free now>"``."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
 def backend_for(device: torch.device) -> str:
     """``"nccl"`` for a CUDA device, ``"gloo"`` otherwise."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"

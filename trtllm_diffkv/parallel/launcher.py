@@ -19,22 +19,16 @@ breaks the group: the step raises ``RuntimeError`` and every later call too; cre
 """
 from __future__ import annotations
 
-import socket
 import threading
 import traceback
 
 import torch
 
-from .groups import DEFAULT_TIMEOUT_S
+from ..runtime.request import check_new_request_id
+from .groups import DEFAULT_TIMEOUT_S, local_init_method
 
 READY_TIMEOUT_S = 600.0
 """How long the parent waits for every rank to load its shard and build its executor (seconds)."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TensorParallelExecutor:
@@ -67,7 +61,7 @@ class TensorParallelExecutor:
 
     def __init__(self, model, kv_config, tensor_parallel_size: int, *, device=None, dtype=None,
                  num_threads: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **executor_kwargs) -> None:
-        from ..model.loader import checkpoint_folder, load_model_config, load_tokenizer, stop_token_ids
+        from ..model.loader import checkpoint_folder, default_dtype, load_model_config, load_tokenizer, stop_token_ids
         from .sharding import check_tensor_parallel
 
         device = torch.device(device) if device is not None else torch.device(
@@ -82,11 +76,11 @@ class TensorParallelExecutor:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_token_ids(model)) | ({eos} if eos is not None else set())
         self.kv_config, self.tensor_parallel_size = kv_config, tensor_parallel_size
-        dtype = dtype if dtype is not None else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        dtype = dtype if dtype is not None else default_dtype(device)
         executor_kwargs = {k: v for k, v in executor_kwargs.items() if v is not None}
         executor_kwargs["use_cuda_graphs"] = False
         spec = dict(path=str(folder), kv_config=kv_config, dtype=dtype, device_type=device.type,
-                    init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=tensor_parallel_size,
+                    init_method=local_init_method(), world_size=tensor_parallel_size,
                     stop_token_ids=sorted(self.stop_token_ids), num_threads=num_threads, timeout_s=timeout_s,
                     executor_kwargs=executor_kwargs)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -163,12 +157,7 @@ class TensorParallelExecutor:
             raise ValueError("request_id is required with tensor parallelism")
         with self._lock:
             self._check_alive()
-            try:
-                in_use = request_id in self._live
-            except TypeError:
-                raise ValueError(f"request id {request_id!r} must be hashable (an int or a str)") from None
-            if in_use:
-                raise ValueError(f"request id {request_id!r} is already in use")
+            check_new_request_id(request_id, self._live)
             self._live[request_id] = True
             self._send(("add", request_id, prompt_token_ids, sampling_params))
         return request_id

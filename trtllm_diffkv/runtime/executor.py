@@ -37,7 +37,7 @@ from ..generation.prompts import check_prompt_ids, position_limit
 from ..generation.results import PagedGenerationResult, result_fields
 from ..model.rotation import model_for_kv_config
 from ..paged.cache import OutOfPagesError
-from .request import Request, RequestState, RequestUpdate
+from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
 from .sampling import Sampler, SamplingParams, StopChecker
 from .scheduler import Scheduler
@@ -175,12 +175,7 @@ class Executor:
                 while request_id in self.requests:
                     request_id = next(self._ids)
             else:
-                try:
-                    in_use = request_id in self.requests
-                except TypeError:
-                    raise ValueError(f"request id {request_id!r} must be hashable (an int or a str)") from None
-                if in_use:
-                    raise ValueError(f"request id {request_id!r} is already in use")
+                check_new_request_id(request_id, self.requests)
             params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
             request = Request(request_id, prompt_token_ids, params, arrival_time=time.perf_counter())
             self.requests[request_id] = request

@@ -13,6 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def check_new_request_id(request_id, live) -> None:
+    """Refuse a caller's request id that is not hashable or already among ``live`` (a mapping or set of ids).
+
+    Raises:
+        ValueError: naming the id.
+    """
+    try:
+        in_use = request_id in live
+    except TypeError:
+        raise ValueError(f"request id {request_id!r} must be hashable (an int or a str)") from None
+    if in_use:
+        raise ValueError(f"request id {request_id!r} is already in use")
+
+
 class RequestState(enum.Enum):
     """Where a request is: queued (``WAITING``; also after a preemption), in the batch
     (``RUNNING``: its tokens are in the cache), or done (``FINISHED``: stop, length, error, abort)."""

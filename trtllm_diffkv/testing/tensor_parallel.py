@@ -180,18 +180,17 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
     """
     import os
     import queue as queue_module
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ..parallel.groups import local_init_method
+
+    init_method = local_init_method()
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children inherit it: gloo on the CPU
     try:
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, f"tcp://127.0.0.1:{port}", fn, args, results))
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, init_method, fn, args, results))
                  for r in range(world_size)]
         for p in procs:
             p.start()
