@@ -160,8 +160,8 @@ class LLM:
         tensor_parallel_size: ranks the model is split over (``None`` or 1: this process runs it). ``N >
             1`` spawns N rank processes (:class:`~trtllm_diffkv.parallel.TensorParallelExecutor`: gloo on
             the CPU, NCCL with one GPU per rank, rank ``r`` on ``cuda:r``: ``device`` picks only the
-            type); ``kv_memory_bytes``/``kv_memory_fraction`` are then per rank. Takes a HF folder, a ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md
-            "Tensor parallelism".
+            type); ``kv_memory_bytes``/``kv_memory_fraction`` are then per rank. Takes a HF folder, a
+            ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md "Tensor parallelism".
         **executor_kwargs: passed to :class:`~trtllm_diffkv.runtime.executor.Executor`.
 
     Attributes:

@@ -1,4 +1,5 @@
-"""``TensorParallelExecutor``: N spawned rank processes driven like one :class:`~trtllm_diffkv.runtime.executor.Executor`.
+"""``TensorParallelExecutor``: N spawned rank processes driven like one
+:class:`~trtllm_diffkv.runtime.executor.Executor` (``LLM(..., tensor_parallel_size=N)``).
 
 The parent (the ``LLM``'s process) holds no weights: it resolves the checkpoint (a GGUF is converted
 once, here, before any rank starts), checks the split (:func:`~.sharding.check_tensor_parallel`),

@@ -1,4 +1,4 @@
-"""Lockstep drivers of the tensor-parallel tests: N rank processes over gloo/NCCL, and the same executor run in one process.
+"""Lockstep drivers of the tensor-parallel tests: N rank processes over gloo/NCCL, and the same run in one process.
 
 :func:`run_ranks` spawns the ranks and returns what each rank's function returned.
 :func:`record_executor_run` drives one executor through a scripted run (requests, an optional abort)
@@ -72,8 +72,9 @@ def record_executor_run(executor, prompts, params, abort_after: dict | None = No
         dict: ``tokens`` (request id -> output ids), ``finish`` (id -> finish reason), ``logits`` (one
         float32 ``[rows, vocab]`` tensor per model call), ``pages``/``tokens_per_row`` (per step: int32
         ``[max_slots, num_layers, num_kv_heads, 2]`` from the page manager's snapshot), ``free`` (per step:
-        this pool's free pages), ``free_estimate`` (per step: the scheduler's free count), ``free_after_abort`` (id -> (free before, free after, pages the slot
-        held)), ``preemptions``, ``pool_pages``.
+        this pool's free pages), ``free_estimate`` (per step: the scheduler's free count),
+        ``free_after_abort`` (id -> (free before, free after, pages the slot held)), ``preemptions``,
+        ``pool_pages``, ``final_free``.
     """
     logits = []
     handle = executor.model.register_forward_hook(lambda _m, _i, out: logits.append(out.detach().clone()))
