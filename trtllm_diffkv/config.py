@@ -27,6 +27,7 @@ range. Model-dependent checks (head_dim, GQA ratio) live in
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -415,7 +416,43 @@ def save_kv_config_file(path, config: DiffKVConfig, model_shape: tuple[int, int,
     data["kv_config"] = kv_config_to_dict(config)
     if calibration is not None:
         data["calibration"] = calibration
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def replaced_atomically(path):
+    """Write a result file all at once: yields a temporary path beside ``path`` (same folder, same suffix, so that
+    matplotlib picks the format from it); when the ``with`` block ends without an error the temporary file is
+    renamed onto ``path`` with ``os.replace`` (atomic on POSIX: a reader, or a run killed mid-write, sees the old
+    file or the whole new one, never half of it); on an error it is removed and ``path`` is left as it was.
+
+    The one home of this rule: every result file of ``bench``, ``eval`` and ``calibrate`` (JSON, PNG, kv-config
+    files) is written through it.
+
+    Raises:
+        OSError: the folder is not writable (from the write or the rename).
+    """
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`replaced_atomically`.
+
+    Raises:
+        OSError: the folder is not writable.
+    """
+    with replaced_atomically(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def load_kv_config_file(path) -> DiffKVConfig:

@@ -19,6 +19,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..config import replaced_atomically, write_text_atomic
+from .common import add_threads_argument, cpu_threads, finite_float
+
 WORKLOADS = ("a", "b", "c")
 _OVERRIDES = {"num_requests": int, "prompt_tokens": int, "output_tokens": int, "fp16_capacity": int,
               "kv_memory_bytes": int, "max_batch_size": int}
@@ -42,7 +45,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--b-preset", help="DiffKV preset of workload b (default: llama3-8b)")
     p.add_argument("--kv-memory-bytes", type=int, help="KV budget of workload a (default: the bytes that hold "
                                                        "--a-fp16-capacity full FP16 requests)")
-    p.add_argument("--request-rates", type=float, nargs="+", help="workload c's Poisson rates, requests/s "
+    p.add_argument("--request-rates", type=finite_float, nargs="+", help="workload c's Poisson rates, requests/s "
                                                                   "(default: 2 4 8 16)")
     from ..evaluation.throughput import default_workloads
 
@@ -53,7 +56,7 @@ def add_parser(subparsers) -> None:
                            metavar="N", help=f"workload {workload}: {name.replace('_', ' ')} (default: "
                            f"{_default_text(defaults[workload], name)})")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: 0)")
-    p.add_argument("--time-limit-s", type=float, help="skip the runs that would start after this many seconds "
+    p.add_argument("--time-limit-s", type=finite_float, help="skip the runs that would start after this many seconds "
                                                       "(results so far are written after every run; default: none)")
     p.add_argument("--eager", action="store_true",
                    help="run decode steps eagerly instead of replaying them from CUDA graphs (default: CUDA graphs "
@@ -114,7 +117,7 @@ def _client_mode(args) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     server = dict(result, api=args.api, model=model, url=args.server_url, concurrency=args.concurrency,
                   max_tokens=args.max_tokens)
-    output.write_text(json.dumps(dict(**environment(), command=command.strip(), server=server), indent=2) + "\n")
+    write_text_atomic(output, json.dumps(dict(**environment(), command=command.strip(), server=server), indent=2) + "\n")
     if not args.no_plot:
         plot(records, output.with_suffix(".png"), f"{args.api} server, {args.concurrency} clients, "
                                                   f"{args.max_tokens} tokens")
@@ -239,8 +242,8 @@ def details_path(output: Path) -> Path:
 def write_results(result: dict, details: list[dict], output: Path, *, plot: bool = True) -> None:
     """Write the results JSON, the details JSON and (``plot``) the PNG beside it."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=1) + "\n")
-    details_path(output).write_text(json.dumps(details, indent=1) + "\n")
+    write_text_atomic(output, json.dumps(result, indent=1) + "\n")
+    write_text_atomic(details_path(output), json.dumps(details, indent=1) + "\n")
     if plot:
         try:
             plot_results(result, output.with_suffix(".png"))
@@ -305,5 +308,6 @@ def plot_results(result: dict, path: Path) -> None:
         ax.legend()
     fig.suptitle(f"{result['gpu']}, {result['date']}, {result['commit'][:12]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replaced_atomically(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .common import add_threads_argument, cpu_threads, finite_float
+
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
@@ -46,12 +48,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--span-tokens", type=int, default=32, help="stdlib-recall: recalled tokens scored (default: 32)")
     p.add_argument("--first", type=int, default=100, help="humaneval: first problem (default: 100; 0-99 are the "
                                                           "near-lossless test's)")
-    p.add_argument("--max-top1-drop", type=float, default=0.01,
+    p.add_argument("--max-top1-drop", type=finite_float, default=0.01,
                    help="a setting qualifies within this top-1 of k8v4's (default: 0.01)")
-    p.add_argument("--max-kl", type=float, default=0.03, help="and at most this mean KL, nats (default: 0.03)")
+    p.add_argument("--max-kl", type=finite_float, default=0.03, help="and at most this mean KL, nats (default: 0.03)")
     p.add_argument("--name", default="calibrated", help="the written config's name (default: calibrated)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, help="CPU torch threads (default: torch's)")
+    add_threads_argument(p)
     p.set_defaults(run=run)
 
 
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..config import save_kv_config_file
+    from ..config import save_kv_config_file, write_text_atomic
     from ..evaluation import calibration as cal
     from ..model.loader import load_model
 
@@ -74,17 +76,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads={args.threads} must be >= 1")
         if args.data == "humaneval" and not 0 <= args.first <= 164 - 4 * args.num_prompts:
             raise ValueError(f"--first={args.first}: HumanEval has 164 problems and each prompt takes 4 "
                              f"(--num-prompts {args.num_prompts} needs --first in [0, {164 - 4 * args.num_prompts}])")
         for name in ("output", "table"):
             if getattr(args, name):
                 check_output_path(getattr(args, name), f"--{name}")
-        resolve_device(args.device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        threads = cpu_threads(args.threads, resolve_device(args.device))
+        if threads:
+            torch.set_num_threads(threads)
         settings = cal.sweep_settings(args.alpha_high, args.alpha_low, args.low_tier.split(","), args.score_pool,
                                       presets=tuple(p for p in args.presets.split(",") if p))
         model, tokenizer, model_config = load_model(args.model, device=args.device, dtype=torch.float32)
@@ -137,6 +137,6 @@ def run(args: argparse.Namespace) -> int:
     shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
     save_kv_config_file(args.output, config, shape, calibration=record)
     if args.table:
-        Path(args.table).write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
+        write_text_atomic(args.table, json.dumps({**record, "rows": rows}, indent=1) + "\n")
     print(f"[calibrate] wrote {args.output}: {best['setting']}", file=sys.stderr)
     return 0

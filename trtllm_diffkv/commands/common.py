@@ -1,4 +1,4 @@
-"""What several subcommands share: the ``--device`` and ``--threads`` rules."""
+"""What several subcommands share: the ``--device`` and ``--threads`` rules, finite float flags, output paths."""
 from __future__ import annotations
 
 import os
@@ -59,7 +59,6 @@ def check_output_path(path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: the folder {path.parent} does not exist")
 
 
-
 def refuse_tp(tp: int, command: str) -> None:
     """``--tp`` of a subcommand that does not run tensor parallelism (``triton-repo``, ``build``): only 1.
 
@@ -70,3 +69,49 @@ def refuse_tp(tp: int, command: str) -> None:
         raise ValueError(f"--tp {tp}: {command} does not run tensor parallelism (not wired); serve the checkpoint "
                          f"with `trtllm-diffkv serve --tp {tp} --model CHECKPOINT` or "
                          f"LLM(CHECKPOINT, tensor_parallel_size={tp})")
+
+
+THREADS_HELP = ("torch CPU threads (default on the CPU: $OMP_NUM_THREADS if set, else the idle cores, 1 to 4; "
+                "on a GPU: torch's); on the CPU the speed changes up to 10x with it")
+"""The one help text of ``--threads`` (every subcommand that runs a model takes the flag, with this default)."""
+
+
+def add_threads_argument(parser) -> None:
+    """Add ``--threads N`` (:data:`THREADS_HELP`) to an argparse parser or group; read it with :func:`cpu_threads`."""
+    parser.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+
+
+def cpu_threads(flag: int | None, device) -> int | None:
+    """The torch thread count for a ``--threads`` value on ``device`` (a ``torch.device`` or its name).
+
+    ``flag`` when given; else, on the CPU, :func:`default_cpu_threads`; else (a GPU) ``None``: leave torch's.
+
+    Raises:
+        ValueError: ``flag`` below 1; the message names ``--threads``.
+    """
+    if flag is not None and (isinstance(flag, bool) or flag < 1):
+        raise ValueError(f"--threads {flag} must be >= 1")
+    if flag is not None:
+        return flag
+    kind = device if isinstance(device, str) else getattr(device, "type", "cpu")
+    return default_cpu_threads() if str(kind).split(":")[0] == "cpu" else None
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type`` of every float flag: a finite number (``nan``, ``inf`` and ``-inf`` refused, as is
+    anything ``float()`` cannot read), so that a bad value is argparse's one-line usage error naming the flag
+    (exit code 2) instead of a comparison that is silently false (``x <= nan``) deep in a run.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or not finite.
+    """
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value

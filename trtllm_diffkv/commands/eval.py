@@ -18,6 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..config import write_text_atomic
+from .common import add_threads_argument, cpu_threads, finite_float
+
 DEFAULT_TASKS = "code_recall,kv_lookup,multidoc_qa,passkey,fewshot_reasoning,humaneval"
 
 
@@ -53,7 +56,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="model dtype (default: float32)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: as generate)")
+    add_threads_argument(p)
     p.add_argument("--output", default="benchmarks/results/quality.json",
                    help="results JSON; details JSON and PNG beside it (default: benchmarks/results/quality.json)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -62,7 +65,7 @@ def add_parser(subparsers) -> None:
                    help="run nothing: merge the per-case records of several runs' details JSONs (the same cases, "
                         "e.g. a second run of more methods; the first file wins a duplicate record) into --output, "
                         "its details JSON and PNG")
-    p.add_argument("--time-limit-s", type=float, help="start no case after this many seconds (default: none)")
+    p.add_argument("--time-limit-s", type=finite_float, help="start no case after this many seconds (default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -110,8 +113,8 @@ def run(args) -> int:
 
     def save(records):
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(dict(meta, rows=aggregate(records)), indent=1) + "\n")
-        details_path(output).write_text(json.dumps(dict(details, records=records), indent=1) + "\n")
+        write_text_atomic(output, json.dumps(dict(meta, rows=aggregate(records)), indent=1) + "\n")
+        write_text_atomic(details_path(output), json.dumps(dict(details, records=records), indent=1) + "\n")
 
     from ..model.loader import stop_token_ids
 
@@ -152,8 +155,8 @@ def _merge(files: list[str], output: Path, plot: bool) -> int:
     details["points"] = list({(p["method"], p["config"]): p for p in details["points"]}.values())
     rows = aggregate(records)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(dict(meta, rows=rows), indent=1) + "\n")
-    details_path(output).write_text(json.dumps(dict(details, records=records), indent=1) + "\n")
+    write_text_atomic(output, json.dumps(dict(meta, rows=rows), indent=1) + "\n")
+    write_text_atomic(details_path(output), json.dumps(dict(details, records=records), indent=1) + "\n")
     if plot:
         plot_pareto(rows, output.with_suffix(".png"), _title(dict(meta, device=details.get("device", ""))))
     print(f"[eval] merged {len(records)} records from {len(files)} runs into {output}")
@@ -186,7 +189,7 @@ def _setup(args):
     """Load the model, build the cases and the points; raises ValueError/OSError on bad input."""
     import torch
 
-    from .common import check_output_path, default_cpu_threads, resolve_device
+    from .common import check_output_path, resolve_device
     from ..evaluation.quality import custom_point, method_points, select_points
     from ..evaluation.tasks import TASKS, build_cases
     from ..model.loader import load_model, resolve_model_path
@@ -210,8 +213,9 @@ def _setup(args):
         raise ValueError(f"--bigbench {args.bigbench}: no such file or folder (the bigbench sdist .tar.gz, or a "
                          "folder / task.json from it)")
     device = resolve_device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads or default_cpu_threads())
+    threads = cpu_threads(args.threads, device)
+    if threads:
+        torch.set_num_threads(threads)
     model, tokenizer, model_config = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
     if tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import PRESETS, resolve_kv_config
-from .common import default_cpu_threads, resolve_device
+from .common import add_threads_argument, cpu_threads, finite_float, resolve_device
 
 DEFAULT_PROMPT = "Write a haiku about memory."
 def read_prompts(path: str | Path) -> list[str | Exception]:
@@ -92,8 +92,8 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
                      help=f"DiffKV preset ({', '.join(sorted(PRESETS))}) or a kv-config JSON file written by "
                           "`trtllm-diffkv calibrate` (default: default)")
-    gen.add_argument("--alpha-high", type=float, help="override the preset's alpha_high (default: the preset's)")
-    gen.add_argument("--alpha-low", type=float, help="override the preset's alpha_low (default: the preset's)")
+    gen.add_argument("--alpha-high", type=finite_float, help="override the preset's alpha_high (default: the preset's)")
+    gen.add_argument("--alpha-low", type=finite_float, help="override the preset's alpha_low (default: the preset's)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request (default: text)")
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed prompts raw, without the chat template (default: use the model's template)")
@@ -110,22 +110,21 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--kv-memory-bytes", type=int,
                      help="executor: the page pool's budget in bytes, bookkeeping included (default: 0.9 of the "
                           "free GPU memory on CUDA, 256 MiB on the CPU)")
-    gen.add_argument("--temperature", type=float,
+    gen.add_argument("--temperature", type=finite_float,
                      help="executor: sampling temperature, 0 = greedy (default: unset; greedy unless --top-k or "
                           "--top-p is given, then 1.0, as TensorRT-LLM's SamplingParams)")
     gen.add_argument("--top-k", type=int, help="executor: keep the k most likely tokens, 0 = off, 1 = greedy "
                                                "(default: unset = off)")
-    gen.add_argument("--top-p", type=float, help="executor: nucleus sampling mass in [0, 1], 1 = off, 0 = greedy "
+    gen.add_argument("--top-p", type=finite_float, help="executor: nucleus sampling mass in [0, 1], 1 = off, 0 = greedy "
                                                  "(default: unset = off)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+    gen.add_argument("--repetition-penalty", type=finite_float, default=1.0,
                      help="executor: CTRL/HF repetition penalty over prompt and output, 1 = off (default: 1.0)")
     gen.add_argument("--seed", type=int, help="executor: per-request sampling seed (default: none, unseeded)")
     gen.add_argument("--stop", action="append", help="executor: a stop string, cut from the text; repeat for "
                                                      "several (default: none)")
     gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                      help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
-    gen.add_argument("--threads", type=int, help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else "
-                                                 "the idle cores, 1 to 4)")
+    add_threads_argument(gen)
     gen.set_defaults(run=generate_command)
 
 
@@ -181,8 +180,7 @@ def generate_command(args: argparse.Namespace) -> int:
         if args.max_batch_size is not None and args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size={args.max_batch_size} must be >= 1")
         sampling = _sampling_params(args)
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads={args.threads} must be >= 1")
+        cpu_threads(args.threads, "cpu")  # refuse a bad --threads before anything loads
         if args.prompts_file:
             prompts = read_prompts(args.prompts_file)
         else:
@@ -192,9 +190,10 @@ def generate_command(args: argparse.Namespace) -> int:
             except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8 arrive as surrogates
                 raise ValueError(f"--prompt is not valid UTF-8 text (byte {exc.start})") from None
         device = resolve_device(args.device)
-        if device.type == "cpu":
-            threads = args.threads or default_cpu_threads()
+        threads = cpu_threads(args.threads, device)
+        if threads:
             torch.set_num_threads(threads)
+        if device.type == "cpu":
             print(f"[trtllm-diffkv] CPU threads: {threads} (set with --threads or OMP_NUM_THREADS)",
                   file=sys.stderr, flush=True)
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)

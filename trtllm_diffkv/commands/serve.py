@@ -15,6 +15,8 @@ import signal
 import socket
 import sys
 
+from .common import add_threads_argument, cpu_threads, finite_float
+
 
 def add_parser(subparsers) -> None:
     """Register ``serve`` on the ``trtllm-diffkv`` subparsers."""
@@ -41,11 +43,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    "(gloo on the CPU); --kv-memory-bytes is then per rank (default: 1)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="model dtype (default: float32 on "
                                                                                "CPU, bfloat16 on GPU)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default on the CPU: $OMP_NUM_THREADS, else the "
-                                               "idle cores, 1 to 4, as generate; the speed changes 10x with it)")
+    add_threads_argument(p)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request bodies above this get a 413 "
                                                                        "(default: 8 MiB)")
-    p.add_argument("--shutdown-timeout-s", type=float, default=5.0, help="at SIGINT/SIGTERM, wait this long for "
+    p.add_argument("--shutdown-timeout-s", type=finite_float, default=5.0, help="at SIGINT/SIGTERM, wait this long for "
                                                                          "requests in flight, then cancel them "
                                                                          "(default: 5)")
     p.add_argument("--log-level", default="info", help="log level of uvicorn and of the access log, one line per "
@@ -109,22 +110,20 @@ def run(args) -> int:
         check_port(args.port)
         import torch
 
-        from .common import default_cpu_threads, resolve_device
+        from .common import resolve_device
 
         device = resolve_device(args.device)  # --device cuda without CUDA: one line, not an assertion from deep in torch
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes {args.max_body_bytes} must be >= 1")
         if args.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout-s {args.shutdown_timeout_s} must be >= 0")
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads {args.threads} must be >= 1")
+        threads = cpu_threads(args.threads, device)
         if args.tp < 1:
             raise ValueError(f"--tp {args.tp} must be >= 1")
         sock = bind_socket(args.host, args.port)
     except (ImportError, ValueError) as exc:
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
         return 2
-    threads = args.threads or (default_cpu_threads() if device.type == "cpu" else None)
     if device.type == "cpu":
         print(f"trtllm-diffkv serve: CPU threads: {threads} (set with --threads or OMP_NUM_THREADS)", file=sys.stderr,
               flush=True)

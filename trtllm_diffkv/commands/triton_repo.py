@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from .common import refuse_tp
+from .common import add_threads_argument, cpu_threads, finite_float, refuse_tp
 
 
 def add_parser(subparsers) -> None:
@@ -40,9 +40,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: only 1 (not wired into the Triton "
                    "model; use serve --tp)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="model dtype")
-    p.add_argument("--threads", type=int, help="torch CPU threads per model instance (default: torch's, all "
-                                               "cores; on the CPU the speed changes up to 10x with it)")
-    p.add_argument("--shutdown-timeout-s", type=float, help="at SIGTERM, requests in flight get this long, then "
+    add_threads_argument(p)
+    p.add_argument("--shutdown-timeout-s", type=finite_float, help="at SIGTERM, requests in flight get this long, then "
                                                             "are aborted (default: 5; below --exit-timeout-secs)")
     p.add_argument("--no-decoupled", action="store_true", help="one response per request (tritonclient.http "
                                                                "infer); no streaming, requests run one at a time")
@@ -88,12 +87,22 @@ def run(args) -> int:
                                      max_batch_size=args.max_batch_size, kv_memory_bytes=args.kv_memory_bytes,
                                      max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
                                      decoupled=not args.no_decoupled, overwrite=args.overwrite,
-                                     num_threads=args.threads, shutdown_timeout_s=args.shutdown_timeout_s)
+                                     num_threads=cpu_threads(args.threads, _device_name(args.device)),
+                                     shutdown_timeout_s=args.shutdown_timeout_s)
     except (OSError, ValueError) as exc:
         print(f"trtllm-diffkv triton-repo: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/model.py")
     return _serve(args) if args.serve else 0
+
+
+def _device_name(device: str | None) -> str:
+    """``--device``, else the device the model will take (cuda when this machine has one): picks --threads' default."""
+    if device:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_serve_flags(args) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from .accuracy import teacher_forced_logits
 from ..cache import DiffKVReferenceCache
-from ..config import DiffKVConfig, get_preset, resolve_kv_config
+from ..config import DiffKVConfig, get_preset, replaced_atomically, resolve_kv_config
 from ..generation.reference import ReferenceGenerator
 from . import baselines
 from .tasks import Case, run_humaneval_tests, truncate_completion
@@ -360,5 +360,6 @@ def plot_pareto(rows: list[dict], path, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    with replaced_atomically(path) as tmp:  # a killed run leaves the old PNG, never half a new one
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)

@@ -19,6 +19,8 @@ import json
 import statistics
 import time
 
+from ..config import replaced_atomically
+
 __all__ = ["percentile", "load", "summary", "QUANTILES"]
 
 QUANTILES = (0.5, 0.9, 0.99)
@@ -144,5 +146,6 @@ def plot(records: list[dict], path, title: str) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with replaced_atomically(path) as tmp:  # a killed run leaves the old PNG, never half a new one
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)

@@ -83,9 +83,11 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``: ``prompt`` is a string, or a list of strings (one choice each)."""
+    """``POST /v1/completions``: ``prompt`` in any of OpenAI's four forms: a string, a list of strings (one choice
+    each), a list of token ids, or a list of lists of token ids (one choice each; ids are JSON integers, checked
+    against the model's vocabulary by the server)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     best_of: StrictInt | None = None
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None

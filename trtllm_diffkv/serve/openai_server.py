@@ -348,9 +348,7 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         _check_text(body.model_dump(), "")
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        if not prompts:
-            raise BadRequest("'prompt' is an empty list", "prompt")
+        prompts = _completion_prompts(body.prompt, llm)
         if body.stream and len(prompts) > 1:
             raise BadRequest("streaming takes one prompt (got a list of several)", "prompt")
         params = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
@@ -407,6 +405,35 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
                 drain.discard([handle])
 
     return app
+
+
+def _completion_prompts(prompt, llm) -> list:
+    """The requests of a completion's ``prompt`` (OpenAI's four forms: a string, a list of strings, a list of token
+    ids, a list of lists of token ids): one text or one id list per request, ids checked against the model's
+    vocabulary and positions (:func:`~trtllm_diffkv.generation.prompts.check_prompt_ids`) before anything is
+    submitted.
+
+    Raises:
+        BadRequest: an empty list, an empty id list, or an id outside ``[0, vocab_size)``; ``param`` ``prompt``.
+    """
+    from ..generation.prompts import check_prompt_ids
+
+    if isinstance(prompt, str):
+        return [prompt]
+    prompts = list(prompt)
+    if not prompts:
+        raise BadRequest("'prompt' is an empty list", "prompt")
+    if isinstance(prompts[0], int):  # one prompt of token ids (pydantic has checked that all are integers)
+        prompts = [prompts]
+    config = getattr(llm, "model_config", None)
+    for index, ids in enumerate(prompts):
+        if isinstance(ids, list) and config is not None:
+            try:
+                check_prompt_ids(ids, 1, config)
+            except ValueError as exc:
+                where = "'prompt'" if len(prompts) == 1 else f"'prompt'[{index}]"
+                raise BadRequest(f"{where}: {exc}", "prompt") from None
+    return prompts
 
 
 def _check_prompt_chars(llm, texts, param: str) -> None:
