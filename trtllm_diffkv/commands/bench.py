@@ -7,6 +7,11 @@ JSON beside it (``<stem>_details.json``: steps, preemptions, wall time, tier spl
 source per run) and a PNG (``<stem>.png``): throughput and achieved batch size per workload,
 DiffKV against FP16 (paper figure 17), and mean latency against request rate (figure 16).
 
+``--prompts-file FILE`` runs the user's own requests (JSONL: prompts, or prompt/output token lengths;
+:mod:`trtllm_diffkv.evaluation.prompt_files`) on ``--model`` (workload ``file``), or sends them in client mode.
+Without ``--output`` the files go to :func:`default_output` (``~/.cache/trtllm-diffkv/bench/``), never into
+the current folder or the repository's recorded results.
+
 ``--server-url URL`` instead loads a running server (``trtllm-diffkv serve``, ``--api openai``; or
 Triton, ``--api triton``) with ``--concurrency`` streaming clients (:mod:`trtllm_diffkv.evaluation.
 serving_client`) and writes throughput and TTFT/TPOT/ITL/e2e mean, p50, p90 and p99 to the JSON
@@ -15,12 +20,13 @@ serving_client`) and writes throughput and TTFT/TPOT/ITL/e2e mean, p50, p90 and 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 
 from ..config import replaced_atomically, write_text_atomic
-from .common import add_threads_argument, cpu_threads, finite_float
+from .common import check_output_path, finite_float
 
 WORKLOADS = ("a", "b", "c")
 _OVERRIDES = {"num_requests": int, "prompt_tokens": int, "output_tokens": int, "fp16_capacity": int,
@@ -31,20 +37,28 @@ def add_parser(subparsers) -> None:
     """Register ``bench`` on the ``trtllm-diffkv`` subparsers."""
     p = subparsers.add_parser("bench", help="throughput and latency of the in-flight executor, DiffKV vs fp16",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c (default: a,b,c)")
+    p.add_argument("--workloads", help="comma-separated subset of a,b,c, and file with --prompts-file (default: "
+                                        "a,b,c; with --prompts-file: file)")
+    p.add_argument("--model", help="checkpoint (HF folder or GGUF) of workloads a, c and file (default: the default "
+                                   "model)")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="your requests, JSONL, one per line: {\"prompt\": TEXT} (or \"text\", \"input_ids\") or "
+                        "{\"input_length\": N, \"output_length\": M}; optional \"output_tokens\" per line (else "
+                        "--max-tokens). Runs workload file here, or is what the client mode sends")
     p.add_argument("--smoke", action="store_true", help="tiny random model and a few tokens for every workload "
                                                         "(a CPU check of the whole pipeline; not a measurement)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument("--output", default="throughput.json", help="results JSON; the details JSON and the PNG go "
-                                                               "beside it (default: throughput.json)")
+    p.add_argument("--output", help="results JSON; the details JSON and the PNG go beside it (default: "
+                                    "~/.cache/trtllm-diffkv/bench/throughput.json, client mode: client.json there)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--plot-from", metavar="JSON", help="run nothing: read a results JSON (e.g. fetched from the GPU "
                                                        "machine), print its table and write the PNG at --output's "
                                                        "stem + .png")
     p.add_argument("--preset", help="DiffKV preset or kv-config JSON file of workloads a and c (default: default)")
     p.add_argument("--b-preset", help="DiffKV preset of workload b (default: llama3-8b)")
-    p.add_argument("--kv-memory-bytes", type=int, help="KV budget of workload a (default: the bytes that hold "
-                                                       "--a-fp16-capacity full FP16 requests)")
+    p.add_argument("--kv-memory-bytes", type=int, help="KV budget of workloads a and file (default: the bytes that "
+                                                       "hold --a-fp16-capacity full FP16 requests; file: a third of its "
+                                                       "requests at their longest)")
     p.add_argument("--request-rates", type=finite_float, nargs="+", help="workload c's Poisson rates, requests/s "
                                                                   "(default: 2 4 8 16)")
     from ..evaluation.throughput import default_workloads
@@ -72,10 +86,35 @@ def add_parser(subparsers) -> None:
                                                "trtllm_diffkv)")
     client.add_argument("--num-requests", type=int, default=256, help="requests to send (default: 256)")
     client.add_argument("--concurrency", type=int, default=64, help="concurrent clients (default: 64)")
-    client.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    client.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128); with "
+                                                                     "--prompts-file: of the lines giving none")
     client.add_argument("--warmup", type=int, default=8, help="requests sent before measuring (default: 8)")
-    client.add_argument("--prompts-file", help="prompts, one per line (default: a few built-in prompts)")
     p.set_defaults(run=run)
+
+
+def default_output(client: bool) -> Path:
+    """Where results go without ``--output``: ``$XDG_CACHE_HOME/trtllm-diffkv/bench/`` (``~/.cache/...``),
+    ``throughput.json`` or (client mode) ``client.json``: outside the current folder and the repository."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "trtllm-diffkv" / "bench" / ("client.json" if client else "throughput.json")
+
+
+def _output(args, client: bool) -> Path:
+    return Path(args.output) if args.output else default_output(client)
+
+
+def _prepare_output(args, client: bool) -> Path:
+    """The results path, checked before any work (``--output``'s folder must exist; the default one is made).
+
+    Raises:
+        ValueError: ``--output`` is a directory or its folder is missing. OSError: the default folder cannot be made.
+    """
+    output = _output(args, client)
+    if args.output:
+        check_output_path(output, "--output")
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    return output
 
 
 CLIENT_PROMPTS = ("The capital of France is", "Once upon a time", "A short history of the bicycle:",
@@ -96,31 +135,38 @@ def _client_mode(args) -> int:
     try:
         if min(args.num_requests, args.concurrency, args.max_tokens) < 1 or args.warmup < 0:
             raise ValueError("--num-requests, --concurrency and --max-tokens must be >= 1, --warmup >= 0")
-        prompts = (list(CLIENT_PROMPTS) if not args.prompts_file else
-                   [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()])
-        if not prompts:
-            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
+        prompts, max_tokens = list(CLIENT_PROMPTS), args.max_tokens
+        if args.prompts_file:
+            from ..evaluation.prompt_files import materialize, read_prompts_file
+
+            lines = read_prompts_file(args.prompts_file)
+            prompts, max_tokens = materialize(lines, default_output_tokens=args.max_tokens, seed=args.seed)
+            if args.api == "triton":
+                bad = next((p for p, text in zip(lines, prompts) if not isinstance(text, str)), None)
+                if bad is not None:
+                    raise ValueError(f"--prompts-file {args.prompts_file} line {bad.line}: --api triton sends text "
+                                     "(text_input): give 'prompt' or 'text' there ('input_ids' and 'input_length' "
+                                     "work with --api openai, which takes token ids)")
+        output = _prepare_output(args, client=True)
         model = args.server_model
         if model is None:
             model = "trtllm_diffkv" if args.api == "triton" else httpx.get(
                 args.server_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
-    except (ValueError, OSError, httpx.HTTPError, KeyError) as exc:
+    except (ValueError, OSError, httpx.HTTPError, KeyError, IndexError) as exc:
         print(f"trtllm-diffkv bench: error: {exc}", file=sys.stderr)
         return 2
-    kwargs = dict(api=args.api, model=model, prompts=prompts, concurrency=args.concurrency,
-                  max_tokens=args.max_tokens)
+    kwargs = dict(api=args.api, model=model, prompts=prompts, concurrency=args.concurrency, max_tokens=max_tokens)
     if args.warmup:
         asyncio.run(load(args.server_url, num_requests=args.warmup, **kwargs))
     result, records = asyncio.run(load(args.server_url, num_requests=args.num_requests, **kwargs))
     command = getattr(args, "command_line", None) or "trtllm-diffkv bench " + shlex.join(sys.argv[2:])
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     server = dict(result, api=args.api, model=model, url=args.server_url, concurrency=args.concurrency,
-                  max_tokens=args.max_tokens)
+                  max_tokens=args.max_tokens, prompts_file=args.prompts_file)
     write_text_atomic(output, json.dumps(dict(**environment(), command=command.strip(), server=server), indent=2) + "\n")
     if not args.no_plot:
         plot(records, output.with_suffix(".png"), f"{args.api} server, {args.concurrency} clients, "
-                                                  f"{args.max_tokens} tokens")
+                                                  + (f"{args.prompts_file}" if args.prompts_file
+                                                     else f"{args.max_tokens} tokens"))
     print(f"[bench] {args.api} {args.server_url}: {result['completed']}/{result['requests']} requests, "
           f"{result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} tok/s, TTFT p50/p99 "
           f"{result['ttft_p50_ms'] or 0:.1f}/{result['ttft_p99_ms'] or 0:.1f} ms, TPOT p99 "
@@ -147,13 +193,21 @@ def workloads_from_args(args) -> list:
 
     from ..evaluation.throughput import default_workloads
 
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(WORKLOADS))
+    prompts_file = getattr(args, "prompts_file", None)
+    spec = args.workloads if args.workloads is not None else ("file" if prompts_file else "a,b,c")
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    known = WORKLOADS + (("file",) if prompts_file else ())
+    unknown = sorted(set(names) - set(known))
     if unknown or not names:
-        raise ValueError(f"--workloads {args.workloads!r}: choose among a, b, c")
+        raise ValueError(f"--workloads {spec!r}: choose among {', '.join(known)}"
+                         + ("" if prompts_file or "file" not in unknown else " (file needs --prompts-file)"))
     defaults = default_workloads(smoke=args.smoke)
+    model_path = getattr(args, "model", None)
     out = []
     for name in dict.fromkeys(names):
+        if name == "file":
+            out.append(_file_workload(args, defaults["a"], model_path))
+            continue
         changes = {key: getattr(args, f"{name}_{key}") for key in _OVERRIDES
                    if getattr(args, f"{name}_{key}", None) is not None}
         if name == "a" and args.kv_memory_bytes is not None:
@@ -163,8 +217,27 @@ def workloads_from_args(args) -> list:
             changes["presets"] = (preset, "fp16")
         if name == "c" and args.request_rates:
             changes["request_rates"] = tuple(args.request_rates)
+        if name != "b" and model_path is not None and defaults[name].model == "default":
+            changes["model_path"] = model_path
         out.append(replace(defaults[name], **changes))
     return out
+
+
+def _file_workload(args, base, model_path):
+    """Workload ``file``: the lines of ``--prompts-file`` on ``--model`` (``--smoke``: the tiny random model, which
+    has no tokenizer: lengths and ids only), presets ``--preset`` vs ``fp16``, all submitted at once."""
+    from dataclasses import replace
+
+    from ..evaluation.prompt_files import read_prompts_file
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens} must be >= 1")
+    lines = tuple(read_prompts_file(args.prompts_file))
+    return replace(base, name="file", model=base.model, model_path=None if args.smoke else model_path,
+                   presets=(args.preset or base.presets[0], "fp16"), requests=lines, prompts_file=args.prompts_file,
+                   prompt_tokens=1, output_tokens=args.max_tokens, num_requests=len(lines),
+                   fp16_capacity=max(1, len(lines) // 3), kv_memory_bytes=args.kv_memory_bytes,
+                   max_batch_size=min(64, max(len(lines), 1)))
 
 
 def run(args) -> int:
@@ -172,19 +245,19 @@ def run(args) -> int:
     from .common import resolve_device
 
     if args.plot_from:
-        return _plot_from(Path(args.plot_from), Path(args.output).with_suffix(".png"))
+        return _plot_from(Path(args.plot_from), _output(args, client=False).with_suffix(".png"))
     if getattr(args, "server_url", None):
         return _client_mode(args)
 
     try:
         workloads = workloads_from_args(args)
         device = resolve_device(args.device)
-    except ValueError as exc:
+        output = _prepare_output(args, client=False)
+    except (ValueError, OSError) as exc:
         print(f"trtllm-diffkv bench: error: {exc}", file=sys.stderr)
         return 2
     from ..evaluation.throughput import environment, run_workloads
 
-    output = Path(args.output)
     command = getattr(args, "command_line", None) or "trtllm-diffkv bench " + shlex.join(sys.argv[2:])
     meta = dict(**environment(), command=command.strip())
 

@@ -4,7 +4,9 @@ latency percentiles (the measures of vLLM's ``benchmark_serving`` and genai-perf
 ``api="openai"``: ``POST {url}/v1/completions`` with ``"stream": true``, ``"ignore_eos": true`` and
 ``stream_options.include_usage`` (the generated-token count comes from the usage chunk);
 ``api="triton"``: ``POST {url}/v2/models/{model}/generate_stream`` with ``"end_id": -1`` (no end token,
-TensorRT-LLM's convention; the count comes from ``num_output_tokens``). Greedy, fixed ``max_tokens``.
+TensorRT-LLM's convention; the count comes from ``num_output_tokens``). Greedy, fixed ``max_tokens`` (one
+for all, or one per prompt: ``bench --prompts-file``). An OpenAI prompt may be a list of token ids
+(OpenAI's form; a prompts file's ``input_ids`` / ``input_length`` lines); Triton takes text only.
 Each of ``concurrency`` clients sends its next request when its previous one ends (a closed loop).
 
 Per request: TTFT = request sent -> first chunk with text; ITL = the gaps between successive chunks
@@ -41,8 +43,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-async def one_request(client, api: str, url: str, prompt: str, max_tokens: int, model: str) -> dict:
-    """One streaming request; ``{"ttft_s", "itl_s": [...], "e2e_s", "tokens", "error"}``."""
+async def one_request(client, api: str, url: str, prompt: str | list[int], max_tokens: int, model: str) -> dict:
+    """One streaming request (``prompt``: text, or token ids for ``api="openai"``);
+    ``{"ttft_s", "itl_s": [...], "e2e_s", "tokens", "error"}``."""
     if api == "openai":
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -96,20 +99,27 @@ def summary(records: list[dict], wall_s: float) -> dict:
     return out
 
 
-async def load(url: str, *, api: str = "openai", model: str = "default", prompts: list[str], num_requests: int,
-               concurrency: int, max_tokens: int) -> tuple[dict, list[dict]]:
-    """Send ``num_requests`` streaming requests (prompts in turn) from ``concurrency`` clients to the server at
-    ``url`` (``http://host:port``). Returns ``(summary, records)``.
+async def load(url: str, *, api: str = "openai", model: str = "default", prompts: list, num_requests: int,
+               concurrency: int, max_tokens: int | list[int]) -> tuple[dict, list[dict]]:
+    """Send ``num_requests`` streaming requests (prompts in turn; each a text, or for ``api="openai"`` a list of
+    token ids) from ``concurrency`` clients to the server at ``url`` (``http://host:port``); ``max_tokens``: one
+    count for all, or one per prompt. Returns ``(summary, records)``.
 
     Raises:
-        ValueError: an unknown ``api``, no prompts, or a count below 1.
+        ValueError: an unknown ``api``, no prompts, a count below 1, a ``max_tokens`` list of another length than
+            ``prompts``, or token ids for ``api="triton"``.
     """
     import httpx
 
     if api not in ("openai", "triton"):
         raise ValueError(f"api {api!r}: expected openai or triton")
-    if not prompts or num_requests < 1 or concurrency < 1 or max_tokens < 1:
+    counts = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+    if not prompts or num_requests < 1 or concurrency < 1 or min(counts, default=0) < 1:
         raise ValueError("prompts, num_requests, concurrency and max_tokens must be non-empty / >= 1")
+    if len(counts) != len(prompts):
+        raise ValueError(f"max_tokens has {len(counts)} counts for {len(prompts)} prompts")
+    if api == "triton" and not all(isinstance(p, str) for p in prompts):
+        raise ValueError("api 'triton' takes text prompts only (text_input)")
     endpoint = (f"{url.rstrip('/')}/v1/completions" if api == "openai"
                 else f"{url.rstrip('/')}/v2/models/{model}/generate_stream")
     records, counter = [], iter(range(num_requests))
@@ -117,8 +127,8 @@ async def load(url: str, *, api: str = "openai", model: str = "default", prompts
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def worker():
             for index in counter:
-                records.append(await one_request(client, api, endpoint, prompts[index % len(prompts)], max_tokens,
-                                                 model))
+                i = index % len(prompts)
+                records.append(await one_request(client, api, endpoint, prompts[i], counts[i], model))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -14,6 +14,8 @@ the same KV byte budget; the requests have fixed lengths (``ignore_eos``, greedy
   the details file (``high/low/pruned_fraction``).
 - ``c``: workload a's model and presets with Poisson arrivals at each of ``request_rates``
   (requests/s): mean latency (arrival to last token) per rate.
+- ``file``: the user's requests (``bench --prompts-file``, :mod:`~trtllm_diffkv.evaluation.prompt_files`) on
+  the default model or ``model_path``, all submitted at once, each with its own prompt and length.
 
 Throughput is output tokens over the wall time from the first request's arrival to the last
 token (prefill included, host waits included). Before each measured executor a throwaway
@@ -58,6 +60,10 @@ class Workload:
         kv_memory_bytes: the budget; ``None``: ``fp16_capacity`` FP16 requests (:func:`budget_bytes`).
         max_batch_size: request slots of the executor.
         request_rates: Poisson arrival rates in requests/s (``c`` only).
+        model_path: checkpoint of a ``"default"`` model (``None``: the default model).
+        requests: the prompts file's lines (workload ``file``); then ``prompt_tokens`` / ``output_tokens`` are
+            set from them when the model is loaded (``output_tokens`` is first the count of lines giving none).
+        prompts_file: the file they came from (for the details JSON).
     """
 
     name: str
@@ -70,6 +76,9 @@ class Workload:
     kv_memory_bytes: int | None = None
     max_batch_size: int = 64
     request_rates: tuple[float, ...] = field(default=())
+    model_path: str | None = None
+    requests: tuple = field(default=(), repr=False)
+    prompts_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "output_tokens", "num_requests", "fp16_capacity", "max_batch_size"):
@@ -124,8 +133,9 @@ def random_llama(config, *, device, dtype, seed: int = 0, std: float = 0.02):
     return LlamaForCausalLM.from_weights(config, weights)
 
 
-def load_bench_model(kind: str, device: torch.device):
-    """``(model, tokenizer or None)`` for a :attr:`Workload.model` kind (bf16 on CUDA, fp32 on the CPU)."""
+def load_bench_model(kind: str, device: torch.device, path: str | None = None):
+    """``(model, tokenizer or None)`` for a :attr:`Workload.model` kind (bf16 on CUDA, fp32 on the CPU);
+    ``path``: the checkpoint of ``"default"`` (``None``: the default model)."""
     import torch
 
     from ..model import ModelConfig
@@ -134,7 +144,7 @@ def load_bench_model(kind: str, device: torch.device):
     if kind == "default":
         from ..model import load_model
 
-        model, tokenizer, _ = load_model(None, device=device, dtype=dtype)
+        model, tokenizer, _ = load_model(path, device=device, dtype=dtype)
         return model, tokenizer
     shapes = {"llama3-8b-random": LLAMA3_8B_SHAPE, "tiny-random": TINY_SHAPE}
     if kind not in shapes:
@@ -224,18 +234,21 @@ def _executor(model, workload: Workload, preset: str, budget: int, tokenizer, pr
 
 
 def _drive(executor, prompts, params, arrivals, on_finish) -> tuple[float, dict, dict]:
-    """Submit ``prompts`` at ``arrivals`` (s from the start) and step until all end.
+    """Submit ``prompts`` at ``arrivals`` (s from the start) and step until all end; ``params``: one
+    ``SamplingParams`` for all, or a list of one per prompt.
 
     Returns ``(wall_s, latency_s by request, result by request)``; every request must finish by length.
     """
     start = time.perf_counter()
     queue = deque(sorted(zip(arrivals, range(len(prompts)))))
-    arrival, latency, results = {}, {}, {}
+    per_request = params if isinstance(params, list) else [params] * len(prompts)
+    arrival, latency, results, wanted = {}, {}, {}, {}
     while queue or executor.has_unfinished():
         now = time.perf_counter() - start
         while queue and queue[0][0] <= now:
             at, index = queue.popleft()
-            arrival[executor.add_request(prompts[index], params)] = at
+            request_id = executor.add_request(prompts[index], per_request[index])
+            arrival[request_id], wanted[request_id] = at, per_request[index].max_tokens
         if not executor.has_unfinished():
             time.sleep(min(queue[0][0] - now, 0.01))
             continue
@@ -245,7 +258,7 @@ def _drive(executor, prompts, params, arrivals, on_finish) -> tuple[float, dict,
                 results[update.request_id] = update.result
                 on_finish()
     wall = time.perf_counter() - start
-    bad = [r for r in results.values() if r.finish_reason != "length" or r.generated_tokens != params.max_tokens]
+    bad = [r for i, r in results.items() if r.finish_reason != "length" or r.generated_tokens != wanted[i]]
     if len(results) != len(prompts):
         raise RuntimeError(f"{len(results)} of {len(prompts)} requests reported an end")
     if bad:
@@ -269,9 +282,11 @@ def _mean(values):
 
 
 def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate: float | None = None,
-            seed: int = 0, profile: bool = True, cuda_graphs: bool = True, progress=None) -> RunResult:
+            seed: int = 0, profile: bool = True, cuda_graphs: bool = True, progress=None,
+            output_tokens: list[int] | None = None) -> RunResult:
     """Warm up, then one measured run of ``workload`` under ``preset`` (Poisson at ``rate`` if given;
-    decode steps replayed from CUDA graphs with ``cuda_graphs``)."""
+    decode steps replayed from CUDA graphs with ``cuda_graphs``); ``output_tokens``: each request's new tokens
+    (default: ``workload.output_tokens`` for all)."""
     import torch
 
     from ..runtime.sampling import SamplingParams
@@ -284,6 +299,8 @@ def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate:
         torch.cuda.empty_cache()
     executor = _executor(model, workload, preset, budget, tokenizer, profile, cuda_graphs)
     params = SamplingParams(max_tokens=workload.output_tokens, temperature=0.0, ignore_eos=True)
+    if output_tokens is not None:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_tokens]
     arrivals = [0.0] * len(prompts)
     if rate is not None:
         arrivals = poisson_arrivals(len(prompts), rate, seed)
@@ -324,19 +341,26 @@ def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int 
         if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
             log(f"[bench] workload {workload.name} skipped: past --time-limit-s {time_limit_s:g}")
             continue
-        log(f"[bench] workload {workload.name}: {workload.model}, presets {' vs '.join(workload.presets)}, "
-            f"{workload.num_requests} requests x ({workload.prompt_tokens} prompt + {workload.output_tokens} new "
-            "tokens)" + (f", rates {', '.join(f'{r:g}' for r in workload.request_rates)} req/s"
-                         if workload.request_rates else ""))
-        if workload.model not in models:
+        sizes = (f"{len(workload.requests)} requests of --prompts-file {workload.prompts_file}" if workload.requests
+                 else f"{workload.num_requests} requests x ({workload.prompt_tokens} prompt + {workload.output_tokens} "
+                      "new tokens)")
+        log(f"[bench] workload {workload.name}: {workload.model_path or workload.model}, presets "
+            f"{' vs '.join(workload.presets)}, {sizes}"
+            + (f", rates {', '.join(f'{r:g}' for r in workload.request_rates)} req/s" if workload.request_rates else ""))
+        key = (workload.model, workload.model_path)
+        if key not in models:
             models.clear()            # one model on the device at a time
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             t0 = time.perf_counter()
-            models[workload.model] = load_bench_model(workload.model, device)
-            log(f"[bench] model {workload.model} ready in {time.perf_counter() - t0:.1f} s")
-        model, tokenizer = models[workload.model]
-        prompts, source = make_prompts(workload, tokenizer, model.config.vocab_size, seed)
+            models[key] = load_bench_model(workload.model, device, workload.model_path)
+            log(f"[bench] model {workload.model_path or workload.model} ready in {time.perf_counter() - t0:.1f} s")
+        model, tokenizer = models[key]
+        outputs = None
+        if workload.requests:
+            workload, prompts, outputs, source = _file_requests(workload, tokenizer, model.config.vocab_size, seed)
+        else:
+            prompts, source = make_prompts(workload, tokenizer, model.config.vocab_size, seed)
         for preset in workload.presets:
             for rate in workload.request_rates or (None,):
                 if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
@@ -345,7 +369,8 @@ def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int 
                 desc = f"{workload.name} {preset}" + (f" {rate:g} req/s" if rate else "")
                 with _bar(progress_bar, len(prompts), desc) as bar:
                     result = measure(model, tokenizer, workload, preset, prompts, rate=rate, seed=seed,
-                                     profile=profile, cuda_graphs=cuda_graphs, progress=lambda: bar.update(1))
+                                     profile=profile, cuda_graphs=cuda_graphs, progress=lambda: bar.update(1),
+                                     output_tokens=outputs)
                 rows.append(result.row)
                 details.append({**result.details, "model": workload.model, "prompt_source": source,
                                 "prompt_tokens": workload.prompt_tokens, "output_tokens_per_request":
@@ -354,6 +379,21 @@ def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int 
                 if on_run is not None:
                     on_run(rows, details)
     return rows, details
+
+
+def _file_requests(workload: Workload, tokenizer, vocab_size: int, seed: int):
+    """``(workload sized to its requests, prompt ids, new tokens per request, source)`` of a ``file`` workload:
+    ``prompt_tokens`` / ``output_tokens`` become the longest prompt and output (the KV budget and ``max_seq_len``
+    are sized on them)."""
+    from dataclasses import replace
+
+    from .prompt_files import materialize, source_text
+
+    prompts, outputs = materialize(list(workload.requests), default_output_tokens=workload.output_tokens,
+                                   tokenizer=tokenizer, vocab_size=vocab_size, seed=seed)
+    sized = replace(workload, prompt_tokens=max(len(p) for p in prompts), output_tokens=max(outputs),
+                    num_requests=len(prompts))
+    return sized, prompts, outputs, source_text(workload.prompts_file, list(workload.requests))
 
 
 class NullProgress:
