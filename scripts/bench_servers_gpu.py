@@ -3,14 +3,16 @@
 Run on the GPU machine (the lead runs it on the H200, all legs in one device call through
 ``scripts/gpu_servers.sh``)::
 
-    python3 scripts/bench_servers_gpu.py --out servers_gpu.json                       # openai, openai-chunked, triton
+    python3 scripts/bench_servers_gpu.py --out servers_gpu.json                       # triton, openai, openai-unchunked
     python3 scripts/bench_servers_gpu.py --servers openai --out o.json                # one leg
     python3 scripts/bench_servers_gpu.py --smoke --out /tmp/s.json                    # CPU dry run: tiny model, 2 clients
     python3 scripts/bench_servers_gpu.py --merge a.json b.json --out servers_gpu.json # join legs run apart
 
-Legs (``--servers``): ``openai`` (``trtllm-diffkv serve``), ``openai-chunked`` (the same with
-``--max-num-tokens N``, chunked prefill; skipped, and recorded as skipped, when ``serve --help`` has no such
-flag), ``triton`` (the bundled ``tritonserver`` on a repository written by ``trtllm-diffkv triton-repo``).
+Legs (``--servers``): ``triton`` (the bundled ``tritonserver`` on a repository written by ``trtllm-diffkv
+triton-repo``), ``openai`` (``trtllm-diffkv serve`` with its defaults), ``openai-chunked`` (``serve
+--max-num-tokens N --enable-chunked-prefill``: chunked prefill at ``--max-num-tokens``) and ``openai-unchunked``
+(``serve --no-enable-chunked-prefill``); a leg whose flag ``serve --help`` does not list (chunked prefill is
+another change's) is skipped and recorded as skipped. ``--serve-args`` adds flags to every OpenAI leg.
 Each leg starts its server, sends ``--warmup`` requests, then ``--num-requests`` streaming requests from
 ``--concurrency`` clients (each client sends its next request when the previous one ends:
 :func:`trtllm_diffkv.evaluation.serving_client.load`, the client of ``trtllm-diffkv bench --server-url``),
@@ -18,7 +20,7 @@ and stops the server. Greedy decoding, no end token, fixed ``--max-tokens`` (or 
 format of ``bench --prompts-file``). ``--time-limit-s`` skips the legs that would start after that many seconds.
 
 Writes ``--out`` (JSON, rewritten after every leg): ``{"gpu", "date", "commit", "command", "results":
-[{"server", "chunked_prefill", "max_num_tokens", "concurrency", "max_tokens", "requests", "completed",
+[{"server", "serve_flags", "chunked_prefill" (true, false, null: serve's default), "concurrency", "max_tokens", "requests", "completed",
 "wall_s", "requests_per_s", "output_tokens_per_s", "ttft_/tpot_/itl_/e2e_" mean, p50, p90, p99 in ms,
 "errors"} or {"server", "skipped"} or {"server", "error"}]}``, and ``--markdown`` (default: ``--out`` with
 ``.md``): a table fragment for docs/SERVING.md with the GPU, date, commit and command under it.
@@ -47,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from trtllm_diffkv.config import write_text_atomic  # noqa: E402 (after the path)
 from trtllm_diffkv.evaluation.serving_client import load  # noqa: E402
 
-LEGS = ("openai", "openai-chunked", "triton")
+LEGS = ("triton", "openai", "openai-chunked", "openai-unchunked")
 PROMPTS = ["Explain in two sentences why a KV cache grows with context length.", "A haiku about memory:",
            "List three uses of a hash map.", "What is the capital of Australia, and why is it not Sydney?",
            "Summarize the plot of a detective story in one paragraph.", "Describe a sunrise over the sea.",
@@ -57,21 +59,36 @@ SMOKE = {"num_requests": 4, "concurrency": 2, "max_tokens": 4, "warmup": 1, "max
 """The sizes of ``--smoke`` (a CPU dry run of every leg on the tiny checkpoint of tests/tiny_checkpoint.py)."""
 
 
-def serve_has_flag(flag: str) -> bool:
-    """Whether ``trtllm-diffkv serve --help`` lists ``flag`` (a leg whose flag another change adds is skipped
-    until it is there)."""
+def serve_help() -> str:
+    """``trtllm-diffkv serve --help`` of this checkout (which flags the OpenAI legs can pass)."""
     result = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "serve", "--help"], capture_output=True,
                             text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
-    return flag in result.stdout
+    return result.stdout
 
 
-def run_leg(name: str, args, workdir: Path, prompts, max_tokens) -> dict:
+def leg_serve_flags(name: str, args, help_text: str) -> tuple[list[str], bool | None, str | None]:
+    """``(serve flags, chunked_prefill, why skipped or None)`` of an OpenAI leg; ``chunked_prefill`` is ``None`` where
+    the leg runs serve's default. A leg needing a flag that ``help_text`` lacks is skipped."""
+    extra = shlex.split(args.serve_args or "")
+    if name == "openai":
+        return extra, None, None
+    if name == "openai-chunked":
+        if "--max-num-tokens" not in help_text:
+            return [], True, "trtllm-diffkv serve has no --max-num-tokens (chunked prefill) here"
+        flags = ["--max-num-tokens", str(args.max_num_tokens)]
+        flags += ["--enable-chunked-prefill"] if "--enable-chunked-prefill" in help_text else []
+        return flags + extra, True, None
+    if "--no-enable-chunked-prefill" not in help_text:
+        return [], False, "trtllm-diffkv serve has no --no-enable-chunked-prefill here (no chunked prefill to turn off)"
+    return ["--no-enable-chunked-prefill"] + extra, False, None
+
+
+def run_leg(name: str, args, workdir: Path, prompts, max_tokens, serve_flags=(), chunked=None) -> dict:
     from trtllm_diffkv.serve.process import ServerProcess, free_port
     from trtllm_diffkv.serve.triton_repo import write_repository
     from trtllm_diffkv.serve.triton_server import TritonServer
 
-    extra = {"chunked_prefill": name == "openai-chunked",
-             "max_num_tokens": args.max_num_tokens if name == "openai-chunked" else None}
+    extra = {"serve_flags": list(serve_flags), "chunked_prefill": chunked}
     if name.startswith("openai"):
         port = free_port()
         command = [sys.executable, "-m", "trtllm_diffkv.commands.serve", "--port", str(port), "--kv-config",
@@ -79,7 +96,7 @@ def run_leg(name: str, args, workdir: Path, prompts, max_tokens) -> dict:
         command += (["--model", args.model] if args.model else []) + (["--device", args.device] if args.device else [])
         command += ["--kv-memory-bytes", str(args.kv_memory_bytes)] if args.kv_memory_bytes else []
         command += ["--threads", str(args.threads)] if args.threads else []
-        command += ["--max-num-tokens", str(args.max_num_tokens)] if name == "openai-chunked" else []
+        command += list(serve_flags)
         server = ServerProcess(command, f"http://127.0.0.1:{port}/health", workdir / "serve.log")
         url, model = f"http://127.0.0.1:{port}", "default"
     else:
@@ -114,9 +131,12 @@ def markdown(record: dict) -> str:
     lines = ["| server | chunked prefill | requests/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
              "| ITL p99 ms | e2e p50 / p99 ms | errors |", "| --- | --- |" + " ---: |" * 6 + " --- |"]
     for r in record["results"]:
-        chunked = (f"on, max_num_tokens {r['max_num_tokens']}" if r.get("chunked_prefill")
-                   else "off" if r.get("server", "").startswith("openai") else "n/a (executor default)")
+        flags = " ".join(r.get("serve_flags") or [])
+        chunked = ("executor default" if r["server"] == "triton" else
+                   {True: "on", False: "off", None: "serve's default"}[r.get("chunked_prefill")]
+                   + (f" (`{flags}`)" if flags else ""))
         if "skipped" in r or "error" in r:
+            chunked = {"openai-chunked": "on", "openai-unchunked": "off"}.get(r["server"], chunked)
             why = r.get("skipped") or r.get("error")
             lines.append(f"| {r['server']} | {chunked} | " + "- | " * 6 + f"{'skipped' if 'skipped' in r else 'failed'}"
                          f": {str(why)[:120]} |")
@@ -173,8 +193,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--max-num-tokens", type=int, default=256, help="openai-chunked: serve's --max-num-tokens "
-                                                                        "(default: 256)")
+    parser.add_argument("--max-num-tokens", type=int, default=512, help="openai-chunked: serve's --max-num-tokens "
+                                                                        "(default: 512)")
+    parser.add_argument("--serve-args", help="more flags for every OpenAI leg's serve, one string (e.g. "
+                                             "\"--max-seq-len 4096\")")
     parser.add_argument("--kv-config", default="default")
     parser.add_argument("--kv-memory-bytes", type=int, help="KV budget of both servers (default: theirs)")
     parser.add_argument("--threads", type=int, help="--threads of both servers (default: theirs)")
@@ -191,6 +213,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     md = Path(args.markdown) if args.markdown else out.with_suffix(".md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md.parent.mkdir(parents=True, exist_ok=True)
     if args.merge:
         return merge(args.merge, out, md)
     legs = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -221,15 +245,17 @@ def main(argv=None) -> int:
                                                                                   else sys.argv[1:])]),
               "results": []}
     start = time.perf_counter()
+    help_text = serve_help() if any(leg.startswith("openai") for leg in legs) else ""
     for name in legs:
+        flags, chunked, skipped = leg_serve_flags(name, args, help_text) if name != "triton" else ([], None, None)
         if args.time_limit_s is not None and time.perf_counter() - start > args.time_limit_s:
             result = {"server": name, "skipped": f"past --time-limit-s {args.time_limit_s:g}"}
-        elif name == "openai-chunked" and not serve_has_flag("--max-num-tokens"):
-            result = {"server": name, "skipped": "trtllm-diffkv serve has no --max-num-tokens (chunked prefill) here"}
+        elif skipped:
+            result = {"server": name, "skipped": skipped}
         else:
             with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir:
                 try:
-                    result = run_leg(name, args, Path(workdir), prompts, max_tokens)
+                    result = run_leg(name, args, Path(workdir), prompts, max_tokens, flags, chunked)
                 except Exception as exc:  # noqa: BLE001 - record the failure, go on with the other legs
                     result = {"server": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         record["results"].append(result)

@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
-# Device run: both servers (`trtllm-diffkv serve`, OpenAI; the bundled `tritonserver` on a
-# `triton-repo` repository) on the default model under load, 64 concurrent streaming clients
-# (scripts/bench_servers_gpu.py: 256 streaming requests after 16 warm-ups, greedy, 128 new
-# tokens, `default` preset, executor batch 64).
+# Device run, ONE call: both servers (`trtllm-diffkv serve`, OpenAI; the bundled `tritonserver` on a
+# `triton-repo` repository) on the default model under load, 64 concurrent streaming clients, and the OpenAI
+# server again with chunked prefill turned off (`serve --no-enable-chunked-prefill`; recorded as skipped where
+# serve has no such flag, i.e. no chunked prefill). scripts/bench_servers_gpu.py per leg: 256 streaming
+# requests after 16 warm-ups, greedy, 128 new tokens, `default` preset, executor batch 64.
 #
-# Usage, on the GPU machine, after the payload was carried and assembled with --servers:
+# Usage, on the GPU machine, after the payload was carried in the calls `scripts/gpu_carry.sh split --servers`
+# prints (two chunks; the last call runs this):
 #   source scripts/gpu_carry.sh assemble && bash scripts/gpu_servers.sh "$OUT"
+# CPU dry run (tiny random model, 2 clients, 4 requests; minutes on a shared CPU):
+#   GPU_SERVERS_ARGS=--smoke bash scripts/gpu_servers.sh /tmp/servers_smoke
 #
-# Writes into DIR ($1; at most 6 files, flat, so that all of them come back from the device):
-#   servers_gpu.json   both results, bench_servers_gpu.py's format (one "results" row per server)
+# Writes into DIR ($1; 7 files, flat, so that all of them come back from the device, which returns 8 at most):
+#   servers_gpu.json   every leg, bench_servers_gpu.py's format (one "results" row per leg)
+#   servers_gpu.md     the same as a Markdown table fragment for docs/SERVING.md (GPU, date, commit, commands)
 #   preflight.log      Python, GPU, carried packages, the Triton install and its stub environment
-#   bench_openai.log, bench_triton.log   the benchmark's output per server
-#   serve.log, tritonserver.log          the servers' own logs (copied while they run)
+#   bench.log          the benchmark's output, every leg
+#   tritonserver.log, serve_openai.log, serve_openai-unchunked.log   the servers' own logs (copied while they run)
 # A server that fails to start, or a benchmark that fails, prints its server log's tail.
-# Order: Triton first (it has no GPU result yet, and the first run pays the cold start: the GGUF's
-# conversion into the model cache and Triton's kernel compilation), then OpenAI.
-# Time: preflight <= 60 s, Triton <= $GPU_SERVERS_TRITON_S (210 s), OpenAI <= $GPU_SERVERS_OPENAI_S (170 s),
-# each stopped with SIGINT at its limit (the benchmark then stops its server) and killed 20 s later:
-# at most about 7.5 minutes in all (8 if SIGINT is ignored), about 3 expected.
-# GPU_SERVERS="triton openai" picks the servers and their order; GPU_SERVERS_ARGS adds flags to the
-# benchmark (the last of a flag wins: a local smoke test on the CPU takes "--device cpu --num-requests 4
-# --concurrency 2 --max-tokens 4 --warmup 1"). Exit status: 0 if every server ran with no failed request.
+# Order: Triton first (the first leg pays the cold start: the GGUF's conversion into the model cache and
+# the kernels' compilation), then OpenAI (serve's defaults), then OpenAI without chunked prefill.
+# Time: the whole script ends within GPU_SERVERS_TOTAL_S (390 s): preflight <= 40 s, each leg at most its cap
+# (GPU_SERVERS_TRITON_S 170, GPU_SERVERS_OPENAI_S 110, GPU_SERVERS_OPENAI2_S 110 for openai-chunked /
+# openai-unchunked) and never past the total
+# (minus 15 s for the merge); a leg with under 45 s left is skipped and recorded so. A leg at its limit gets
+# SIGINT (the benchmark stops its server), SIGKILL 10 s later.
+# GPU_SERVERS="triton openai openai-unchunked" picks the legs and their order (openai-chunked: serve
+# --max-num-tokens N --enable-chunked-prefill, N from "--max-num-tokens N" in GPU_SERVERS_ARGS, default 512);
+# GPU_SERVERS_ARGS adds flags to every leg (the last of a flag wins). Exit status: 0 if every leg that ran had
+# no failed request.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,7 +45,7 @@ log() { echo "[gpu_servers +$(($(date +%s) - start))s] $*"; }
 
 # ---- preflight: what runs, and whether the Triton path can start at all (fast, clear failures) ----
 log "preflight (log: $DIR/preflight.log)"
-timeout -k 10 60 python3 - >"$DIR/preflight.log" 2>&1 <<'EOF'
+timeout -k 5 40 python3 - >"$DIR/preflight.log" 2>&1 <<'EOF'
 import importlib, importlib.util, os, subprocess, sys, sysconfig
 print("python", sys.version.split()[0], sys.executable, "prefix", sys.prefix, "base", sys.base_prefix)
 print("LIBDIR", sysconfig.get_config_var("LIBDIR"), "INSTSONAME", sysconfig.get_config_var("INSTSONAME"))
@@ -90,15 +98,24 @@ leftovers() {  # pids of servers a killed benchmark may have left (they run in t
         cmd=$({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || continue
         case "$cmd" in
             *"--model-repository=$SCRATCH/"*|*triton_python_backend_stub*"$SCRATCH/"*) echo "$pid" ;;
-            *trtllm_diffkv.commands.serve*"--served-model-name default"*) echo "$pid" ;;
+            *trtllm_diffkv.commands.serve*"--served-model-name default"*)  # ours only: started with our TMPDIR
+                tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF "TMPDIR=$SCRATCH/tmp" && echo "$pid" ;;
         esac
     done
 }
 
 run_one() {
-    local name=$1 limit=$2 rc copier log f
-    log "$name: bench_servers_gpu.py, at most ${limit} s (log: $DIR/bench_$name.log)"
-    [ "$name" = openai ] && log=serve.log || log=tritonserver.log
+    local name=$1 cap=$2 rc copier log f limit left
+    left=$((TOTAL - ($(date +%s) - start) - 15))
+    limit=$(( cap < left ? cap : left ))
+    if [ "$limit" -lt 45 ]; then
+        log "$name: SKIPPED, ${left} s left of GPU_SERVERS_TOTAL_S=$TOTAL"
+        printf '{"command": null, "results": [{"server": "%s", "skipped": "no time left in the device call (%s s of %s)"}]}\n' \
+            "$name" "$left" "$TOTAL" >"$SCRATCH/$name.json"
+        return 0
+    fi
+    log "$name: bench_servers_gpu.py, at most ${limit} s (log: $DIR/bench.log)"
+    [ "$name" = triton ] && log=tritonserver.log || log=serve_$name.log
     # the benchmark deletes its work folder (and the server log in it) when it ends: copy the log meanwhile
     (while :; do
         for f in "$TMPDIR"/bench-"$name"-*/serve.log "$TMPDIR"/bench-"$name"-*/triton/tritonserver.log; do
@@ -107,68 +124,55 @@ run_one() {
         sleep 1
     done) &
     copier=$!
+    echo "===== $name =====" >>"$DIR/bench.log"
     # in the foreground, so that SIGINT reaches Python (a background job would ignore it): on the time
-    # limit, KeyboardInterrupt runs the benchmark's `finally: server.stop()`; SIGKILL 20 s later if needed
-    timeout -s INT -k 20 "$limit" python3 scripts/bench_servers_gpu.py --servers "$name" \
+    # limit, KeyboardInterrupt runs the benchmark's `finally: server.stop()`; SIGKILL 10 s later if needed
+    timeout -s INT -k 10 "$limit" python3 scripts/bench_servers_gpu.py --servers "$name" \
         --num-requests 256 --concurrency 64 --max-tokens 128 --warmup 16 --max-batch-size 64 --kv-config default \
-        --out "$SCRATCH/$name.json" ${GPU_SERVERS_ARGS:-} >"$DIR/bench_$name.log" 2>&1
+        --out "$SCRATCH/$name.json" ${GPU_SERVERS_ARGS:-} >"$SCRATCH/bench_$name.log" 2>&1
     rc=$?
     kill "$copier" 2>/dev/null
     wait "$copier" 2>/dev/null
     rm -f "$DIR/$log.tmp"
-    cat "$DIR/bench_$name.log"
+    cat "$SCRATCH/bench_$name.log" | tee -a "$DIR/bench.log"
     [ $rc = 124 ] && log "$name: TIMED OUT after ${limit} s"
     local stray
     stray=$(leftovers)
     if [ -n "$stray" ]; then
         log "$name: stopping server processes left behind: $stray"
-        kill -TERM $stray 2>/dev/null; sleep 5; kill -KILL $stray 2>/dev/null
+        kill -TERM $stray 2>/dev/null; sleep 3; kill -KILL $stray 2>/dev/null
+    fi
+    if grep -q '"skipped"' "$SCRATCH/$name.json" 2>/dev/null; then
+        log "$name: skipped (see bench.log)"
+        return 0
     fi
     if [ $rc != 0 ] || ! grep -q '"requests_per_s"' "$SCRATCH/$name.json" 2>/dev/null \
             || ! grep -q '"errors": \[\]' "$SCRATCH/$name.json"; then
         log "$name: FAILED (exit $rc); last 150 lines of $log:"
         echo "----------------------------------------------------------------------------------------"
-        tail -n 150 "$DIR/$log" 2>/dev/null || echo "(no $log: the server was not started; see bench_$name.log above)"
+        tail -n 150 "$DIR/$log" 2>/dev/null || echo "(no $log: the server was not started; see bench.log above)"
         echo "----------------------------------------------------------------------------------------"
         return 1
     fi
     log "$name: done"
 }
 
+TOTAL=${GPU_SERVERS_TOTAL_S:-390}
+LEGS=${GPU_SERVERS:-triton openai openai-unchunked}
 status=0
-for name in ${GPU_SERVERS:-triton openai}; do
+for name in $LEGS; do
     case "$name" in
-        openai) run_one openai "${GPU_SERVERS_OPENAI_S:-170}" || status=1 ;;
-        triton) run_one triton "${GPU_SERVERS_TRITON_S:-210}" || status=1 ;;
-        *) log "unknown server $name"; status=1 ;;
+        triton) run_one triton "${GPU_SERVERS_TRITON_S:-170}" || status=1 ;;
+        openai) run_one openai "${GPU_SERVERS_OPENAI_S:-110}" || status=1 ;;
+        openai-chunked|openai-unchunked) run_one "$name" "${GPU_SERVERS_OPENAI2_S:-110}" || status=1 ;;
+        *) log "unknown leg $name"; status=1 ;;
     esac
 done
 
-# ---- one JSON for both (bench_servers_gpu.py's format) ----
-python3 - "$SCRATCH" "$DIR/servers_gpu.json" ${GPU_SERVERS:-triton openai} <<'EOF'
-import json, sys
-from pathlib import Path
-scratch, out = Path(sys.argv[1]), Path(sys.argv[2])
-names = sorted(sys.argv[3:], key=lambda n: ["openai", "triton"].index(n) if n in ("openai", "triton") else 2)
-record = None
-for name in names:
-    path = scratch / f"{name}.json"
-    try:
-        part = json.loads(path.read_text())
-    except (OSError, ValueError):
-        part = {"command": None, "results": [{"server": name, "error": f"no result (timed out or crashed; see "
-                                                                       f"bench_{name}.log)"}]}
-    if record is None:
-        record = {k: v for k, v in part.items() if k != "results"}
-        record["command"], record["results"] = [], []
-    for key in ("gpu", "date", "commit"):
-        record.setdefault(key, part.get(key))
-    record["command"].append(part.get("command"))
-    record["results"].extend(part["results"])
-out.write_text(json.dumps(record, indent=2) + "\n")
-for row in record["results"]:
-    print(json.dumps({k: row.get(k) for k in ("server", "requests", "concurrency", "requests_per_s",
-                                               "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "errors", "error")}))
-EOF
+# ---- one JSON and one Markdown fragment for every leg (bench_servers_gpu.py --merge) ----
+parts=()
+for name in $LEGS; do parts+=("$SCRATCH/$name.json"); done
+timeout -k 5 30 python3 scripts/bench_servers_gpu.py --merge "${parts[@]}" --out "$DIR/servers_gpu.json" \
+    --markdown "$DIR/servers_gpu.md" || status=1
 log "results in $DIR: $(ls "$DIR" | tr '\n' ' ')(exit $status)"
 exit $status

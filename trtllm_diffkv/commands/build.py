@@ -24,6 +24,10 @@ line says so, and whether TensorRT is importable). Everything is written into a 
 permissions are then set to directories 0755, files 0644 (``tempfile.mkdtemp`` makes it 0700: a server running as
 another user could not read it) and that is renamed to ``ENGINE_DIR`` at the end, so a failed build leaves nothing
 behind. Errors are one line on stderr, exit code 2.
+
+Progress: one tqdm bar on stderr advancing stage by stage (:data:`STAGES`: the current stage's name, stages done
+of all, elapsed time), plus the one-line notes; the bar is off when stderr is not a terminal, and ``--quiet``
+turns off the bar and the notes (errors and the final line stay).
 """
 from __future__ import annotations
 
@@ -37,6 +41,11 @@ from pathlib import Path
 
 from .common import refuse_tp
 
+
+STAGES = ("load the checkpoint", "write the model folder", "export the ONNX graph", "compile the Triton kernels",
+          "compile the CUDA kernels", "export the ONNX graphs", "build the TensorRT engine", "write config.json")
+"""The build's stages in order (:func:`build_engine_dir` announces each through ``stage``; the ONNX stages only
+run when their graph is asked for)."""
 
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
            "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -61,6 +70,8 @@ def add_parser(subparsers) -> None:
                    help="activation dtype (default: auto = the checkpoint's)")
     p.add_argument("--targets", default="80,90", help="GPU compute capabilities to compile for (default: 80,90)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (default: write it)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no notes (the bar is also off when "
+                                                        "stderr is not a terminal)")
     # the choices are listed in the help, not given to argparse: a bad value is this command's one-line error
     # (build_engine_dir checks it against EXPORT_GRAPHS, which trt/__init__.py holds free of imports)
     from ..trt import EXPORT_GRAPHS
@@ -76,22 +87,68 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build; 0 on success, 2 on a bad argument or a failed build (one line on stderr)."""
+    quiet = getattr(args, "quiet", False)
+    bar = StageBar(_stage_count(not args.no_onnx, args.graph), quiet=quiet)
     try:
         refuse_tp(args.tp, "build")
         out = build_engine_dir(args.checkpoint, args.output, plugin=args.plugin, kv_config=args.kv_config,
                                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype,
                                targets=_targets(args.targets), onnx=not args.no_onnx, graph=args.graph,
-                               log=_log)
+                               log=(lambda line: None) if quiet else bar.write, stage=bar.stage)
     except Exception as exc:  # noqa: BLE001 - every failure is one line
+        bar.close()
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"trtllm-diffkv build: error: {msg}", file=sys.stderr)
         return 2
+    bar.close()
     print(f"engine directory written: {out}")
     return 0
 
 
-def _log(line: str) -> None:
-    print(f"[trtllm-diffkv build] {line}", file=sys.stderr, flush=True)
+def _stage_count(onnx: bool, graph: str) -> int:
+    return len(STAGES) - 2 + (1 if onnx else 0)  # one of the two ONNX stages, or none
+
+
+class StageBar:
+    """A tqdm bar over the build's stages on ``file`` (default stderr): ``stage(name)`` finishes the stage before
+    and shows ``name``; ``write(line)`` prints a note above the bar (``[trtllm-diffkv build] line``).
+
+    Off (notes still printed by ``write``) when ``file`` is not a terminal, with ``quiet``, or without tqdm.
+    """
+
+    def __init__(self, total: int, *, quiet: bool = False, file=None):
+        self.file = file if file is not None else sys.stderr
+        self.bar, self.started = None, False
+        is_tty = getattr(self.file, "isatty", lambda: False)()
+        if not quiet and is_tty:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, file=self.file, unit="stage", dynamic_ncols=True,
+                            bar_format="{desc} {n_fmt}/{total_fmt} stages |{bar}| {elapsed}")
+
+    def stage(self, name: str) -> None:
+        if self.bar is None:
+            return
+        if self.started:
+            self.bar.update(1)
+        self.started = True
+        self.bar.set_description_str(f"[build] {name}")
+
+    def write(self, line: str) -> None:
+        text = f"[trtllm-diffkv build] {line}"
+        if self.bar is not None:
+            self.bar.write(text, file=self.file)
+        else:
+            print(text, file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            if self.started:
+                self.bar.update(1)
+            self.bar.close()
+            self.bar = None
 
 
 def _targets(text: str) -> tuple[int, ...]:
@@ -104,10 +161,12 @@ def _targets(text: str) -> tuple[int, ...]:
 def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: str = "default",
                      max_batch_size: int = 8, max_seq_len: int = 2048, dtype: str = "auto",
                      targets: tuple[int, ...] = (80, 90), onnx: bool = True, graph: str = "composite",
-                     log=lambda line: None) -> Path:
+                     log=lambda line: None, stage=lambda name: None) -> Path:
     """Write an engine directory (see the module docstring); returns its path.
 
     Args:
+        log: gets the one-line notes (what a stage did or why it did not run).
+        stage: gets each stage's name of :data:`STAGES` as it starts (a progress bar: :class:`StageBar`).
         graph: ``"composite"`` (``model.onnx``), ``"per-op"`` (``model_prefill.onnx`` + ``model_decode.onnx``, one
             shared ``model.onnx.data``) or ``"aot"`` (as ``"per-op"``, the graphs' DiffKV work as kernel launches;
             needs a float32 build: ``dtype="float32"``, or ``"auto"`` on a float32 checkpoint); the last two need
@@ -143,6 +202,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     if output.exists():
         raise ValueError(f"output {output} already exists; choose a new directory")
     kv = resolve_kv_config(kv_config)
+    stage(STAGES[0])
     model, _, mc = load_model(str(checkpoint), device="cpu", dtype=None if dtype == "auto" else getattr(torch, dtype))
     from ..generation.prompts import position_limit
 
@@ -160,20 +220,25 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
+        stage(STAGES[1])
         _write_model(model, resolve_model_path(str(checkpoint)), tmp / "model")
         onnx_file = None
         if onnx and graph == "composite":
+            stage(STAGES[2])
             log("exporting the ONNX graph with DiffKV plugin nodes")
             from ..trt.onnx_export import export_onnx
 
             proto = export_onnx(model, kv, max_positions=max_seq_len)
             _save_onnx(proto, tmp / "model.onnx")
             onnx_file = "model.onnx"
+        stage(STAGES[3])
         log(f"compiling the kernels ahead of time for {', '.join(f'sm_{t}' for t in targets)}")
         manifest = aot.build_kernels(shape, tmp / "kernels", targets)
+        stage(STAGES[4])
         cuda_kernels, cuda_note = _cuda_kernels(shape, tmp / "kernels", targets)
         log(cuda_note)
         if onnx and graph != "composite":
+            stage(STAGES[5])
             log(f"exporting the {graph} ONNX graphs (prefill, decode) with DiffKV plugin nodes")
             from ..trt.onnx_export import PHASES, export_onnx
 
@@ -182,8 +247,10 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
                       for ph in PHASES}
             onnx_file = {ph: f"model_{ph}.onnx" for ph in PHASES}
             _save_shared_onnx(protos, tmp, onnx_file, "model.onnx.data")
+        stage(STAGES[6])
         engine_file, note = _tensorrt_engine(tmp, onnx_file, graph)
         log(note)
+        stage(STAGES[7])
         config = engine_config(mc, shape, onnx_file=onnx_file, engine_file=engine_file,
                                targets=[f"sm_{t}" for t in targets], tensorrt_note=note,
                                graph=graph if onnx else None, cuda_kernels=cuda_kernels, cuda_kernels_note=cuda_note)
