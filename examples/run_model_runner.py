@@ -47,17 +47,19 @@ def parse_input(tokenizer, texts, add_special_tokens, max_input_length) -> list[
 
 def print_output(tokenizer, output_ids, input_lengths, sequence_lengths, texts) -> None:
     for batch_idx, text in enumerate(texts):
-        print(f'Input [Text {batch_idx}]: "{text}"')
+        print(f'Input [Text {batch_idx}]: "{text}"', flush=True)
         for beam in range(output_ids.size(1)):
             begin, end = input_lengths[batch_idx], int(sequence_lengths[batch_idx][beam])
             output_text = tokenizer.decode(output_ids[batch_idx][beam][begin:end].tolist())
-            print(f'Output [Text {batch_idx} Beam {beam}]: "{output_text}"')
+            print(f'Output [Text {batch_idx} Beam {beam}]: "{output_text}"', flush=True)
 
 
 def main(args) -> None:
     if args.streaming_interval < 1 or args.max_output_len < 1:
         raise SystemExit("error: --streaming_interval and --max_output_len must be >= 1")
+    print(f"[run] loading {args.engine_dir or 'the default model'} ...", flush=True)
     runner = ModelRunner.from_dir(args.engine_dir, kv_config=args.kv_config, device=args.device)
+    print(f"[run] generating up to {args.max_output_len} tokens per prompt ...", flush=True)
     tokenizer = runner.tokenizer
     if tokenizer is None:
         runner.shutdown()

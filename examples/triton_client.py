@@ -30,9 +30,10 @@ def main() -> None:
     parser.add_argument("--http", default="127.0.0.1:8000")
     parser.add_argument("--grpc", default="127.0.0.1:8001")
     args = parser.parse_args()
+    print(f"Triton at http://{args.http} (HTTP) and {args.grpc} (gRPC), model {MODEL}", flush=True)
     answer = httpx.post(f"http://{args.http}/v2/models/{MODEL}/generate", timeout=300,
                         json={"text_input": "The capital of France is", "max_tokens": 16}).json()
-    print("HTTP generate:", repr(answer["text_output"]), answer["finish_reason"])
+    print("HTTP generate:", repr(answer["text_output"]), answer["finish_reason"], flush=True)
 
     responses = queue.Queue()
     with grpcclient.InferenceServerClient(args.grpc) as client:
@@ -52,7 +53,7 @@ def main() -> None:
             if response.parameters["triton_final_response"].bool_param:
                 break
         client.stop_stream()
-    print()
+    print(flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from tensorrt_llm.llmapi import KvCacheConfig  # noqa: E402
 
 
 def main(model_dir: str) -> None:
+    print(f"loading {model_dir} into TensorRT-LLM with DiffKV attention ...", flush=True)
     llm = LLM(model_dir,
               attn_backend="DIFFKV",                  # DiffKVAttention: the layers read DiffKV's paged cache
               disable_overlap_scheduler=True,         # DiffKV plans each step after the previous one ended
@@ -26,7 +27,7 @@ def main(model_dir: str) -> None:
               kv_cache_compression_config=DiffKVCompressionConfig(preset="llama3-8b", kv_memory_fraction=0.8))
     for output in llm.generate(["Explain in two sentences why a KV cache grows with context length."],
                                SamplingParams(max_tokens=64, temperature=0.0)):
-        print(output.outputs[0].text)
+        print(output.outputs[0].text, flush=True)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,10 @@
 # A server that fails to start, or a benchmark that fails, prints its server log's tail.
 # Order: Triton first (the first leg pays the cold start: the GGUF's conversion into the model cache and
 # the kernels' compilation), then OpenAI (serve's defaults), then OpenAI without chunked prefill.
-# Time: the whole script ends within GPU_SERVERS_TOTAL_S (390 s): preflight <= 40 s, each leg at most its cap
-# (GPU_SERVERS_TRITON_S 170, GPU_SERVERS_OPENAI_S 110, GPU_SERVERS_OPENAI2_S 110 for openai-chunked /
-# openai-unchunked) and never past the total
-# (minus 15 s for the merge); a leg with under 45 s left is skipped and recorded so. A leg at its limit gets
-# SIGINT (the benchmark stops its server), SIGKILL 10 s later.
+# Time: the whole script ends within GPU_SERVERS_TOTAL_S (390 s): preflight <= 60 s, each leg at most its cap
+# (GPU_SERVERS_TRITON_S 160, GPU_SERVERS_OPENAI_S 100, GPU_SERVERS_OPENAI2_S 100 for openai-chunked /
+# openai-unchunked) and never past the total (minus 15 s for the merge); a leg with under 45 s left is skipped
+# and recorded so. A leg at its limit gets SIGINT (the benchmark stops its server), SIGKILL 10 s later.
 # GPU_SERVERS="triton openai openai-unchunked" picks the legs and their order (openai-chunked: serve
 # --max-num-tokens N --enable-chunked-prefill, N from "--max-num-tokens N" in GPU_SERVERS_ARGS, default 512);
 # GPU_SERVERS_ARGS adds flags to every leg (the last of a flag wins). Exit status: 0 if every leg that ran had
@@ -45,7 +44,7 @@ log() { echo "[gpu_servers +$(($(date +%s) - start))s] $*"; }
 
 # ---- preflight: what runs, and whether the Triton path can start at all (fast, clear failures) ----
 log "preflight (log: $DIR/preflight.log)"
-timeout -k 5 40 python3 - >"$DIR/preflight.log" 2>&1 <<'EOF'
+timeout -k 5 60 python3 - >"$DIR/preflight.log" 2>&1 <<'EOF'
 import importlib, importlib.util, os, subprocess, sys, sysconfig
 print("python", sys.version.split()[0], sys.executable, "prefix", sys.prefix, "base", sys.base_prefix)
 print("LIBDIR", sysconfig.get_config_var("LIBDIR"), "INSTSONAME", sysconfig.get_config_var("INSTSONAME"))
@@ -162,9 +161,9 @@ LEGS=${GPU_SERVERS:-triton openai openai-unchunked}
 status=0
 for name in $LEGS; do
     case "$name" in
-        triton) run_one triton "${GPU_SERVERS_TRITON_S:-170}" || status=1 ;;
-        openai) run_one openai "${GPU_SERVERS_OPENAI_S:-110}" || status=1 ;;
-        openai-chunked|openai-unchunked) run_one "$name" "${GPU_SERVERS_OPENAI2_S:-110}" || status=1 ;;
+        triton) run_one triton "${GPU_SERVERS_TRITON_S:-160}" || status=1 ;;
+        openai) run_one openai "${GPU_SERVERS_OPENAI_S:-100}" || status=1 ;;
+        openai-chunked|openai-unchunked) run_one "$name" "${GPU_SERVERS_OPENAI2_S:-100}" || status=1 ;;
         *) log "unknown leg $name"; status=1 ;;
     esac
 done
