@@ -21,7 +21,7 @@
 # Order: Triton first (the first leg pays the cold start: the GGUF's conversion into the model cache and
 # the kernels' compilation), then OpenAI (serve's defaults), then OpenAI without chunked prefill.
 # Time: the whole script ends within GPU_SERVERS_TOTAL_S (390 s): preflight <= 60 s, each leg at most its cap
-# (GPU_SERVERS_TRITON_S 160, GPU_SERVERS_OPENAI_S 100, GPU_SERVERS_OPENAI2_S 100 for openai-chunked /
+# (GPU_SERVERS_TRITON_S 180, GPU_SERVERS_OPENAI_S 100, GPU_SERVERS_OPENAI2_S 100 for openai-chunked /
 # openai-unchunked) and never past the total (minus 15 s for the merge); a leg with under 45 s left is skipped
 # and recorded so. A leg at its limit gets SIGINT (the benchmark stops its server), SIGKILL 10 s later.
 # GPU_SERVERS="triton openai openai-unchunked" picks the legs and their order (openai-chunked: serve
@@ -161,7 +161,7 @@ LEGS=${GPU_SERVERS:-triton openai openai-unchunked}
 status=0
 for name in $LEGS; do
     case "$name" in
-        triton) run_one triton "${GPU_SERVERS_TRITON_S:-160}" || status=1 ;;
+        triton) run_one triton "${GPU_SERVERS_TRITON_S:-180}" || status=1 ;;
         openai) run_one openai "${GPU_SERVERS_OPENAI_S:-100}" || status=1 ;;
         openai-chunked|openai-unchunked) run_one "$name" "${GPU_SERVERS_OPENAI2_S:-100}" || status=1 ;;
         *) log "unknown leg $name"; status=1 ;;
