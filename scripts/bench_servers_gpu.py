@@ -46,7 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trtllm_diffkv.config import write_text_atomic  # noqa: E402 (after the path)
+from trtllm_diffkv.commands.common import finite_float  # noqa: E402 (after the path)
+from trtllm_diffkv.config import write_text_atomic  # noqa: E402
 from trtllm_diffkv.evaluation.serving_client import load  # noqa: E402
 
 LEGS = ("triton", "openai", "openai-chunked", "openai-unchunked")
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--prompts-file", help="requests in bench --prompts-file's format (default: 8 built-in "
                                                "prompts, --max-tokens each)")
-    parser.add_argument("--time-limit-s", type=float, help="skip the legs that would start after this many seconds")
+    parser.add_argument("--time-limit-s", type=finite_float, help="skip the legs that would start after this many seconds")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run: tiny random checkpoint, "
                                                              + ", ".join(f"{k} {v}" for k, v in SMOKE.items()))
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: join these legs' JSONs into --out")
