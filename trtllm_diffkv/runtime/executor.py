@@ -131,7 +131,8 @@ class Executor:
             (:class:`trtllm_diffkv.parallel.TensorParallelHook`: every rank takes the same decisions).
 
     Raises:
-        ValueError: a bad size or budget, ``kv_config`` cannot run this model, or a value of
+        ValueError: a bad size or budget (also ``max_num_tokens < max_batch_size``), ``kv_config`` cannot run
+            this model, or a value of
             ``TRTLLM_DIFFKV_DECODE_BACKEND`` that is not ``auto``/``cuda``/``triton``.
     """
 
@@ -177,6 +178,9 @@ class Executor:
         self.model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy
         self.decode_backend = self._decode_backend(param.dtype)
         self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens
+        if self.max_num_tokens < self.max_batch_size:  # every running request decodes in every step
+            raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= max_batch_size={self.max_batch_size} "
+                             "(a step carries one token of each running request)")
         self.max_seq_len = min(resource_manager.max_seq_len_tokens, position_limit(model_config))
         if use_cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graphs=True needs a CUDA device, got {self.device}")
