@@ -83,9 +83,9 @@ def assert_same_cache(a, b):
     assert torch.equal(a.row_meta.key_offsets, b.row_meta.key_offsets)
 
 
-def check_chunked_equals_unchunked(name, prompt_tokens, chunk_tokens, *, device, dtype, use_triton):
+def check_chunked_equals_unchunked(name, prompt_tokens, chunk_tokens, *, device, dtype, use_triton, decode=True):
     """The prompt chunked into ``chunk_tokens`` leaves the cache bit-identical to the unchunked prefill, and
-    one decode step after it reads the same (same output, same scores written)."""
+    (``decode``) one decode step after it reads the same (same output, same scores written)."""
     config = kv_config(name)
     qkv = random_qkv(prompt_tokens, device=device, dtype=dtype)
     whole = make_cache(config, device=device, dtype=dtype, use_triton=use_triton, prompt_tokens=prompt_tokens)
@@ -95,6 +95,8 @@ def check_chunked_equals_unchunked(name, prompt_tokens, chunk_tokens, *, device,
     assert_same_cache(whole, chunked)
     held = whole.manager.num_pages - whole.manager.free_pages()
     assert held > 0
+    if not decode:
+        return whole
     step = random_qkv(1, device=device, dtype=dtype, seed=1)
     outs = []
     for cache in (whole, chunked):

@@ -18,9 +18,10 @@ def test_chunked_cache_equals_unchunked_bit_for_bit(name, chunk):
     check_chunked_equals_unchunked(name, 100, chunk, device="cpu", dtype=torch.float32, use_triton=False)
 
 
-@pytest.mark.parametrize("chunk", [5, 8, 13])
-def test_chunked_cache_on_the_triton_interpreter(chunk):
-    check_chunked_equals_unchunked("small-window", 26, chunk, device="cpu", dtype=torch.float32, use_triton=True)
+def test_chunked_cache_on_the_triton_interpreter():
+    """The Triton scores and quantized writes (interpreted: slow, so 12 tokens, S = 8, chunks 5 + 5 + 2)."""
+    check_chunked_equals_unchunked("small-window", 12, 5, device="cpu", dtype=torch.float32, use_triton=True,
+                                   decode=False)
 
 
 def test_staging_is_counted_refused_beyond_its_limit_and_freed():

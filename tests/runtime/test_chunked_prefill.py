@@ -11,7 +11,7 @@ admission and come back on abort and preemption (``drive`` checks the page manag
 import pytest
 import torch
 
-from conftest import peaked_tiny_llama
+from conftest import peaked_tiny_llama, random_llama
 from test_executor import CFG, _greedy, _prompts, drive, make
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
 from trtllm_diffkv.paged import staging
@@ -203,9 +203,14 @@ def test_without_chunked_prefill_a_prompt_must_fit_one_step(model):
     assert update.finish_reason == "error" and "chunk_staging_bytes=100" in update.error
 
 
-def test_chunked_prefill_on_the_triton_interpreter(model):
-    prompt = _prompts((21,), seed=12)[0]  # S = 8: chunks of 6 leave a final chunk of 3 < S
-    want = run(model, CFG, prompt, 3, use_triton=True)
-    got = run(model, CFG, prompt, 3, 6, use_triton=True)
+def test_chunked_prefill_on_the_triton_interpreter():
+    """The executor on the Triton kernels (interpreter, small shapes): chunks of 4 of a 10-token prompt (S = 8: the
+    final chunk of 2 leaves scoring queries in earlier chunks) give the one-step prefill's tokens."""
+    model = random_llama(0, vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, max_position_embeddings=256)
+    prompt = _prompts((10,), seed=12, vocab=128)[0]
+    kw = dict(num_pages=200, max_seq_len=32, max_batch_size=1, use_triton=True)
+    want = run(model, CFG, prompt, 2, ex=make(model, CFG, max_num_tokens=16, enable_chunked_prefill=False, **kw))
+    got = run(model, CFG, prompt, 2, ex=make(model, CFG, max_num_tokens=4, **kw))
     assert got[0].output_token_ids == want[0].output_token_ids
     torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=0)
