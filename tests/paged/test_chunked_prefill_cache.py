@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from chunked_prefill_cases import check_chunked_equals_unchunked, kv_config, make_cache, prefill, random_qkv
+from conftest import poison_prompt_staging
 from trtllm_diffkv.paged.cache import OutOfPagesError
 
 
@@ -52,16 +53,7 @@ def test_staging_is_counted_refused_beyond_its_limit_and_freed():
 def test_unwritten_staging_rows_are_never_read(monkeypatch):
     """The staging is allocated uninitialized: rows past the chunks that ran must never reach an output (the
     public report "chunked prefill with an 8-bit KV cache produced NaN"). Poison them and check every output."""
-    from trtllm_diffkv.paged import staging
-
-    init = staging.PromptStaging.__init__
-
-    def poisoned(self, *args, **kw):
-        init(self, *args, **kw)
-        for t in (self.keys, self.values, self.queries):
-            t.fill_(float("nan"))
-
-    monkeypatch.setattr(staging.PromptStaging, "__init__", poisoned)
+    poison_prompt_staging(monkeypatch)
     for name in ("k8v4", "k8v8"):
         cache = make_cache(kv_config(name), device="cpu", dtype=torch.float32, use_triton=False, prompt_tokens=100)
         cache.pool.buffer.fill_(255)  # stale bytes in every page (fp16 NaN), as in a pool that served others

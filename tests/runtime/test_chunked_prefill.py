@@ -11,10 +11,9 @@ admission and come back on abort and preemption (``drive`` checks the page manag
 import pytest
 import torch
 
-from conftest import peaked_tiny_llama, random_llama
+from conftest import peaked_tiny_llama, poison_prompt_staging, random_llama
 from test_executor import CFG, _greedy, _prompts, drive, make
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
-from trtllm_diffkv.paged import staging
 from trtllm_diffkv.runtime.sampling import SamplingParams
 
 K8V8 = DiffKVConfig(name="k8v8", high=TierConfig(8, 8), low=TierConfig(8, 8), alpha_low=0.0, alpha_high=0.0)
@@ -80,14 +79,7 @@ def test_chunked_prefill_equals_the_one_step_prefill(model, name, chunk):
 def test_chunked_prefill_with_an_8_bit_cache_gives_no_nan(model, name, monkeypatch):
     """Public report: "chunked prefill with an 8-bit KV cache produced NaN". Here the pool already served a
     request (stale pages) and every staging row is NaN until a chunk writes it: no output may see either."""
-    init = staging.PromptStaging.__init__
-
-    def poisoned(self, *args, **kw):
-        init(self, *args, **kw)
-        for t in (self.keys, self.values, self.queries):
-            t.fill_(float("nan"))
-
-    monkeypatch.setattr(staging.PromptStaging, "__init__", poisoned)
+    poison_prompt_staging(monkeypatch)
     ex = make(model, preset(name), max_batch_size=1, max_num_tokens=30)
     run(model, None, _prompts((70,), seed=9)[0], 3, ex=ex)  # leaves stale bytes in the pages
     got, logits = run(model, None, PROMPT, 6, ex=ex)
