@@ -88,6 +88,17 @@ def test_chunked_prefill_with_an_8_bit_cache_gives_no_nan(model, name, monkeypat
     torch.testing.assert_close(logits, want_logits, atol=LOGIT_ATOL[name], rtol=0)
 
 
+def test_seeded_sampling_does_not_depend_on_the_chunking(model):
+    """A prompt's non-final chunks sample nothing: its seeded draws are those of the one-step prefill."""
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=77)
+    got = {}
+    for chunk in (None, 30):
+        ex = make(model, CFG, max_batch_size=1, max_num_tokens=chunk or 128, enable_chunked_prefill=chunk is not None)
+        rid = ex.add_request(PROMPT, params)
+        got[chunk] = ex.run_until_done()[rid].output_token_ids
+    assert got[30] == got[None] and len(set(got[None])) > 1
+
+
 def test_decodes_run_in_every_step_while_a_long_prompt_is_chunked(model):
     """Decodes first, then prompt chunks in what is left of ``max_num_tokens``; nobody's tokens change."""
     kv, short = get_preset("default"), _prompts((10,), seed=4)[0]
