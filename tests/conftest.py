@@ -112,3 +112,18 @@ def tiny_llama(seed: int = 0):
     weights = {name: torch.randn(shape, generator=g) * (0.02 if len(shape) > 1 else 0.0) + (len(shape) == 1)
                for name, shape in model.expected_weight_shapes().items()}
     return LlamaForCausalLM.from_weights(cfg, weights)
+
+
+def poison_prompt_staging(monkeypatch):
+    """Make every new chunked-prefill staging (``paged/staging.PromptStaging``) start as NaN, so that a read of a row
+    no chunk wrote reaches the outputs (it is allocated uninitialized: stale memory, possibly NaN)."""
+    from trtllm_diffkv.paged import staging
+
+    init = staging.PromptStaging.__init__
+
+    def poisoned(self, *args, **kw):
+        init(self, *args, **kw)
+        for t in (self.keys, self.values, self.queries):
+            t.fill_(float("nan"))
+
+    monkeypatch.setattr(staging.PromptStaging, "__init__", poisoned)

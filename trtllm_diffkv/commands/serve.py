@@ -36,6 +36,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="DiffKV preset (default: default; fp16 = no compression) or a kv-config JSON file "
                         "written by `trtllm-diffkv calibrate`")
     p.add_argument("--max-batch-size", type=int, default=64, help="requests per executor step at most (default: 64)")
+    p.add_argument("--max-num-tokens", type=int, help="tokens per executor step at most: running decodes first, then "
+                   "prompt chunks (TensorRT-LLM's name; default: 2048 with chunked prefill)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over steps so decodes keep running (default: on; DiffKV compacts a "
+                   "prompt after its final chunk)")
     p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: 0.9 of free GPU memory; 256 MiB on CPU)")
     p.add_argument("--max-seq-len", type=int, help="prompt + new tokens per request at most (default: the model's)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
@@ -120,6 +125,8 @@ def run(args) -> int:
         threads = cpu_threads(args.threads, device)
         if args.tp < 1:
             raise ValueError(f"--tp {args.tp} must be >= 1")
+        if args.max_num_tokens is not None and args.max_num_tokens < 1:
+            raise ValueError(f"--max-num-tokens {args.max_num_tokens} must be >= 1")
         sock = bind_socket(args.host, args.port)
     except (ImportError, ValueError) as exc:
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)
@@ -136,7 +143,8 @@ def run(args) -> int:
         llm = LLM(args.model, kv_config=args.kv_config, device=args.device,
                   dtype=getattr(torch, args.dtype) if args.dtype else None, max_batch_size=args.max_batch_size,
                   kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len, num_threads=threads,
-                  tensor_parallel_size=args.tp)
+                  tensor_parallel_size=args.tp, max_num_tokens=args.max_num_tokens,
+                  enable_chunked_prefill=args.enable_chunked_prefill)
     except (ImportError, OSError, ValueError) as exc:
         sock.close()
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)

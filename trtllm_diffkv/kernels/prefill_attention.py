@@ -114,8 +114,41 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                 out[a:b] = o
     if out is None:
         out = torch.zeros_like(q)
+    prompt_scores(q, k, cu_seqlens, sm_scale=sm_scale, num_scoring_queries=num_scoring_queries, score_sums=score_sums,
+                  _bounds=bounds)
+    return out, score_sums
+
+
+def prompt_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, *, sm_scale: float,
+                  num_scoring_queries: int = 64, score_sums: torch.Tensor | None = None,
+                  _bounds: list[int] | None = None) -> torch.Tensor:
+    """DiffKV prompt scores alone (the scoring half of :func:`scored_prefill_attention`).
+
+    Only the last ``S = min(num_scoring_queries, n)`` query rows of each prompt are read, so a caller
+    that kept just those queries (chunked prefill, ``paged/prefill.py``) may pass any values in the
+    other rows. Same arguments, layout and result (``score_sums``) as :func:`scored_prefill_attention`.
+
+    Raises:
+        ValueError: shapes, dtypes, head_dim or ``cu_seqlens`` invalid.
+    """
+    total, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if _bounds is None:
+        _check(q, k, k, cu_seqlens, num_scoring_queries, None, score_sums)
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at total_tokens={total}")
+    else:
+        bounds = _bounds
+    if cu_seqlens.device != q.device:
+        host = cu_seqlens.pin_memory() if q.device.type == "cuda" else cu_seqlens
+        cu_seqlens = host.to(q.device, non_blocking=True)
+    if score_sums is None:
+        score_sums = torch.empty(total, num_kv_heads, dtype=torch.float32, device=q.device)
+    num_seqs = len(bounds) - 1
+    max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     if max_len == 0:
-        return out, score_sums
+        return score_sums
     s_pad = max(16, next_pow2(min(num_scoring_queries, max_len)))
     block_q = min(s_pad, 64)
     group = num_heads // num_kv_heads
@@ -139,7 +172,7 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     _prompt_score_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_len, 64))](
         qc, kc, lse, cu_seqlens, score_sums, qk_scale, num_scoring_queries, num_heads, num_kv_heads,
         LSE_STRIDE=s_pad, BLOCK_N=64, **shape, num_warps=warps, num_stages=2)
-    return out, score_sums
+    return score_sums
 
 
 def prefill_flops(seq_len: int, num_heads: int, head_dim: int, num_scoring_queries: int = 64) -> tuple[float, float]:
@@ -148,4 +181,4 @@ def prefill_flops(seq_len: int, num_heads: int, head_dim: int, num_scoring_queri
     return 2.0 * seq_len * seq_len * num_heads * head_dim, 2.0 * s * seq_len * num_heads * head_dim
 
 
-__all__ = ["scored_prefill_attention", "prefill_flops"]
+__all__ = ["scored_prefill_attention", "prompt_scores", "prefill_flops"]

@@ -46,6 +46,7 @@ from ..config import DiffKVConfig
 from ..memory import CpuPageManager, KVCachePool, PageFormat
 from . import decode, prefill, torch_ops
 from .row_meta import RowMetadata, RowMetadataFormat
+from .staging import staging_bytes
 
 
 class OutOfPagesError(RuntimeError):
@@ -90,6 +91,18 @@ def kernel_functions(use_triton: bool, read_path: str = "auto"):
     return quant_write, paged_decode_attention, scored_prefill_attention
 
 
+def prompt_scores_function(use_triton: bool, read_path: str = "auto"):
+    """The scores-only half of the scored prefill attention that :func:`kernel_functions` picks (chunked prefill's
+    final chunk): the Triton kernels' ``prompt_scores``, or the torch version."""
+    if use_triton and read_path != "torch":
+        try:
+            from ..kernels.prefill_attention import prompt_scores
+            return prompt_scores
+        except ImportError:
+            pass
+    return torch_ops.prompt_scores
+
+
 class PagedDiffKVCache:
     """DiffKV cache of up to ``max_slots`` requests in unified pages; the model's attention backend.
 
@@ -108,6 +121,8 @@ class PagedDiffKVCache:
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
         page_manager: ``"triton"`` (``TritonPageManager``), ``"cpu"``
             (``CpuPageManager``) or ``"auto"``: Triton on CUDA, CPU otherwise.
+        staging_limit_bytes: most bytes the full-precision staging of prompts prefilled in chunks may hold at once
+            (:mod:`.staging`; outside the pool; 0, the default: no chunked prompts).
         read_path: ``"torch"`` runs the attention of the Triton path with the
             torch versions (:mod:`.torch_ops`; tests of the write path on the
             GPU); ``"auto"``: the read-path kernels when present.
@@ -117,7 +132,9 @@ class PagedDiffKVCache:
 
     Attributes other modules read (the step functions of :mod:`.prefill` and :mod:`.decode`, the CUDA-graph
     runner, the TensorRT layer's operations):
-        ops, decode_attention, prefill_attention: the kernel functions (:func:`kernel_functions`).
+        ops, decode_attention, prefill_attention: the kernel functions (:func:`kernel_functions`);
+            prompt_scores: :func:`prompt_scores_function`.
+        staging: ``{slot: PromptStaging}`` of the prompts whose later chunks are still to come (:mod:`.staging`).
         score_sums: fp32 ``[max_num_tokens, num_kv_heads]`` scratch of the scored prefill.
         prompt_len_device: int64 ``[max_slots]`` prompt length per slot on the device (0: free).
         planned_step: the step :meth:`plan` made whose layers have not all run, else ``None``.
@@ -129,7 +146,7 @@ class PagedDiffKVCache:
                  num_pages: int, max_slots: int, max_seq_len_tokens: int, max_num_tokens: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  high_tokens_per_page: int = 32, use_triton: bool | None = None, sm_scale: float | None = None,
-                 page_manager: str = "auto", read_path: str = "auto") -> None:
+                 page_manager: str = "auto", read_path: str = "auto", staging_limit_bytes: int = 0) -> None:
         config.validate_for_model(head_dim, num_heads, num_kv_heads)
         for name, value in (("num_layers", num_layers), ("max_slots", max_slots),
                             ("max_seq_len_tokens", max_seq_len_tokens)):
@@ -174,6 +191,11 @@ class PagedDiffKVCache:
         if read_path not in ("auto", "torch"):
             raise ValueError(f"read_path={read_path!r}; allowed: 'auto', 'torch'")
         self.ops, self.decode_attention, self.prefill_attention = kernel_functions(use_triton, read_path)
+        self.prompt_scores = prompt_scores_function(use_triton, read_path)
+        if isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0:
+            raise ValueError(f"staging_limit_bytes={staging_limit_bytes!r} must be an integer >= 0")
+        self.staging_limit_bytes = staging_limit_bytes
+        self.staging: dict = {}
         self.sm_scale = sm_scale if sm_scale is not None else torch_ops.default_sm_scale(head_dim)
         self.max_slots, self.max_seq_len_tokens = max_slots, max_seq_len_tokens
         self.max_num_tokens = max_num_tokens or max_slots * max_seq_len_tokens
@@ -194,7 +216,7 @@ class PagedDiffKVCache:
     # ------------------------------------------------------------------ planning
     def plan(self, slots: Sequence[int], seq_lens: Sequence[int], positions: Sequence[int],
              is_prefill: Sequence[bool], *, pad_to: int | None = None,
-             known_free_pages: int | None = None) -> None:
+             known_free_pages: int | None = None, prompt_lens: Sequence[int] | None = None) -> None:
         """Describe the next step (host side; before the layers run).
 
         Args:
@@ -202,9 +224,9 @@ class PagedDiffKVCache:
                 requests first, then decode requests.
             seq_lens: ``[n]`` tokens of each request after this step.
             positions: ``[n]`` position of each request's first new token
-                (prefill: 0; decode: the tokens already stored).
-            is_prefill: ``[n]`` whether the request brings its prompt (a free
-                slot) or one decode token (an active slot).
+                (prefill: 0, or a later chunk's first position; decode: the tokens already stored).
+            is_prefill: ``[n]`` whether the request brings its prompt or a chunk of it
+                (the first chunk into a free slot) or one decode token (an active slot).
             pad_to: keyword-only bucket size: the decode part is padded to
                 ``pad_to >= n - n_prefill`` sequences (``<= max_slots``) whose
                 per-step tensors live in persistent buffers of that bucket
@@ -219,15 +241,24 @@ class PagedDiffKVCache:
                 device read (a host synchronization) of the free count. ``None``:
                 read it. A bound above the true count lets the page manager refuse
                 the step on the device (status ``OUT_OF_PAGES``), so never guess.
+            prompt_lens: keyword-only ``[n]`` (entries of decode requests ignored): each
+                prefill request's whole prompt tokens. A prefill request then brings the
+                chunk ``[positions[i], seq_lens[i])`` of it (chunked prefill, :mod:`.staging`):
+                its first chunk (position 0) reserves the whole prompt's pages and, when
+                more chunks follow, starts its staging (``staging_limit_bytes``); a later
+                chunk continues the slot's staged prompt; the final chunk
+                (``seq_lens[i] == prompt_lens[i]``) tiers and writes the whole prompt.
+                ``None``: every prefill brings a whole prompt (``prompt_lens = seq_lens``).
 
-        The step's packed tokens are each prefill request's ``seq_len`` tokens,
+        The step's packed tokens are each prefill request's ``seq_len - position`` tokens,
         then one token per decode request (``cu_seqlens`` built here), then the padding.
 
         Raises:
             ValueError: inconsistent arguments (order, lengths, slot states, an
-                empty prompt, a request beyond ``max_seq_len_tokens``), naming the request;
+                empty prompt, a request beyond ``max_seq_len_tokens``, a chunk that does not
+                continue its slot's staged prompt), naming the request;
                 or a step already planned whose layers have not all run.
-            OutOfPagesError: too few free pages; nothing changed.
+            OutOfPagesError: too few free pages, or too few staging bytes; nothing changed.
         """
         if self.planned_step is not None:
             raise ValueError(f"a step is already planned and its layers have run up to layer "
@@ -236,7 +267,10 @@ class PagedDiffKVCache:
         n = len(slots)
         if not (len(seq_lens) == len(positions) == len(is_prefill) == n):
             raise ValueError("slots, seq_lens, positions and is_prefill must have the same length")
+        if prompt_lens is not None and len(prompt_lens) != n:
+            raise ValueError("prompt_lens must have one entry per request")
         slots, seq_lens, positions = [int(s) for s in slots], [int(s) for s in seq_lens], [int(p) for p in positions]
+        prompt_lens = list(seq_lens) if prompt_lens is None else [int(x) for x in prompt_lens]
         is_prefill = [bool(p) for p in is_prefill]
         n_pre = sum(is_prefill)
         if any(is_prefill[n_pre:]):
@@ -244,32 +278,44 @@ class PagedDiffKVCache:
         if len(set(slots)) != n:
             raise ValueError(f"slots must be distinct, got {slots}")
         for i, (slot, total, first, pre) in enumerate(zip(slots, seq_lens, positions, is_prefill)):
-            self.check_request(i, slot, total, first, pre)
+            self.check_request(i, slot, total, first, pre, prompt_lens[i] if pre else None)
         if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int)
                                    or not n - n_pre <= pad_to <= self.max_slots or pad_to < 1):
             raise ValueError(f"pad_to={pad_to!r} must be an integer in [max(1, decode requests={n - n_pre}), "
                              f"max_slots={self.max_slots}]")
-        num_tokens = sum(seq_lens[:n_pre]) + (n - n_pre if pad_to is None else pad_to)
+        num_tokens = sum(b - a for a, b in zip(positions[:n_pre], seq_lens[:n_pre])) + \
+            (n - n_pre if pad_to is None else pad_to)
         if num_tokens > self.max_num_tokens:
             raise ValueError(f"the step carries {num_tokens} tokens, more than max_num_tokens={self.max_num_tokens}")
-        need = self.manager.reserve_pages_needed(seq_lens[:n_pre]) + self.manager.worst_case_decode_pages(n - n_pre)
+        first_chunks = [i for i in range(n_pre) if positions[i] == 0]
+        staged = sum(self.staging_bytes_for(prompt_lens[i]) for i in first_chunks if seq_lens[i] < prompt_lens[i])
+        if staged and self.staging_bytes_used() + staged > self.staging_limit_bytes:
+            raise OutOfPagesError(f"the step's new chunked prompts need {staged} staging bytes; "
+                                  f"{self.staging_limit_bytes - self.staging_bytes_used()} of "
+                                  f"staging_limit_bytes={self.staging_limit_bytes} are free")
+        need = self.manager.reserve_pages_needed([prompt_lens[i] for i in first_chunks]) + \
+            self.manager.worst_case_decode_pages(n - n_pre)
         free = self.manager.free_pages() if known_free_pages is None or need > known_free_pages else known_free_pages
         if need > free:
             raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
-        step = _Step(slots, seq_lens, positions, n_pre, num_tokens)
+        step = _Step(slots, seq_lens, positions, n_pre, num_tokens, prompt_lens)
         if n_pre:
             prefill.plan_prefill(self, step)
         if n - n_pre or pad_to is not None:
             decode.plan_decode(self, step, pad_to=pad_to)
         self.planned_step = step
 
-    def check_request(self, i: int, slot: int, total: int, first: int, prefill: bool) -> None:
+    def check_request(self, i: int, slot: int, total: int, first: int, prefill: bool,
+                      prompt_len: int | None = None) -> None:
         """The checks :meth:`plan` makes for request ``i`` of a step (also run by the TensorRT layer's graph steps).
 
         Args:
             i: the request's index in the step (for the message); slot: its slot.
             total: its tokens after the step; first: the position of its first new token.
             prefill: whether it brings its prompt (a free slot, position 0) or one decode token.
+            prompt_len: a prefill's whole prompt tokens (``None``: ``total``, a whole prompt). A chunk
+                ``[first, total)`` with ``first > 0`` must continue the slot's staged prompt of ``prompt_len``
+                tokens at its next position.
 
         Raises:
             ValueError: a slot outside the cache, a request beyond ``max_seq_len_tokens``, an empty prompt, a
@@ -280,10 +326,24 @@ class PagedDiffKVCache:
         if total > self.max_seq_len_tokens:
             raise ValueError(f"request {i} (slot {slot}): {total} tokens exceed max_seq_len_tokens={self.max_seq_len_tokens}")
         if prefill:
+            prompt_len = total if prompt_len is None else prompt_len
             if total < 1:
                 raise ValueError(f"request {i} (slot {slot}): empty prompt, at least one token is needed")
-            if first != 0 or self.prompt_len[slot]:
-                raise ValueError(f"request {i}: prefill needs a free slot and position 0 (slot {slot})")
+            if not first < total <= prompt_len:
+                raise ValueError(f"request {i} (slot {slot}): a prefill chunk [{first}, {total}) must be non-empty and "
+                                 f"within its prompt of {prompt_len} tokens")
+            if prompt_len > self.max_seq_len_tokens:
+                raise ValueError(f"request {i} (slot {slot}): a prompt of {prompt_len} tokens exceeds "
+                                 f"max_seq_len_tokens={self.max_seq_len_tokens}")
+            staged = self.staging.get(slot)
+            if first == 0:
+                if self.prompt_len[slot] or staged is not None:
+                    raise ValueError(f"request {i}: prefill needs a free slot and position 0 (slot {slot})")
+            elif staged is None or staged.filled_tokens != first or staged.prompt_tokens != prompt_len:
+                have = "no staged prompt" if staged is None else \
+                    f"{staged.filled_tokens} of {staged.prompt_tokens} prompt tokens staged"
+                raise ValueError(f"request {i} (slot {slot}): a prefill chunk from position {first} of a "
+                                 f"{prompt_len}-token prompt must continue the slot's staged prompt; it has {have}")
         elif not self.prompt_len[slot] or first != self.seq_len[slot] or total != first + 1:
             raise ValueError(f"request {i} (slot {slot}): a decode step writes position {self.seq_len[slot]} "
                              f"(seq_len {self.seq_len[slot] + 1}) of an active slot; got position {first}, seq_len {total}")
@@ -346,12 +406,16 @@ class PagedDiffKVCache:
     def finish_step(self, step) -> None:
         """End ``step``: commit its prompts' tier counts to the page manager, advance the slots' lengths,
         clear :attr:`planned_step` (called after the last layer, or by :meth:`finish_replayed_step`)."""
-        if step.prefill is not None:
+        if step.prefill is not None and step.prefill["finishing"]:
             counts = step.prefill["counts"]
             self.manager.commit_prompt(step.prefill["slots"], counts[..., 0], counts[..., 1])
         for i, slot in enumerate(step.slots):
             if i < step.n_pre:
-                self.prompt_len[slot] = step.seq_lens[i]
+                if step.seq_lens[i] == step.prompt_lens[i]:  # the prompt is compacted: its staging goes
+                    self.prompt_len[slot] = step.seq_lens[i]
+                    self.staging.pop(slot, None)
+                else:
+                    self.staging[slot].filled_tokens = step.seq_lens[i]
             self.seq_len[slot] = step.seq_lens[i]
         self.planned_step = None
 
@@ -405,10 +469,22 @@ class PagedDiffKVCache:
         self.manager.release(torch.tensor(slots, dtype=torch.int64, device=self.device))
         for s in slots:
             self.prompt_len[s] = self.seq_len[s] = 0
+            self.staging.pop(s, None)
 
     @property
     def active_slots(self) -> list[int]:
-        return [s for s in range(self.max_slots) if self.prompt_len[s]]
+        """Slots holding a request: a compacted prompt (and its decode tokens) or a prompt half-prefilled in chunks."""
+        return [s for s in range(self.max_slots) if self.prompt_len[s] or s in self.staging]
+
+    def staging_bytes_for(self, prompt_tokens: int) -> int:
+        """Staging bytes a prompt of ``prompt_tokens`` tokens holds while prefilled in chunks (:mod:`.staging`)."""
+        scoring = self.config.prompt_score_window_tokens if self.config.compress else 0
+        return staging_bytes(self.num_layers, self.num_kv_heads, self.num_heads, self.head_dim, prompt_tokens,
+                             scoring, self.dtype)
+
+    def staging_bytes_used(self) -> int:
+        """Bytes the staging of half-prefilled prompts holds now (host bookkeeping)."""
+        return sum(st.size_bytes for st in self.staging.values())
 
     def pool_used_bytes(self) -> int:
         """Pool bytes really held: pages not free x page size + row metadata of active requests (a device read)."""
@@ -437,9 +513,10 @@ class PagedDiffKVCache:
 class _Step:
     """Host description of the planned step plus the device tensors its layers use."""
 
-    def __init__(self, slots, seq_lens, positions, n_pre, num_tokens) -> None:
+    def __init__(self, slots, seq_lens, positions, n_pre, num_tokens, prompt_lens=None) -> None:
         self.slots, self.seq_lens, self.positions, self.n_pre, self.num_tokens = slots, seq_lens, positions, n_pre, num_tokens
-        self.prefill_tokens = sum(seq_lens[:n_pre])
+        self.prompt_lens = list(seq_lens) if prompt_lens is None else prompt_lens
+        self.prefill_tokens = sum(b - a for a, b in zip(positions[:n_pre], seq_lens[:n_pre]))
         self.next_layer = 0  # layers run in order, once each
         self.prefill = None
         self.decode = None

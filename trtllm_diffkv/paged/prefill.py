@@ -11,6 +11,13 @@ token in reserved page ``j // P_high``, the j-th low token in reserved page
 ``C - 1 - j // P_low`` (``C`` reserved pages), which the commit moves to the
 right end of the row. The cache commits after the last layer, returning the
 surplus pages to the ring.
+
+Chunked prefill (:mod:`.staging`): a prefill request of the step may bring the chunk
+``[start, end)`` of a prompt of ``n`` tokens. Its first chunk reserves the whole prompt's pages;
+every chunk attends causally over the kept full-precision K/V of the earlier chunks plus itself
+and keeps its own K/V (and its scoring queries) in the prompt's :class:`~.staging.PromptStaging`;
+only the final chunk (``end == n``) scores, tiers and writes, over all ``n`` tokens, as an
+unchunked prefill of the same prompt does.
 """
 from __future__ import annotations
 
@@ -18,14 +25,34 @@ import torch
 
 from .. import policy
 from .gather import token_location
+from .staging import PromptStaging
 
 
 def plan_prefill(cache, step) -> None:
-    """Reserve the prompt pages (all tokens counted high) and build the per-token tensors the layers use."""
+    """Reserve the prompt pages at each prompt's first chunk (all tokens counted high), start the staging of
+    prompts that continue in later steps, and build the per-token tensors of the prompts that end in this step.
+
+    ``step.positions[i]`` / ``step.seq_lens[i]`` / ``step.prompt_lens[i]`` of prefill request ``i``: its chunk
+    ``[start, end)`` and its whole prompt's tokens ``n`` (``start == 0 and end == n``: an unchunked prompt)."""
     cfg, dev = cache.config, cache.device
-    lens = step.seq_lens[:step.n_pre]
-    slots = torch.tensor(step.slots[:step.n_pre], dtype=torch.int64, device=dev)
-    cache.manager.reserve_prompt(slots, torch.tensor(lens, dtype=torch.int64, device=dev))
+    n_pre = step.n_pre
+    slots_host, starts, ends, totals = step.slots[:n_pre], step.positions[:n_pre], step.seq_lens[:n_pre], \
+        step.prompt_lens[:n_pre]
+    first = [i for i in range(n_pre) if starts[i] == 0]
+    if first:
+        cache.manager.reserve_prompt(torch.tensor([slots_host[i] for i in first], dtype=torch.int64, device=dev),
+                                     torch.tensor([totals[i] for i in first], dtype=torch.int64, device=dev))
+    scoring = cfg.prompt_score_window_tokens if cfg.compress else 0
+    for i in first:
+        if ends[i] < totals[i]:
+            cache.staging[slots_host[i]] = PromptStaging(cache.num_layers, cache.num_kv_heads, cache.num_heads,
+                                                         cache.head_dim, totals[i], scoring, cache.dtype, dev)
+    finishing = [i for i in range(n_pre) if ends[i] == totals[i]]
+    bounds = [0]
+    for a, b in zip(starts, ends):
+        bounds.append(bounds[-1] + b - a)
+    lens = [totals[i] for i in finishing]
+    slots = torch.tensor([slots_host[i] for i in finishing], dtype=torch.int64, device=dev)
     lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=dev)
     cu[1:] = torch.cumsum(lens_t, 0)
@@ -35,25 +62,99 @@ def plan_prefill(cache, step) -> None:
     S, W = cfg.prompt_score_window_tokens, cfg.recent_window_tokens
     length = t + 1 if cfg.prompt_threshold_base == "position" else n_tok
     thr_h, thr_l = policy.tier_thresholds(cfg.alpha_high, length), policy.tier_thresholds(cfg.alpha_low, length)
+    cu_host = [0]
+    for x in lens:
+        cu_host.append(cu_host[-1] + x)
     step.prefill = dict(
-        slots=slots, cu=cu.to(torch.int32), cu_host=[0] + list(torch.tensor(lens).cumsum(0).tolist()), req=req,
+        slots=slots, cu=cu.to(torch.int32), cu_host=cu_host, req=req,
         t=t.to(torch.int32), count=torch.minimum(n_tok - t, torch.full_like(t, S)).float(), thr_h=thr_h, thr_l=thr_l,
         window=t >= n_tok - W, start=cu[req], row_base=slots[req] * cache.rows_per_slot,
-        reserved=torch.tensor([cache.page_format.prompt_reserve_pages(x) for x in lens], device=dev)[req],
+        reserved=torch.tensor([cache.page_format.prompt_reserve_pages(x) for x in lens], dtype=torch.int64,
+                              device=dev)[req],
         counts=torch.zeros(len(lens), cache.num_layers, cache.num_kv_heads, 2, dtype=torch.int32, device=dev),
         err_idx=slots[req].to(torch.int32).repeat_interleave(cache.num_kv_heads),
+        chunked=any(a or b < n for a, b, n in zip(starts, ends, totals)), finishing=finishing,
+        chunks=[(slots_host[i], starts[i], ends[i], totals[i], bounds[i], bounds[i + 1]) for i in range(n_pre)],
     )
-    for slot, n in zip(step.slots, lens):
-        cache.prompt_len_device[slot] = n
+    for i in finishing:
+        cache.prompt_len_device[slots_host[i]] = totals[i]
 
 
 def prefill_layer(cache, step, layer, q, k, v, out) -> None:
-    """Scored prefill attention, prompt tiers, and the tokens quantized into the reserved pages (section 5)."""
-    cfg, fmt, p = cache.config, cache.page_format, step.prefill
+    """Scored prefill attention, prompt tiers, and the tokens quantized into the reserved pages (section 5).
+
+    With chunks in the step (:func:`plan_prefill`), the attention runs per prompt (:func:`_chunk_attention`)
+    and the tiers and writes cover the whole prompts that end in this step."""
+    cfg, p = cache.config, step.prefill
+    if p["chunked"]:
+        k, v, sums = _chunk_attention(cache, p, layer, q, k, v, out)
+    else:
+        _, sums = cache.prefill_attention(q, k, v, p["cu"], sm_scale=cache.sm_scale,
+                                           num_scoring_queries=cfg.prompt_score_window_tokens, out=out,
+                                           score_sums=cache.score_sums[:q.shape[0]])
+    if p["finishing"]:
+        _tier_and_write(cache, p, layer, k, v, sums)
+
+
+def _chunk_attention(cache, p, layer, q, k, v, out):
+    """Per prefill request of a step with chunks: its chunk's attention output into ``out``, its K/V and scoring
+    queries kept in its staging; returns the packed (keys, values, fp32 score sums) of the whole prompts that end
+    in this step, in order (``None`` each when none does)."""
+    cfg, dev = cache.config, cache.device
+    S = cfg.prompt_score_window_tokens
+    keys, values, sums = [], [], []
+    for slot, start, end, n, cs, ce in p["chunks"]:
+        qi, ki, vi = q[cs:ce], k[cs:ce], v[cs:ce]
+        if start == 0 and end == n:  # a whole prompt: the unchunked computation, bit for bit
+            _, s = cache.prefill_attention(qi, ki, vi, torch.tensor([0, n], dtype=torch.int32), sm_scale=cache.sm_scale,
+                                           num_scoring_queries=S, out=out[cs:ce])
+            keys.append(ki), values.append(vi), sums.append(s)
+            continue
+        st = cache.staging[slot]
+        st.put(layer, start, qi, ki, vi)
+        kf, vf = st.keys[layer, :end], st.values[layer, :end]  # never the unwritten rows past the chunk
+        out[cs:ce] = chunk_causal_attention(qi, kf, vf, start, cache.sm_scale)
+        if end == n:  # the final chunk: the last S queries of the WHOLE prompt score every token
+            if cfg.compress:
+                s = cache.prompt_scores(st.scoring_queries(layer), kf, torch.tensor([0, n], dtype=torch.int32),
+                                        sm_scale=cache.sm_scale, num_scoring_queries=S)
+            else:
+                s = torch.zeros(n, cache.num_kv_heads, dtype=torch.float32, device=dev)
+            keys.append(kf), values.append(vf), sums.append(s)
+    if not keys:
+        return None, None, None
+    return torch.cat(keys), torch.cat(values), torch.cat(sums)
+
+
+def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sm_scale: float) -> torch.Tensor:
+    """Causal attention of one chunk's queries over its prompt's keys so far (torch SDPA with a boolean mask).
+
+    Args:
+        q: ``[c, num_heads, head_dim]``, the queries of positions ``[start, start + c)``.
+        k, v: ``[start + c, num_kv_heads, head_dim]``, the keys and values of positions ``[0, start + c)``.
+        start: the chunk's first position; sm_scale: the softmax scale.
+
+    Returns:
+        ``[c, num_heads, head_dim]`` in q's dtype: query ``i`` attends keys ``0 .. start + i`` (GQA: query head ``h``
+        reads KV head ``h // (num_heads // num_kv_heads)``).
+    """
+    c, num_heads, _ = q.shape
+    total, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh, vh = (x.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0) for x in (k, v))
+    mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(start, start + c, device=q.device)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
+    return o[0].transpose(0, 1)
+
+
+def _tier_and_write(cache, p, layer, k, v, sums) -> None:
+    """Tier every token of the prompts that end in this step and quantize it into its reserved page (section 5).
+
+    ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` of those prompts, packed as ``p["cu_host"]``; ``sums``: fp32
+    ``[T, num_kv_heads]`` prompt score sums."""
+    cfg, fmt = cache.config, cache.page_format
     H, D = cache.num_kv_heads, cache.head_dim
-    _, sums = cache.prefill_attention(q, k, v, p["cu"], sm_scale=cache.sm_scale,
-                                       num_scoring_queries=cfg.prompt_score_window_tokens, out=out,
-                                       score_sums=cache.score_sums[:q.shape[0]])
     rows = p["row_base"][:, None] + layer * H + torch.arange(H, device=cache.device)  # [Tp, H]
     if cfg.compress:
         if cfg.center_keys:

@@ -144,13 +144,32 @@ def scored_prefill_attention(q, k, v, cu_seqlens, *, sm_scale, num_scoring_queri
         o = torch.nn.functional.scaled_dot_product_attention(
             qh, kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0), is_causal=True, scale=sm_scale)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
+    prompt_scores(q, k, cu_seqlens, sm_scale=sm_scale, num_scoring_queries=num_scoring_queries, score_sums=score_sums)
+    return out, score_sums
+
+
+def prompt_scores(q, k, cu_seqlens, *, sm_scale, num_scoring_queries=64, score_sums=None):
+    """Torch version of :func:`trtllm_diffkv.kernels.prefill_attention.prompt_scores`: the scores of
+    :func:`scored_prefill_attention` alone, reading only the last ``min(num_scoring_queries, n)`` query rows
+    of each request (fp32 ``[total, num_kv_heads]``)."""
+    total, num_heads, _ = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    if score_sums is None:
+        score_sums = torch.zeros(total, num_kv_heads, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        n = end - start
+        if n == 0:
+            continue
         m = min(num_scoring_queries, n)
-        logits = qh[:, n - m:].float() @ kh.float().repeat_interleave(group, 0).transpose(1, 2) * sm_scale
+        qh, kh = q[end - m:end].transpose(0, 1), k[start:end].transpose(0, 1)
+        logits = qh.float() @ kh.float().repeat_interleave(group, 0).transpose(1, 2) * sm_scale
         mask = torch.arange(n, device=q.device)[None, :] > torch.arange(n - m, n, device=q.device)[:, None]
         probs = torch.softmax(logits.masked_fill(mask, float("-inf")), -1)
         sums = probs.sum(1).reshape(num_kv_heads, group, n).amax(1)  # [num_kv_heads, n]
         score_sums[start:end] = sums.transpose(0, 1)
-    return out, score_sums
+    return score_sums
 
 
 def default_sm_scale(head_dim: int) -> float:

@@ -7,9 +7,12 @@
    cannot hold): a bad one fails alone, allocating nothing;
 2. schedule (:class:`~.scheduler.Scheduler`): running requests decode one token each, the most
    recently admitted one preempted by recomputation when the decode worst case exceeds the free
-   pages; waiting requests admitted in FIFO order while the page manager allows, within
-   ``max_batch_size`` and ``max_num_tokens`` (the free count: a lower bound from the last
-   step's status, re-read only when it refuses);
+   pages; then prompts fill what is left of the step's ``max_num_tokens``: the half-prefilled ones
+   first, then waiting requests admitted in FIFO order while the page manager allows, within
+   ``max_batch_size`` (the free count: a lower bound from the last step's status, re-read only
+   when it refuses). With ``enable_chunked_prefill`` (default) a prompt that does not fit gets a
+   chunk and continues in later steps, its K/V kept at full precision until its final chunk
+   compacts it (:mod:`trtllm_diffkv.paged.staging`);
 3. ``prepare_resources``: ONE :meth:`PagedDiffKVCache.plan` (prefill requests first, then decode);
 4. ONE model call over the packed tokens (decode-only steps: one CUDA-graph replay with
    ``use_cuda_graphs``); one :class:`~.sampling.Sampler` call;
@@ -37,10 +40,39 @@ from ..generation.prompts import check_prompt_ids, position_limit
 from ..generation.results import PagedGenerationResult, result_fields
 from ..model.rotation import model_for_kv_config
 from ..paged.cache import OutOfPagesError
+from ..paged.staging import staging_bytes
 from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
 from .sampling import Sampler, SamplingParams, StopChecker
 from .scheduler import Scheduler
+
+
+DEFAULT_MAX_NUM_TOKENS = 2048
+"""Default ``max_num_tokens`` with chunked prefill: a step carries the running decodes and at most this many
+tokens in all (vLLM's ``max_num_batched_tokens`` default for chunked prefill; TensorRT-LLM's ``max_num_tokens``
+default is 8192)."""
+
+
+def prefill_chunk_positions(batch: ScheduledBatch) -> list[tuple[int, int]]:
+    """The prompt positions ``[start, end)`` each context request of ``batch`` brings in this step (batch order).
+
+    The one home of where a step's prefill tokens come from: the executor packs these tokens, and the
+    packed rows of request ``i`` are ``sum(end - start of the requests before it)`` onwards. A caller that
+    needs a chunk's per-position logits (prompt logprobs, ``echo``) passes those rows as ``logits_indices``;
+    logits of row ``j`` of a chunk predict prompt position ``start + j + 1``.
+    """
+    return [(r.num_cached_tokens, r.num_cached_tokens + r.num_new_tokens) for r in batch.context_requests]
+
+
+def sampling_rows(batch: ScheduledBatch) -> list[int]:
+    """Packed rows whose logits the step samples: the last row of each context request that completes its
+    prefill (unchunked or final chunk), then each generation request's row (``logits_indices``)."""
+    rows, at = [], 0
+    for r, (start, end) in zip(batch.context_requests, prefill_chunk_positions(batch)):
+        at += end - start
+        if r.completes_prefill:
+            rows.append(at - 1)
+    return rows + list(range(at, at + len(batch.generation_requests)))
 
 
 class SingleProcess:
@@ -56,7 +88,7 @@ class SingleProcess:
     def step_status(self, status: torch.Tensor, num_requests: int) -> torch.Tensor:
         """The step's status as the executor reads it: int64 ``[num_requests + max_batch_size + 2]`` (sampled
         tokens, per-slot non-finite flags, ring start/end; :meth:`DiffKVResourceManager.device_status`),
-        here unchanged."""
+        here unchanged. ``num_requests``: the requests that sampled a token (not a prompt's non-final chunk)."""
         return status
 
 
@@ -73,7 +105,16 @@ class Executor:
             tokenizer's ``eos_token_id``.
         resource_manager: an existing one; default: built from the sizes below.
         max_batch_size: most requests in a step (request slots).
-        max_num_tokens: most tokens a step carries (default ``max(8192, max_seq_len)``).
+        max_num_tokens: most tokens a step carries (TensorRT-LLM's name): decodes first, then prompt
+            chunks. Default :data:`DEFAULT_MAX_NUM_TOKENS` (2048, or ``max_batch_size`` if larger) with
+            chunked prefill; without it ``max(8192, max_seq_len)``.
+        enable_chunked_prefill: split prompts over steps (default ``True``; TensorRT-LLM's and vLLM's
+            name); ``False``: each prompt is prefilled in one step (and, with a re-prefill after
+            preemption, prompt + ``max_tokens`` - 1 must fit ``max_num_tokens``).
+        chunk_staging_bytes: most bytes the full-precision staging of half-prefilled prompts holds at
+            once (outside the KV budget; allocated per prompt at its first chunk, freed at its final chunk
+            or its end). Default: one prompt of ``max_seq_len`` tokens. A chunked prompt is admitted
+            only when its staging fits.
         max_seq_len: longest request, prompt + ``max_tokens`` (default: the model's positions).
         kv_memory_bytes, kv_memory_fraction: the KV budget (:class:`DiffKVResourceManager`).
         device: default the model's device.
@@ -90,7 +131,8 @@ class Executor:
             (:class:`trtllm_diffkv.parallel.TensorParallelHook`: every rank takes the same decisions).
 
     Raises:
-        ValueError: a bad size or budget, ``kv_config`` cannot run this model, or a value of
+        ValueError: a bad size or budget (also ``max_num_tokens < max_batch_size``), ``kv_config`` cannot run
+            this model, or a value of
             ``TRTLLM_DIFFKV_DECODE_BACKEND`` that is not ``auto``/``cuda``/``triton``.
     """
 
@@ -99,7 +141,8 @@ class Executor:
                  max_num_tokens: int | None = None, max_seq_len: int | None = None,
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None, device=None,
                  use_cuda_graphs: bool | None = None, high_tokens_per_page: int = 32,
-                 use_triton: bool | None = None, profile: bool = False, parallel=None) -> None:
+                 use_triton: bool | None = None, profile: bool = False, parallel=None,
+                 enable_chunked_prefill: bool = True, chunk_staging_bytes: int | None = None) -> None:
         from ..kernels.cuda_decode import configured_backend
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
@@ -112,18 +155,32 @@ class Executor:
             for name, value in (("max_seq_len", max_seq_len), ("max_num_tokens", max_num_tokens)):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                     raise ValueError(f"{name}={value!r} must be a positive integer (or None)")
+            if chunk_staging_bytes is not None and (isinstance(chunk_staging_bytes, bool)
+                                                    or not isinstance(chunk_staging_bytes, int) or chunk_staging_bytes < 0):
+                raise ValueError(f"chunk_staging_bytes={chunk_staging_bytes!r} must be an integer >= 0 (or None)")
             max_seq_len = min(max_seq_len or limit, limit)
+            if max_num_tokens is None:
+                max_num_tokens = max(DEFAULT_MAX_NUM_TOKENS, max_batch_size if isinstance(max_batch_size, int) else 0) \
+                    if enable_chunked_prefill else max(8192, max_seq_len)
+            if chunk_staging_bytes is None:
+                chunk_staging_bytes = staging_bytes(model_config.num_layers, model_config.num_kv_heads,
+                                                    model_config.num_heads, model_config.head_dim, max_seq_len,
+                                                    kv_config.prompt_score_window_tokens, param.dtype)
             resource_manager = self.parallel.resource_manager(
                 model_config, kv_config, kv_memory_bytes=kv_memory_bytes, kv_memory_fraction=kv_memory_fraction,
                 max_batch_size=max_batch_size, max_seq_len_tokens=max_seq_len,
-                max_num_tokens=max_num_tokens or max(8192, max_seq_len), device=self.device, dtype=param.dtype,
-                high_tokens_per_page=high_tokens_per_page, use_triton=use_triton)
+                max_num_tokens=max_num_tokens, device=self.device, dtype=param.dtype,
+                high_tokens_per_page=high_tokens_per_page, use_triton=use_triton,
+                staging_limit_bytes=chunk_staging_bytes if enable_chunked_prefill else 0)
         self.rm = resource_manager
         self.cache = resource_manager.cache
         kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
         self.model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy
         self.decode_backend = self._decode_backend(param.dtype)
         self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens
+        if self.max_num_tokens < self.max_batch_size:  # every running request decodes in every step
+            raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= max_batch_size={self.max_batch_size} "
+                             "(a step carries one token of each running request)")
         self.max_seq_len = min(resource_manager.max_seq_len_tokens, position_limit(model_config))
         if use_cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graphs=True needs a CUDA device, got {self.device}")
@@ -134,7 +191,8 @@ class Executor:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_token_ids or ()) | ({eos} if eos is not None else set())
         self.sampler = Sampler(model_config.vocab_size, self.device)
-        self.scheduler = Scheduler(self.rm, self.max_batch_size, self.max_num_tokens)
+        self.enable_chunked_prefill = bool(enable_chunked_prefill)
+        self.scheduler = Scheduler(self.rm, self.max_batch_size, self.max_num_tokens, self.enable_chunked_prefill)
         self.requests: dict = {}  # live requests by id
         self._checkers: dict = {}
         self._pending: list[RequestUpdate] = []  # aborts done between steps, reported by the next step
@@ -301,7 +359,8 @@ class Executor:
         Raises:
             ValueError: not a ``SamplingParams``, a bad sampling value, a bad prompt
                 (:func:`~trtllm_diffkv.generation.prompts.check_prompt_ids`), prompt + ``max_tokens`` past
-                ``max_seq_len``, or a re-prefill that could not fit one step (``max_num_tokens``).
+                ``max_seq_len``, or a re-prefill after preemption (prompt + ``max_tokens`` - 1 tokens) that
+                could not fit one step (``max_num_tokens``) nor, chunked, the staging (``chunk_staging_bytes``).
             OutOfPagesError: the prompt, or (``fp16``) its last decode step, needs more pages than the pool has.
         """
         if not isinstance(params, SamplingParams):
@@ -312,9 +371,17 @@ class Executor:
         if n + params.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len "
                              f"{self.max_seq_len}")
-        if n + params.max_tokens - 1 > self.max_num_tokens:  # a re-prefill after preemption must fit one step
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) - 1 exceeds max_num_tokens="
-                             f"{self.max_num_tokens} (the most tokens one step carries)")
+        longest = n + params.max_tokens - 1  # a re-prefill after preemption brings prompt + generated tokens
+        if longest > self.max_num_tokens:
+            if not self.enable_chunked_prefill:
+                raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) - 1 exceeds max_num_tokens="
+                                 f"{self.max_num_tokens} (the most tokens one step carries; enable_chunked_prefill "
+                                 "is off)")
+            staged, limit = self.rm.staging_bytes_needed(longest), self.cache.staging_limit_bytes
+            if staged > limit:
+                raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) - 1 is more than one step's "
+                                 f"max_num_tokens={self.max_num_tokens}, and prefilled in chunks it would stage "
+                                 f"{staged} bytes, more than chunk_staging_bytes={limit}")
         need, total = self.rm.prefill_pages_needed(n), self.rm.get_max_resource_count()
         if need > total:
             raise OutOfPagesError(f"the prompt needs {need} pages at prefill; the whole pool has {total}")
@@ -352,26 +419,31 @@ class Executor:
             for request in requests:
                 self._fail(request, exc, updates)
             return
+        for request in batch.context_requests:
+            if request.prefill_start_time is None:
+                request.prefill_start_time = t0
+        sampled = [r for r in requests if r.completes_prefill]  # half-prefilled prompts sample nothing yet
         try:
             with torch.inference_mode():
                 tokens = self._forward(batch, graphs)
                 host = self._read(self.parallel.step_status(torch.cat([tokens, self.rm.device_status()]),
-                                                            len(requests)))
+                                                            len(sampled)))
         except Exception as exc:  # noqa: BLE001 - the step failed: its requests fail, the executor goes on
             self.cache.discard_step()
             for request in requests:
                 self._fail(request, RuntimeError(f"the step failed: {type(exc).__name__}: {exc}"), updates)
             return
         t3 = self._sync()
-        errors = self.rm.update_resources(batch, host[len(requests):])
+        errors = self.rm.update_resources(batch, host[len(sampled):])
         self.scheduler.observe_free(self.rm.free_pages_after_step)
         t4 = self._sync()
         self._totals["bookkeeping_s"] += (t2 - t1) + (t4 - t3)
-        for request, token in zip(requests, host[:len(requests)]):
+        tokens_of = dict(zip(map(id, sampled), host[:len(sampled)]))
+        for request in requests:
             if request.request_id in errors:
                 self._fail(request, ValueError(errors[request.request_id]), updates)
-            else:
-                self._advance(request, int(token), t0, t4, updates)
+            elif id(request) in tokens_of:
+                self._advance(request, int(tokens_of[id(request)]), t0, t4, updates)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -413,25 +485,27 @@ class Executor:
 
     def _forward(self, batch: ScheduledBatch, graphs=None) -> torch.Tensor:
         """One model call (or one decode graph replay) over the packed tokens and one sampler call;
-        ``[batch_size]`` int64 tokens on the device."""
-        ids, positions, counts = [], [], []
-        for r in batch.context_requests:
-            ids += r.prefill_token_ids
-            positions += range(len(r.prefill_token_ids))
-            counts.append(len(r.prefill_token_ids))
+        int64 tokens on the device, one per request that completes its prefill or decodes (batch order)."""
+        ids, positions = [], []
+        for r, (start, end) in zip(batch.context_requests, prefill_chunk_positions(batch)):
+            ids += r.prefill_token_ids[start:end]
+            positions += range(start, end)
         for r in batch.generation_requests:
             ids.append(r.output_token_ids[-1])
             positions.append(r.num_cached_tokens)
         dev = self.device
-        last = None
+        rows = None
         if batch.context_requests:
-            last = torch.tensor(counts + [1] * len(batch.generation_requests), device=dev).cumsum(0) - 1
+            rows = sampling_rows(batch)
+            rows = torch.tensor(rows or [len(ids) - 1], device=dev)  # only half-prefilled prompts: one row, unused
         if graphs is not None:
             logits = graphs.run(ids, positions)
         else:
             logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
-                                logits_indices=last)
-        requests = batch.all_requests
+                                logits_indices=rows)
+        requests = [r for r in batch.all_requests if r.completes_prefill]
+        if not requests:
+            return torch.empty(0, dtype=torch.int64, device=dev)
         return self.sampler.sample(logits, [r.request_id for r in requests], [r.history for r in requests])
 
     def _read(self, values: torch.Tensor) -> list[int]:
@@ -451,7 +525,8 @@ class Executor:
 
     def _advance(self, request: Request, token: int, t0: float, now: float, updates: list) -> None:
         if request.first_token_time is None:
-            request.first_token_time, request.prefill_s = now, now - t0
+            request.first_token_time = now
+            request.prefill_s = now - (request.prefill_start_time if request.prefill_start_time is not None else t0)
         request.output_token_ids.append(token)
         request.history.append(token)
         self._totals["output_tokens"] += 1

@@ -49,8 +49,13 @@ class Request:
         output_token_ids: generated token ids so far (the stop token included).
         slot: the paged cache's request slot while ``RUNNING``, else ``None``.
         num_cached_tokens: tokens stored in the cache (prompt and generated); 0 unless ``RUNNING``.
+            While its prompt is prefilled in chunks: the prompt tokens of the chunks that ran (kept at full
+            precision in the cache's staging until the final chunk).
         prefill_token_ids: what the next prefill brings: the prompt, or after a preemption by
             recomputation the prompt + every generated token.
+        prefill_chunk_tokens: tokens of ``prefill_token_ids`` the step being scheduled carries (set by the
+            scheduler; 0: all that are left, one whole prefill).
+        prefill_start_time: ``time.perf_counter()`` at the start of the step of its first prefill chunk.
         num_preemptions: times its pages were taken back and it went back to the queue.
         finish_reason: ``"stop"``, ``"length"``, ``"error"``, ``"abort"`` once finished.
         stop_token_id: the id that stopped it (``finish_reason == "stop"`` by an id), else ``None``.
@@ -58,8 +63,8 @@ class Request:
         result: at the end, the :class:`~trtllm_diffkv.generation.static_batch.PagedGenerationResult`
             (the fields of :class:`~trtllm_diffkv.generation.reference.GenerationResult` + pool pages and bytes).
         first_token_time, finish_time: ``time.perf_counter()`` of the first generated token and of the end.
-        prefill_s: wall seconds of the step that brought its first prefill (shared with the
-            requests of that step).
+        prefill_s: wall seconds from the start of the step that brought its first prefill chunk to its
+            first token (one step unless the prompt was chunked; shared with the requests of that step).
     """
 
     request_id: Any
@@ -71,6 +76,8 @@ class Request:
     slot: int | None = None
     num_cached_tokens: int = 0
     prefill_token_ids: list[int] = field(default_factory=list)
+    prefill_chunk_tokens: int = 0
+    prefill_start_time: float | None = None
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_token_id: int | None = None
@@ -88,18 +95,30 @@ class Request:
 
     @property
     def is_prefill(self) -> bool:
-        """Whether its next step is a prefill (no tokens in the cache yet)."""
-        return self.num_cached_tokens == 0
+        """Whether its next step is a prefill (chunk): no tokens in the cache yet, or a prompt half-prefilled."""
+        return self.num_cached_tokens < len(self.prefill_token_ids) or self.num_cached_tokens == 0
 
     @property
     def num_new_tokens(self) -> int:
-        """Tokens it brings to its next step: the whole prefill, or one decode token."""
-        return len(self.prefill_token_ids) if self.is_prefill else 1
+        """Tokens it brings to its next step: its prefill chunk (default the whole rest), or one decode token."""
+        if not self.is_prefill:
+            return 1
+        return self.prefill_chunk_tokens or len(self.prefill_token_ids) - self.num_cached_tokens
 
     @property
     def seq_len(self) -> int:
         """Tokens stored in the cache after its next step."""
-        return len(self.prefill_token_ids) if self.is_prefill else self.num_cached_tokens + 1
+        return self.num_cached_tokens + self.num_new_tokens
+
+    @property
+    def prefill_in_progress(self) -> bool:
+        """Whether some but not all of its prefill chunks ran (it holds a slot, pages and staging, and no token yet)."""
+        return 0 < self.num_cached_tokens < len(self.prefill_token_ids)
+
+    @property
+    def completes_prefill(self) -> bool:
+        """Whether its next step ends its prefill (an unchunked prefill, the final chunk) or decodes: it samples a token."""
+        return not self.is_prefill or self.seq_len >= len(self.prefill_token_ids)
 
 
 @dataclass

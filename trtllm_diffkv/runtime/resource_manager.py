@@ -58,8 +58,8 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of the step: every context request's prefill tokens + one per generation request."""
-        return sum(len(r.prefill_token_ids) for r in self.context_requests) + len(self.generation_requests)
+        """Tokens of the step: every context request's prefill chunk + one per generation request."""
+        return sum(r.num_new_tokens for r in self.context_requests) + len(self.generation_requests)
 
 
 def kv_budget_bytes(kv_memory_bytes: int | None, kv_memory_fraction: float | None, device: torch.device) -> int:
@@ -116,6 +116,8 @@ class DiffKVResourceManager:
         device, dtype: where the pool lives, the model dtype.
         high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
         use_triton, page_manager, read_path: as :class:`PagedDiffKVCache`.
+        staging_limit_bytes: most bytes the full-precision staging of prompts prefilled in chunks holds at once
+            (:class:`PagedDiffKVCache`; outside the budget; 0: no chunked prompts).
 
     Attributes:
         cache: the :class:`PagedDiffKVCache`; the model's attention backend.
@@ -130,7 +132,7 @@ class DiffKVResourceManager:
                  kv_memory_fraction: float | None = None, max_batch_size: int = 64, max_seq_len_tokens: int,
                  max_num_tokens: int, device=None, dtype: torch.dtype = torch.float32,
                  high_tokens_per_page: int = 32, use_triton: bool | None = None, page_manager: str = "auto",
-                 read_path: str = "auto") -> None:
+                 read_path: str = "auto", staging_limit_bytes: int = 0) -> None:
         mc = model_config
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -150,7 +152,8 @@ class DiffKVResourceManager:
                                       num_pages=num_pages, max_slots=max_batch_size,
                                       max_seq_len_tokens=max_seq_len_tokens, max_num_tokens=max_num_tokens,
                                       device=device, dtype=dtype, high_tokens_per_page=high_tokens_per_page,
-                                      use_triton=use_triton, page_manager=page_manager, read_path=read_path)
+                                      use_triton=use_triton, page_manager=page_manager, read_path=read_path,
+                                      staging_limit_bytes=staging_limit_bytes)
         self.kv_config, self.device = kv_config, device
         self.max_batch_size, self.max_seq_len_tokens, self.max_num_tokens = max_batch_size, max_seq_len_tokens, max_num_tokens
         self._free_slots = list(range(max_batch_size - 1, -1, -1))  # pop() takes the lowest slot
@@ -160,10 +163,11 @@ class DiffKVResourceManager:
     # ------------------------------------------------------------------ TensorRT-LLM contract
     def prepare_resources(self, batch: ScheduledBatch, *, pad_to: int | None = None,
                           known_free_pages: int | None = None) -> None:
-        """Slots for the context requests, then plan the step (TensorRT-LLM ``prepare_resources``).
+        """Slots for the new context requests, then plan the step (TensorRT-LLM ``prepare_resources``).
 
-        ONE :meth:`PagedDiffKVCache.plan`: prefill requests reserve their prompt pages (all tokens
-        counted high), decode requests get every layer's decisions and one ``append_decode``.
+        ONE :meth:`PagedDiffKVCache.plan`: prefill requests reserve their prompt pages at their first
+        chunk (all tokens counted high; a request's chunk is ``Request.num_new_tokens`` tokens from
+        ``Request.num_cached_tokens``), decode requests get every layer's decisions and one ``append_decode``.
 
         Args:
             batch: the step's requests.
@@ -176,18 +180,20 @@ class DiffKVResourceManager:
                 (the context requests' slots are given back).
             ValueError: too many requests or tokens, or a request the cache refuses.
         """
-        if batch.batch_size > len(self._free_slots) + len(batch.generation_requests):
-            raise ValueError(f"{len(batch.context_requests)} context requests, {len(self._free_slots)} free slots")
+        new = [r for r in batch.context_requests if r.slot is None]
+        if len(new) > len(self._free_slots):
+            raise ValueError(f"{len(new)} new context requests, {len(self._free_slots)} free slots")
         taken = []
-        for request in batch.context_requests:
+        for request in new:
             request.slot = self._free_slots.pop()
             self._slot_owner[request.slot] = request
             taken.append(request)
         reqs = batch.all_requests
         try:
             self.cache.plan([r.slot for r in reqs], [r.seq_len for r in reqs],
-                            [0 if r.is_prefill else r.num_cached_tokens for r in reqs], [r.is_prefill for r in reqs],
-                            pad_to=pad_to, known_free_pages=known_free_pages)
+                            [r.num_cached_tokens for r in reqs], [r.is_prefill for r in reqs],
+                            pad_to=pad_to, known_free_pages=known_free_pages,
+                            prompt_lens=[len(r.prefill_token_ids) if r.is_prefill else r.seq_len for r in reqs])
         except Exception:
             for request in taken:
                 self._give_slot(request)
@@ -211,7 +217,7 @@ class DiffKVResourceManager:
         flags, (start, end) = status[:self.max_batch_size], status[self.max_batch_size:]
         self.free_pages_after_step = int(end - start)
         for request in batch.all_requests:
-            request.num_cached_tokens = request.seq_len
+            request.num_cached_tokens, request.prefill_chunk_tokens = request.seq_len, 0
         return {r.request_id: NONFINITE_KV_ERROR for r in batch.all_requests if flags[r.slot]}
 
     def free_resources(self, request: Request) -> None:
@@ -243,6 +249,14 @@ class DiffKVResourceManager:
     def prefill_pages_needed(self, num_tokens: int) -> int:
         """Pages a prefill of ``num_tokens`` tokens reserves (page manager's ``reserve_pages_needed``)."""
         return self.cache.manager.reserve_pages_needed([num_tokens])
+
+    def staging_bytes_needed(self, num_tokens: int) -> int:
+        """Staging bytes a prompt of ``num_tokens`` tokens holds while prefilled in chunks (host arithmetic)."""
+        return self.cache.staging_bytes_for(num_tokens)
+
+    def staging_free_bytes(self) -> int:
+        """Staging bytes free now: ``staging_limit_bytes`` minus what half-prefilled prompts hold."""
+        return self.cache.staging_limit_bytes - self.cache.staging_bytes_used()
 
     def decode_pages_needed(self, num_requests: int) -> int:
         """Worst-case pages one decode step of ``num_requests`` takes (``worst_case_decode_pages``)."""
@@ -279,7 +293,8 @@ class DiffKVResourceManager:
 
         Returns:
             dict with ``pool_pages``, ``free_pages``, ``used_pages``, ``page_size_bytes``,
-            ``used_bytes`` (pages held x page size + active rows' metadata), ``bookkeeping_bytes``,
+            ``used_bytes`` (pages held x page size + active rows' metadata), ``staging_bytes`` (held by
+            prompts half-prefilled in chunks, outside the pool), ``bookkeeping_bytes``,
             ``budget_bytes``, ``kv_memory_fraction`` (used bytes / FP16 bytes of the tokens stored;
             ``None`` with nothing stored).
         """
@@ -290,6 +305,7 @@ class DiffKVResourceManager:
         used = cache.pool_used_bytes()
         return dict(pool_pages=cache.manager.num_pages, free_pages=free, used_pages=cache.manager.num_pages - free,
                     page_size_bytes=cache.page_format.page_size_bytes, used_bytes=used,
+                    staging_bytes=cache.staging_bytes_used(),
                     bookkeeping_bytes=self.bookkeeping_bytes, budget_bytes=self.budget_bytes,
                     kv_memory_fraction=used / fp16_bytes if fp16_bytes else None)
 

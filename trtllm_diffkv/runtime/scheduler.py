@@ -10,10 +10,20 @@ manager's sizing rules, read through :class:`~.resource_manager.DiffKVResourceMa
   its pages are freed and it goes back to the FRONT of the queue with prompt + generated
   tokens as its next prefill (vLLM's ``RECOMPUTE`` mode; nothing lost or duplicated). A
   request that does not fit even alone cannot run at all: it is rejected.
+* chunked prefill (``enable_chunked_prefill``, TensorRT-LLM's and vLLM's order): the step's
+  ``max_num_tokens`` go first to the running decodes (one token each), then to the prompts
+  already half-prefilled (admission order; they hold their pages and staging), then to new
+  prompts. A prompt that does not fit in what is left gets a chunk of it and continues in the
+  next steps; it samples its first token after its final chunk. A half-prefilled prompt holds
+  a slot and its whole prompt's reserve from its first chunk, counts among ``running`` (it is
+  preempted like any other, newest first), and decodes nothing until it ends.
 * admission: unless a request was preempted in this step, waiting requests join in FIFO
-  order while their prefill reserve (``reserve_pages_needed``) plus the decode worst case fits
-  in the free pages, within ``max_batch_size`` and ``max_num_tokens``; the queue head blocks
-  the others (no overtaking). A head that cannot fit in an empty pool is rejected.
+  order while their prefill reserve (``reserve_pages_needed`` of the whole prompt) plus the decode
+  worst case fits in the free pages, within ``max_batch_size`` slots and the step's
+  ``max_num_tokens``; a prompt that would be chunked also needs its staging bytes free
+  (``staging_bytes_needed``; else it waits, or without chunking until one step can take it
+  whole). The queue head blocks the others (no overtaking). A head that cannot fit in an
+  empty pool is rejected.
 
 Free pages: :attr:`Scheduler.free_estimate` is the true count read with the last step's status
 (:meth:`observe_free`), a lower bound since then (releases only add pages); it is re-read once
@@ -34,7 +44,9 @@ class Scheduler:
     Args:
         rm: the resource manager (pages, slots).
         max_batch_size: most requests in a step.
-        max_num_tokens: most tokens in a step (prefill tokens + one per decode request).
+        max_num_tokens: most tokens in a step (prefill chunks + one per decode request).
+        enable_chunked_prefill: split a prompt that does not fit in a step's remaining tokens over steps
+            (module docstring); ``False``: a prompt waits until one step can take it whole.
 
     Attributes:
         waiting: queued requests (FIFO; preempted ones go to the front).
@@ -43,8 +55,10 @@ class Scheduler:
         preemptions: requests preempted so far.
     """
 
-    def __init__(self, rm: DiffKVResourceManager, max_batch_size: int, max_num_tokens: int) -> None:
+    def __init__(self, rm: DiffKVResourceManager, max_batch_size: int, max_num_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
         self.rm, self.max_batch_size, self.max_num_tokens = rm, max_batch_size, max_num_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_estimate, self._stale = rm.get_max_resource_count(), False
@@ -71,11 +85,15 @@ class Scheduler:
     def schedule(self) -> tuple[ScheduledBatch, list[tuple[Request, Exception]]]:
         """The next step's batch, and the requests that can never fit (already removed; the caller fails them).
 
-        Running requests become the batch's generation requests (after any preemption);
-        admitted ones its context requests, marked ``RUNNING`` and appended to :attr:`running`.
+        Running requests past their prefill become the batch's generation requests (after any
+        preemption); half-prefilled ones and admitted ones its context requests, each with its
+        ``prefill_chunk_tokens``; admitted ones are marked ``RUNNING`` and appended to :attr:`running`.
         """
         rejected, preempted = [], False
-        while self.running and not self._fits(self.rm.decode_pages_needed(len(self.running))):
+        while True:
+            decoding = [r for r in self.running if not r.prefill_in_progress]
+            if not decoding or self._fits(self.rm.decode_pages_needed(len(decoding))):
+                break
             victim = self.running[-1]
             if len(self.running) > 1:
                 self._preempt(victim)
@@ -87,26 +105,43 @@ class Scheduler:
                 f"{victim.num_cached_tokens} tokens and a decode step may take {self.rm.decode_pages_needed(1)} "
                 f"more; the pool has {total}")))
             self.remove(victim)
-        batch = ScheduledBatch(generation_requests=list(self.running))
+        batch = ScheduledBatch(generation_requests=[r for r in self.running if not r.prefill_in_progress])
+        budget = self.max_num_tokens - len(batch.generation_requests)
+        for request in self.running:  # half-prefilled prompts continue first (their pages are already held)
+            if request.prefill_in_progress and budget > 0:
+                request.prefill_chunk_tokens = min(budget, len(request.prefill_token_ids) - request.num_cached_tokens)
+                batch.context_requests.append(request)
+                budget -= request.prefill_chunk_tokens
+        continuing = len(batch.context_requests)
         if not preempted:
-            self._admit(batch, rejected)
-        self.running.extend(batch.context_requests)
+            self._admit(batch, rejected, budget)
+        self.running.extend(batch.context_requests[continuing:])
         return batch, rejected
 
     def unschedule(self, batch: ScheduledBatch) -> None:
-        """Put a batch's context requests back at the queue front (its plan was refused; nothing changed)."""
+        """Put a batch's newly admitted context requests back at the queue front (its plan was refused; nothing
+        changed); half-prefilled ones stay running."""
         for request in reversed(batch.context_requests):
+            request.prefill_chunk_tokens = 0
+            if request.prefill_in_progress:
+                continue
             self.running.remove(request)
             request.state = RequestState.WAITING
             self.waiting.appendleft(request)
 
-    def _admit(self, batch: ScheduledBatch, rejected: list) -> None:
-        tokens, reserve = batch.num_tokens, self.rm.decode_pages_needed(len(batch.generation_requests))
-        while self.waiting and batch.batch_size < self.max_batch_size:
+    def _admit(self, batch: ScheduledBatch, rejected: list, budget: int) -> None:
+        reserve = self.rm.decode_pages_needed(len(batch.generation_requests))
+        admitted, staging = 0, 0  # staging bytes of the prompts chunked from this step on
+        while self.waiting and len(self.running) + admitted < self.max_batch_size and budget > 0:
             request = self.waiting[0]
             n = len(request.prefill_token_ids)
-            if tokens + n > self.max_num_tokens:
-                return
+            chunk = min(budget, n)
+            if chunk < n:
+                if not self.enable_chunked_prefill:
+                    return  # waits until one step can take it whole
+                staging += self.rm.staging_bytes_needed(n)
+                if staging > self.rm.staging_free_bytes():
+                    return  # waits for staging room (or, if it fits one step, for a step that takes it whole)
             need = reserve + self.rm.prefill_pages_needed(n)
             if not self._fits(need):
                 if self.running or batch.context_requests:
@@ -118,8 +153,9 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             request.state = RequestState.RUNNING
+            request.prefill_chunk_tokens = chunk
             batch.context_requests.append(request)
-            tokens, reserve = tokens + n, need
+            budget, reserve, admitted = budget - chunk, need, admitted + 1
 
     def _fits(self, pages: int) -> bool:
         """Whether ``pages`` are free: the lower bound, re-read once when it refuses after releases."""
@@ -133,6 +169,7 @@ class Scheduler:
         """Preemption by recomputation: every page back, to the queue front with prompt + generated tokens."""
         self.remove(request)
         request.state = RequestState.WAITING
+        request.prefill_chunk_tokens = 0
         request.prefill_token_ids = request.prompt_token_ids + request.output_token_ids
         request.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -1,0 +1,62 @@
+"""Chunked prefill in the paged cache (CPU): bit-identical to the unchunked prefill, staging kept and dropped.
+
+``chunked_prefill_cases`` has the checks (shared with the GPU file): the same q/k/v prefilled whole and
+in chunks leave bit-identical pools (non-final chunks write nothing; the final chunk scores the whole
+prompt with its last S queries, also those of earlier chunks), and every chunk's output equals dense
+fp32 causal attention. Torch path at the default window (S = W = 64), the Triton interpreter at small shapes.
+"""
+import pytest
+import torch
+
+from chunked_prefill_cases import check_chunked_equals_unchunked, kv_config, make_cache, prefill, random_qkv
+from conftest import poison_prompt_staging
+from trtllm_diffkv.paged.cache import OutOfPagesError
+
+
+@pytest.mark.parametrize("name", ["fp16", "k8v4", "default", "llama3-8b", "k8v8"])
+@pytest.mark.parametrize("chunk", [1, 63, 64, 90])  # 90: a final chunk of 10 < S; its scoring queries span 2 chunks
+def test_chunked_cache_equals_unchunked_bit_for_bit(name, chunk):
+    check_chunked_equals_unchunked(name, 100, chunk, device="cpu", dtype=torch.float32, use_triton=False)
+
+
+def test_chunked_cache_on_the_triton_interpreter():
+    """The Triton scores and quantized writes (interpreted: slow, so 12 tokens, S = 8, chunks 5 + 5 + 2)."""
+    check_chunked_equals_unchunked("small-window", 12, 5, device="cpu", dtype=torch.float32, use_triton=True,
+                                   decode=False)
+
+
+def test_staging_is_counted_refused_beyond_its_limit_and_freed():
+    config = kv_config("default")
+    cache = make_cache(config, device="cpu", dtype=torch.float32, use_triton=False, prompt_tokens=100)
+    need = cache.staging_bytes_for(100)
+    L, H, Hq, D = cache.num_layers, cache.num_kv_heads, cache.num_heads, cache.head_dim
+    assert need == 4 * (2 * L * 100 * H * D + L * 64 * Hq * D)  # fp32 K and V of 100 tokens + 64 queries
+    qkv = random_qkv(100, device="cpu", dtype=torch.float32)
+    free = cache.manager.free_pages()
+    cache.plan([0], [40], [0], [True], prompt_lens=[100])
+    for layer, (q, k, v) in enumerate(qkv):
+        cache.forward(layer, q[:40], k[:40], v[:40])
+    assert cache.staging_bytes_used() == need
+    assert free - cache.manager.free_pages() == cache.manager.reserve_pages_needed([100])  # the whole reserve
+    assert cache.active_slots == [0]
+    with pytest.raises(ValueError, match="continue the slot's staged prompt"):
+        cache.plan([0], [60], [30], [True], prompt_lens=[100])  # not where the staging stops
+    cache.staging_limit_bytes = 2 * need - 1
+    with pytest.raises(OutOfPagesError, match="staging"):
+        cache.plan([1], [10], [0], [True], prompt_lens=[100])  # a second staging would exceed the limit
+    assert cache.planned_step is None and 1 not in cache.staging
+    cache.release([0])  # abort in the middle of the prompt
+    assert cache.staging == {} and cache.manager.free_pages() == free and cache.active_slots == []
+    cache.manager.check_invariants()
+
+
+def test_unwritten_staging_rows_are_never_read(monkeypatch):
+    """The staging is allocated uninitialized: rows past the chunks that ran must never reach an output (the
+    public report "chunked prefill with an 8-bit KV cache produced NaN"). Poison them and check every output."""
+    poison_prompt_staging(monkeypatch)
+    for name in ("k8v4", "k8v8"):
+        cache = make_cache(kv_config(name), device="cpu", dtype=torch.float32, use_triton=False, prompt_tokens=100)
+        cache.pool.buffer.fill_(255)  # stale bytes in every page (fp16 NaN), as in a pool that served others
+        outs = prefill(cache, random_qkv(100, device="cpu", dtype=torch.float32), 30)
+        assert all(bool(torch.isfinite(o).all()) for o in outs)
+        assert not bool(cache.error_flags.any())

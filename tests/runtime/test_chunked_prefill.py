@@ -1,0 +1,219 @@
+"""Chunked prefill in the executor (CPU, tiny peaked model, torch path; one run on the Triton interpreter).
+
+References: the same request prefilled in one step (``enable_chunked_prefill=False``), whose outputs
+``test_executor.py`` checks against the reference generator. Chunked outputs must give the same greedy
+tokens, the same tier fractions and bytes, and logits within :data:`LOGIT_ATOL` (fp32 model: the chunks'
+attention runs on other shapes than the one-step prefill, so hidden states differ by ~1e-6; a
+quantized preset can round such a key or value to the neighbouring code, which moves a logit by up to
+~2e-2; the fp16 preset stays within 1e-3). The pages and staging a half-prefilled prompt holds count in
+admission and come back on abort and preemption (``drive`` checks the page manager after every step).
+"""
+import pytest
+import torch
+
+from conftest import peaked_tiny_llama, poison_prompt_staging, random_llama
+from test_executor import CFG, _greedy, _prompts, drive, make
+from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
+from trtllm_diffkv.runtime.sampling import SamplingParams
+
+K8V8 = DiffKVConfig(name="k8v8", high=TierConfig(8, 8), low=TierConfig(8, 8), alpha_low=0.0, alpha_high=0.0)
+LOGIT_ATOL = {"fp16": 1e-3, "k8v4": 5e-2, "default": 5e-2, "k8v8": 5e-2}
+PROMPT = _prompts((100,), seed=3)[0]  # > S = 64: the score window is a part of the prompt
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peaked_tiny_llama()
+
+
+def preset(name):
+    return K8V8 if name == "k8v8" else get_preset(name)
+
+
+def run(model, kv_config, prompt, max_tokens, chunk=None, ex=None, **kw):
+    """Greedy ``prompt`` alone: ``chunk`` tokens per step (``None``: one-step prefill). Returns (request, logits
+    ``[max_tokens, vocab]`` the sampler saw)."""
+    if ex is None:
+        ex = make(model, kv_config, max_batch_size=1, max_num_tokens=chunk or 128,
+                  enable_chunked_prefill=chunk is not None, **kw)
+    seen = []
+    sample = ex.sampler.sample
+
+    def recording(logits, ids, histories):
+        seen.append(logits.clone())
+        return sample(logits, ids, histories)
+
+    ex.sampler.sample = recording
+    rid = ex.add_request(prompt, _greedy(max_tokens))
+    request = ex.run_until_done()[rid]
+    ex.sampler.sample = sample
+    assert ex.cache.manager.free_pages() == ex.cache.manager.num_pages and ex.cache.staging == {}
+    return request, torch.cat(seen)
+
+
+_unchunked = {}
+
+
+def unchunked(model, name):
+    if name not in _unchunked:
+        _unchunked[name] = run(model, preset(name), PROMPT, 6)
+    return _unchunked[name]
+
+
+@pytest.mark.parametrize("name,chunk", [("default", 1), ("default", 63), ("default", 64), ("default", 90),
+                                        ("fp16", 1), ("fp16", 64), ("fp16", 90), ("k8v4", 63), ("k8v4", 90),
+                                        ("k8v8", 64)])
+def test_chunked_prefill_equals_the_one_step_prefill(model, name, chunk):
+    """Chunks of 1, of the window (64), of window - 1 and a final chunk shorter than the window (100 = 90 + 10:
+    the scoring queries 36..99 span two chunks)."""
+    want, want_logits = unchunked(model, name)
+    got, logits = run(model, preset(name), PROMPT, 6, chunk)
+    assert got.output_token_ids == want.output_token_ids
+    assert bool(torch.isfinite(logits).all())
+    torch.testing.assert_close(logits, want_logits, atol=LOGIT_ATOL[name], rtol=0)
+    for field in ("kv_cache_bytes", "high_fraction", "low_fraction", "pruned_fraction", "pool_pages"):
+        assert getattr(got.result, field) == getattr(want.result, field), field
+
+
+@pytest.mark.parametrize("name", ["k8v4", "k8v8"])
+def test_chunked_prefill_with_an_8_bit_cache_gives_no_nan(model, name, monkeypatch):
+    """Public report: "chunked prefill with an 8-bit KV cache produced NaN". Here the pool already served a
+    request (stale pages) and every staging row is NaN until a chunk writes it: no output may see either."""
+    poison_prompt_staging(monkeypatch)
+    ex = make(model, preset(name), max_batch_size=1, max_num_tokens=30)
+    run(model, None, _prompts((70,), seed=9)[0], 3, ex=ex)  # leaves stale bytes in the pages
+    got, logits = run(model, None, PROMPT, 6, ex=ex)
+    want, want_logits = unchunked(model, name)
+    assert bool(torch.isfinite(logits).all()) and got.output_token_ids == want.output_token_ids
+    torch.testing.assert_close(logits, want_logits, atol=LOGIT_ATOL[name], rtol=0)
+
+
+def test_seeded_sampling_does_not_depend_on_the_chunking(model):
+    """A prompt's non-final chunks sample nothing: its seeded draws are those of the one-step prefill."""
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=77)
+    got = {}
+    for chunk in (None, 30):
+        ex = make(model, CFG, max_batch_size=1, max_num_tokens=chunk or 128, enable_chunked_prefill=chunk is not None)
+        rid = ex.add_request(PROMPT, params)
+        got[chunk] = ex.run_until_done()[rid].output_token_ids
+    assert got[30] == got[None] and len(set(got[None])) > 1
+
+
+def test_decodes_run_in_every_step_while_a_long_prompt_is_chunked(model):
+    """Decodes first, then prompt chunks in what is left of ``max_num_tokens``; nobody's tokens change."""
+    kv, short = get_preset("default"), _prompts((10,), seed=4)[0]
+    ex = make(model, kv, max_batch_size=2, max_num_tokens=16)
+    tokens_per_step, prepare = [], ex.rm.prepare_resources
+
+    def recording(batch, **kw):
+        tokens_per_step.append((batch.num_tokens, len(batch.generation_requests), len(batch.context_requests)))
+        return prepare(batch, **kw)
+
+    ex.rm.prepare_resources = recording
+    got = drive(ex, {0: [("short", short, _greedy(12))], 2: [("long", PROMPT, _greedy(4))]})
+    assert got["short"][0] == run(model, kv, short, 12)[0].output_token_ids
+    assert got["long"][0] == unchunked(model, "default")[0].output_token_ids[:4]
+    assert all(n <= 16 for n, _, _ in tokens_per_step)
+    # steps 2..8: the short request decodes while the long prompt comes in chunks of 15 (100 = 6 x 15 + 10)
+    assert tokens_per_step[2:9] == [(16, 1, 1)] * 6 + [(11, 1, 1)]
+
+
+def test_a_half_prefilled_prompt_holds_its_reserve_in_admission(model):
+    """From its first chunk a prompt holds its whole reserve (all tokens counted high) and its staging: a prompt
+    that needs those pages is not admitted beside its final chunk, only once it ended."""
+    probe = make(model, CFG)
+    reserve_a, reserve_b = probe.rm.prefill_pages_needed(60), probe.rm.prefill_pages_needed(20)
+    ex = make(model, CFG, num_pages=reserve_a + reserve_b - 1, max_num_tokens=16)
+    a = ex.add_request(_prompts((60,), seed=5)[0], _greedy(1))  # ends at its final chunk
+    b = ex.add_request(_prompts((20,), seed=6)[0], _greedy(2))
+    ex.step()
+    for _ in range(3):  # chunks 2..4 of a (60 = 3 x 16 + 12); the last leaves 4 tokens of the step for b
+        stats = ex.stats()
+        assert stats["used_pages"] == reserve_a and stats["staging_bytes"] == ex.rm.staging_bytes_needed(60)
+        assert [r.request_id for r in ex.running] == [a] and [r.request_id for r in ex.waiting] == [b]
+        ex.step()
+    assert a not in ex.requests and ex.stats()["staging_bytes"] == 0 and ex.stats()["used_pages"] == 0
+    assert [r.request_id for r in ex.waiting] == [b]
+    ex.step()
+    assert [r.request_id for r in ex.running] == [b]
+    ex.run_until_done()
+    assert ex.cache.manager.free_pages() == ex.cache.manager.num_pages
+
+
+@pytest.mark.parametrize("limit_prompts,admitted_at", [(1, 3), (2, 2)])
+def test_a_chunked_prompt_is_admitted_only_when_its_staging_fits(model, limit_prompts, admitted_at):
+    """``chunk_staging_bytes`` for one prompt (62 tokens: a re-prefill of prompt + max_tokens - 1 must fit it): the
+    second waits for the first's final chunk; for two, it starts beside that final chunk."""
+    probe = make(model, CFG)
+    limit = limit_prompts * probe.rm.staging_bytes_needed(62)
+    ex = make(model, CFG, max_num_tokens=40, chunk_staging_bytes=limit)
+    first, second = _prompts((60, 60), seed=7)
+    ex.add_request(first, _greedy(3))
+    late = ex.add_request(second, _greedy(3))
+    admitted = None
+    for step in range(1, 4):
+        ex.step()  # step 1: 40 of the first; step 2: its final 20 + (if the staging allows) 20 of the second
+        assert ex.stats()["staging_bytes"] <= limit
+        if admitted is None and any(r.request_id == late for r in ex.running):
+            admitted = step
+    assert admitted == admitted_at
+    out = ex.run_until_done()
+    assert out[late].output_token_ids == run(model, CFG, second, 3)[0].output_token_ids
+
+
+def test_abort_in_the_middle_of_a_chunked_prompt_frees_every_page_and_its_staging(model):
+    short, long = _prompts((8, 90), seed=8)
+    ex = make(model, CFG, max_num_tokens=10)
+    got = drive(ex, {0: [("short", short, _greedy(10)), ("long", long, _greedy(5))]}, aborts={4: ["long"]})
+    assert got["long"][1].finish_reason == "abort" and got["long"][0] == []
+    assert ex.cache.staging == {} and ex.stats()["staging_bytes"] == 0  # drive: every page back, checked each step
+    assert got["short"][0] == run(model, CFG, short, 10)[0].output_token_ids
+
+
+def test_preempting_a_half_prefilled_prompt_frees_it_and_it_restarts(model):
+    """A decoding request grows until its decode step no longer fits: the newest request, a prompt still in its
+    chunks, is preempted (pages and staging back) and later prefilled again from its first token."""
+    fp16 = get_preset("fp16")
+    probe = make(model, fp16)
+    decode_pages = probe.rm.decode_pages_needed(1)
+    ex = make(model, fp16, num_pages=probe.rm.prefill_pages_needed(60) + 2 * decode_pages + 6, max_batch_size=2,
+              max_num_tokens=4)
+    preempted, preempt = [], ex.scheduler._preempt
+
+    def recording(request):
+        preempted.append((request.request_id, request.num_cached_tokens, len(request.prefill_token_ids)))
+        preempt(request)
+
+    ex.scheduler._preempt = recording
+    grower, prompt = _prompts((4, 60), seed=10)
+    got = drive(ex, {0: [("grower", grower, _greedy(40))], 1: [("chunked", prompt, _greedy(3))]})
+    assert preempted and all(0 < cached < total for _, cached, total in preempted)  # mid-prompt each time
+    assert got["chunked"][0] == run(model, fp16, prompt, 3)[0].output_token_ids
+    assert got["grower"][0] == run(model, fp16, grower, 40)[0].output_token_ids
+    assert ex.cache.staging == {}
+
+
+def test_without_chunked_prefill_a_prompt_must_fit_one_step(model):
+    ex = make(model, CFG, max_num_tokens=32, enable_chunked_prefill=False)
+    rid = ex.add_request(_prompts((40,), seed=11)[0], _greedy(2))
+    update = [u for u in ex.step() if u.request_id == rid][0]
+    assert update.finish_reason == "error" and "max_num_tokens=32" in update.error and "enable_chunked_prefill" in update.error
+    with pytest.raises(ValueError, match="max_num_tokens=4 must be >= max_batch_size=8"):
+        make(model, CFG, max_num_tokens=4)
+    tiny = make(model, CFG, max_num_tokens=16, chunk_staging_bytes=100)
+    rid = tiny.add_request(_prompts((40,), seed=11)[0], _greedy(2))
+    update = [u for u in tiny.step() if u.request_id == rid][0]
+    assert update.finish_reason == "error" and "chunk_staging_bytes=100" in update.error
+
+
+def test_chunked_prefill_on_the_triton_interpreter():
+    """The executor on the Triton kernels (interpreter, small shapes): chunks of 4 of a 10-token prompt (S = 8: the
+    final chunk of 2 leaves scoring queries in earlier chunks) give the one-step prefill's tokens."""
+    model = random_llama(0, vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, max_position_embeddings=256)
+    prompt = _prompts((10,), seed=12, vocab=128)[0]
+    kw = dict(num_pages=200, max_seq_len=32, max_batch_size=1, use_triton=True)
+    want = run(model, CFG, prompt, 2, ex=make(model, CFG, max_num_tokens=16, enable_chunked_prefill=False, **kw))
+    got = run(model, CFG, prompt, 2, ex=make(model, CFG, max_num_tokens=4, **kw))
+    assert got[0].output_token_ids == want[0].output_token_ids
+    torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=0)
