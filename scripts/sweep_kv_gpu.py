@@ -1,7 +1,7 @@
 """Issue 19's KV-part kernels on the GPU at one decode layer of Llama-3-8B 48 x 4096: variants side by side.
 
-1. The CUDA partial kernel (``kernels/cuda_decode.py``) over L2 prefetch distance (``PREFETCH_PAGES``),
-   register cap (``MIN_BLOCKS``) and partitions per row, at three tier mixes (all-high, all-low, 85 % high:
+1. The CUDA partial kernel (``kernels/cuda_decode.py``) over register cap (``MIN_BLOCKS``) and partitions per
+   row, at three tier mixes (all-high, all-low, 85 % high:
    what the ``llama3-8b`` preset keeps at this point in ``bench_step``); each variant's output checked
    against the Triton partial kernel's (relative error), its time the median of ``triton.testing.do_bench``,
    its bandwidth = the tokens' code and scale bytes plus the fp16 probabilities it writes, over the time,
@@ -39,7 +39,7 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 2 / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
-def partial_sweep(bw: float, prefetch: list[int], min_blocks: list[int], parts: list, log) -> list[dict]:
+def partial_sweep(bw: float, min_blocks: list[int], parts: list, log) -> list[dict]:
     import bench_attention as ba
     from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode, paged_decode_attention
     from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
@@ -60,26 +60,23 @@ def partial_sweep(bw: float, prefetch: list[int], min_blocks: list[int], parts: 
                                update_scores=False, backend="triton")
         for nparts in parts:
             ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, r_max, "cuda", num_partitions=nparts)
-            for pf in prefetch:
-                for mb in min_blocks:
-                    cuda_decode.PREFETCH_PAGES = pf
-                    out = torch.full_like(q, float("nan"))
-                    paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out, sm_scale=head_dim**-0.5,
-                                           update_scores=False, workspace=ws, backend="cuda", cuda_min_blocks=mb)
-                    err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                    call = lambda: cuda_decode.launch_partial(  # noqa: E731
-                        q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True, mb)
-                    ms = median_ms(call)
-                    row = dict(kernel="diffkv_decode_partial", high_fraction=mix, num_partitions=ws.num_partitions,
-                               prefetch_pages=pf, min_blocks=mb, us=ms * 1e3, bytes=nbytes,
-                               fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / bw, rel_err_vs_triton=err,
-                               finite=bool(torch.isfinite(out).all()))
-                    rows_out.append(row)
-                    log(f"partial high {mix:4.0%} parts {ws.num_partitions:2d} prefetch {pf} min_blocks {mb}: "
-                        f"{row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  err {err:.1e}")
+            for mb in min_blocks:
+                out = torch.full_like(q, float("nan"))
+                paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out, sm_scale=head_dim**-0.5,
+                                       update_scores=False, workspace=ws, backend="cuda", cuda_min_blocks=mb)
+                err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                call = lambda: cuda_decode.launch_partial(  # noqa: E731
+                    q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True, mb)
+                ms = median_ms(call)
+                row = dict(kernel="diffkv_decode_partial", high_fraction=mix, num_partitions=ws.num_partitions,
+                           min_blocks=mb, us=ms * 1e3, bytes=nbytes,
+                           fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / bw, rel_err_vs_triton=err,
+                           finite=bool(torch.isfinite(out).all()))
+                rows_out.append(row)
+                log(f"partial high {mix:4.0%} parts {ws.num_partitions:2d} min_blocks {mb}: "
+                    f"{row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  err {err:.1e}")
         del pool
         torch.cuda.empty_cache()
-    cuda_decode.PREFETCH_PAGES = 1
     return rows_out
 
 
@@ -114,8 +111,7 @@ def decision_sweep(bw: float, log) -> list[dict]:
     base = [t.clone() for t in decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas,
                                            rows_per_program=1, **common)]
     out = []
-    for rpp, block, warps in ((1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 256, 4), (8, 128, 8), (8, 256, 8),
-                              (16, 128, 4), (16, 128, 8), (8, 64, 4)):
+    for rpp, block, warps in ((1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 64, 4), (8, 128, 8), (16, 64, 4)):
         call = lambda: decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas,  # noqa: E731
                                    rows_per_program=rpp, block_tokens=block, num_warps=warps, **common)
         got = call()
@@ -132,7 +128,6 @@ def decision_sweep(bw: float, log) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--prefetch", default="0,1,2")
     ap.add_argument("--min-blocks", default="2,3")
     ap.add_argument("--parts", default="default,2,4", help="partitions per row ('default': the heuristic)")
     ap.add_argument("--skip", default="", help="'partial' and/or 'decide'")
@@ -148,8 +143,7 @@ def main():
         result["rows"] += decision_sweep(bw, log)
     if "partial" not in args.skip:
         parts = [None if p == "default" else int(p) for p in args.parts.split(",")]
-        result["rows"] += partial_sweep(bw, [int(x) for x in args.prefetch.split(",")],
-                                        [int(x) for x in args.min_blocks.split(",")], parts, log)
+        result["rows"] += partial_sweep(bw, [int(x) for x in args.min_blocks.split(",")], parts, log)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

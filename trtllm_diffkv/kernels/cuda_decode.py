@@ -34,8 +34,6 @@ from ..memory.page_format import PageFormat, TierLayout
 
 SOURCE_PATH = Path(__file__).with_name("cuda") / "decode_partial.cu"
 WARPS = 4
-PREFETCH_PAGES = 1
-"""L2 prefetch distance of the partial kernel's page loop, in a warp's pages (0: none; ``PREFETCH`` in the .cu)."""
 BACKEND_ENV = "TRTLLM_DIFFKV_DECODE_BACKEND"
 """Environment override of the decode backend: ``auto`` (default), ``cuda`` or ``triton``."""
 BACKENDS = ("auto", "cuda", "triton")
@@ -152,20 +150,17 @@ def choose_backend(backend: str | None, page_format: PageFormat, num_heads: int,
 
 
 def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, pmax: int,
-                    store_probs: bool, min_blocks: int | None = None, prefetch_pages: int | None = None
-                    ) -> dict[str, int]:
+                    store_probs: bool, min_blocks: int | None = None) -> dict[str, int]:
     """The ``-D`` macros of one configuration (also used by the CPU compile test with nvcc).
 
-    ``min_blocks``: ``__launch_bounds__`` blocks per multiprocessor (default 3 at head_dim 128, 4 at 64);
-    ``prefetch_pages``: L2 prefetch distance (default :data:`PREFETCH_PAGES`).
+    ``min_blocks``: ``__launch_bounds__`` blocks per multiprocessor (default 3 at head_dim 128, 4 at 64).
     """
     head_dim = page_format.head_dim
     if min_blocks is None:
         min_blocks = 3 if head_dim == 128 else 4  # no spills at these register caps (ptxas, sm_90a)
     d = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_D=block_d, PMAX=pmax,
              PAGE_BYTES=page_format.page_size_bytes, STORE_PROBS=int(store_probs), WARPS=WARPS,
-             MIN_BLOCKS=min_blocks, SCORE_WARPS=SCORE_WARPS,
-             PREFETCH=PREFETCH_PAGES if prefetch_pages is None else prefetch_pages)
+             MIN_BLOCKS=min_blocks, SCORE_WARPS=SCORE_WARPS)
     for prefix, lay in (("H", page_format.high), ("L", page_format.low)):
         t = lay.tier
         d.update({f"{prefix}_TOKENS": lay.tokens_per_page, f"{prefix}_KB": t.key_bits,

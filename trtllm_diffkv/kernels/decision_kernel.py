@@ -61,18 +61,22 @@ def _scan_tier(f32_ptr, i32_ptr, table_ptr, row, count, live, cand, prompt_len, 
     important eligible token and the candidate.
 
     Eligible: every token of the low tier; high-tier tokens at positions ``<= cand``. The rows' tokens are read
-    as one ``[ROWS, BLOCK]`` tile per loop iteration (up to the longest row's count).
+    as one ``[ROWS, BLOCK]`` tile per loop iteration (up to the longest row's count); each tile element keeps
+    its own running state (least (importance, position, column), NaN seen, first candidate column) and the
+    rows are reduced once after the loop: the loop body is loads and elementwise arithmetic only (reductions
+    inside it, several block-wide ones per iteration, bounded the kernel far below the memory bandwidth).
     Returns ``[ROWS]`` tensors ``(least importance, its column, candidate found, candidate column, candidate
     importance)``; least importance is NaN when an eligible importance is NaN and +inf when none is eligible;
-    the column is then 0 (``decisions._argmin_importance``).
+    the column is then 0 (``decisions._argmin_importance``). The candidate is the first column holding
+    position ``cand`` (``decisions.decide``'s ``argmax``).
     """
-    best = tl.zeros((ROWS,), tl.float32) + float("inf")
-    best_pos = tl.zeros((ROWS,), tl.int64) + 2147483647
-    best_col = tl.zeros((ROWS,), tl.int64)
-    nan = tl.zeros((ROWS,), tl.int32)
-    c_found = tl.zeros((ROWS,), tl.int32)
-    c_col = tl.zeros((ROWS,), tl.int64)
-    c_imp = tl.zeros((ROWS,), tl.float32)
+    BIG: tl.constexpr = 2147483647
+    b_imp = tl.zeros((ROWS, BLOCK), tl.float32) + float("inf")
+    b_pos = tl.zeros((ROWS, BLOCK), tl.int32) + BIG
+    b_col = tl.zeros((ROWS, BLOCK), tl.int32) + BIG
+    nan = tl.zeros((ROWS, BLOCK), tl.int32)
+    h_col = tl.zeros((ROWS, BLOCK), tl.int32) + BIG
+    h_imp = tl.zeros((ROWS, BLOCK), tl.float32)
     n_max = tl.max(tl.where(live, count, 0), 0)
     for start in range(0, n_max, BLOCK):
         j = start + tl.arange(0, BLOCK).to(tl.int64)[None, :]
@@ -89,29 +93,32 @@ def _scan_tier(f32_ptr, i32_ptr, table_ptr, row, count, live, cand, prompt_len, 
         from_decode = tl.maximum(pos - tl.maximum(p, prompt_len), 0)
         counted = tl.maximum((from_prompt + from_decode).to(tl.float32), 1.0)
         imp = tl.math.div_rn(score, counted)
+        j32 = j.to(tl.int32)
+        p32 = p.to(tl.int32)
         if LOW:
             elig = valid
         else:
             elig = valid & (p <= cand)
-            hit = valid & (p == cand)
-            any_hit = tl.max(hit.to(tl.int32), 1)
-            c_col = tl.where(any_hit > 0, tl.min(tl.where(hit, j, 2147483647), 1), c_col)
-            c_imp = tl.where(any_hit > 0, tl.sum(tl.where(hit, imp, 0.0), 1), c_imp)
-            c_found = c_found | any_hit
-        nan = nan | tl.max((elig & (imp != imp)).to(tl.int32), 1)
+            first_hit = valid & (p == cand) & (h_col == BIG)
+            h_col = tl.where(first_hit, j32, h_col)
+            h_imp = tl.where(first_hit, imp, h_imp)
+        nan = nan | (elig & (imp != imp)).to(tl.int32)
         ok = elig & (imp == imp)
-        m = tl.min(tl.where(ok, imp, float("inf")), 1)
-        tie = ok & (imp == m[:, None])
-        m_pos = tl.min(tl.where(tie, p, 2147483647), 1)
-        m_col = tl.min(tl.where(tie & (p == m_pos[:, None]), j, 2147483647), 1)
-        take = (m < best) | ((m == best) & (m_pos < best_pos))
-        best = tl.where(take, m, best)
-        best_pos = tl.where(take, m_pos, best_pos)
-        best_col = tl.where(take, m_col, best_col)
-    none = best_pos == 2147483647
-    best_col = tl.where((nan > 0) | none, 0, best_col)
-    best = tl.where(nan > 0, float("nan"), best)
-    return best, best_col, c_found, c_col, c_imp
+        take = ok & ((imp < b_imp) | ((imp == b_imp) & (p32 < b_pos)))  # later columns only replace on (imp, pos)
+        b_imp = tl.where(take, imp, b_imp)
+        b_pos = tl.where(take, p32, b_pos)
+        b_col = tl.where(take, j32, b_col)
+    best = tl.min(b_imp, 1)
+    tie = (b_pos < BIG) & (b_imp == best[:, None])
+    best_pos = tl.min(tl.where(tie, b_pos, BIG), 1)
+    best_col = tl.min(tl.where(tie & (b_pos == best_pos[:, None]), b_col, BIG), 1).to(tl.int64)
+    any_nan = tl.max(nan, 1)
+    best_col = tl.where((any_nan > 0) | (best_pos == BIG), 0, best_col)
+    best = tl.where(any_nan > 0, float("nan"), best)
+    c_col = tl.min(h_col, 1)
+    c_found = (c_col < BIG).to(tl.int32)
+    c_imp = tl.sum(tl.where((h_col == c_col[:, None]) & (h_col < BIG), h_imp, 0.0), 1)
+    return best, best_col, c_found, c_col.to(tl.int64) * c_found, c_imp
 
 
 @triton.jit

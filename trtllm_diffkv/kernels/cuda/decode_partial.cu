@@ -25,7 +25,7 @@
 //   g + 8 is that + 1).
 //
 // Compile-time configuration (-D): HEAD_DIM (64 | 128), GROUP (<= 8), GROUP_PAD, BLOCK_D, PMAX,
-// PAGE_BYTES, STORE_PROBS, WARPS, MIN_BLOCKS, PREFETCH (L2 prefetch distance in pages, 0: none); per tier (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
+// PAGE_BYTES, STORE_PROBS, WARPS, MIN_BLOCKS; per tier (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
 // VG, KC, KM, VC, VM (segment byte offsets inside a page). Supported combinations are checked by
 // kernels/cuda_decode.py before compiling.
 
@@ -197,16 +197,6 @@ __device__ __forceinline__ void load_query(const u16* __restrict__ qrow, int g, 
     }
 }
 
-// The page into L2 ahead of its loads (no registers held while in flight): one bulk prefetch on sm_90
-// (the copy engine), 128-byte line prefetches spread over the lanes before.
-__device__ __forceinline__ void prefetch_page(const unsigned char* p, int lane) {
-#if __CUDA_ARCH__ >= 900
-    if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(PAGE_BYTES) : "memory");
-#else
-    for (int off = 128 * lane; off < PAGE_BYTES; off += 32 * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(p + off));
-#endif
-}
-
 // Codes of value element e of tokens A, B (their words wa, wb) dequantized: half2 (v_A, v_B).
 template <class T, int E>
 __device__ __forceinline__ u32 dequant_pair(const u32* wa, const u32* wb, u32 s2, u32 z2) {
@@ -376,34 +366,18 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
     }
 }
 
-#ifndef PREFETCH
-#define PREFETCH 1
-#endif
 // A warp's pages of one tier, u = u_first, u_first + WARPS, ... < u_end (list index u; the tier's page j = u - u_base
-// sits at table column j, or R - 1 - j for the low tier). With PREFETCH = d > 0, the page d steps ahead is
-// prefetched into L2 as a step starts (its table entry is read beside this page's), so its bytes are on chip
-// when its step loads them: the loads of a warp's next page overlap this page's arithmetic.
+// sits at table column j, or R - 1 - j for the low tier). (An L2 prefetch of the warp's next page, one bulk
+// cp.async.bulk.prefetch.L2 per page, did not pay on the H200: 138.4 against 137.2 us a page-loop launch at
+// Llama-3-8B 48 x 4096 all-high, 153 us two pages ahead; scripts/sweep_kv_gpu.py, docs/PERFORMANCE.md.)
 template <class T, bool LOW>
 __device__ __forceinline__ void tier_loop(const unsigned char* __restrict__ pool, const int* __restrict__ trow,
-                                          int u_first, int u_end, int u_base, int n_tier, int R, int lane, int g,
-                                          int t, const u32 (&qf)[MT][2], const float (&qsum)[MAX_KG][2],
-                                          float qk_scale, WarpState& st, u16* __restrict__ probs_row,
-                                          float* __restrict__ max_row) {
-    auto column = [&](int u) { return LOW ? R - 1 - (u - u_base) : u - u_base; };
-    if constexpr (PREFETCH > 1) {
-#pragma unroll
-        for (int d = 1; d < PREFETCH; ++d) {
-            const int v = u_first + d * WARPS;
-            if (v < u_end) prefetch_page(pool + (u64)trow[column(v)] * PAGE_BYTES, lane);
-        }
-    }
+                                          int u_first, int u_end, int u_base, int n_tier, int R, int g, int t,
+                                          const u32 (&qf)[MT][2], const float (&qsum)[MAX_KG][2], float qk_scale,
+                                          WarpState& st, u16* __restrict__ probs_row, float* __restrict__ max_row) {
     for (int u = u_first; u < u_end; u += WARPS) {
-        const int pos = column(u);
+        const int pos = LOW ? R - 1 - (u - u_base) : u - u_base;
         const int page = trow[pos];
-        if constexpr (PREFETCH > 0) {
-            const int v = u + PREFETCH * WARPS;
-            if (v < u_end) prefetch_page(pool + (u64)trow[column(v)] * PAGE_BYTES, lane);
-        }
         const int count = min(n_tier - (u - u_base) * T::TOKENS, T::TOKENS);
         page_step<T>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
                      probs_row + (long long)pos * GROUP * PMAX, max_row + (long long)pos * GROUP);
@@ -453,14 +427,14 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
     const int h_end = min(u1, hp);
     if (u0 + warp < h_end) {
         load_query<HighTier>(qrow, g, t, qf, qsum);
-        tier_loop<HighTier, false>(pool, trow, u0 + warp, h_end, 0, n_high, R, lane, g, t, qf, qsum, qk_scale, st,
-                                   probs_row, max_row);
+        tier_loop<HighTier, false>(pool, trow, u0 + warp, h_end, 0, n_high, R, g, t, qf, qsum, qk_scale, st, probs_row,
+                                   max_row);
     }
     const int l_start = max(u0, hp) + warp;
     if (l_start < u1) {
         load_query<LowTier>(qrow, g, t, qf, qsum);
-        tier_loop<LowTier, true>(pool, trow, l_start, u1, hp, n_low, R, lane, g, t, qf, qsum, qk_scale, st,
-                                 probs_row, max_row);
+        tier_loop<LowTier, true>(pool, trow, l_start, u1, hp, n_low, R, g, t, qf, qsum, qk_scale, st, probs_row,
+                                 max_row);
     }
     // finish the sums over the lanes of a head, then merge the warps
 #pragma unroll
