@@ -107,7 +107,7 @@ def decision_sweep(bw: float, log) -> list[dict]:
     alphas = alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cuda")
     nbytes = rows * seq_len * 8
     common = dict(rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
-                  prompt_score_window_tokens=cfg.prompt_score_window_tokens, num_kv_heads=num_kv_heads)
+                  prompt_score_window_tokens=cfg.prompt_score_window_tokens)
     base = [t.clone() for t in decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas,
                                            rows_per_program=1, **common)]
     out = []

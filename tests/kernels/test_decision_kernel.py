@@ -116,14 +116,14 @@ def check_kernel_equals_reference(seeds=(0, 1)) -> int:
                                     alpha_low=cfg.alpha_low, recent_window_tokens=cfg.recent_window_tokens,
                                     prompt_score_window_tokens=cfg.prompt_score_window_tokens,
                                     max_pos=int(pos.max()))
-            # rows per program: the 3 KV heads of a layer (4, one masked), and 8 rows that span the sequence's
-            # 6 rows and mask 2 (rows of one program differ in counts and tiers); blocks of 8 tie across loops
-            for block, rows_per_program in ((128, None), (8, 8)):
+            # rows per program: one (the default), and 8 rows that span the sequence's 6 rows (2 layers of
+            # 3 KV heads) and mask 2 (rows of one program differ in counts and tiers); blocks of 8 tie across loops
+            for block, rows_per_program in ((128, 1), (8, 8)):
                 got = decide_rows(pool.pages(), fmt, table, tokens, slots, pos, prompt_len,
                                   alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cpu"), rows_per_slot=G,
                                   recent_window_tokens=cfg.recent_window_tokens,
                                   prompt_score_window_tokens=cfg.prompt_score_window_tokens, block_tokens=block,
-                                  num_kv_heads=3, rows_per_program=rows_per_program)
+                                  rows_per_program=rows_per_program)
                 for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got,
                                       (want.high_delta, want.low_delta, want.new_index, want.move_from, want.move_to)):
                     assert a.dtype == b.dtype and torch.equal(a, b), (
@@ -132,8 +132,7 @@ def check_kernel_equals_reference(seeds=(0, 1)) -> int:
             keep = decide_rows(pool.pages(), fmt, table, tokens, slots, pos, prompt_len,
                                alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cpu"), rows_per_slot=G,
                                recent_window_tokens=cfg.recent_window_tokens,
-                               prompt_score_window_tokens=cfg.prompt_score_window_tokens, compress=False,
-                               num_kv_heads=3)
+                               prompt_score_window_tokens=cfg.prompt_score_window_tokens, compress=False)
             append = decisions.append_only(rows, tokens)  # the fp16 preset's actions
             for a, b in zip(keep, (append.high_delta, append.low_delta, append.new_index, append.move_from,
                                    append.move_to)):

@@ -3,15 +3,16 @@
 :func:`decide_rows` computes what :func:`trtllm_diffkv.paged.decisions.decide`
 computes (the reference and the torch fallback; its docstring states the
 rules, paper section 4.2) for every (sequence, layer, KV head) row of a decode
-step. One program takes ``ROWS`` consecutive rows of one sequence (by default
-``num_kv_heads``: a layer's KV heads, issue 19) as one ``[ROWS, BLOCK]`` tile
-per loop iteration: it walks the rows' high tiers (page table -> page ->
-position and score segments) to find each row's candidate (the token at
-position ``pos - max(W, 1)``) and least important high token at positions
-``<= cand``, then their low tiers for the least important low token, and
-writes the rows' :class:`StepActions`. (One program per row, as before, ran
-at ~10 % of the copy bandwidth on the H200: 0.92 ms per step at Llama-3-8B
-48 x 4096, each program a chain of dependent gathers over a short block.)
+step. One program takes ``ROWS`` consecutive rows of one sequence
+(:data:`ROWS_PER_PROGRAM`; a layer's KV heads with ``ROWS = num_kv_heads``) as
+one ``[ROWS, BLOCK]`` tile per loop iteration: it walks the rows' high tiers
+(page table -> page -> position and score segments) to find each row's
+candidate (the token at position ``pos - max(W, 1)``) and least important
+high token at positions ``<= cand``, then their low tiers for the least
+important low token, and writes the rows' :class:`StepActions`. Each tile
+element keeps its own running state and the rows reduce once after the loop
+(issue 19: reductions inside the loop held the kernel at ~10 % of the copy
+bandwidth, 0.92 ms per step at Llama-3-8B 48 x 4096 on the H200).
 Results are
 bit-identical to the reference: importance ``score / count`` is an IEEE fp32
 division (``div_rn``), thresholds ``alpha / N`` are divided in fp64 and rounded
@@ -40,15 +41,16 @@ import triton
 import triton.language as tl
 
 from ..memory.page_format import PageFormat
-from .sizes import next_pow2
 
 BLOCK_TOKENS = 128
 """Tier tokens per row one loop iteration of :func:`_decide_kernel` reads."""
-MAX_ROWS_PER_PROGRAM = 16
-"""Most rows one :func:`_decide_kernel` program takes (``rows_per_program`` default: ``num_kv_heads`` rounded
-up to a power of two, at most this)."""
+ROWS_PER_PROGRAM = 1
+"""Rows one :func:`_decide_kernel` program takes by default. H200, Llama-3-8B 48 x 4096 (12288 rows of 4096
+tokens; ``scripts/sweep_kv_gpu.py``, 2026-12-02): 370 us at 1 row and 128-token blocks, 452 us at 4, 472 us at
+8 rows of 64 tokens, 1008 us at 8 rows of 128 (the per-element state no longer fits the registers); the
+earlier kernel with reductions inside the loop took 1062 us (one row) to 767 us (4 rows)."""
 DECIDE_WARPS = 4
-"""Warps of a :func:`_decide_kernel` program."""
+"""Warps of a :func:`_decide_kernel` program (8: 531 us against 472 at 8 rows of 64 tokens, same sweep)."""
 LOCATE_BLOCK = 256
 """Items per program of :func:`_locate_kernel`."""
 _BIG = 2 ** 31 - 1  # larger than every position and column
@@ -241,8 +243,8 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
                 tier_tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, prompt_len: torch.Tensor,
                 alphas: torch.Tensor, *, rows_per_slot: int, recent_window_tokens: int,
                 prompt_score_window_tokens: int, out: tuple[torch.Tensor, ...] | None = None,
-                block_tokens: int = BLOCK_TOKENS, compress: bool = True, num_kv_heads: int | None = None,
-                rows_per_program: int | None = None, num_warps: int = DECIDE_WARPS):
+                block_tokens: int = BLOCK_TOKENS, compress: bool = True,
+                rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = DECIDE_WARPS):
     """The decode decisions of every row of ``n`` sequences, one launch (= ``decisions.decide``, bit for bit).
 
     Args:
@@ -262,10 +264,9 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
             cover ties across iterations).
         compress: ``False`` for a preset that keeps every token (fp16): the actions of
             ``decisions.append_only`` (new token appended high), no scan, no metadata needed.
-        num_kv_heads: KV heads per layer; sets the default ``rows_per_program`` (``None``: 8).
         rows_per_program: consecutive rows of a sequence one program decides (a power of two;
-            default ``next_pow2(num_kv_heads)`` capped at :data:`MAX_ROWS_PER_PROGRAM`); launch
-            tuning, the results do not depend on it.
+            e.g. ``num_kv_heads``: a layer's KV heads); launch tuning (:data:`ROWS_PER_PROGRAM`),
+            the results do not depend on it.
         num_warps: warps per program (launch tuning).
 
     Returns:
@@ -277,8 +278,6 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
             that is not a power of two.
     """
     high, low = page_format.high, page_format.low
-    if rows_per_program is None:
-        rows_per_program = min(next_pow2(num_kv_heads or 8), MAX_ROWS_PER_PROGRAM)
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program={rows_per_program} must be a power of two")
     if compress and not (high.score.size_bytes and low.score.size_bytes):
@@ -341,4 +340,4 @@ def locate_rows(page_table: torch.Tensor, page_format: PageFormat, slots: torch.
         BLOCK=LOCATE_BLOCK)
 
 
-__all__ = ["alpha_tensor", "decide_rows", "locate_rows", "BLOCK_TOKENS", "MAX_ROWS_PER_PROGRAM", "DECIDE_WARPS"]
+__all__ = ["alpha_tensor", "decide_rows", "locate_rows", "BLOCK_TOKENS", "ROWS_PER_PROGRAM", "DECIDE_WARPS"]

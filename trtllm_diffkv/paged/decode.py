@@ -140,8 +140,7 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: dict) -
     act = decision_kernel.decide_rows(
         cache.pool.pages(), fmt, man.page_table, man.tokens, slots, pos_seq, cache.prompt_len_device, s["alphas"],
         rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
-        prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.compress,
-        num_kv_heads=cache.num_kv_heads)
+        prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.compress)
     man.append_decode(slots, act[0].view(shape), act[1].view(shape))
     moves = tuple(t[:m] for t in s["moves"]) if cfg.compress else None
     decision_kernel.locate_rows(man.page_table, fmt, slots, pos_seq, act, bufs, moves,

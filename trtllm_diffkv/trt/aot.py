@@ -541,7 +541,7 @@ def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
                              _meta((B,), i64), _meta((2,), torch.float64), rows_per_slot=G,
                              recent_window_tokens=cfg.recent_window_tokens,
                              prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=actions,
-                             compress=cfg.compress, num_kv_heads=H)
+                             compress=cfg.compress)
         dk.locate_rows(table, fmt, slots, pos, act, bufs, moves, num_kv_heads=H, rows_per_slot=G)
     sizes = dict(num_seqs=n, bucket=B, rows_per_slot=G)
     return [_spec(launch, "decode_plan", sizes) for launch in rec.launches]

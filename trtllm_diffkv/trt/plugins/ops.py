@@ -227,15 +227,14 @@ def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict, alphas: tor
     from trtllm_diffkv.kernels import decision_kernel
 
     slots, positions, pool, table, tokens, prompt_len = inputs
-    fmt, _L, H, G = _plan_shape(cfg, attrs)
+    fmt, _L, _H, G = _plan_shape(cfg, attrs)
     dh, dl, new, move_from, move_to = outputs
     if alphas is None:
         alphas = decision_kernel.alpha_tensor(cfg.alpha_high, cfg.alpha_low, pool.device)
     decision_kernel.decide_rows(pool, fmt, table, tokens, slots, positions, prompt_len, alphas, rows_per_slot=G,
                                 recent_window_tokens=cfg.recent_window_tokens,
                                 prompt_score_window_tokens=cfg.prompt_score_window_tokens,
-                                out=(dh.view(-1), dl.view(-1), new, move_from, move_to), compress=cfg.compress,
-                                num_kv_heads=H)
+                                out=(dh.view(-1), dl.view(-1), new, move_from, move_to), compress=cfg.compress)
 
 
 def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton: bool,
