@@ -273,7 +273,7 @@ def test_decision_specs_follow_the_plan(preset):
     assert locate.constexprs == {"P_HIGH": fmt.high_tokens_per_page, "P_LOW": fmt.low_tokens_per_page,
                                  "MOVES": kv.compress, "BLOCK": dk.LOCATE_BLOCK}
     assert locate.signature["src_page_out"] == ("*i32" if kv.compress else "*i64")  # fp16: slots stand in
-    assert aot.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (18,)
+    assert aot.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (3, 6)  # rows of 3 seqs
     assert aot.eval_grid(locate.grid, {**locate.sizes, "bucket": 100}, locate.constexprs) == (3,)  # 600 items
     assert set(locate.divisible) == {n for n in locate.params if n.endswith("_ptr") or n.endswith("_out")}
 
