@@ -116,15 +116,18 @@ def check_kernel_equals_reference(seeds=(0, 1)) -> int:
                                     alpha_low=cfg.alpha_low, recent_window_tokens=cfg.recent_window_tokens,
                                     prompt_score_window_tokens=cfg.prompt_score_window_tokens,
                                     max_pos=int(pos.max()))
-            for block in (128, 8):
+            # rows per program: one (the default), and 8 rows that span the sequence's 6 rows (2 layers of
+            # 3 KV heads) and mask 2 (rows of one program differ in counts and tiers); blocks of 8 tie across loops
+            for block, rows_per_program in ((128, 1), (8, 8)):
                 got = decide_rows(pool.pages(), fmt, table, tokens, slots, pos, prompt_len,
                                   alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cpu"), rows_per_slot=G,
                                   recent_window_tokens=cfg.recent_window_tokens,
-                                  prompt_score_window_tokens=cfg.prompt_score_window_tokens, block_tokens=block)
+                                  prompt_score_window_tokens=cfg.prompt_score_window_tokens, block_tokens=block,
+                                  rows_per_program=rows_per_program)
                 for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got,
                                       (want.high_delta, want.low_delta, want.new_index, want.move_from, want.move_to)):
                     assert a.dtype == b.dtype and torch.equal(a, b), (
-                        f"{cfg.name} seed {seed} block {block}: {name} differs at rows "
+                        f"{cfg.name} seed {seed} block {block} rows {rows_per_program}: {name} differs at rows "
                         f"{torch.nonzero(a != b).flatten().tolist()}: {a.tolist()} != {b.tolist()}")
             keep = decide_rows(pool.pages(), fmt, table, tokens, slots, pos, prompt_len,
                                alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cpu"), rows_per_slot=G,
@@ -290,7 +293,7 @@ from trtllm_diffkv.kernels import decision_kernel as dk
 
 I64 = ("slots_ptr", "pos_ptr", "prompt_len_ptr", "new_ptr", "from_ptr", "to_ptr", "rows_out")
 types = dict({n: "*i64" for n in I64}, f32_ptr="*fp32", alpha_ptr="*fp64")
-cases = [(dk._decide_kernel, dict(H_TOKENS=32, L_TOKENS=52, BLOCK=dk.BLOCK_TOKENS, COMPRESS=c)) for c in (True, False)]
+cases = [(dk._decide_kernel, dict(H_TOKENS=32, L_TOKENS=52, BLOCK=dk.BLOCK_TOKENS, COMPRESS=c, ROWS=8)) for c in (True, False)]
 cases += [(dk._locate_kernel, dict(P_HIGH=32, P_LOW=52, MOVES=m, BLOCK=dk.LOCATE_BLOCK)) for m in (True, False)]
 out = {}
 for kernel, constexprs in cases:
@@ -325,7 +328,7 @@ def test_decision_kernels_compile_for_sm90_with_ieee_division():
     if errors and all("ptxas" in e.lower() for e in errors.values()):
         pytest.skip(f"cannot assemble for sm_90 here: {next(iter(errors.values()))}")
     assert errors == {} and len(results) == 4
-    decide = results["_decide_kernel" + str(sorted(dict(BLOCK=128, COMPRESS=True, H_TOKENS=32, L_TOKENS=52).items()))]
+    decide = results["_decide_kernel" + str(sorted(dict(BLOCK=128, COMPRESS=True, H_TOKENS=32, L_TOKENS=52, ROWS=8).items()))]
     assert {"div.rn.f32", "div.rn.f64", "cvt.rn.f32.f64"} <= set(decide), decide
     assert not [d for d in decide if d.startswith(("div.full", "div.approx"))], decide
 

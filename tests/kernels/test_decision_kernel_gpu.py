@@ -31,10 +31,13 @@ def test_decision_kernel_on_gpu_equals_reference():
                                     alpha_low=cfg.alpha_low, recent_window_tokens=cfg.recent_window_tokens,
                                     prompt_score_window_tokens=cfg.prompt_score_window_tokens, max_pos=int(pos.max()))
             cuda = lambda t: t.cuda()  # noqa: E731
-            got = decide_rows(cuda(pool.pages()), fmt, cuda(table), cuda(tokens), cuda(slots), cuda(pos),
-                              cuda(prompt_len), alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cuda"), rows_per_slot=G,
-                              recent_window_tokens=cfg.recent_window_tokens,
-                              prompt_score_window_tokens=cfg.prompt_score_window_tokens)
-            for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got,
-                                  (want.high_delta, want.low_delta, want.new_index, want.move_from, want.move_to)):
-                assert torch.equal(a.cpu(), b), f"{cfg.name} seed {seed}: {name} differs"
+            for rows_per_program in (1, 2, 8):  # one row (default), a layer's 2 KV heads, 8 rows over 3 layers
+                got = decide_rows(cuda(pool.pages()), fmt, cuda(table), cuda(tokens), cuda(slots), cuda(pos),
+                                  cuda(prompt_len), alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cuda"),
+                                  rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
+                                  prompt_score_window_tokens=cfg.prompt_score_window_tokens,
+                                  rows_per_program=rows_per_program)
+                for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got,
+                                      (want.high_delta, want.low_delta, want.new_index, want.move_from,
+                                       want.move_to)):
+                    assert torch.equal(a.cpu(), b), f"{cfg.name} seed {seed} rows {rows_per_program}: {name} differs"

@@ -264,7 +264,7 @@ def test_decision_specs_follow_the_plan(preset):
     assert decide.kernel.endswith(":_decide_kernel") and locate.kernel.endswith(":_locate_kernel")
     assert decide.op == locate.op == "decode_plan"
     assert decide.constexprs == {"H_TOKENS": fmt.high_tokens_per_page, "L_TOKENS": fmt.low_tokens_per_page,
-                                 "BLOCK": dk.BLOCK_TOKENS, "COMPRESS": kv.compress}
+                                 "BLOCK": dk.BLOCK_TOKENS, "COMPRESS": kv.compress, "ROWS": dk.ROWS_PER_PROGRAM}
     assert decide.scalars == {"G": 6, "R": shape.max_pages_per_row, "PAGE_BYTES": fmt.page_size_bytes,
                               "H_SC": fmt.high.score.offset_bytes, "H_PO": fmt.high.position.offset_bytes,
                               "L_SC": fmt.low.score.offset_bytes, "L_PO": fmt.low.position.offset_bytes,
@@ -273,7 +273,7 @@ def test_decision_specs_follow_the_plan(preset):
     assert locate.constexprs == {"P_HIGH": fmt.high_tokens_per_page, "P_LOW": fmt.low_tokens_per_page,
                                  "MOVES": kv.compress, "BLOCK": dk.LOCATE_BLOCK}
     assert locate.signature["src_page_out"] == ("*i32" if kv.compress else "*i64")  # fp16: slots stand in
-    assert aot.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (18,)
+    assert aot.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (3, 6)  # rows of 3 seqs
     assert aot.eval_grid(locate.grid, {**locate.sizes, "bucket": 100}, locate.constexprs) == (3,)  # 600 items
     assert set(locate.divisible) == {n for n in locate.params if n.endswith("_ptr") or n.endswith("_out")}
 

@@ -151,7 +151,10 @@ def choose_backend(backend: str | None, page_format: PageFormat, num_heads: int,
 
 def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, pmax: int,
                     store_probs: bool, min_blocks: int | None = None) -> dict[str, int]:
-    """The ``-D`` macros of one configuration (also used by the CPU compile test with nvcc)."""
+    """The ``-D`` macros of one configuration (also used by the CPU compile test with nvcc).
+
+    ``min_blocks``: ``__launch_bounds__`` blocks per multiprocessor (default 3 at head_dim 128, 4 at 64).
+    """
     head_dim = page_format.head_dim
     if min_blocks is None:
         min_blocks = 3 if head_dim == 128 else 4  # no spills at these register caps (ptxas, sm_90a)

@@ -3,11 +3,17 @@
 :func:`decide_rows` computes what :func:`trtllm_diffkv.paged.decisions.decide`
 computes (the reference and the torch fallback; its docstring states the
 rules, paper section 4.2) for every (sequence, layer, KV head) row of a decode
-step, one program per row: the program walks the row's high tier in blocks of
-``BLOCK`` tokens (page table -> page -> position and score segments) to find
-the candidate (the token at position ``pos - max(W, 1)``) and the least
-important high token at positions ``<= cand``, then its low tier for the least
-important low token, and writes the row's :class:`StepActions`. Results are
+step. One program takes ``ROWS`` consecutive rows of one sequence
+(:data:`ROWS_PER_PROGRAM`; a layer's KV heads with ``ROWS = num_kv_heads``) as
+one ``[ROWS, BLOCK]`` tile per loop iteration: it walks the rows' high tiers
+(page table -> page -> position and score segments) to find each row's
+candidate (the token at position ``pos - max(W, 1)``) and least important
+high token at positions ``<= cand``, then their low tiers for the least
+important low token, and writes the rows' :class:`StepActions`. Each tile
+element keeps its own running state and the rows reduce once after the loop
+(issue 19: reductions inside the loop held the kernel at ~10 % of the copy
+bandwidth, 0.92 ms per step at Llama-3-8B 48 x 4096 on the H200).
+Results are
 bit-identical to the reference: importance ``score / count`` is an IEEE fp32
 division (``div_rn``), thresholds ``alpha / N`` are divided in fp64 and rounded
 to fp32 (the alphas come in an fp64 tensor: a Python float argument would be
@@ -37,36 +43,50 @@ import triton.language as tl
 from ..memory.page_format import PageFormat
 
 BLOCK_TOKENS = 128
-"""Tier tokens one loop iteration of :func:`_decide_kernel` reads."""
+"""Tier tokens per row one loop iteration of :func:`_decide_kernel` reads."""
+ROWS_PER_PROGRAM = 1
+"""Rows one :func:`_decide_kernel` program takes by default. H200, Llama-3-8B 48 x 4096 (12288 rows of 4096
+tokens; ``scripts/sweep_kv_gpu.py``, 2026-12-02): 370 us at 1 row and 128-token blocks, 452 us at 4, 472 us at
+8 rows of 64 tokens, 1008 us at 8 rows of 128 (the per-element state no longer fits the registers); the
+earlier kernel with reductions inside the loop took 1062 us (one row) to 767 us (4 rows)."""
+DECIDE_WARPS = 4
+"""Warps of a :func:`_decide_kernel` program (8: 531 us against 472 at 8 rows of 64 tokens, same sweep)."""
 LOCATE_BLOCK = 256
 """Items per program of :func:`_locate_kernel`."""
 _BIG = 2 ** 31 - 1  # larger than every position and column
 
 
 @triton.jit
-def _scan_tier(f32_ptr, i32_ptr, table_ptr, row, count, cand, prompt_len, pos, R, PAGE_BYTES, SC, PO, S,
-               TOKENS: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
-    """One tier of one row: the least important eligible token and the candidate.
+def _scan_tier(f32_ptr, i32_ptr, table_ptr, row, count, live, cand, prompt_len, pos, R, PAGE_BYTES, SC, PO, S,
+               TOKENS: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """One tier of ``ROWS`` rows of one sequence (``row``, ``count``, ``live``: ``[ROWS]``): per row the least
+    important eligible token and the candidate.
 
-    Eligible: every token of the low tier; high-tier tokens at positions ``<= cand``.
-    Returns ``(least importance, its column, candidate found, candidate column, candidate
-    importance)``; least importance is NaN when an eligible importance is NaN and +inf when
-    none is eligible; the column is then 0 (``decisions._argmin_importance``).
+    Eligible: every token of the low tier; high-tier tokens at positions ``<= cand``. The rows' tokens are read
+    as one ``[ROWS, BLOCK]`` tile per loop iteration (up to the longest row's count); each tile element keeps
+    its own running state (least (importance, position, column), NaN seen, first candidate column) and the
+    rows are reduced once after the loop: the loop body is loads and elementwise arithmetic only (reductions
+    inside it, several block-wide ones per iteration, bounded the kernel far below the memory bandwidth).
+    Returns ``[ROWS]`` tensors ``(least importance, its column, candidate found, candidate column, candidate
+    importance)``; least importance is NaN when an eligible importance is NaN and +inf when none is eligible;
+    the column is then 0 (``decisions._argmin_importance``). The candidate is the first column holding
+    position ``cand`` (``decisions.decide``'s ``argmax``).
     """
-    best = tl.zeros((), tl.float32) + float("inf")
-    best_pos = tl.zeros((), tl.int64) + 2147483647
-    best_col = tl.zeros((), tl.int64)
-    nan = tl.zeros((), tl.int32)
-    c_found = tl.zeros((), tl.int32)
-    c_col = tl.zeros((), tl.int64)
-    c_imp = tl.zeros((), tl.float32)
-    for start in range(0, count, BLOCK):
-        j = start + tl.arange(0, BLOCK).to(tl.int64)
-        valid = j < count
+    BIG: tl.constexpr = 2147483647
+    b_imp = tl.zeros((ROWS, BLOCK), tl.float32) + float("inf")
+    b_pos = tl.zeros((ROWS, BLOCK), tl.int32) + BIG
+    b_col = tl.zeros((ROWS, BLOCK), tl.int32) + BIG
+    nan = tl.zeros((ROWS, BLOCK), tl.int32)
+    h_col = tl.zeros((ROWS, BLOCK), tl.int32) + BIG
+    h_imp = tl.zeros((ROWS, BLOCK), tl.float32)
+    n_max = tl.max(tl.where(live, count, 0), 0)
+    for start in range(0, n_max, BLOCK):
+        j = start + tl.arange(0, BLOCK).to(tl.int64)[None, :]
+        valid = live[:, None] & (j < count[:, None])
         blk = j // TOKENS
         if LOW:
             blk = R - 1 - blk
-        page = tl.load(table_ptr + row * R + blk, mask=valid, other=0).to(tl.int64)
+        page = tl.load(table_ptr + row[:, None] * R + blk, mask=valid, other=0).to(tl.int64)
         base = tl.where(valid, page, 0) * PAGE_BYTES
         slot = j % TOKENS
         p = tl.load(i32_ptr + (base + PO) // 4 + slot, mask=valid, other=0).to(tl.int64)
@@ -75,29 +95,32 @@ def _scan_tier(f32_ptr, i32_ptr, table_ptr, row, count, cand, prompt_len, pos, R
         from_decode = tl.maximum(pos - tl.maximum(p, prompt_len), 0)
         counted = tl.maximum((from_prompt + from_decode).to(tl.float32), 1.0)
         imp = tl.math.div_rn(score, counted)
+        j32 = j.to(tl.int32)
+        p32 = p.to(tl.int32)
         if LOW:
             elig = valid
         else:
             elig = valid & (p <= cand)
-            hit = valid & (p == cand)
-            any_hit = tl.max(hit.to(tl.int32), 0)
-            c_col = tl.where(any_hit > 0, tl.min(tl.where(hit, j, 2147483647), 0), c_col)
-            c_imp = tl.where(any_hit > 0, tl.sum(tl.where(hit, imp, 0.0), 0), c_imp)
-            c_found = c_found | any_hit
-        nan = nan | tl.max((elig & (imp != imp)).to(tl.int32), 0)
+            first_hit = valid & (p == cand) & (h_col == BIG)
+            h_col = tl.where(first_hit, j32, h_col)
+            h_imp = tl.where(first_hit, imp, h_imp)
+        nan = nan | (elig & (imp != imp)).to(tl.int32)
         ok = elig & (imp == imp)
-        m = tl.min(tl.where(ok, imp, float("inf")), 0)
-        tie = ok & (imp == m)
-        m_pos = tl.min(tl.where(tie, p, 2147483647), 0)
-        m_col = tl.min(tl.where(tie & (p == m_pos), j, 2147483647), 0)
-        take = (m < best) | ((m == best) & (m_pos < best_pos))
-        best = tl.where(take, m, best)
-        best_pos = tl.where(take, m_pos, best_pos)
-        best_col = tl.where(take, m_col, best_col)
-    none = best_pos == 2147483647
-    best_col = tl.where((nan > 0) | none, 0, best_col)
-    best = tl.where(nan > 0, float("nan"), best)
-    return best, best_col, c_found, c_col, c_imp
+        take = ok & ((imp < b_imp) | ((imp == b_imp) & (p32 < b_pos)))  # later columns only replace on (imp, pos)
+        b_imp = tl.where(take, imp, b_imp)
+        b_pos = tl.where(take, p32, b_pos)
+        b_col = tl.where(take, j32, b_col)
+    best = tl.min(b_imp, 1)
+    tie = (b_pos < BIG) & (b_imp == best[:, None])
+    best_pos = tl.min(tl.where(tie, b_pos, BIG), 1)
+    best_col = tl.min(tl.where(tie & (b_pos == best_pos[:, None]), b_col, BIG), 1).to(tl.int64)
+    any_nan = tl.max(nan, 1)
+    best_col = tl.where((any_nan > 0) | (best_pos == BIG), 0, best_col)
+    best = tl.where(any_nan > 0, float("nan"), best)
+    c_col = tl.min(h_col, 1)
+    c_found = (c_col < BIG).to(tl.int32)
+    c_imp = tl.sum(tl.where((h_col == c_col[:, None]) & (h_col < BIG), h_imp, 0.0), 1)
+    return best, best_col, c_found, c_col.to(tl.int64) * c_found, c_imp
 
 
 @triton.jit
@@ -112,34 +135,39 @@ def _decide_kernel(
     dh_ptr, dl_ptr, new_ptr, from_ptr, to_ptr,
     G, R, PAGE_BYTES, H_SC, H_PO, L_SC, L_PO, W, S,
     H_TOKENS: tl.constexpr, L_TOKENS: tl.constexpr, BLOCK: tl.constexpr, COMPRESS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """One program per item ``i = b * G + g``: the decision of row ``slots[b] * G + g`` (see :func:`decide_rows`).
+    """Program ``(b, c)``: the decisions of items ``i = b * G + g``, ``g`` in ``[c * ROWS, (c + 1) * ROWS)`` (rows
+    ``slots[b] * G + g``; see :func:`decide_rows`): one sequence's consecutive rows (with ``ROWS`` = num_kv_heads,
+    the KV heads of one layer) in one program.
 
     ``COMPRESS=False`` (fp16 preset, ``decisions.append_only``): every new token appended to the high tier.
     """
-    i = tl.program_id(0).to(tl.int64)
-    b = i // G
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    live = g < G
+    i = b * G + g
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    row = slot * G + i % G
+    row = tl.where(live, slot * G + g, 0)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     prompt_len = tl.load(prompt_len_ptr + slot).to(tl.int64)
-    h_count = tl.load(tokens_ptr + row * 2).to(tl.int64)
-    l_count = tl.load(tokens_ptr + row * 2 + 1).to(tl.int64)
+    h_count = tl.load(tokens_ptr + row * 2, mask=live, other=0).to(tl.int64)
+    l_count = tl.load(tokens_ptr + row * 2 + 1, mask=live, other=0).to(tl.int64)
     if not COMPRESS:
-        tl.store(dh_ptr + i, 1)
-        tl.store(dl_ptr + i, 0)
-        tl.store(new_ptr + i, h_count)
-        tl.store(from_ptr + i, -1)
-        tl.store(to_ptr + i, -1)
+        tl.store(dh_ptr + i, tl.zeros((ROWS,), tl.int32) + 1, mask=live)
+        tl.store(dl_ptr + i, tl.zeros((ROWS,), tl.int32), mask=live)
+        tl.store(new_ptr + i, h_count, mask=live)
+        tl.store(from_ptr + i, tl.zeros((ROWS,), tl.int64) - 1, mask=live)
+        tl.store(to_ptr + i, tl.zeros((ROWS,), tl.int64) - 1, mask=live)
         return
     cand = pos - W
     n = tl.maximum(pos, 1).to(tl.float64)
     thr_h = (tl.load(alpha_ptr) / n).to(tl.float32)
     thr_l = (tl.load(alpha_ptr + 1) / n).to(tl.float32)
-    imp_vh, iv_h, c_found, ic, imp_c = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, h_count, cand, prompt_len, pos, R,
-                                                  PAGE_BYTES, H_SC, H_PO, S, H_TOKENS, False, BLOCK)
-    imp_vl, iv_l, _f, _c, _i = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, l_count, cand, prompt_len, pos, R,
-                                          PAGE_BYTES, L_SC, L_PO, S, L_TOKENS, True, BLOCK)
+    imp_vh, iv_h, c_found, ic, imp_c = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, h_count, live, cand, prompt_len,
+                                                  pos, R, PAGE_BYTES, H_SC, H_PO, S, H_TOKENS, False, BLOCK, ROWS)
+    imp_vl, iv_l, _f, _c, _i = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, l_count, live, cand, prompt_len, pos,
+                                          R, PAGE_BYTES, L_SC, L_PO, S, L_TOKENS, True, BLOCK, ROWS)
     found = (cand >= 0) & (c_found > 0)
     c_tier = _classify(imp_c, thr_h, thr_l)
     vh_tier = _classify(imp_vh, thr_h, thr_l)
@@ -150,11 +178,11 @@ def _decide_kernel(
     append = (~found) | (c_high & (vh_tier == 1))
     demote = c_high & (vh_tier == 2)
     to_low_end = demote | (c_low & ~vl_pruned)
-    tl.store(dh_ptr + i, append.to(tl.int32))
-    tl.store(dl_ptr + i, to_low_end.to(tl.int32))
-    tl.store(new_ptr + i, tl.where(append, h_count, tl.where(c_high, iv_h, ic)))
-    tl.store(from_ptr + i, tl.where(demote, iv_h, tl.where(c_low, ic, -1)))
-    tl.store(to_ptr + i, tl.where(to_low_end, l_count, tl.where(c_low, iv_l, -1)))
+    tl.store(dh_ptr + i, append.to(tl.int32), mask=live)
+    tl.store(dl_ptr + i, to_low_end.to(tl.int32), mask=live)
+    tl.store(new_ptr + i, tl.where(append, h_count, tl.where(c_high, iv_h, ic)), mask=live)
+    tl.store(from_ptr + i, tl.where(demote, iv_h, tl.where(c_low, ic, -1)), mask=live)
+    tl.store(to_ptr + i, tl.where(to_low_end, l_count, tl.where(c_low, iv_l, -1)), mask=live)
 
 
 @triton.jit
@@ -215,7 +243,8 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
                 tier_tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, prompt_len: torch.Tensor,
                 alphas: torch.Tensor, *, rows_per_slot: int, recent_window_tokens: int,
                 prompt_score_window_tokens: int, out: tuple[torch.Tensor, ...] | None = None,
-                block_tokens: int = BLOCK_TOKENS, compress: bool = True):
+                block_tokens: int = BLOCK_TOKENS, compress: bool = True,
+                rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = DECIDE_WARPS):
     """The decode decisions of every row of ``n`` sequences, one launch (= ``decisions.decide``, bit for bit).
 
     Args:
@@ -235,15 +264,22 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
             cover ties across iterations).
         compress: ``False`` for a preset that keeps every token (fp16): the actions of
             ``decisions.append_only`` (new token appended high), no scan, no metadata needed.
+        rows_per_program: consecutive rows of a sequence one program decides (a power of two;
+            e.g. ``num_kv_heads``: a layer's KV heads); launch tuning (:data:`ROWS_PER_PROGRAM`),
+            the results do not depend on it.
+        num_warps: warps per program (launch tuning).
 
     Returns:
         ``(high_delta, low_delta, new_index, move_from, move_to)``, each ``[n * G]`` in item
         order ``b * G + g`` (see :class:`trtllm_diffkv.paged.decisions.StepActions`).
 
     Raises:
-        ValueError: a format without token metadata, or a too-small ``out``.
+        ValueError: a format without token metadata, a too-small ``out``, or a ``rows_per_program``
+            that is not a power of two.
     """
     high, low = page_format.high, page_format.low
+    if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program={rows_per_program} must be a power of two")
     if compress and not (high.score.size_bytes and low.score.size_bytes):
         raise ValueError("decide_rows needs token metadata (scores, positions) in both tiers: a compressing preset")
     m = slots.numel() * rows_per_slot
@@ -257,12 +293,13 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
     if m == 0:
         return out
     f32, i32 = _pool_views(pool_pages)
-    _decide_kernel[(m,)](
+    _decide_kernel[(slots.numel(), triton.cdiv(rows_per_slot, rows_per_program))](
         f32, i32, page_table, tier_tokens, slots, pos, prompt_len, alphas, *out,
         rows_per_slot, page_table.shape[1], page_format.page_size_bytes,
         high.score.offset_bytes, high.position.offset_bytes, low.score.offset_bytes, low.position.offset_bytes,
         max(recent_window_tokens, 1), prompt_score_window_tokens,
-        H_TOKENS=high.tokens_per_page, L_TOKENS=low.tokens_per_page, BLOCK=block_tokens, COMPRESS=compress)
+        H_TOKENS=high.tokens_per_page, L_TOKENS=low.tokens_per_page, BLOCK=block_tokens, COMPRESS=compress,
+        ROWS=rows_per_program, num_warps=num_warps)
     return out
 
 
@@ -303,4 +340,4 @@ def locate_rows(page_table: torch.Tensor, page_format: PageFormat, slots: torch.
         BLOCK=LOCATE_BLOCK)
 
 
-__all__ = ["alpha_tensor", "decide_rows", "locate_rows", "BLOCK_TOKENS"]
+__all__ = ["alpha_tensor", "decide_rows", "locate_rows", "BLOCK_TOKENS", "ROWS_PER_PROGRAM", "DECIDE_WARPS"]

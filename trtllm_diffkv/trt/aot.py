@@ -118,7 +118,7 @@ GRIDS = {
     "_commit_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
     "_decode_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
     "_release_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
-    "_decide_kernel": ("num_seqs * rows_per_slot",),
+    "_decide_kernel": ("num_seqs", "cdiv(rows_per_slot, ROWS)"),
     "_locate_kernel": ("cdiv(bucket * rows_per_slot, BLOCK)",),
 }
 """Grid of every kernel as expressions of named sizes and constexprs (checked against recorded launches)."""

@@ -25,7 +25,7 @@
 //   g + 8 is that + 1).
 //
 // Compile-time configuration (-D): HEAD_DIM (64 | 128), GROUP (<= 8), GROUP_PAD, BLOCK_D, PMAX,
-// PAGE_BYTES, STORE_PROBS, WARPS; per tier (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
+// PAGE_BYTES, STORE_PROBS, WARPS, MIN_BLOCKS; per tier (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
 // VG, KC, KM, VC, VM (segment byte offsets inside a page). Supported combinations are checked by
 // kernels/cuda_decode.py before compiling.
 
@@ -165,10 +165,16 @@ struct WarpState {
 };
 
 // Query fragments (B operand, n = head g) for one tier's key element order, and the per-group query sums
-// of heads 2t, 2t+1 (C layout).
+// of heads 2t, 2t+1 (C layout). The four lanes of a quad hold every dim of head g once (key_dim() is a
+// bijection per k-step group), so a group's sum is the quad's fragment sum: two xor shuffles, then each lane
+// fetches heads 2t and 2t+1 from quads 2t and 2t+1 (a serial 128-term loop per lane cost ~2 us per warp
+// and tier, on the order of the CTA's page loop at Llama-3-8B 48 x 4096).
 template <class T>
 __device__ __forceinline__ void load_query(const u16* __restrict__ qrow, int g, int t, u32 (&qf)[MT][2],
                                            float (&qsum)[MAX_KG][2]) {
+    float part[MAX_KG];
+#pragma unroll
+    for (int gk = 0; gk < MAX_KG; ++gk) part[gk] = 0.f;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
         u32 h[4];
@@ -176,17 +182,17 @@ __device__ __forceinline__ void load_query(const u16* __restrict__ qrow, int g, 
         for (int e = 0; e < 4; ++e) h[e] = (g < GROUP) ? (u32)qrow[g * HEAD_DIM + T::key_dim(j, t, e)] : 0u;
         qf[j][0] = h[0] | (h[1] << 16);
         qf[j][1] = h[2] | (h[3] << 16);
+        part[j / T::KSG] += (h2f(h[0]) + h2f(h[1])) + (h2f(h[2]) + h2f(h[3]));
     }
 #pragma unroll
     for (int gk = 0; gk < MAX_KG; ++gk) {
+        float s = part[gk];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            float s = 0.f;
-            const int hh = 2 * t + c;
-            if (gk < T::KG && hh < GROUP) {
-                for (int d = gk * T::GS; d < (gk + 1) * T::GS; ++d) s += h2f(qrow[hh * HEAD_DIM + d]);
-            }
-            qsum[gk][c] = s;
+            const float v = __shfl_sync(0xffffffffu, s, 4 * (2 * t + c));
+            qsum[gk][c] = (gk < T::KG) ? v : 0.f;
         }
     }
 }
@@ -360,6 +366,24 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
     }
 }
 
+// A warp's pages of one tier, u = u_first, u_first + WARPS, ... < u_end (list index u; the tier's page j = u - u_base
+// sits at table column j, or R - 1 - j for the low tier). (An L2 prefetch of the warp's next page, one bulk
+// cp.async.bulk.prefetch.L2 per page, did not pay on the H200: 138.4 against 137.2 us a page-loop launch at
+// Llama-3-8B 48 x 4096 all-high, 153 us two pages ahead; scripts/sweep_kv_gpu.py, docs/PERFORMANCE.md.)
+template <class T, bool LOW>
+__device__ __forceinline__ void tier_loop(const unsigned char* __restrict__ pool, const int* __restrict__ trow,
+                                          int u_first, int u_end, int u_base, int n_tier, int R, int g, int t,
+                                          const u32 (&qf)[MT][2], const float (&qsum)[MAX_KG][2], float qk_scale,
+                                          WarpState& st, u16* __restrict__ probs_row, float* __restrict__ max_row) {
+    for (int u = u_first; u < u_end; u += WARPS) {
+        const int pos = LOW ? R - 1 - (u - u_base) : u - u_base;
+        const int page = trow[pos];
+        const int count = min(n_tier - (u - u_base) * T::TOKENS, T::TOKENS);
+        page_step<T>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
+                     probs_row + (long long)pos * GROUP * PMAX, max_row + (long long)pos * GROUP);
+    }
+}
+
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
@@ -403,24 +427,14 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
     const int h_end = min(u1, hp);
     if (u0 + warp < h_end) {
         load_query<HighTier>(qrow, g, t, qf, qsum);
-        for (int u = u0 + warp; u < h_end; u += WARPS) {
-            const int page = trow[u];
-            const int count = min(n_high - u * HighTier::TOKENS, HighTier::TOKENS);
-            page_step<HighTier>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
-                                probs_row + (long long)u * GROUP * PMAX, max_row + (long long)u * GROUP);
-        }
+        tier_loop<HighTier, false>(pool, trow, u0 + warp, h_end, 0, n_high, R, g, t, qf, qsum, qk_scale, st, probs_row,
+                                   max_row);
     }
     const int l_start = max(u0, hp) + warp;
     if (l_start < u1) {
         load_query<LowTier>(qrow, g, t, qf, qsum);
-        for (int u = l_start; u < u1; u += WARPS) {
-            const int j = u - hp;
-            const int pos = R - 1 - j;
-            const int page = trow[pos];
-            const int count = min(n_low - j * LowTier::TOKENS, LowTier::TOKENS);
-            page_step<LowTier>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
-                               probs_row + (long long)pos * GROUP * PMAX, max_row + (long long)pos * GROUP);
-        }
+        tier_loop<LowTier, true>(pool, trow, l_start, u1, hp, n_low, R, g, t, qf, qsum, qk_scale, st, probs_row,
+                                 max_row);
     }
     // finish the sums over the lanes of a head, then merge the warps
 #pragma unroll

@@ -1,0 +1,153 @@
+"""Issue 19's KV-part kernels on the GPU at one decode layer of Llama-3-8B 48 x 4096: variants side by side.
+
+1. The CUDA partial kernel (``kernels/cuda_decode.py``) over register cap (``MIN_BLOCKS``) and partitions per
+   row, at three tier mixes (all-high, all-low, 85 % high:
+   what the ``llama3-8b`` preset keeps at this point in ``bench_step``); each variant's output checked
+   against the Triton partial kernel's (relative error), its time the median of ``triton.testing.do_bench``,
+   its bandwidth = the tokens' code and scale bytes plus the fp16 probabilities it writes, over the time,
+   as a fraction of the measured device copy bandwidth.
+2. The decision kernel (``kernels/decision_kernel.py``) over rows per program (1 = one program per row, the
+   layout before issue 19; 8 = one layer's KV heads), loop block and warps, for the 48 x 32 x 8 rows of one
+   step (random pool bytes: the work, not the outcome, is what is timed); every variant's actions must equal
+   those of ``rows_per_program=1``. Bytes: each row's tokens' score and position (8 B a token).
+
+Run on the GPU machine: ``python3 scripts/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (about a minute).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+SHAPE = ("llama3-8b", 48, 32, 8, 128, 4096)  # name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len
+NUM_LAYERS = 32
+
+
+def median_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def copy_gbps() -> float:
+    src = torch.randint(0, 2**15, (1 << 30,), dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def partial_sweep(bw: float, min_blocks: list[int], parts: list, log) -> list[dict]:
+    import bench_attention as ba
+    from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode, paged_decode_attention
+    from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
+
+    rows_out = []
+    name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = SHAPE
+    for mix in (1.0, 0.0, 0.85):
+        fmt, pool, table, tokens, row_ids, q = ba.decode_inputs(SHAPE, mix)
+        n_high, n_low = int(tokens[0, 0]), int(tokens[0, 1])
+        rows = num_seqs * num_kv_heads
+        group = num_heads // num_kv_heads
+        pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
+        nbytes = rows * (n_high * fmt.high.tier.token_bytes(head_dim) + n_low * fmt.low.tier.token_bytes(head_dim))
+        nbytes += rows * (n_high + n_low) * group * 2  # fp16 probabilities written for the score update
+        r_max = table.shape[1]
+        ref = torch.empty_like(q)
+        paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, ref, sm_scale=head_dim**-0.5,
+                               update_scores=False, backend="triton")
+        for nparts in parts:
+            ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, r_max, "cuda", num_partitions=nparts)
+            for mb in min_blocks:
+                out = torch.full_like(q, float("nan"))
+                paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out, sm_scale=head_dim**-0.5,
+                                       update_scores=False, workspace=ws, backend="cuda", cuda_min_blocks=mb)
+                err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                call = lambda: cuda_decode.launch_partial(  # noqa: E731
+                    q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True, mb)
+                ms = median_ms(call)
+                row = dict(kernel="diffkv_decode_partial", high_fraction=mix, num_partitions=ws.num_partitions,
+                           min_blocks=mb, us=ms * 1e3, bytes=nbytes,
+                           fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / bw, rel_err_vs_triton=err,
+                           finite=bool(torch.isfinite(out).all()))
+                rows_out.append(row)
+                log(f"partial high {mix:4.0%} parts {ws.num_partitions:2d} min_blocks {mb}: "
+                    f"{row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  err {err:.1e}")
+        del pool
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def decision_sweep(bw: float, log) -> list[dict]:
+    from trtllm_diffkv.config import get_preset
+    from trtllm_diffkv.kernels.decision_kernel import alpha_tensor, decide_rows
+    from trtllm_diffkv.memory import PageFormat
+
+    name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = SHAPE
+    cfg = get_preset("llama3-8b")
+    fmt = PageFormat.for_config(cfg, head_dim)
+    G = NUM_LAYERS * num_kv_heads
+    n_high, n_low = int(seq_len * 0.85), seq_len - int(seq_len * 0.85)
+    hp, lp = -(-n_high // fmt.high_tokens_per_page), -(-n_low // fmt.low_tokens_per_page)
+    R = hp + lp + 2
+    rows = num_seqs * G
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pages = torch.randint(0, 256, (rows * (hp + lp), fmt.page_size_bytes), dtype=torch.uint8, device="cuda",
+                          generator=g)
+    ids = torch.randperm(rows * (hp + lp), device="cuda", generator=g).int().view(rows, hp + lp)
+    table = torch.full((rows, R), -1, dtype=torch.int32, device="cuda")
+    table[:, :hp] = ids[:, :hp]
+    table[:, R - lp:] = ids[:, hp:].flip(1)
+    tokens = torch.tensor([n_high, n_low], dtype=torch.int32, device="cuda").repeat(rows, 1).contiguous()
+    slots = torch.arange(num_seqs, dtype=torch.int64, device="cuda")
+    pos = torch.full((num_seqs,), seq_len, dtype=torch.int64, device="cuda")
+    prompt_len = torch.full((num_seqs,), seq_len - 8, dtype=torch.int64, device="cuda")
+    alphas = alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cuda")
+    nbytes = rows * seq_len * 8
+    common = dict(rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
+                  prompt_score_window_tokens=cfg.prompt_score_window_tokens)
+    base = [t.clone() for t in decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas,
+                                           rows_per_program=1, **common)]
+    out = []
+    for rpp, block, warps in ((1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 64, 4), (8, 128, 8), (16, 64, 4)):
+        call = lambda: decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas,  # noqa: E731
+                                   rows_per_program=rpp, block_tokens=block, num_warps=warps, **common)
+        got = call()
+        same = all(torch.equal(a, b) for a, b in zip(got, base))
+        ms = median_ms(call)
+        row = dict(kernel="_decide_kernel", rows_per_program=rpp, block_tokens=block, num_warps=warps, us=ms * 1e3,
+                   bytes=nbytes, fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / bw, equal_to_one_row_layout=same)
+        out.append(row)
+        log(f"decide rows/program {rpp:2d} block {block:3d} warps {warps}: {row['us']:7.1f} us  "
+            f"{row['fraction_of_copy_bw']:5.1%} of copy BW  equal {same}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--min-blocks", default="2,3")
+    ap.add_argument("--parts", default="default,2,4", help="partitions per row ('default': the heuristic)")
+    ap.add_argument("--skip", default="", help="'partial' and/or 'decide'")
+    args = ap.parse_args()
+    from trtllm_diffkv.evaluation.throughput import environment
+
+    bw = copy_gbps()
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    result = dict(**environment(), command="python3 scripts/sweep_kv_gpu.py " + " ".join(sys.argv[1:]),
+                  copy_bandwidth_gbps=bw, shape=SHAPE, rows=[])
+    if "decide" not in args.skip:
+        result["rows"] += decision_sweep(bw, log)
+    if "partial" not in args.skip:
+        parts = [None if p == "default" else int(p) for p in args.parts.split(",")]
+        result["rows"] += partial_sweep(bw, [int(x) for x in args.min_blocks.split(",")], parts, log)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
