@@ -6,7 +6,9 @@
 #
 #   bash scripts/quality_gpu.sh OUT_DIR SHARDS TIME_LIMIT_S [trtllm-diffkv eval arguments ...]
 #
-# Each shard starts no case after TIME_LIMIT_S (its --time-limit-s). Shard files and logs stay in
+# Each shard starts no case after TIME_LIMIT_S (its --time-limit-s) and is stopped QUALITY_GPU_GRACE_S
+# (120) later; it rewrites its files whole after every case, so a stopped shard keeps what it measured.
+# Shard files and logs stay in
 # $QUALITY_GPU_WORK (default /tmp/quality_gpu); OUT_DIR gets quality.json, quality_details.json and
 # quality_gpu.log (every shard's log, the merge's output).
 set -u -o pipefail
@@ -20,7 +22,7 @@ log="$out/quality_gpu.log"
 python3 -c "from trtllm_diffkv.model.loader import load_model; load_model(None)" >>"$log" 2>&1 || exit 1
 pids=()
 for i in $(seq 0 $((shards - 1))); do
-    python3 -m trtllm_diffkv eval --shard "$i/$shards" --time-limit-s "$limit" --no-plot --no-progress \
+    timeout "$((${limit%.*} + ${QUALITY_GPU_GRACE_S:-120}))" python3 -m trtllm_diffkv eval --shard "$i/$shards" --time-limit-s "$limit" --no-plot --no-progress \
         --output "$work/shard$i.json" "$@" >"$work/shard$i.log" 2>&1 &
     pids+=($!)
 done

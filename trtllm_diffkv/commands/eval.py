@@ -127,10 +127,13 @@ def run(args) -> int:
 
     model, tokenizer, model_config, cases, points, meta, details = setup
 
-    def save(records):
+    def save(records):  # each file replaced whole, so a run killed mid-write leaves the previous case's files
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(dict(meta, rows=aggregate(records)), indent=1) + "\n")
-        details_path(output).write_text(json.dumps(dict(details, records=records), indent=1) + "\n")
+        for path, data in ((output, dict(meta, rows=aggregate(records))),
+                           (details_path(output), dict(details, records=records))):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            os.replace(tmp, path)
 
     from ..model.loader import stop_token_ids
 

@@ -148,14 +148,17 @@ class PointGenerator(ReferenceGenerator):
 
 
 def forced_logits_of_points(generators: list[PointGenerator], caches: list, prompt_ids: list[int],
-                            span_ids: list[int], fast: bool = True) -> list[torch.Tensor]:
+                            span_ids: list[int], fast: bool = True, batch_decode: bool = False) -> list[torch.Tensor]:
     """Teacher-forced logits of every point on one case (``caches[i]`` empty, of ``generators[i]``).
 
     ``fast``: the points that run the same model (rotated or not) share one prefill forward
     (:func:`~trtllm_diffkv.evaluation.accuracy.teacher_forced_logits_shared_prefill`; the prefill attends
-    over the full-precision prompt for every method, so this is exact) and decode as one batch of
-    token rows per step. The first generator (the fp16 reference) decodes alone, so its logits are
-    bit-identical to the per-point path's; the others equal theirs to fp32 reassociation.
+    over the full-precision prompt for every method, so this is exact: every logit is bit-identical to
+    the per-point path's). ``batch_decode`` also runs each group's decode steps as one batch of token
+    rows (the reference alone): not the default, because a row's logits then differ from its own run's
+    by fp32 reassociation (another matrix-product kernel for more rows), and on the GPU that was enough
+    to flip near-threshold tier decisions of a random-weight model (max logit difference 3.0 on a
+    600-token case, H200, 2026-12-02), so the figures would no longer be the per-point path's.
     ``fast=False``: :func:`teacher_forced_logits` per point.
 
     Returns:
@@ -169,7 +172,7 @@ def forced_logits_of_points(generators: list[PointGenerator], caches: list, prom
     out: list = [None] * len(generators)
     for members in groups.values():  # the reference's group first: it holds index 0
         got = teacher_forced_logits_shared_prefill(generators[members[0]].model, [caches[i] for i in members],
-                                                   prompt_ids, span_ids, batch_decode=True)
+                                                   prompt_ids, span_ids, batch_decode=batch_decode)
         for i, logits in zip(members, got):
             out[i] = logits
     return out
@@ -295,6 +298,9 @@ def evaluate(model, tokenizer, model_config, cases: list[Case], points: list[Met
             bar.update(1)
         if on_case is not None:
             on_case(records)
+        if not progress:  # one line per case instead of the bar (logs of unattended runs)
+            print(f"[eval] case {case.task}/{case.case_id} ({len(case.prompt_ids)} prompt tokens) done at "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     bar.__exit__(None, None, None)
     return records
 
