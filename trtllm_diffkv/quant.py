@@ -152,16 +152,22 @@ def quantize(x: torch.Tensor, bits: int, groups: int = 1, *, what: str = "kv", l
         ValueError: wrong rank, head_dim not divisible into byte-filling groups,
             unsupported bits, or a non-finite input (naming layer and head).
     """
+    head_dim = _check_rows(x, bits, groups)
+    check_finite(x, what, layer_idx)
+    codes, scale, zero = _codes_scale_zero(x, bits, groups)
+    codes = codes.to(torch.uint8).reshape(x.shape)
+    return QuantizedKV(pack_codes(codes, bits), scale, zero, bits, head_dim)
+
+
+def _check_rows(x: torch.Tensor, bits: int, groups: int) -> int:
+    """Refuse what :func:`quantize` cannot pack (its ``Raises``, but non-finite values); returns head_dim."""
     _check_bits(bits)
     if x.dim() != 3:
         raise ValueError(f"expected [num_kv_heads, num_tokens, head_dim], got shape {tuple(x.shape)}")
     head_dim = x.shape[-1]
     if head_dim % groups or (head_dim // groups * bits) % 8:
         raise ValueError(f"head_dim={head_dim} in {groups} groups of {bits}-bit codes does not fill whole bytes")
-    check_finite(x, what, layer_idx)
-    codes, scale, zero = _codes_scale_zero(x, bits, groups)
-    codes = codes.to(torch.uint8).reshape(x.shape)
-    return QuantizedKV(pack_codes(codes, bits), scale, zero, bits, head_dim)
+    return head_dim
 
 
 def _codes_scale_zero(x: torch.Tensor, bits: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,12 +213,7 @@ def fake_quantize(x: torch.Tensor, bits: int, groups: int = 1, *, what: str = "k
         if check:
             check_finite(x, what, layer_idx)
         return x.float()
-    _check_bits(bits)
-    if x.dim() != 3:
-        raise ValueError(f"expected [num_kv_heads, num_tokens, head_dim], got shape {tuple(x.shape)}")
-    head_dim = x.shape[-1]
-    if head_dim % groups or (head_dim // groups * bits) % 8:
-        raise ValueError(f"head_dim={head_dim} in {groups} groups of {bits}-bit codes does not fill whole bytes")
+    _check_rows(x, bits, groups)
     if check:
         check_finite(x, what, layer_idx)
     codes, scale, zero = _codes_scale_zero(x, bits, groups)
