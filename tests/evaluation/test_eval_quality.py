@@ -201,7 +201,7 @@ def test_fast_path_equals_the_per_point_path(tmp_path):
     model, tokenizer, config = load_model(folder, dtype=torch.float32)
     gens = [PointGenerator(model, tokenizer, config, p) for p in method_points()]
     assert len({id(g.model) for g in gens}) == 2  # the rotated points run their own model
-    case = build_cases("code_recall", tokenizer, 1, 300, 8, seed=1)[0]
+    case = build_cases("code_recall", tokenizer, 1, 200, 6, seed=1)[0]
     total = len(case.prompt_ids) + len(case.span_ids)
     runs = {}
     for name, kw in (("slow", dict(fast=False)), ("fast", dict(fast=True)), ("batched", dict(batch_decode=True))):
