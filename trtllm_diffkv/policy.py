@@ -29,6 +29,7 @@ page manager, kernels): :data:`TIER_PRUNED`, :data:`TIER_HIGH`, :data:`TIER_LOW`
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,7 @@ def tier_of(importance: torch.Tensor, high_threshold: torch.Tensor, low_threshol
     Args:
         importance: ``float32 [...]`` mean attention received.
         high_threshold, low_threshold: ``float32`` tensors broadcastable to ``importance``
-            (:func:`tier_thresholds`).
+            (:func:`tier_thresholds`), or Python floats holding such an fp32 value.
 
     Returns:
         ``int8 [...]`` tier codes (:data:`TIER_HIGH`, :data:`TIER_LOW`, :data:`TIER_PRUNED`).
@@ -150,9 +151,19 @@ def classify(importance: torch.Tensor, alpha_high: float, alpha_low: float, leng
     Returns:
         ``int8 [...]`` tier codes.
     """
+    if isinstance(length, (int, float)):  # Python floats: no host-to-device copy of a threshold per call
+        return tier_of(importance, _scalar_threshold(alpha_high, float(length)),
+                       _scalar_threshold(alpha_low, float(length)))
     device = importance.device
     return tier_of(importance, tier_thresholds(alpha_high, length).to(device),
                    tier_thresholds(alpha_low, length).to(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _scalar_threshold(alpha: float, length: float) -> float:
+    """:func:`tier_thresholds` of a scalar as a Python float (an fp32 value, so comparing an fp32
+    importance with it is comparing with the fp32 tensor), computed once per ``(alpha, length)``."""
+    return float(tier_thresholds(alpha, length))
 
 
 def pool_importance(importance: torch.Tensor, score_pool_tokens: int) -> torch.Tensor:
@@ -270,10 +281,8 @@ def decode_step(tiers: torch.Tensor, importance: torch.Tensor, seq_len: int,
     num_kv_heads = tiers.shape[0]
     victim_pos = torch.full((num_kv_heads,), -1, dtype=torch.long, device=tiers.device)
     victim_tier = torch.full((num_kv_heads,), TIER_PRUNED, dtype=torch.int8, device=tiers.device)
-    for joined in (TIER_HIGH, TIER_LOW):
+    for joined in (TIER_HIGH, TIER_LOW):  # both branches on every head (no host sync); `heads` selects
         heads = cand == joined
-        if not bool(heads.any()):
-            continue
         masked = torch.where(after == joined, importance, torch.full_like(importance, float("inf")))
         pos = masked.argmin(-1)
         imp_v = importance.gather(-1, pos[:, None])[:, 0]

@@ -232,3 +232,16 @@ def test_scale_is_the_ieee_quotient_at_an_fp16_tie():
     x = torch.tensor([0.0, 7.2821045] + [1.0] * 14).view(1, 1, 16)
     assert quantize(x, 4, 1).scale.item() == 0.4853515625
     assert (torch.tensor(7.2821045) * (1 / 15)).half().item() == 0.485595703125  # the other neighbour
+
+
+@pytest.mark.parametrize("bits,groups", GROUPINGS)
+def test_fake_quantize_equals_packed_round_trip(bits, groups):
+    """``fake_quantize`` skips pack/unpack; it must equal ``dequantize(quantize(x))`` bit for bit, also on
+    saturating rows (far from 0, small range), constant rows and with ``check=False``."""
+    g = torch.Generator().manual_seed(7 * bits + groups)
+    ramp = torch.linspace(0.0, 0.5, 128)
+    x = torch.cat([torch.randn(3, 21, 128, generator=g) * 3,
+                   torch.stack([1000.3 + ramp, -1000.3 - ramp, torch.full((128,), 0.7)])[None].expand(3, -1, -1)], 1)
+    want = dequantize(quantize(x, bits, groups))
+    assert torch.equal(fake_quantize(x, bits, groups), want)
+    assert torch.equal(fake_quantize(x, bits, groups, check=False), want)

@@ -187,3 +187,40 @@ def test_points_a_model_cannot_take_are_dropped_or_refused():
                                           for p in points)
     with pytest.raises(ValueError, match="--kv-config default-rotated.*head_dim"):
         _points_for_model([custom_point("default-rotated")], mc)
+
+
+def test_fast_path_equals_the_per_point_path(tmp_path):
+    """One prefill per model (``fast``) against every point on its own: every logit bit-identical (the prefill
+    attends over the full-precision prompt for every method), every cache's tiers and bytes the same; the
+    batched decode rows (``batch_decode``) to fp32 reassociation on this CPU model."""
+    from trtllm_diffkv.evaluation.quality import PointGenerator, forced_logits_of_points, method_points
+    from trtllm_diffkv.evaluation.tasks import build_cases
+    from trtllm_diffkv.model import load_model
+
+    folder = write_tiny_text_checkpoint(tmp_path / "tiny")
+    model, tokenizer, config = load_model(folder, dtype=torch.float32)
+    gens = [PointGenerator(model, tokenizer, config, p) for p in method_points()]
+    assert len({id(g.model) for g in gens}) == 2  # the rotated points run their own model
+    case = build_cases("code_recall", tokenizer, 1, 200, 6, seed=1)[0]
+    total = len(case.prompt_ids) + len(case.span_ids)
+    runs = {}
+    for name, kw in (("slow", dict(fast=False)), ("fast", dict(fast=True)), ("batched", dict(batch_decode=True))):
+        caches = [g.new_cache(total) for g in gens]
+        runs[name] = (forced_logits_of_points(gens, caches, case.prompt_ids, case.span_ids, **kw), caches)
+    (slow, slow_caches), (fast, fast_caches), (batched, _) = runs["slow"], runs["fast"], runs["batched"]
+    assert torch.equal(batched[0], slow[0])
+    for gen, a, b, c, ca, cb in zip(gens, fast, slow, batched, fast_caches, slow_caches):
+        label = (gen.point.method, gen.point.config)
+        assert a.shape == b.shape == (len(case.span_ids), config.vocab_size), label
+        assert torch.equal(a, b), label
+        assert ca.stats() == cb.stats(), label
+        assert torch.equal(c[0], b[0]) and torch.allclose(c, b, rtol=1e-4, atol=1e-4), label
+
+
+def test_shard_spec_is_checked():
+    from trtllm_diffkv.commands.eval import parse_shard
+
+    assert parse_shard("0/4") == (0, 4) and parse_shard("3/4") == (3, 4)
+    for bad in ("4/4", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(ValueError, match="--shard"):
+            parse_shard(bad)

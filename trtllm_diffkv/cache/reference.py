@@ -133,11 +133,12 @@ class DiffKVReferenceCache:
                 f"cannot quantize key: value {float(k[head, token, channel])} at layer {layer_idx}, KV head {head}, "
                 f"token {first_token + token}, channel {channel} is {float(centered[head, token, channel])} from the "
                 f"head's key offset {float(offset[head, 0, channel])}, beyond the fp16 range of the stored zero point")
-        q = fake_quantize(centered, tier.key_bits, tier.key_groups, what="key", layer_idx=layer_idx)
+        q = fake_quantize(centered, tier.key_bits, tier.key_groups, check=False)
         return q + offset
 
     def _quantized_values(self, layer_idx: int, v: torch.Tensor, tier: TierConfig) -> torch.Tensor:
-        return fake_quantize(v, tier.value_bits, tier.value_groups, what="value", layer_idx=layer_idx)
+        """Reconstructed values at ``tier``; the caller has refused non-finite values (``check_finite``)."""
+        return fake_quantize(v, tier.value_bits, tier.value_groups, check=False)
 
     def _store_tiered(self, layer_idx: int, n: int, k: torch.Tensor, v: torch.Tensor, tiers: torch.Tensor) -> None:
         """Store positions ``0..n-1`` with per-(head, token) tiers ``int8 [num_kv_heads, n]``."""
@@ -150,59 +151,103 @@ class DiffKVReferenceCache:
         self.values[layer_idx, :, :n] = values * keep
         self.tiers[layer_idx, :, :n] = tiers
 
-    def _requantize(self, layer_idx: int, heads: torch.Tensor, pos: torch.Tensor, tier: int) -> None:
-        """Move tokens ``(heads[i], pos[i])`` to ``tier``: re-quantize from the dequantized values, or prune."""
-        if heads.numel() == 0:
-            return
-        self.tiers[layer_idx, heads, pos] = tier
-        if tier == TIER_PRUNED:
-            self.keys[layer_idx, heads, pos] = 0
-            self.values[layer_idx, heads, pos] = 0
-            return
-        fmt = self.config.high if tier == TIER_HIGH else self.config.low
-        offset = self.key_offsets[layer_idx, heads]  # [n, head_dim]
-        k = (self.keys[layer_idx, heads, pos] - offset)[:, None]  # [n, 1, head_dim]: one row per (head, token)
-        v = self.values[layer_idx, heads, pos][:, None]
-        k_hat = fake_quantize(k, fmt.key_bits, fmt.key_groups, what="key", layer_idx=layer_idx)[:, 0] + offset
-        self.keys[layer_idx, heads, pos] = k_hat
-        self.values[layer_idx, heads, pos] = self._quantized_values(layer_idx, v, fmt)[:, 0]
+    def _low_rows(self, layer_idx: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored rows of tokens ``pos[i]`` of KV head ``i % num_kv_heads`` (``int64 [m]``) re-quantized at
+        the low format: ``(keys, values)`` ``float32 [m, head_dim]``. Quantization is per row, so each row is
+        what quantizing it alone gives."""
+        heads = torch.arange(pos.shape[0], device=pos.device) % self.num_kv_heads
+        low = self.config.low
+        offset = self.key_offsets[layer_idx, heads]
+        k = self.keys[layer_idx, heads, pos] - offset
+        k_low = fake_quantize(k[:, None], low.key_bits, low.key_groups, check=False)[:, 0] + offset
+        v_low = fake_quantize(self.values[layer_idx, heads, pos][:, None], low.value_bits, low.value_groups,
+                              check=False)[:, 0]
+        return k_low, v_low
+
+    def _retier(self, layer_idx: int, pos: torch.Tensor, new_tier: torch.Tensor, k_low: torch.Tensor,
+                v_low: torch.Tensor, only_changed: bool) -> None:
+        """Move token ``pos[h]`` of every KV head ``h`` to ``new_tier[h]`` (``int64 [num_kv_heads]``,
+        ``int8 [num_kv_heads]``): to low, store ``k_low[h]`` / ``v_low[h]`` (:meth:`_low_rows`); to pruned,
+        zero the row; to high, nothing (tokens are never promoted). With ``only_changed`` a token at
+        ``new_tier`` already keeps its row. Selected on the device, no host sync."""
+        heads = torch.arange(self.num_kv_heads, device=pos.device)
+        old_tier = self.tiers[layer_idx, heads, pos]
+        k = self.keys[layer_idx, heads, pos]
+        v = self.values[layer_idx, heads, pos]
+        to_low, to_pruned = new_tier == TIER_LOW, new_tier == TIER_PRUNED
+        if only_changed:
+            to_low, to_pruned = to_low & (old_tier != TIER_LOW), to_pruned & (old_tier != TIER_PRUNED)
+        to_low, to_pruned = to_low[:, None], to_pruned[:, None]
+        zero = torch.zeros_like(k)
+        self.keys[layer_idx, heads, pos] = torch.where(to_pruned, zero, torch.where(to_low, k_low, k))
+        self.values[layer_idx, heads, pos] = torch.where(to_pruned, zero, torch.where(to_low, v_low, v))
+        self.tiers[layer_idx, heads, pos] = torch.where((to_low | to_pruned)[:, 0], new_tier, old_tier)
 
     # --------------------------------------------------------------- attention
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention backend entry point; shapes as in ``AttentionBackend.forward``."""
-        start = self._layer_seq_len[layer_idx]
-        n = q.shape[0]
-        if start + n > self.max_seq_len_tokens:
-            raise ValueError(f"sequence of {start + n} tokens exceeds the cache capacity {self.max_seq_len_tokens}")
+        start, n = self._check_step(layer_idx, q)
         if start == 0:
             out = self._prefill(layer_idx, q, k, v)
         elif n == 1:
             out = self._decode(layer_idx, q, k, v)
         else:
             raise ValueError("the reference cache takes the whole prompt at once, then one token per step")
-        self._layer_seq_len[layer_idx] = start + n
-        if layer_idx == self.num_layers - 1:
-            self.seq_len = start + n
+        self._advance(layer_idx, start + n)
         return out
 
+    def store_prompt(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The prefill step of :meth:`forward` without its attention output: everything is stored and
+        tiered exactly as :meth:`forward` does, for a caller that runs one prefill for several caches
+        (the prefill attends over the full-precision prompt whatever the configuration, so one cache's
+        output serves all; ``trtllm_diffkv.evaluation.quality``).
+
+        Raises:
+            ValueError: as :meth:`forward`, or a layer that has had its prefill already.
+        """
+        start, n = self._check_step(layer_idx, q)
+        if start != 0:
+            raise ValueError(f"layer {layer_idx} has had its prefill; store_prompt takes only the prompt")
+        self._store_prompt(layer_idx, q, k, v)
+        self._advance(layer_idx, n)
+
+    def _check_step(self, layer_idx: int, q: torch.Tensor) -> tuple[int, int]:
+        start = self._layer_seq_len[layer_idx]
+        n = q.shape[0]
+        if start + n > self.max_seq_len_tokens:
+            raise ValueError(f"sequence of {start + n} tokens exceeds the cache capacity {self.max_seq_len_tokens}")
+        return start, n
+
+    def _advance(self, layer_idx: int, length: int) -> None:
+        self._layer_seq_len[layer_idx] = length
+        if layer_idx == self.num_layers - 1:
+            self.seq_len = length
+
     def _prefill(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kh, vh = self._store_prompt(layer_idx, q, k, v)
+        group = self.num_heads // self.num_kv_heads
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0), is_causal=True)
+        return out.transpose(0, 1)
+
+    def _store_prompt(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Score, tier and store the prompt of one layer; returns its ``(keys, values)`` ``[num_kv_heads, n,
+        head_dim]`` as given."""
         n = q.shape[0]
         if n == 0:
             raise ValueError("empty prompt: at least one token is needed")
-        self.prompt_len = n
         cfg = self.config
         group = self.num_heads // self.num_kv_heads
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, n, head_dim]
         check_finite(kh, "key", layer_idx)
         check_finite(vh, "value", layer_idx)
-        qh = q.transpose(0, 1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0), is_causal=True)
+        self.prompt_len = n
         if not cfg.compress:
             self.keys[layer_idx, :, :n] = kh.to(self.keys.dtype)
             self.values[layer_idx, :, :n] = vh.to(self.values.dtype)
             self.tiers[layer_idx, :, :n] = TIER_HIGH
-            return out.transpose(0, 1)
+            return kh, vh
+        qh = q.transpose(0, 1)
         if cfg.center_keys:
             self.key_offsets[layer_idx] = kh.float().mean(1).to(torch.float16).float()
         num_scoring = min(cfg.prompt_score_window_tokens, n)
@@ -212,7 +257,7 @@ class DiffKVReferenceCache:
         tiers = policy.prompt_tiers(scores, cfg.alpha_high, cfg.alpha_low, cfg.recent_window_tokens,
                                     cfg.prompt_score_window_tokens, cfg.prompt_threshold_base, cfg.score_pool_tokens)
         self._store_tiered(layer_idx, n, kh, vh, tiers)
-        return out.transpose(0, 1)
+        return kh, vh
 
     def _decode(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -253,16 +298,17 @@ class DiffKVReferenceCache:
         importance = self.scores[layer_idx, :, :cand + 1] / counts
         decision = policy.decode_step(self.tiers[layer_idx, :, :cand + 1], importance, pos,
                                       cfg.alpha_high, cfg.alpha_low)
-        heads = torch.arange(self.num_kv_heads, device=self.scores.device)
-        cand_pos = torch.full_like(heads, cand)
-        for tier in (TIER_LOW, TIER_PRUNED):
-            sel = decision.candidate_tier == tier
-            self._requantize(layer_idx, heads[sel], cand_pos[sel], tier)
-        has_victim = decision.victim_pos >= 0
-        for tier in (TIER_LOW, TIER_PRUNED):
-            sel = has_victim & (decision.victim_tier == tier)
-            sel &= self.tiers[layer_idx, heads, decision.victim_pos.clamp(min=0)] != tier
-            self._requantize(layer_idx, heads[sel], decision.victim_pos[sel], tier)
+        # The candidate moves first, then the victim (it can be the candidate itself). Both low rows come from
+        # the storage before the candidate's move, in one quantization: a victim re-quantized to low is a token
+        # the candidate's move left as it was (a candidate moved to low and picked as the victim is low already
+        # and stays, or is pruned), and a high decision moves nothing (nothing is promoted).
+        cand_pos = torch.full((self.num_kv_heads,), cand, dtype=torch.long, device=self.scores.device)
+        victim_pos = decision.victim_pos.clamp(min=0)
+        k_low, v_low = self._low_rows(layer_idx, torch.cat([cand_pos, victim_pos]))
+        h = self.num_kv_heads
+        self._retier(layer_idx, cand_pos, decision.candidate_tier, k_low[:h], v_low[:h], only_changed=False)
+        victim_tier = torch.where(decision.victim_pos >= 0, decision.victim_tier, TIER_HIGH).to(torch.int8)
+        self._retier(layer_idx, victim_pos, victim_tier, k_low[h:], v_low[h:], only_changed=True)
 
     # ------------------------------------------------------------------ report
     def stats(self) -> CacheStats:

@@ -66,6 +66,10 @@ def add_parser(subparsers) -> None:
                         "e.g. a second run of more methods; the first file wins a duplicate record) into --output, "
                         "its details JSON and PNG")
     p.add_argument("--time-limit-s", type=finite_float, help="start no case after this many seconds (default: none)")
+    p.add_argument("--shard", metavar="I/K", help="run only every K-th case from the I-th (0-based) of the round-robin "
+                                                 "order, e.g. K processes on one GPU (the run is bound by Python "
+                                                 "launch overhead, not the GPU); merge their details JSONs with "
+                                                 "--merge-details (default: every case)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -73,6 +77,21 @@ def add_parser(subparsers) -> None:
 def details_path(output: Path) -> Path:
     """``<stem>_details.json`` beside the results JSON."""
     return output.with_name(output.stem + "_details.json")
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"I/K"`` -> ``(I, K)`` with ``0 <= I < K``.
+
+    Raises:
+        ValueError: anything else, naming ``--shard``.
+    """
+    try:
+        i, k = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {spec!r}: expected I/K, e.g. 0/4") from None
+    if k < 1 or not 0 <= i < k:
+        raise ValueError(f"--shard {spec!r}: need 0 <= I < K")
+    return i, k
 
 
 def _title(result: dict) -> str:
@@ -111,7 +130,7 @@ def run(args) -> int:
 
     model, tokenizer, model_config, cases, points, meta, details = setup
 
-    def save(records):
+    def save(records):  # each file replaced whole, so a run killed mid-write leaves the previous case's files
         output.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(output, json.dumps(dict(meta, rows=aggregate(records)), indent=1) + "\n")
         write_text_atomic(details_path(output), json.dumps(dict(details, records=records), indent=1) + "\n")
@@ -209,6 +228,7 @@ def _setup(args):
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
     check_output_path(args.output, "--output")
+    shard = parse_shard(args.shard) if args.shard else None
     if args.bigbench is not None and not os.path.exists(args.bigbench):
         raise ValueError(f"--bigbench {args.bigbench}: no such file or folder (the bigbench sdist .tar.gz, or a "
                          "folder / task.json from it)")
@@ -242,6 +262,8 @@ def _setup(args):
     cases = [c for group in itertools.zip_longest(*per_task) for c in group if c is not None]
     if not cases:
         raise ValueError(f"no task could be built: {skipped}")
+    if shard is not None:
+        cases = cases[shard[0]::shard[1]]
     env = environment()
     command = getattr(args, "command_line", None) or "trtllm-diffkv eval " + shlex.join(sys.argv[2:])
     model_name = str(resolve_model_path(args.model)) if args.model else "SmolLM2-135M-Instruct (default GGUF)"

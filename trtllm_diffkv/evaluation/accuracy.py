@@ -42,28 +42,54 @@ def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int
 
 
 class _FanOut:
-    """Attention backend that runs every cache on the same q/k/v and returns the first one's output."""
+    """Prefill backend: the first cache attends and its output is returned; every other cache stores the same
+    q/k/v (``store_prompt``: the prefill without its attention output, where the cache has one)."""
 
     def __init__(self, caches):
         self.caches = caches
 
     def forward(self, layer_idx, q, k, v):
-        outs = [c.forward(layer_idx, q, k, v) for c in self.caches]
-        return outs[0]
+        out = self.caches[0].forward(layer_idx, q, k, v)
+        for c in self.caches[1:]:
+            store = getattr(c, "store_prompt", None)
+            if store is not None:
+                store(layer_idx, q, k, v)
+            else:
+                c.forward(layer_idx, q, k, v)
+        return out
+
+
+class _Rows:
+    """Decode backend of one step for several one-request caches: token row ``i`` goes to ``caches[i]``."""
+
+    def __init__(self, caches):
+        self.caches = caches
+
+    def forward(self, layer_idx, q, k, v):
+        return torch.cat([c.forward(layer_idx, q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i, c in enumerate(self.caches)])
 
 
 def teacher_forced_logits_shared_prefill(model, caches: list, prompt_ids: list[int],
-                                         forced_ids: list[int]) -> list[torch.Tensor]:
+                                         forced_ids: list[int], batch_decode: bool = False) -> list[torch.Tensor]:
     """:func:`teacher_forced_logits` for several empty caches of one model, with one prefill forward.
 
     The prefill runs the model once; every cache stores the same prompt q/k/v at its own
     configuration, and the output of the first is used. That is exact for
-    :class:`~trtllm_diffkv.cache.DiffKVReferenceCache` (its prefill attention reads the
-    unquantized prompt, whatever the configuration); the decode steps run each cache on its own.
+    :class:`~trtllm_diffkv.cache.DiffKVReferenceCache` and the baselines of
+    :mod:`~trtllm_diffkv.evaluation.baselines` (their prefill attention reads the unquantized prompt,
+    whatever the configuration): every cache's prefill logits are bit-identical to its own run's.
+
+    Decode steps: with ``batch_decode=False`` each cache runs on its own; with ``batch_decode=True`` the
+    caches after the first run together, one forward of ``len(caches) - 1`` token rows per step (the
+    same token at the same position, row ``i`` attending in its own cache), so the model's weights are
+    read once per step instead of once per cache. A row's logits then equal its own run's to fp32
+    reassociation (a matrix product over more rows may sum in another order). The first cache always
+    decodes alone: its logits are bit-identical to :func:`teacher_forced_logits`'s.
 
     Args:
         model: the model (its device is used).
         caches: empty caches of at least ``len(prompt_ids) + len(forced_ids)`` tokens.
+        batch_decode: run the decode steps of ``caches[1:]`` as one batch.
 
     Returns:
         One ``float32 [len(forced_ids), vocab_size]`` CPU tensor per cache, as :func:`teacher_forced_logits`.
@@ -79,12 +105,21 @@ def teacher_forced_logits_shared_prefill(model, caches: list, prompt_ids: list[i
         logits = model(torch.tensor(prompt_ids, device=device), torch.arange(len(prompt_ids), device=device),
                        _FanOut(caches) if len(caches) > 1 else caches[0],
                        logits_indices=torch.tensor([len(prompt_ids) - 1], device=device))
+        first = logits[-1].float().cpu()
         for r in rows:
-            r.append(logits[-1].float().cpu())
-        for r, cache in zip(rows, caches):
+            r.append(first)
+        solo = list(zip(rows, caches)) if not batch_decode else list(zip(rows[:1], caches[:1]))
+        for r, cache in solo:
             for step, token in enumerate(forced_ids[:-1]):
                 pos = torch.tensor([len(prompt_ids) + step], device=device)
                 r.append(model(torch.tensor([token], device=device), pos, cache)[-1].float().cpu())
+        if batch_decode and len(caches) > 1:
+            batch, m = _Rows(caches[1:]), len(caches) - 1
+            for step, token in enumerate(forced_ids[:-1]):
+                pos = torch.full((m,), len(prompt_ids) + step, dtype=torch.long, device=device)
+                out = model(torch.full((m,), token, dtype=torch.long, device=device), pos, batch).float().cpu()
+                for i, r in enumerate(rows[1:]):
+                    r.append(out[i])
     return [torch.stack(r) for r in rows]
 
 

@@ -144,18 +144,14 @@ class _TokenCache:
         if start + n > self.max_seq_len_tokens:
             raise ValueError(f"sequence of {start + n} tokens exceeds the cache capacity {self.max_seq_len_tokens}")
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)
-        check_finite(kh, "key", layer_idx, first_token=start)
-        check_finite(vh, "value", layer_idx, first_token=start)
         if start == 0:
-            if n == 0:
-                raise ValueError("empty prompt: at least one token is needed")
-            self.prompt_len = n
-            qh = q.transpose(0, 1)
+            self._prefill_store(layer_idx, q, kh, vh)
             out = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh.repeat_interleave(self.group, 0), vh.repeat_interleave(self.group, 0), is_causal=True)
-            self._store_prompt(layer_idx, qh, kh.float(), vh.float())
-            out = out.transpose(0, 1)
+                q.transpose(0, 1), kh.repeat_interleave(self.group, 0), vh.repeat_interleave(self.group, 0),
+                is_causal=True).transpose(0, 1)
         elif n == 1:
+            check_finite(kh, "key", layer_idx, first_token=start)
+            check_finite(vh, "value", layer_idx, first_token=start)
             pos = start
             self._before_write(layer_idx, pos)
             self._store_token(layer_idx, pos, kh[:, 0].float(), vh[:, 0].float())
@@ -170,6 +166,32 @@ class _TokenCache:
         if layer_idx == self.num_layers - 1:
             self.seq_len = start + n
         return out
+
+    def store_prompt(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The prefill step of :meth:`forward` without its attention output (the prompt is stored and
+        selected exactly as :meth:`forward` does), for a caller that runs one prefill for several caches.
+
+        Raises:
+            ValueError: as :meth:`forward`, or a layer that has had its prefill already.
+        """
+        n = q.shape[0]
+        if self._layer_seq_len[layer_idx] != 0:
+            raise ValueError(f"layer {layer_idx} has had its prefill; store_prompt takes only the prompt")
+        if n > self.max_seq_len_tokens:
+            raise ValueError(f"sequence of {n} tokens exceeds the cache capacity {self.max_seq_len_tokens}")
+        self._prefill_store(layer_idx, q, k.transpose(0, 1), v.transpose(0, 1))
+        self._layer_seq_len[layer_idx] = n
+        if layer_idx == self.num_layers - 1:
+            self.seq_len = n
+
+    def _prefill_store(self, layer_idx: int, q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> None:
+        check_finite(kh, "key", layer_idx)
+        check_finite(vh, "value", layer_idx)
+        n = q.shape[0]
+        if n == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        self.prompt_len = n
+        self._store_prompt(layer_idx, q.transpose(0, 1), kh.float(), vh.float())
 
     # hooks ------------------------------------------------------------------
     def _store_prompt(self, layer_idx, qh, kh, vh) -> None:

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .accuracy import teacher_forced_logits
+from .accuracy import teacher_forced_logits, teacher_forced_logits_shared_prefill
 from ..cache import DiffKVReferenceCache
 from ..config import DiffKVConfig, get_preset, replaced_atomically, resolve_kv_config
 from ..generation.reference import ReferenceGenerator
@@ -85,7 +85,6 @@ def method_points() -> list[MethodPoint]:
     default = get_preset("default")
     points = [_diffkv_point("fp16", "fp16", get_preset("fp16")),
               _diffkv_point("diffkv", "default (ah=1, al=0)", default),
-              _diffkv_point("diffkv", "ah=2, al=0", default.replace(alpha_high=2.0, name="ah2")),
               _diffkv_point("diffkv", "ah=1, al=0.005", default.replace(alpha_low=0.005, name="al005")),
               _diffkv_point("diffkv", "ah=1, al=0.02 (paper llama3-8b)", get_preset("llama3-8b")),
               _diffkv_point("k8v4", "k8v4 preset (every token K8V4, centred keys)", get_preset("k8v4")),
@@ -102,6 +101,7 @@ def method_points() -> list[MethodPoint]:
                _diffkv_point("diffkv-rotated", "Hadamard keys, low K4V2, ah=1, al=0", rotated),
                _diffkv_point("diffkv-rotated", "Hadamard keys, low K4V2, ah=1, al=0.02", rotated.replace(alpha_low=0.02)),
                _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.005", pooled.replace(alpha_low=0.005)),
+               _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.01", pooled.replace(alpha_low=0.01)),
                _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.02", pooled.replace(alpha_low=0.02))]
     for cls, name in ((baselines.SnapKVCache, "snapkv"), (baselines.H2OCache, "h2o"),
                       (baselines.StreamingLLMCache, "streamingllm")):
@@ -145,6 +145,37 @@ class PointGenerator(ReferenceGenerator):
 
     def new_cache(self, max_seq_len_tokens: int):
         return self.point.build(self.model_config, max_seq_len_tokens, self.device)
+
+
+def forced_logits_of_points(generators: list[PointGenerator], caches: list, prompt_ids: list[int],
+                            span_ids: list[int], fast: bool = True, batch_decode: bool = False) -> list[torch.Tensor]:
+    """Teacher-forced logits of every point on one case (``caches[i]`` empty, of ``generators[i]``).
+
+    ``fast``: the points that run the same model (rotated or not) share one prefill forward
+    (:func:`~trtllm_diffkv.evaluation.accuracy.teacher_forced_logits_shared_prefill`; the prefill attends
+    over the full-precision prompt for every method, so this is exact: every logit is bit-identical to
+    the per-point path's). ``batch_decode`` also runs each group's decode steps as one batch of token
+    rows (the reference alone): not the default, because a row's logits then differ from its own run's
+    by fp32 reassociation (another matrix-product kernel for more rows), and on the GPU that was enough
+    to flip near-threshold tier decisions of a random-weight model (max logit difference 3.0 on a
+    600-token case, H200, 2026-12-02), so the figures would no longer be the per-point path's.
+    ``fast=False``: :func:`teacher_forced_logits` per point.
+
+    Returns:
+        ``float32 [len(span_ids), vocab]`` CPU logits per generator, in order.
+    """
+    if not fast:
+        return [teacher_forced_logits(g, prompt_ids, span_ids, cache=c) for g, c in zip(generators, caches)]
+    groups: dict[int, list[int]] = {}
+    for i, gen in enumerate(generators):
+        groups.setdefault(id(gen.model), []).append(i)
+    out: list = [None] * len(generators)
+    for members in groups.values():  # the reference's group first: it holds index 0
+        got = teacher_forced_logits_shared_prefill(generators[members[0]].model, [caches[i] for i in members],
+                                                   prompt_ids, span_ids, batch_decode=batch_decode)
+        for i, logits in zip(members, got):
+            out[i] = logits
+    return out
 
 
 def greedy_completion(gen: ReferenceGenerator, prompt_ids: list[int], max_new_tokens: int) -> str:
@@ -222,12 +253,14 @@ def bootstrap_ci(values, resamples: int = BOOTSTRAP_RESAMPLES, level: float = CI
 
 def evaluate(model, tokenizer, model_config, cases: list[Case], points: list[MethodPoint], *,
              stop_token_ids=None, humaneval_new_tokens: int = 128, graded_methods: set[str] | None = None,
-             time_limit_s: float | None = None,
+             time_limit_s: float | None = None, fast: bool = True,
              progress: bool = True, on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Run every point on every case; returns one record per (case, point).
 
     Args:
         points: ``points[0]`` must be the fp16 reference.
+        fast: one prefill per model and batched decode steps (:func:`forced_logits_of_points`);
+            ``False``: every point on its own (the slow path the fast one is tested against).
         humaneval_new_tokens: greedy tokens per graded ``humaneval`` completion.
         graded_methods: methods whose ``humaneval`` completions are generated and graded
             (``None``: all); the others get only the teacher-forced metrics.
@@ -250,13 +283,11 @@ def evaluate(model, tokenizer, model_config, cases: list[Case], points: list[Met
     for case in cases:
         if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
             break
-        ref_logits = None
-        for gen in generators:
-            cache = gen.new_cache(len(case.prompt_ids) + len(case.span_ids))
-            logits = teacher_forced_logits(gen, case.prompt_ids, case.span_ids, cache=cache)
+        caches = [gen.new_cache(len(case.prompt_ids) + len(case.span_ids)) for gen in generators]
+        all_logits = forced_logits_of_points(generators, caches, case.prompt_ids, case.span_ids, fast=fast)
+        ref_logits = all_logits[0]
+        for gen, cache, logits in zip(generators, caches, all_logits):
             stats = cache.stats()
-            if ref_logits is None:
-                ref_logits = logits
             record = {"task": case.task, "case_id": case.case_id, "method": gen.point.method,
                       "config": gen.point.config, "kv_memory_fraction": stats.kv_memory_fraction,
                       "prompt_tokens": len(case.prompt_ids), **case_metrics(ref_logits, logits, case.span_ids)}
@@ -267,6 +298,9 @@ def evaluate(model, tokenizer, model_config, cases: list[Case], points: list[Met
             bar.update(1)
         if on_case is not None:
             on_case(records)
+        if not progress:  # one line per case instead of the bar (logs of unattended runs)
+            print(f"[eval] case {case.task}/{case.case_id} ({len(case.prompt_ids)} prompt tokens) done at "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     bar.__exit__(None, None, None)
     return records
 
