@@ -37,7 +37,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                         "written by `trtllm-diffkv calibrate`")
     p.add_argument("--max-batch-size", type=int, default=64, help="requests per executor step at most (default: 64)")
     p.add_argument("--max-num-tokens", type=int, help="tokens per executor step at most: running decodes first, then "
-                   "prompt chunks (TensorRT-LLM's name; default: 2048 with chunked prefill)")
+                   "prompt chunks (TensorRT-LLM's name; default: 8192 with chunked prefill)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over steps so decodes keep running (default: on; DiffKV compacts a "
                    "prompt after its final chunk)")

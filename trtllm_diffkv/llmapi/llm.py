@@ -163,7 +163,7 @@ class LLM:
             type); ``kv_memory_bytes``/``kv_memory_fraction`` are then per rank. Takes a HF folder, a
             ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md "Tensor parallelism".
         **executor_kwargs: passed to :class:`~trtllm_diffkv.runtime.executor.Executor`, e.g.
-            ``max_num_tokens`` (tokens per step; default 2048) and ``enable_chunked_prefill`` (default ``True``),
+            ``max_num_tokens`` (tokens per step; default 8192) and ``enable_chunked_prefill`` (default ``True``),
             TensorRT-LLM's ``LLM`` names.
 
     Attributes:

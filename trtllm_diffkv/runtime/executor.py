@@ -47,10 +47,12 @@ from .sampling import Sampler, SamplingParams, StopChecker
 from .scheduler import Scheduler
 
 
-DEFAULT_MAX_NUM_TOKENS = 2048
+DEFAULT_MAX_NUM_TOKENS = 8192
 """Default ``max_num_tokens`` with chunked prefill: a step carries the running decodes and at most this many
-tokens in all (vLLM's ``max_num_batched_tokens`` default for chunked prefill; TensorRT-LLM's ``max_num_tokens``
-default is 8192)."""
+tokens in all (TensorRT-LLM's ``max_num_tokens`` default). Prompts up to the step's remaining tokens go whole;
+longer ones are chunked. Not vLLM's 2048: on the H200 (docs/SERVING.md, servers benchmark of 2026-12-02) a
+2048-token step halved the OpenAI server's throughput and raised its TTFT p99 3.7x on a workload with one
+~2k-token prompt in eight."""
 
 
 def prefill_chunk_positions(batch: ScheduledBatch) -> list[tuple[int, int]]:
@@ -106,7 +108,7 @@ class Executor:
         resource_manager: an existing one; default: built from the sizes below.
         max_batch_size: most requests in a step (request slots).
         max_num_tokens: most tokens a step carries (TensorRT-LLM's name): decodes first, then prompt
-            chunks. Default :data:`DEFAULT_MAX_NUM_TOKENS` (2048, or ``max_batch_size`` if larger) with
+            chunks. Default :data:`DEFAULT_MAX_NUM_TOKENS` (8192, or ``max_batch_size`` if larger) with
             chunked prefill; without it ``max(8192, max_seq_len)``.
         enable_chunked_prefill: split prompts over steps (default ``True``; TensorRT-LLM's and vLLM's
             name); ``False``: each prompt is prefilled in one step (and, with a re-prefill after
