@@ -96,6 +96,12 @@ SAMPLING_TESTS = ["test_sampling.py::test_top_p_on_the_exact_boundary_drops_the_
 STOP_TESTS = ["test_sampling.py::test_stop_strings_across_tokens_tiny_tokenizer",
               "test_sampling.py::test_stop_ids_max_tokens_and_ignore_eos", "test_executor.py::test_stop_ids_and_stop_strings"]
 SERVE_TESTS = ["test_openai_app_rules.py"]
+NEUTRAL_TESTS = SERVE_TESTS + ["test_trtllm_sampling_fields.py::test_other_values_fail_the_request_naming_the_field"]
+PENALTY_TESTS = ["test_sampling.py::test_presence_and_frequency_penalties_match_the_loop_reference"]
+LOGPROB_TESTS = ["test_sampling.py::test_logprobs_are_log_softmax_of_the_penalized_tempered_logits"]
+PROMPT_LOGPROB_TESTS = ["test_llm_logprobs.py::test_prompt_logprobs_equal_a_dense_forward"]
+BEST_OF_TESTS = ["test_llm_logprobs.py::test_best_of_keeps_the_highest_cumulative_logprobs"]
+ECHO_TESTS = ["test_openai_logprobs.py::test_echo_with_max_tokens_zero_returns_the_prompt_alone"]
 PAGED_TESTS = ["test_paged_cache.py", "test_paged_metadata_rules.py"]
 DECISION_TESTS = ["test_decision_kernel.py::test_decision_kernel_equals_reference_all_presets"]
 DECODE_KERNEL_TESTS = ["test_kernels_decode_attention.py"]
@@ -316,6 +322,19 @@ MUTATIONS = [
     m("runtime-greedy-ignores-penalty", SAMPLING, "greedy rows take the argmax of the raw logits (penalty skipped)",
       [("        tokens = torch.argmax(scores, dim=-1)\n", "        tokens = torch.argmax(logits.float(), dim=-1)\n")],
       SAMPLING_TESTS),
+    m("runtime-penalty-counts-prompt", SAMPLING, "presence/frequency penalties count the prompt's tokens too",
+      [("start = self._prompt_tokens.get(request_id, 0)", "start = 0")], PENALTY_TESTS),
+    m("runtime-presence-per-count", SAMPLING, "the presence penalty is subtracted once per occurrence",
+      [("- (counts > 0).float() * presence", "- counts * presence")], PENALTY_TESTS),
+    m("runtime-logprobs-untempered", SAMPLING, "logprobs ignore the temperature",
+      [("logp = torch.log_softmax(scores[asked] / temperature, dim=-1)",
+        "logp = torch.log_softmax(scores[asked], dim=-1)")], LOGPROB_TESTS),
+    m("runtime-prompt-logprobs-shifted", SAMPLING, "prompt logprobs read each position's own token (off by one)",
+      [("ids = torch.tensor(prompt_token_ids[1:], dtype", "ids = torch.tensor(prompt_token_ids[:-1], dtype")],
+      PROMPT_LOGPROB_TESTS),
+    m("runtime-best-of-worst", SAMPLING, "best_of keeps the least likely sequences",
+      [("key=lambda i: (-cumulative_logprobs[i], i))[:n]", "key=lambda i: (cumulative_logprobs[i], i))[:n]")],
+      BEST_OF_TESTS),
     m("runtime-max-tokens-one-late", STOPS, "max_tokens stops one token late (> not >=)",
       [("if len(generated_ids) >= self.params.max_tokens:", "if len(generated_ids) > self.params.max_tokens:")],
       STOP_TESTS),
@@ -327,10 +346,14 @@ MUTATIONS = [
         "        if True:\n            self._stop_ids |= set(stop_token_ids)")], STOP_TESTS),
     # ------------------------------------------------------------------ OpenAI server (survivors 5, 6)
     m("serve-usage-first-prompt", SERVER, "completion usage counts the first prompt only",
-      [("usage = request.state.usage = _usage(finals)", "usage = request.state.usage = _usage(finals[:1])")], SERVE_TESTS),
+      [("usage = request.state.usage = _usage(finals, len(finals) if prompt_only else 0)",
+        "usage = request.state.usage = _usage(finals[:1], len(finals) if prompt_only else 0)")], SERVE_TESTS),
     m("serve-neutral-ignores-type", SAMPLING, "neutral-value check by == only (True == 1, 0 == False accepted)",
       [("               (type(value) is type(neutral) or {type(value), type(neutral)} <= {int, float}) and value == neutral",
-        "               value == neutral")], SERVE_TESTS),
+        "               value == neutral")], NEUTRAL_TESTS),
+    m("serve-echo-keeps-generated", SERVER, "echo with max_tokens 0 returns the dropped generated token too",
+      [("        if not self.prompt_only:\n            ids += list(token_ids)",
+        "        if True:\n            ids += list(token_ids)")], ECHO_TESTS),
     m("serve-completion-default-max-tokens", SERVER, "completions default to SamplingParams' 64 tokens, not OpenAI's 16",
       [("16 if body.max_tokens is None else body.max_tokens", "64 if body.max_tokens is None else body.max_tokens")],
       SERVE_TESTS),

@@ -478,3 +478,106 @@ def test_top_p_on_the_boundary_with_ties_keeps_as_transformers():
         ours = torch.isfinite(sampler.filtered_logits(logits, ["r"], [[]]))[0]
         hf = torch.isfinite(TopPLogitsWarper(top_p)(torch.zeros(1, 0, dtype=torch.long), logits.clone()))[0]
         assert int(ours.sum()) == int(hf.sum()) == kept, top_p
+
+
+# ---------------------------------------------------------------------------------------------
+# presence / frequency penalties and log-probabilities (issue 22)
+# ---------------------------------------------------------------------------------------------
+def loop_penalized(logits, params: SamplingParams, prompt, generated):
+    """Token by token (float64): the CTRL rule over prompt + generated, then OpenAI's
+    ``logit -= count * frequency + (count > 0) * presence`` over the generated tokens only."""
+    x = [float(v) for v in logits]
+    if params.repetition_penalty != 1.0:
+        for token in set(prompt) | set(generated):
+            x[token] = x[token] * params.repetition_penalty if x[token] < 0 else x[token] / params.repetition_penalty
+    for token in range(len(x)):
+        count = sum(1 for t in generated if t == token)
+        x[token] -= count * (params.frequency_penalty or 0) + (1 if count else 0) * (params.presence_penalty or 0)
+    return np.array(x)
+
+
+PENALTY_PARAMS = [
+    SamplingParams(temperature=0.0, presence_penalty=1.5),
+    SamplingParams(temperature=0.0, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, frequency_penalty=-2.0),
+]
+
+
+def test_presence_and_frequency_penalties_match_the_loop_reference():
+    """Two steps per row: the counts are folded in incrementally (the second call adds only the new ids)
+    and count the generated tokens, not the prompt's."""
+    vocab = 41
+    g = torch.Generator().manual_seed(3)
+    sampler = Sampler(vocab, "cpu")
+    prompts = [torch.randint(0, vocab, (9,), generator=g).tolist() for _ in PENALTY_PARAMS]
+    generated = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (5, 12, 0, 7)]  # repeats of few ids
+    for row, params in enumerate(PENALTY_PARAMS):
+        sampler.add(row, params, prompt_tokens=len(prompts[row]))
+    for step in range(2):
+        logits = torch.randn(len(PENALTY_PARAMS), vocab, generator=g) * 2
+        histories = [p + o for p, o in zip(prompts, generated)]
+        got = sampler.filtered_logits(logits, list(range(len(PENALTY_PARAMS))), histories)
+        for row, params in enumerate(PENALTY_PARAMS):
+            want = loop_penalized(logits[row].tolist(), params, prompts[row], generated[row])
+            np.testing.assert_allclose(got[row].numpy(), want, rtol=1e-5, atol=1e-5)
+        generated = [o + [1, 1, 4] for o in generated]
+
+
+def test_penalties_are_checked_by_name():
+    for name in ("presence_penalty", "frequency_penalty"):
+        for bad in (2.5, -3, float("nan"), "1", True):
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: bad}).validate()
+    for bad, name in ((dict(n=0), "n"), (dict(n=2, best_of=1), "best_of"), (dict(logprobs=21), "logprobs"),
+                      (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(n=True), "n")):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**bad).validate()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logprobs_are_log_softmax_of_the_penalized_tempered_logits(seed):
+    """The sampled token's log-probability, its rank and the top-k against torch.log_softmax of the loop
+    reference's penalized logits / temperature (1 for greedy rows), before top-k/top-p; the tokens are
+    the same draws as ``sample``."""
+    vocab = 97
+    rows = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.7, top_k=5, seed=4, logprobs=0),
+            SamplingParams(temperature=1.3, top_p=0.6, frequency_penalty=0.9, seed=5, logprobs=6),
+            SamplingParams(temperature=1.0, seed=6), SamplingParams(temperature=0.0, presence_penalty=2.0, logprobs=2)]
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), vocab, generator=g) * 3
+    prompts = [torch.randint(0, vocab, (4,), generator=g).tolist() for _ in rows]
+    outs = [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in rows]
+    plain, with_lp = Sampler(vocab, "cpu"), Sampler(vocab, "cpu")
+    for sampler in (plain, with_lp):
+        for row, params in enumerate(rows):
+            sampler.add(row, params, prompt_tokens=4)
+    histories = [p + o for p, o in zip(prompts, outs)]
+    tokens = plain.sample(logits, list(range(len(rows))), histories)
+    tokens2, step = with_lp.sample_with_logprobs(logits, list(range(len(rows))), histories)
+    assert tokens2.tolist() == tokens.tolist()
+    assert step.rows == [0, 1, 2, 4]
+    host = step.to_host(tokens.tolist(), [rows[b].logprobs for b in step.rows])
+    for row in step.rows:
+        params = rows[row]
+        temperature = 1.0 if params.greedy else params.temperature
+        ref = torch.log_softmax(torch.tensor(loop_penalized(logits[row].tolist(), params, prompts[row], outs[row]))
+                                / temperature, dim=-1)
+        entry, token = host[row], int(tokens[row])
+        assert list(entry)[0] == token
+        assert entry[token].logprob == pytest.approx(float(ref[token]), abs=1e-5)
+        assert entry[token].rank == int((ref > ref[token]).sum()) + 1
+        top = torch.topk(ref, params.logprobs)
+        alternatives = {t: lp for t, lp in entry.items() if lp.rank <= params.logprobs}
+        assert sorted(alternatives) == sorted(top.indices.tolist())
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[t].logprob == pytest.approx(v, abs=1e-5)
+
+
+def test_child_seeds_are_the_documented_rule():
+    params = SamplingParams(n=3, best_of=4, seed=2 ** 64 - 1, temperature=1.0)
+    children = params.child_params()
+    assert [c.seed for c in children] == [(2 ** 64 - 1 + i * 0x9E3779B97F4A7C15) % 2 ** 64 for i in range(4)]
+    assert all(c.n == 1 and c.best_of is None and c.logprobs == 0 for c in children)  # best_of needs logprobs
+    assert [c.seed for c in SamplingParams(n=2).child_params()] == [None, None]
+    assert SamplingParams(n=2, logprobs=None).child_params()[0].logprobs is None

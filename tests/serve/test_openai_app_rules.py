@@ -3,7 +3,7 @@
 The real-process tests (test_openai_server.py) check texts; these check the rules that a text does
 not show: usage summed over every prompt of a completion request, the default ``max_tokens`` (16
 for completions; the rest of the context for chat), ``max_completion_tokens`` over ``max_tokens``,
-and the neutral-value check comparing by type (``True`` is not ``1``, ``0`` is not ``False``).
+and the strict JSON types (``True`` is not ``1``, ``0`` is not ``False``).
 The stand-in tokenizes by characters and answers each prompt with ``len(prompt) % 5 + 1`` tokens, so
 that every prompt of a request has its own counts.
 """
@@ -26,6 +26,9 @@ class CharTokenizer:
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(i) for i in ids)
 
 
 class Handle:
@@ -103,26 +106,43 @@ def test_default_and_explicit_max_tokens(app):
     assert counts == {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
 
-@pytest.mark.parametrize("name, value, table", [
-    ("n", True, NEUTRAL), ("best_of", True, NEUTRAL), ("echo", 0, NEUTRAL), ("echo", 0.0, NEUTRAL),
-    ("presence_penalty", False, NEUTRAL), ("frequency_penalty", False, NEUTRAL), ("top_logprobs", False, NEUTRAL),
-    ("logprobs", 0, CHAT_NEUTRAL), ("logprobs", 0.0, CHAT_NEUTRAL)])
-def test_a_value_equal_to_a_neutral_one_but_of_another_type_is_not_neutral(name, value, table):
-    assert any(value == v for v in table[name] if v is not None)  # Python says equal (True == 1, 0.0 == False)
-    assert not is_neutral(name, value, table)
-
-
-@pytest.mark.parametrize("name, value, table", [
-    ("n", 1, NEUTRAL), ("n", None, NEUTRAL), ("logprobs", None, NEUTRAL), ("logprobs", False, CHAT_NEUTRAL),
-    ("presence_penalty", 0, NEUTRAL), ("presence_penalty", 0.0, NEUTRAL), ("logit_bias", {}, NEUTRAL),
-    ("suffix", "", NEUTRAL)])
+@pytest.mark.parametrize("name, value, table", [("logit_bias", {}, NEUTRAL), ("logit_bias", None, CHAT_NEUTRAL),
+                                               ("suffix", "", NEUTRAL), ("suffix", None, NEUTRAL)])
 def test_neutral_values_are_neutral(name, value, table):
     assert is_neutral(name, value, table)
 
 
-def test_completion_logprobs_zero_is_refused_not_taken_as_false(app):
+@pytest.mark.parametrize("name, value", [("n", True), ("best_of", True), ("echo", 0), ("echo", 0.0),
+                                         ("presence_penalty", False), ("frequency_penalty", False),
+                                         ("logprobs", False), ("logprobs", 0.0)])
+def test_a_value_of_the_wrong_json_type_is_refused_not_coerced(app, name, value):
+    """``True`` is not ``n=1``, ``0`` is not ``echo=false``, ``false`` is not ``logprobs=0`` (strict types)."""
     http, llm = app
-    answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 0})
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "logprobs", answer.text
+    answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, name: value})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == name, answer.text
     assert llm.calls == []
+
+
+def test_completion_logprobs_zero_asks_for_the_chosen_tokens_logprobs(app):
+    http, llm = app
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 0}).status_code == 200
+    assert llm.calls[-1][1].logprobs == 0 and llm.calls[-1][1].prompt_logprobs is None
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert llm.calls[-1][1].logprobs is None
+
+
+def test_n_fans_out_into_seeded_requests_prompt_by_prompt(app):
+    """``n`` choices per prompt: one request each, seeds ``seed + i * 0x9E3779B97F4A7C15 mod 2**64``, indices
+    prompt by prompt, usage over all; more than 256 sequences per prompt is a 400 before anything runs."""
+    http, llm = app
+    out = http.post("/v1/completions", json={"prompt": ["ab", "abcd"], "max_tokens": 3, "n": 2, "seed": 5}).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    stride = 0x9E3779B97F4A7C15
+    assert [(len(ids), p.seed, p.n) for ids, p in llm.calls] == [(2, 5, 1), (2, 5 + stride, 1), (4, 5, 1),
+                                                                  (4, 5 + stride, 1)]
+    assert out["usage"]["completion_tokens"] == 4 * 3  # the stand-in answers min(max_tokens, len % 5 + 1) = 3 tokens
+    del llm.calls[:]
+    for body, param in (({"n": 257}, "n"), ({"n": 2, "best_of": 257}, "best_of")):
+        answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert llm.calls == []

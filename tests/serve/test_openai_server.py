@@ -89,7 +89,7 @@ def test_concurrent_requests_give_the_same_greedy_text(client, reference):
 @pytest.mark.parametrize("body, message", [
     ({"prompt": " ", "max_tokens": 4}, "empty prompt"),
     ({"prompt": "hi", "temperature": -1.0}, "temperature"),
-    ({"prompt": "hi", "n": 2}, "'n' = 2 is not supported"),
+    ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of must be None or an int >= n (2)"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 100000}, "exceeds"),
     ({"prompt": "hi", "stream": True, "top_p": 2.0}, "top_p"),
@@ -135,13 +135,14 @@ def test_explicit_neutral_values_are_accepted(server, client, reference):
     chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0, logprobs=False,
                                           **neutral)
     assert chat.choices[0].message.content == expected
-    for body, name in (({"best_of": 2}, "best_of"), ({"logit_bias": {"5": 1}}, "logit_bias"), ({"n": 3}, "n")):
+    for body, name in (({"best_of": 0}, "best_of"), ({"logit_bias": {"5": 1}}, "logit_bias"), ({"n": 0}, "n"),
+                       ({"logprobs": 21}, "logprobs"), ({"presence_penalty": 2.5}, "presence_penalty")):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=NAME, prompt="hi", max_tokens=2, **body)
         assert info.value.body["param"] == name
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, logprobs=True)
-    assert info.value.body["param"] == "logprobs"
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
 
 
 def test_a_server_fault_is_a_logged_500_in_openai_shape(caplog):

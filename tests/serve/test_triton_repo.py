@@ -37,7 +37,8 @@ TRTLLM_ENSEMBLE = {
     "return_generation_logits": ("TYPE_BOOL", "1"), "beam_width": ("TYPE_INT32", "1"),
     "stream": ("TYPE_BOOL", "1"), "num_return_sequences": ("TYPE_INT32", "1"),
     "text_output": ("TYPE_STRING", "-1"), "batch_index": ("TYPE_INT32", "1"), "num_input_tokens": ("TYPE_INT32", "1"),
-    "num_output_tokens": ("TYPE_INT32", "1"),
+    "num_output_tokens": ("TYPE_INT32", "1"), "cum_log_probs": ("TYPE_FP32", "-1"),
+    "output_log_probs": ("TYPE_FP32", "-1, -1"),
 }
 
 
@@ -112,10 +113,26 @@ def test_parse_request_maps_inputs_to_sampling_params():
     assert no_end.sampling_params == SamplingParams(ignore_eos=True)  # TensorRT-LLM's "no end token"
 
 
+def test_parse_request_takes_log_probs_and_penalties():
+    from trtllm_diffkv.runtime.sampling import Logprob
+    from trtllm_diffkv.serve.triton_requests import log_prob_values
+
+    row = parse_request({"text_input": _column([b"x"]), "return_log_probs": _column([True], bool),
+                         "presence_penalty": _column([0.5], np.float32),
+                         "frequency_penalty": _column([-1.0], np.float32)})[0]
+    assert row.return_log_probs and row.sampling_params == SamplingParams(logprobs=0, presence_penalty=0.5,
+                                                                          frequency_penalty=-1.0)
+    assert parse_request({"text_input": _column([b"x"])})[0].sampling_params.logprobs is None
+    entries = [[{7: Logprob(-0.5, 1)}, {3: Logprob(-2.0, 4), 1: Logprob(-0.1, 1)}], None]
+    cumulative, per_token = log_prob_values([[7, 3], [5]], entries)
+    assert cumulative.shape == (2, 1) and per_token.shape == (2, 1, 2) and per_token.dtype == np.float32
+    assert cumulative[:, 0].tolist() == [-2.5, 0.0] and per_token[0, 0].tolist() == [-0.5, -2.0]
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"beam_width": _column([2], np.int32)}, "'beam_width' = 2 is not supported"),
     ({"bad_words": np.array([[b"foo"]], dtype=object)}, "'bad_words' is not supported"),
-    ({"return_log_probs": _column([True], bool)}, "'return_log_probs' = True"),
+    ({"return_context_logits": _column([True], bool)}, "'return_context_logits' = True"),
     ({"max_tokens": _column([1, 2], np.int32)}, "expected batch size 1"),
     ({"text_input": _column([b"\xff\xfe"])}, "not UTF-8"),
     ({"temprature": _column([1.0], np.float32)}, "unknown inputs"),

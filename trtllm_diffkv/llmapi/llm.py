@@ -24,9 +24,9 @@ import queue
 import threading
 from dataclasses import asdict, is_dataclass
 
-from .outputs import AsyncRequest, CompletionOutput, RequestOutput, _Event
+from .outputs import AsyncRequest, CompletionOutput, RequestGroup, RequestOutput, _Event
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup"]
 
 DEFAULT_CPU_KV_MEMORY_BYTES = 256 << 20
 """KV budget on the CPU when neither ``kv_memory_bytes`` nor ``kv_memory_fraction`` is given (a fraction
@@ -305,9 +305,11 @@ class LLM:
                 request.abort()
 
     def generate_async(self, prompt, sampling_params=None, *, streaming: bool = False,
-                       chat_template: bool = False, _listener=None) -> AsyncRequest:
+                       chat_template: bool = False, _listener=None) -> AsyncRequest | RequestGroup:
         """Submit one request; returns at once with its :class:`AsyncRequest` (never raises for the request's
-        content: a bad prompt or bad sampling values finish it with ``error``).
+        content: a bad prompt or bad sampling values finish it with ``error``). ``n > 1`` or ``best_of > 1``:
+        a :class:`RequestGroup` of independent child requests (seeds derived from the request's seed;
+        no streaming: ``streaming=True`` fails the request).
 
         Raises:
             RuntimeError: the LLM was shut down.
@@ -316,12 +318,20 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         from ..runtime.sampling import SamplingParams
 
-        rid = next(self._ids)
         params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
+        if isinstance(params, SamplingParams) and params.num_sequences != 1 and _valid(params, self.model_config):
+            if not streaming:
+                return RequestGroup([self.generate_async(prompt, child, chat_template=chat_template,
+                                                         _listener=_listener) for child in params.child_params()],
+                                    params)
+        rid = next(self._ids)
         text = prompt if isinstance(prompt, str) else None
         try:
             if not isinstance(params, SamplingParams):  # before the prompt is tokenized
                 raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            if streaming and params.num_sequences != 1:
+                raise ValueError(f"n={params.n} / best_of={params.best_of}: the LLM API streams one sequence "
+                                 "per request (use streaming=False, or the OpenAI server's stream)")
             ids = self.executor.check_request(self._prompt_ids(prompt, chat_template), params)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)
@@ -449,7 +459,8 @@ class LLM:
             metrics = _metrics(update.result) if update.finished else None
             text = getattr(update.result, "text", None) if update.finished else None
             request._channel.put(_Event(list(update.new_token_ids), update.finished, update.finish_reason,
-                                        update.error, update.stop_token_id, metrics, text, update.stop_reason))
+                                        update.error, update.stop_token_id, metrics, text, update.stop_reason,
+                                        getattr(update, "logprobs", None), getattr(update, "prompt_logprobs", None)))
             if update.finished:
                 del self._live[update.request_id]
                 reason = update.finish_reason
@@ -503,6 +514,15 @@ def _is_int(value) -> bool:
     import numbers
 
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _valid(params, model_config) -> bool:
+    """Whether ``params`` pass :meth:`SamplingParams.validate` (else the single-request path fails them)."""
+    try:
+        params.validate(model_config.vocab_size)
+    except ValueError:
+        return False
+    return True
 
 
 def _message(exc: Exception) -> str:

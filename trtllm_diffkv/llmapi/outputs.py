@@ -2,15 +2,18 @@
 
 Shaped as TensorRT-LLM's LLM API (``tensorrt_llm/executor/result.py``): a
 :class:`RequestOutput` holds ``request_id``, ``prompt``, ``prompt_token_ids``,
-``outputs`` (one :class:`CompletionOutput`: cumulative ``text`` and ``token_ids``
+``outputs`` (one :class:`CompletionOutput` per sequence: cumulative ``text`` and ``token_ids``
 plus ``text_diff`` / ``token_ids_diff`` since the previous output of the same
-request), ``finished``; we add ``error`` (a failed request carries its message
-instead of raising) and ``metrics`` (the executor's statistics at finish).
+request; with ``SamplingParams.logprobs`` also ``logprobs``, ``logprobs_diff`` and
+``cumulative_logprob``, with ``prompt_logprobs`` the prompt's), ``finished``; we add ``error``
+(a failed request carries its message instead of raising) and ``metrics`` (the executor's
+statistics at finish).
 
 An :class:`AsyncRequest` is what ``LLM.generate_async`` returns: ``await req`` /
 ``await req.aresult()`` / ``req.result()`` give the final output; ``async for``
 or ``for`` over it give cumulative outputs (each update with ``streaming=True``,
-only the final one otherwise); ``req.abort()`` cancels it. The LLM's background
+only the final one otherwise); ``req.abort()`` cancels it. ``SamplingParams(n > 1 or best_of > 1)``
+gives a :class:`RequestGroup` instead: the same calls over independent child requests. The LLM's background
 thread feeds it :class:`_Event` objects through a :class:`_Channel` (thread-safe,
 awaitable); the consumer turns them into text with :class:`IncrementalDetokenizer`,
 so detokenization never slows the step loop.
@@ -21,9 +24,10 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..runtime.detokenizer import IncrementalDetokenizer
+from ..runtime.sampling import best_of_order
 
 
 
@@ -32,7 +36,7 @@ class CompletionOutput:
     """One generated sequence of a request (``RequestOutput.outputs[0]``).
 
     Attributes:
-        index: the sequence's index in the request (always 0: one sequence per request).
+        index: the sequence's index in the request (0 .. n - 1; 0 for ``n == 1``).
         text: generated text so far, special tokens and the stop token removed, cut before a
             matched stop string; while streaming, the last ``len(longest stop string) - 1``
             characters and an incomplete multi-byte character are held back until they are
@@ -43,6 +47,14 @@ class CompletionOutput:
             ``"length"`` (``max_tokens``), ``"cancelled"`` (aborted, or the LLM shut down) or
             ``"error"`` (see ``RequestOutput.error``).
         stop_reason: the stop token id (int) or stop string (str) that ended it, else ``None``.
+        logprobs: with ``SamplingParams.logprobs``: one ``{token id: Logprob}`` per token of
+            ``token_ids`` (the sampled token first, then the top alternatives; TensorRT-LLM's
+            ``TokenLogprobs``), else ``None``. Values: ``log_softmax`` of the penalized,
+            temperature-scaled logits before top-k/top-p (:mod:`trtllm_diffkv.runtime.sampling`).
+        logprobs_diff: the entries of the tokens in ``token_ids_diff``.
+        cumulative_logprob: the sum of the sampled tokens' log-probabilities (``None`` without ``logprobs``).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: one entry per prompt token, ``None``
+            for the first (raw logits), set once the prefill ran; else ``None``.
     """
 
     index: int = 0
@@ -52,6 +64,10 @@ class CompletionOutput:
     token_ids_diff: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list | None = None
+    logprobs_diff: list | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def length(self) -> int:
@@ -67,7 +83,7 @@ class RequestOutput:
         request_id: int, unique within its :class:`~trtllm_diffkv.llmapi.llm.LLM`.
         prompt: the prompt text, or ``None`` when the prompt was given as token ids.
         prompt_token_ids: the ids fed to the model (after the chat template, if any).
-        outputs: one :class:`CompletionOutput`.
+        outputs: one :class:`CompletionOutput` (``n`` of them for a :class:`RequestGroup`).
         finished: whether this is the request's last output.
         error: why the request failed (``finish_reason == "error"``), else ``None``.
         metrics: the executor's per-request statistics at finish (KV memory fraction, tier
@@ -100,6 +116,8 @@ class _Event:
     metrics: dict | None = None
     text: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
     time: float = field(default_factory=time.monotonic)
     """When the loop thread produced it (``time.monotonic()`` seconds): the request's latency marks."""
 
@@ -183,6 +201,10 @@ class AsyncRequest:
         # streamed text holds back what could be the start of a stop string (the executor decides the match)
         self._hold = max((len(s) for s in stops if isinstance(s, str)), default=1) - 1
         self._ids: list[int] = []
+        self._logprobs: list = []  # one entry per id in _ids when sampling_params.logprobs is set
+        self._prompt_logprobs = None
+        self._wants_logprobs = getattr(sampling_params, "logprobs", None) is not None
+        self._shown_logprobs = 0
         self._done = False
         self._final: RequestOutput | None = None
         self._shown_text, self._shown_ids = 0, 0
@@ -259,6 +281,10 @@ class AsyncRequest:
                     break
                 ids = list(event.new_token_ids)
                 self._ids.extend(ids)
+                if event.logprobs:
+                    self._logprobs.extend(event.logprobs)
+                if event.prompt_logprobs is not None:
+                    self._prompt_logprobs = event.prompt_logprobs
                 if ids and self.first_token_time is None:
                     self.first_token_time = event.time
                 if event.finished:
@@ -305,11 +331,104 @@ class AsyncRequest:
                 return self._final
             text = self._visible_text(final)
             ids = list(self._ids)
+            logprobs = cumulative = diff = None
+            if self._wants_logprobs:
+                logprobs, diff = list(self._logprobs), self._logprobs[self._shown_logprobs:]
+                cumulative = sum(entry[token].logprob for entry, token in zip(logprobs, ids))
             out = CompletionOutput(0, text, ids, text[self._shown_text:], ids[self._shown_ids:],
-                                   self._finish_reason if final else None, self._stop_reason if final else None)
-            self._shown_text, self._shown_ids = len(text), len(ids)
+                                   self._finish_reason if final else None, self._stop_reason if final else None,
+                                   logprobs, diff, cumulative, self._prompt_logprobs)
+            self._shown_text, self._shown_ids, self._shown_logprobs = len(text), len(ids), len(self._logprobs)
             output = RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out], final,
                                    self._error if final else None, self._metrics if final else None)
             if final:
                 self._final = output
             return output
+
+
+class RequestGroup:
+    """Handle of an ``n > 1`` / ``best_of`` request (``LLM.generate_async``): ``best_of`` (else ``n``)
+    independent child requests (:meth:`~trtllm_diffkv.runtime.sampling.SamplingParams.child_params`:
+    seeds derived from the request's), each its own :class:`AsyncRequest` in :attr:`children`.
+
+    The same calls as :class:`AsyncRequest` without streaming: ``result(timeout)``, ``await``,
+    ``aresult()``, iteration (the final output only), ``abort()`` (every child: all their pages go back).
+    The final :class:`RequestOutput` holds ``n`` :class:`CompletionOutput` (``index`` 0 .. n - 1): with
+    ``best_of > n`` the ``n`` children with the highest ``cumulative_logprob``, best first
+    (:func:`~trtllm_diffkv.runtime.sampling.best_of_order`), else the children in order. A child that
+    failed fails the group: ``error`` is the first child's error. ``metrics`` are the first chosen child's.
+
+    Attributes:
+        children: the child handles (``best_of`` of them), in seed order.
+        request_id: the first child's id; prompt, prompt_token_ids, sampling_params (the request's).
+    """
+
+    streaming = False
+
+    def __init__(self, children: list[AsyncRequest], sampling_params):
+        self.children, self.sampling_params = list(children), sampling_params
+        first = self.children[0]
+        self.request_id, self.prompt, self.prompt_token_ids = first.request_id, first.prompt, first.prompt_token_ids
+        self._final: RequestOutput | None = None
+        self._given = False
+
+    @property
+    def finished(self) -> bool:
+        """Whether every child's final output has been received."""
+        return all(child.finished for child in self.children)
+
+    def abort(self) -> None:
+        """Cancel every child (no-op for the finished ones)."""
+        for child in self.children:
+            child.abort()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until every child finished (``timeout``: seconds in all); the merged final output.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        finals = [child.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                  for child in self.children]
+        return self._merge(finals)
+
+    async def aresult(self) -> RequestOutput:
+        """Await every child; the merged final output."""
+        return self._merge(list(await asyncio.gather(*(child.aresult() for child in self.children))))
+
+    def __await__(self):
+        return self.aresult().__await__()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self._given:
+            raise StopIteration
+        self._given = True
+        return self.result()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._given:
+            raise StopAsyncIteration
+        self._given = True
+        return await self.aresult()
+
+    def _merge(self, finals: list[RequestOutput]) -> RequestOutput:
+        if self._final is not None:
+            return self._final
+        n = self.sampling_params.n
+        failed = next((f for f in finals if f.error is not None), None)
+        if failed is None and len(finals) > n:
+            order = best_of_order([f.outputs[0].cumulative_logprob or 0.0 for f in finals], n)
+        else:
+            order = list(range(min(n, len(finals))))
+        outputs = [replace(finals[i].outputs[0], index=j) for j, i in enumerate(order)]
+        chosen = failed if failed is not None else finals[order[0]]
+        self._final = RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs, True,
+                                    chosen.error, chosen.metrics)
+        return self._final

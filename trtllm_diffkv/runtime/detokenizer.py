@@ -70,3 +70,14 @@ class IncrementalDetokenizer:
             self.text += self._decode(self.ids[self._read:])
         self._prefix = self._read = len(self.ids)
         return self.text
+
+
+def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
+    """Each token's own text (``decode([id])``, special tokens kept), for log-probability listings
+    (OpenAI's ``tokens`` / ``token``). A token holding part of a multi-byte character shows U+FFFD, as
+    its decode alone does. ``tokenizer=None``: ``""`` per token."""
+    if tokenizer is None or not token_ids:
+        return [""] * len(token_ids)
+    if not hasattr(tokenizer, "batch_decode"):  # a minimal tokenizer: decode only
+        return [tokenizer.decode([int(t)]) for t in token_ids]
+    return list(tokenizer.batch_decode([[int(t)] for t in token_ids], skip_special_tokens=False))

@@ -15,7 +15,9 @@
    compacts it (:mod:`trtllm_diffkv.paged.staging`);
 3. ``prepare_resources``: ONE :meth:`PagedDiffKVCache.plan` (prefill requests first, then decode);
 4. ONE model call over the packed tokens (decode-only steps: one CUDA-graph replay with
-   ``use_cuda_graphs``); one :class:`~.sampling.Sampler` call;
+   ``use_cuda_graphs``; the logits of the last token of each request, and of every prompt position
+   of a prompt chunk asking ``prompt_logprobs``); one :class:`~.sampling.Sampler` call (with
+   the log-probabilities of the rows asking ``logprobs``: then a second device-to-host copy);
 5. ONE device-to-host copy (into a pinned buffer, ``non_blocking`` + an event on CUDA) of the
    sampled tokens, the per-slot non-finite K/V flags and the ring counters;
 6. ``update_resources``: requests with non-finite K/V fail alone; stop ids, stop strings and
@@ -43,7 +45,7 @@ from ..paged.cache import OutOfPagesError
 from ..paged.staging import staging_bytes
 from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
-from .sampling import Sampler, SamplingParams, StopChecker
+from .sampling import Sampler, SamplingParams, StopChecker, prompt_logprobs
 from .scheduler import Scheduler
 
 
@@ -399,7 +401,7 @@ class Executor:
         params = request.sampling_params
         request.prompt_token_ids = self.check_request(request.prompt_token_ids, params)
         self._checkers[request.request_id] = StopChecker(params, self.stop_token_ids, self.tokenizer)
-        self.sampler.add(request.request_id, params)
+        self.sampler.add(request.request_id, params, len(request.prompt_token_ids))
         request.prefill_token_ids = list(request.prompt_token_ids)
         request.history = list(request.prompt_token_ids)
         request.checked = True
@@ -427,9 +429,11 @@ class Executor:
         sampled = [r for r in requests if r.completes_prefill]  # half-prefilled prompts sample nothing yet
         try:
             with torch.inference_mode():
-                tokens = self._forward(batch, graphs)
+                tokens, step_logprobs = self._forward(batch, graphs)
                 host = self._read(self.parallel.step_status(torch.cat([tokens, self.rm.device_status()]),
                                                             len(sampled)))
+                logprobs = {} if step_logprobs is None else step_logprobs.to_host(  # a second copy, only when asked
+                    host[:len(sampled)], [sampled[b].sampling_params.logprobs for b in step_logprobs.rows])
         except Exception as exc:  # noqa: BLE001 - the step failed: its requests fail, the executor goes on
             self.cache.discard_step()
             for request in requests:
@@ -441,11 +445,12 @@ class Executor:
         t4 = self._sync()
         self._totals["bookkeeping_s"] += (t2 - t1) + (t4 - t3)
         tokens_of = dict(zip(map(id, sampled), host[:len(sampled)]))
+        logprobs_of = {id(sampled[row]): entry for row, entry in logprobs.items()}
         for request in requests:
             if request.request_id in errors:
                 self._fail(request, ValueError(errors[request.request_id]), updates)
             elif id(request) in tokens_of:
-                self._advance(request, int(tokens_of[id(request)]), t0, t4, updates)
+                self._advance(request, int(tokens_of[id(request)]), t0, t4, updates, logprobs_of.get(id(request)))
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -485,9 +490,11 @@ class Executor:
             return None
         return self._graphs
 
-    def _forward(self, batch: ScheduledBatch, graphs=None) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch, graphs=None):
         """One model call (or one decode graph replay) over the packed tokens and one sampler call;
-        int64 tokens on the device, one per request that completes its prefill or decodes (batch order)."""
+        ``(int64 tokens on the device, one per request that completes its prefill or decodes (batch order),
+        StepLogprobs or None)``. A prompt chunk asking for ``prompt_logprobs`` gets the logits of each of
+        its prompt positions (:meth:`_prompt_logprob_rows`)."""
         ids, positions = [], []
         for r, (start, end) in zip(batch.context_requests, prefill_chunk_positions(batch)):
             ids += r.prefill_token_ids[start:end]
@@ -499,16 +506,50 @@ class Executor:
         rows = None
         if batch.context_requests:
             rows = sampling_rows(batch)
-            rows = torch.tensor(rows or [len(ids) - 1], device=dev)  # only half-prefilled prompts: one row, unused
+            echo = self._prompt_logprob_rows(batch, rows)
+            rows = torch.tensor((echo[0] if echo is not None else rows) or [len(ids) - 1],
+                                device=dev)  # only half-prefilled prompts: one row, unused
+        else:
+            echo = None
         if graphs is not None:
             logits = graphs.run(ids, positions)
         else:
             logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
                                 logits_indices=rows)
+        if echo is not None:
+            for request, logit_rows, start in echo[2]:
+                entries = prompt_logprobs(logits[torch.tensor(logit_rows, device=dev)], request.prompt_token_ids,
+                                          request.sampling_params.prompt_logprobs, start)
+                request.prompt_logprobs = entries if start == 0 else request.prompt_logprobs + entries
+            logits = logits[torch.tensor(echo[1], dtype=torch.long, device=dev)]
         requests = [r for r in batch.all_requests if r.completes_prefill]
         if not requests:
-            return torch.empty(0, dtype=torch.int64, device=dev)
-        return self.sampler.sample(logits, [r.request_id for r in requests], [r.history for r in requests])
+            return torch.empty(0, dtype=torch.int64, device=dev), None
+        return self.sampler.sample_with_logprobs(logits, [r.request_id for r in requests],
+                                                 [r.history for r in requests])
+
+    @staticmethod
+    def _prompt_logprob_rows(batch: ScheduledBatch, rows: list[int]):
+        """Prompt log-probabilities (echo): which packed tokens get logits. ``rows``: the packed rows the
+        sampler reads (:func:`sampling_rows`). ``None`` when no prompt chunk asks, else ``(logits_indices,
+        the positions of ``rows`` in them, [(request, its prompt positions' logits rows, the chunk's first
+        position)])``. A chunk asks when its request has ``prompt_logprobs``, the entries so far end where
+        the chunk starts (a prefill that starts over after a preemption starts them over; a re-prefill of a
+        request that has them all asks nothing) and the chunk holds prompt positions."""
+        asks, at = [], 0
+        for request, (start, end) in zip(batch.context_requests, prefill_chunk_positions(batch)):
+            count, have = len(request.prompt_token_ids), request.prompt_logprobs
+            missing = have is None or len(have) < count
+            if (request.sampling_params.prompt_logprobs is not None and missing and start < count
+                    and (start == 0 or (have is not None and len(have) == start + 1))):
+                asks.append((request, at, start, min(end, count)))
+            at += end - start
+        if not asks:
+            return None
+        select = sorted(set(rows) | {first + j for _, first, start, end in asks for j in range(end - start)})
+        where = {row: i for i, row in enumerate(select)}
+        return select, [where[row] for row in rows], [
+            (request, [where[first + j] for j in range(end - start)], start) for request, first, start, end in asks]
 
     def _read(self, values: torch.Tensor) -> list[int]:
         """The step's one device-to-host copy: into the pinned buffer, ``non_blocking``, then wait on an event."""
@@ -525,21 +566,23 @@ class Executor:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _advance(self, request: Request, token: int, t0: float, now: float, updates: list) -> None:
+    def _advance(self, request: Request, token: int, t0: float, now: float, updates: list, logprobs=None) -> None:
         if request.first_token_time is None:
             request.first_token_time = now
             request.prefill_s = now - (request.prefill_start_time if request.prefill_start_time is not None else t0)
         request.output_token_ids.append(token)
+        extra = dict(logprobs=None if logprobs is None else [logprobs],
+                     prompt_logprobs=request.prompt_logprobs if len(request.output_token_ids) == 1 else None)
         request.history.append(token)
         self._totals["output_tokens"] += 1
         checker = self._checkers[request.request_id]
         done, reason, stop_id = checker.check(request.output_token_ids)
         if done:
             request.result = self._result(request, reason, stop_id, now)
-            self._end(request, reason, stop_id, updates, [token], checker.stop_reason)
+            self._end(request, reason, stop_id, updates, [token], checker.stop_reason, **extra)
             self._totals["finished"] += 1
         else:
-            updates.append(RequestUpdate(request.request_id, [token]))
+            updates.append(RequestUpdate(request.request_id, [token], **extra))
 
     # ------------------------------------------------------------------ ends
     def _result(self, request: Request, reason: str, stop_id, now: float) -> PagedGenerationResult:
@@ -563,7 +606,8 @@ class Executor:
         self._end(request, "error", None, updates)
         self._totals["failed"] += 1
 
-    def _end(self, request: Request, reason: str, stop_id, updates: list, new_tokens=(), stop_reason=None) -> None:
+    def _end(self, request: Request, reason: str, stop_id, updates: list, new_tokens=(), stop_reason=None,
+             **extra) -> None:
         """Finish, fail or abort: every page back now, out of every queue, one final update."""
         self.scheduler.remove(request)
         self.sampler.remove(request.request_id)
@@ -577,4 +621,4 @@ class Executor:
                 token_ids=list(request.output_token_ids), prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
                 generated_tokens=len(request.output_token_ids), finish_reason="abort")
         updates.append(RequestUpdate(request.request_id, list(new_tokens), True, reason, request.error, stop_id,
-                                     request.result, stop_reason))
+                                     request.result, stop_reason, **extra))

@@ -65,6 +65,8 @@ class Request:
         first_token_time, finish_time: ``time.perf_counter()`` of the first generated token and of the end.
         prefill_s: wall seconds from the start of the step that brought its first prefill chunk to its
             first token (one step unless the prompt was chunked; shared with the requests of that step).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: once its prefill (every chunk) ran, one entry
+            per prompt token (:func:`~.sampling.prompt_logprobs`), else ``None`` (partial while chunked).
     """
 
     request_id: Any
@@ -88,6 +90,7 @@ class Request:
     prefill_s: float | None = None
     checked: bool = False
     history: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -138,6 +141,10 @@ class RequestUpdate:
             memory and tier fractions, pool pages and bytes, tokens/s), else ``None``.
         stop_reason: after a stop, the stop id (int) or stop string (str) that matched
             (:attr:`StopChecker.stop_reason`), else ``None``.
+        logprobs: with ``SamplingParams.logprobs``: one ``{token id: Logprob}`` per new token (the
+            sampled token first, then the top alternatives), else ``None``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: in the update of the first generated
+            token, one entry per prompt token (``None`` for the first), else ``None``.
     """
 
     request_id: Any
@@ -148,3 +155,5 @@ class RequestUpdate:
     stop_token_id: int | None = None
     result: Any = None
     stop_reason: int | str | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None

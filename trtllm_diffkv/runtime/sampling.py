@@ -2,19 +2,27 @@
 
 - :class:`SamplingParams`: one request's sampling settings, field names as TensorRT-LLM's LLM API
   ``SamplingParams`` (``tensorrt_llm/sampling_params.py``: ``max_tokens``, ``temperature``,
-  ``top_k``, ``top_p``, ``repetition_penalty``, ``seed``, ``stop``, ``stop_token_ids``,
-  ``ignore_eos``, ``end_id``, ``pad_id``), checked by :meth:`SamplingParams.validate`; TensorRT-LLM's
-  other fields (:data:`TRTLLM_NEUTRAL`: ``n``, ``best_of``, ``use_beam_search``, ...) are accepted at
+  ``top_k``, ``top_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
+  ``stop``, ``stop_token_ids``, ``ignore_eos``, ``end_id``, ``pad_id``, ``n``, ``best_of``,
+  ``logprobs``, ``prompt_logprobs``), checked by :meth:`SamplingParams.validate`; TensorRT-LLM's
+  other fields (:data:`TRTLLM_NEUTRAL`: ``use_beam_search``, ``min_tokens``, ...) are accepted at
   their neutral values and refused by name otherwise.
 - :class:`Sampler`: one :meth:`Sampler.sample` call per executor step for every running request:
-  repetition penalty, temperature, top-k, top-p as per-row tensors, then one draw per row.
+  repetition, presence and frequency penalties, temperature, top-k, top-p as per-row tensors, then
+  one draw per row; :meth:`Sampler.sample_with_logprobs` adds the rows' log-probabilities.
+- :func:`prompt_logprobs`: the log-probabilities of a prompt's tokens from the prefill's per-position logits.
+- :meth:`SamplingParams.child_params` and :func:`best_of_order`: ``n > 1`` / ``best_of`` as independent
+  requests with derived seeds, the best picked by cumulative log-probability.
 - :class:`StopChecker` (defined in :mod:`.stop_checker`, re-exported here): per request, after
   each new token: stop ids, stop strings in the incrementally decoded text, ``max_tokens``.
 
 The filtering rules are those of Hugging Face transformers' logits processors, in their order:
 ``RepetitionPenaltyLogitsProcessor`` (the CTRL rule: a logit ``x`` of a token already in the
 prompt or the output becomes ``x * penalty`` when ``x < 0`` and ``x / penalty`` otherwise), then
-``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (keeps every token whose logit is >= the k-th
+OpenAI's presence and frequency penalties (OpenAI's "Parameter details" / advanced usage guide:
+``logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`` with ``c[j]`` the count of
+token ``j`` in the *generated* tokens so far, not the prompt; vLLM applies them in this order, after
+the repetition penalty), then ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (keeps every token whose logit is >= the k-th
 largest, ties included) and ``TopPLogitsWarper`` (drops the tokens whose ascending cumulative
 probability is <= ``1 - top_p``, always keeping the most likely one).
 """
@@ -28,32 +36,45 @@ import torch
 
 from .stop_checker import StopChecker
 
-__all__ = ["SamplingParams", "Sampler", "StopChecker", "TRTLLM_NEUTRAL", "is_neutral_value"]
+__all__ = ["SamplingParams", "Sampler", "StopChecker", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
+           "StepLogprobs", "prompt_logprobs", "best_of_order", "child_seed", "MAX_LOGPROBS"]
 
 _SEED_LIMIT = 2 ** 64
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 """Allowed repetition penalties: dividing or multiplying float32 logits by a factor beyond this overflows them."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (see :attr:`SamplingParams.greedy`)."""
+PENALTY_RANGE = (-2.0, 2.0)
+"""Allowed presence and frequency penalties (OpenAI's API reference: "Number between -2.0 and 2.0")."""
+MAX_LOGPROBS = 20
+"""Most top log-probabilities a token may ask for (``logprobs``, ``prompt_logprobs``; OpenAI's chat
+``top_logprobs`` limit, vLLM's default ``max_logprobs``)."""
+PROMPT_LOGPROB_ROWS = 512
+"""Prompt positions whose float32 ``log_softmax`` is computed at once by :func:`prompt_logprobs` (the model's
+``[P, V]`` logits are already there: a 2k-token prompt of a 49152-token vocabulary holds 400 MB of float32
+logits for that prefill step; chunked prefill bounds ``P`` per step)."""
+SEED_STRIDE = 0x9E3779B97F4A7C15
+"""Child ``i`` of a seeded ``n > 1`` request gets seed ``(seed + i * SEED_STRIDE) mod 2**64``
+(:func:`child_seed`; the golden-ratio increment of SplitMix64, so children of nearby seeds do not overlap)."""
 
 
 TRTLLM_NEUTRAL = {
-    "n": (1,), "best_of": (None, 1), "use_beam_search": (False,), "beam_width_array": (None,),
+    "use_beam_search": (False,), "beam_width_array": (None,),
     "beam_search_diversity_rate": (None, 0), "length_penalty": (None, 1), "early_stopping": (None,),
-    "min_tokens": (None, 0, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "min_tokens": (None, 0, 1),
     "no_repeat_ngram_size": (None,), "min_p": (None, 0), "top_p_min": (None,), "top_p_reset_ids": (None,),
     "top_p_decay": (None,), "bad": (None,), "bad_token_ids": (None,), "include_stop_str_in_output": (False,),
     "embedding_bias": (None,), "logits_processor": (None,), "apply_batched_logits_processor": (False,),
-    "logprobs": (None,), "prompt_logprobs": (None,), "return_context_logits": (False,),
+    "return_context_logits": (False,),
     "return_generation_logits": (False,), "exclude_input_from_output": (True,), "return_encoder_output": (False,),
     "return_perf_metrics": (False,), "additional_model_outputs": (None,), "lookahead_config": (None,),
     "guided_decoding": (None,), "detokenize": (True,), "add_special_tokens": (True,),
     "truncate_prompt_tokens": (None,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
 }
 """TensorRT-LLM ``SamplingParams`` fields (``tensorrt_llm/sampling_params.py``) this runtime does not implement:
-field -> the values accepted (its default and the values that change nothing, e.g. ``n=1``,
-``best_of=None`` or 1, ``use_beam_search=False``, penalties 0). Another value fails the request with a
-``ValueError`` naming the field; booleans are never counts (``n=True`` is refused: :func:`is_neutral_value`)."""
+field -> the values accepted (its default and the values that change nothing, e.g.
+``use_beam_search=False``, ``min_tokens`` 0). Another value fails the request with a ``ValueError``
+naming the field; booleans are never counts (``min_tokens=True`` is refused: :func:`is_neutral_value`)."""
 
 
 def is_neutral_value(value, neutrals) -> bool:
@@ -83,6 +104,19 @@ class SamplingParams:
     all ``None`` decodes greedily; so do ``temperature=0``, ``top_k=1`` and ``top_p=0``.
         repetition_penalty: CTRL/HF rule over the prompt and the generated ids; > 0, 1 = off,
             > 1 discourages repeats.
+        presence_penalty: OpenAI's: subtracted once from the logit of every token already
+            generated (not the prompt's); in [-2, 2], 0 or ``None`` = off.
+        frequency_penalty: OpenAI's: subtracted from a token's logit once per time it was
+            generated; in [-2, 2], 0 or ``None`` = off.
+        n: sequences returned for the prompt, >= 1 (run as independent requests:
+            :meth:`child_params`).
+        best_of: sequences generated, >= ``n`` (``None``: ``n``); the ``n`` with the highest
+            cumulative log-probability are returned (:func:`best_of_order`).
+        logprobs: per generated token, the sampled token's log-probability plus this many top
+            alternatives (0: the sampled one only); ``None``: off; at most :data:`MAX_LOGPROBS`.
+            Computed after the penalties and the temperature, before top-k/top-p (module doc).
+        prompt_logprobs: the prompt tokens' log-probabilities (raw logits) plus this many top
+            alternatives per position; ``None``: off; at most :data:`MAX_LOGPROBS`.
         seed: seeds the request's own ``torch.Generator`` (on the sampler's device): the same
             seed, logits and device give the same tokens whatever else is in the batch.
             ``None``: draws come from the sampler's shared generator. 0 <= seed < 2**64.
@@ -94,7 +128,7 @@ class SamplingParams:
         end_id: TensorRT-LLM's end token: an id >= 0 is one more stop id (added to
             ``stop_token_ids``); ``-1`` means no end token, run to ``max_tokens`` (sets ``ignore_eos``).
         pad_id: accepted and unused (outputs are not padded).
-        n, best_of, use_beam_search, ...: TensorRT-LLM's fields at their neutral values only
+        use_beam_search, min_tokens, ...: TensorRT-LLM's fields at their neutral values only
             (:data:`TRTLLM_NEUTRAL`).
 
     Validation is explicit (:meth:`validate`), not in ``__init__``, so that an executor can
@@ -156,11 +190,11 @@ class SamplingParams:
             object.__setattr__(self, "ignore_eos", True)
         # NumPy scalars (np.float64 subclasses float, np.int64 does not subclass int) become Python numbers here,
         # so that every later tensor is built from plain floats/ints; anything else is left for validate() to refuse
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)) and type(value) is not float:
                 object.__setattr__(self, name, float(value))
-        for name in ("max_tokens", "top_k", "seed"):
+        for name in ("max_tokens", "top_k", "seed", "n", "best_of", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
                 object.__setattr__(self, name, int(value))
@@ -201,6 +235,32 @@ class SamplingParams:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @property
+    def penalizes_counts(self) -> bool:
+        """Whether the presence or frequency penalty is on (needs the generated tokens' counts)."""
+        return bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for the prompt: ``best_of``, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
+    def child_params(self) -> list["SamplingParams"]:
+        """``n > 1`` / ``best_of``: the :attr:`num_sequences` independent requests that run them.
+
+        Each child is a copy with ``n=1``, ``best_of=None`` and seed :func:`child_seed` (child 0 keeps
+        the request's seed, so ``n=1`` changes nothing; ``seed=None`` stays ``None``: the children then
+        draw from the shared generator, distinct but not reproducible). With ``best_of > n`` the
+        children compute ``logprobs`` (at least the sampled token's) for :func:`best_of_order`.
+        A greedy request's children are all the same sequence, as with vLLM.
+        """
+        logprobs = self.logprobs
+        if self.num_sequences > self.n and logprobs is None:
+            logprobs = 0
+        return [self.with_changes(n=1, best_of=None, logprobs=logprobs,
+                                  seed=None if self.seed is None else child_seed(self.seed, i))
+                for i in range(self.num_sequences)]
+
     @classmethod
     def greedy_params(cls, max_tokens: int = 64) -> "SamplingParams":
         """Greedy decoding (temperature 0) of at most ``max_tokens`` new tokens."""
@@ -229,6 +289,18 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty,
                      REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
                      "in [1e-6, 1e6] (1 = off; beyond, float32 logits overflow)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_float(name, value, isinstance(value, (int, float)) and -2 <= value <= 2,
+                             "in [-2, 2] (0 = off) or None")
+        _check_int("n", self.n, 1, None, "an int >= 1")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, self.n, None, f"None or an int >= n ({self.n})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
+                           f"None or an int in [0, {MAX_LOGPROBS}] (top alternatives per token)")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, _SEED_LIMIT - 1, "None or an int in [0, 2**64)")
         if self.end_id is not None and self.end_id != -1:
@@ -254,6 +326,116 @@ class SamplingParams:
             if not is_neutral_value(value, neutrals):
                 allowed = " or ".join(repr(v) for v in neutrals)
                 raise ValueError(f"{name}={value!r} is not supported by trtllm-diffkv (only {allowed})")
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of child ``index`` of an ``n > 1`` request seeded ``seed``: ``(seed + index * SEED_STRIDE)
+    mod 2**64`` (child 0 keeps ``seed``). Reproducible: the same request seed gives the same children."""
+    return (seed + index * SEED_STRIDE) % _SEED_LIMIT
+
+
+def best_of_order(cumulative_logprobs: list[float], n: int) -> list[int]:
+    """``best_of``: the indices of the ``n`` sequences with the highest cumulative log-probability (sum of
+    their sampled tokens' log-probabilities), best first; ties keep the lower index first (OpenAI's
+    "best_of ... the one with the highest log probability per token" is vLLM's and this rule for the
+    sum). ``n >= len(cumulative_logprobs)``: every index, in order (nothing is dropped)."""
+    if n >= len(cumulative_logprobs):
+        return list(range(len(cumulative_logprobs)))
+    return sorted(range(len(cumulative_logprobs)), key=lambda i: (-cumulative_logprobs[i], i))[:n]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability (TensorRT-LLM's ``Logprob``: ``logprob`` and ``rank``).
+
+    Attributes:
+        logprob: natural log of the token's probability (float, <= 0).
+        rank: 1 for the most likely token, ties ranked by the number of tokens strictly more likely + 1.
+    """
+
+    logprob: float
+    rank: int
+
+
+@dataclass
+class StepLogprobs:
+    """One sampler step's log-probabilities on the device (:meth:`Sampler.sample_with_logprobs`).
+
+    Attributes:
+        rows: batch rows that asked for them (``SamplingParams.logprobs`` not ``None``).
+        sampled: ``[len(rows)]`` float32: each row's sampled token's log-probability.
+        rank: ``[len(rows)]`` int64: its rank (1 = most likely).
+        top_ids, top_logprobs: ``[len(rows), K]`` int64 / float32: the K most likely tokens, best first
+            (``K = max`` of the rows' ``logprobs``; a row keeps its own first ``logprobs`` columns).
+    """
+
+    rows: list[int]
+    sampled: torch.Tensor
+    rank: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def to_host(self, tokens: list[int], top_counts: list[int]) -> dict[int, dict[int, Logprob]]:
+        """``{batch row: {token id: Logprob}}`` (the sampled token first, then the row's top ``top_counts[i]``)
+        as Python values: one device-to-host copy per tensor."""
+        sampled, rank = self.sampled.tolist(), self.rank.tolist()
+        top_ids, top_lp = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return {row: _entry(tokens[row], sampled[i], rank[i], top_ids[i][:top_counts[i]], top_lp[i])
+                for i, row in enumerate(self.rows)}
+
+
+def _entry(token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]) -> dict:
+    """One token's ``{token id: Logprob}``: the token first, then the top alternatives (ranks 1, 2, ...)."""
+    entry = {token: Logprob(logprob, rank)}
+    for j, alternative in enumerate(top_ids):
+        entry.setdefault(alternative, Logprob(top_logprobs[j], j + 1))
+    return entry
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], top: int,
+                    start: int = 0) -> list[dict[int, Logprob] | None]:
+    """The log-probabilities of a prompt's tokens from the prefill's per-position logits (echo, lm-eval).
+
+    Args:
+        logits: ``[L, V]`` (any float dtype): row ``i`` is the model's next-token logits after prompt
+            position ``start + i`` (one prefill, or one chunk of a chunked prefill); rows that predict
+            past the prompt (the first generated token) are not used.
+        prompt_token_ids: the ``P`` prompt ids.
+        top: alternatives per position besides the prompt's own token (0: that token only).
+        start: the prompt position of ``logits``' first row (0 for an unchunked prefill).
+
+    Returns:
+        the entries of prompt positions ``start + 1 .. min(start + L, P - 1)``, each ``{token id: Logprob}``
+        with the prompt token first, preceded by ``None`` for position 0 when ``start == 0`` (nothing
+        predicts the first token: OpenAI's ``null``); so an unchunked prefill's ``[P, V]`` gives ``P``
+        entries and the chunks' lists concatenate to the same. ``log_softmax`` of the raw logits in
+        float32, :data:`PROMPT_LOGPROB_ROWS` rows at a time.
+
+    Raises:
+        ValueError: ``logits`` is not 2-D, or ``start`` is not a prompt position.
+    """
+    count = len(prompt_token_ids)
+    if logits.dim() != 2 or not 0 <= start < count:
+        raise ValueError(f"logits must be [L, V] and start a prompt position in [0, {count}), got "
+                         f"{list(logits.shape)} and start {start}")
+    used = max(0, min(logits.shape[0], count - 1 - start))  # rows predicting a prompt token
+    head: list = [None] if start == 0 else []
+    if not used:
+        return head
+    ids = torch.tensor(prompt_token_ids[start + 1:start + 1 + used], dtype=torch.long, device=logits.device)
+    chosen, rank, top_lp, top_ids = [], [], [], []
+    for first in range(0, used, PROMPT_LOGPROB_ROWS):  # float32 copies of a block of rows at a time
+        logp = torch.log_softmax(logits[first:min(first + PROMPT_LOGPROB_ROWS, used)].float(), dim=-1)
+        picked = logp.gather(1, ids[first:first + logp.shape[0]].unsqueeze(1))
+        rank += ((logp > picked).sum(-1) + 1).tolist()
+        chosen += picked.squeeze(1).tolist()
+        if top:
+            values, indices = logp.topk(top, dim=-1)
+            top_lp, top_ids = top_lp + values.tolist(), top_ids + indices.tolist()
+    if not top:
+        top_lp = top_ids = [[]] * used
+    return head + [_entry(token, chosen[i], rank[i], top_ids[i], top_lp[i])
+                   for i, token in enumerate(prompt_token_ids[start + 1:start + 1 + used])]
 
 
 def _is_int(value) -> bool:
@@ -292,11 +474,16 @@ class Sampler:
         self._params: dict = {}
         self._generators: dict = {}
         self._seen: dict = {}       # request_id -> (ids folded into the mask, bool mask [V])
+        self._counts: dict = {}     # request_id -> (ids folded in, float32 counts [V] of the generated ids)
+        self._prompt_tokens: dict = {}  # request_id -> prompt length (where its history's generated ids start)
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
 
-    def add(self, request_id, params: SamplingParams) -> None:
+    def add(self, request_id, params: SamplingParams, prompt_tokens: int = 0) -> None:
         """Register a request (validates ``params`` against the vocabulary; makes its generator).
+
+        ``prompt_tokens``: the prompt's length: the presence and frequency penalties count only the
+        history's ids past it (the generated ones).
 
         Raises:
             ValueError: bad ``params`` (see :meth:`SamplingParams.validate`) or ``request_id``
@@ -306,12 +493,13 @@ class Sampler:
         if request_id in self._params:
             raise ValueError(f"request {request_id!r} is already registered with the sampler")
         self._params[request_id] = params
+        self._prompt_tokens[request_id] = prompt_tokens
         if params.seed is not None and not params.greedy:
             self._generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
 
     def remove(self, request_id) -> None:
         """Forget a request (no error if unknown)."""
-        for table in (self._params, self._generators, self._seen):
+        for table in (self._params, self._generators, self._seen, self._counts, self._prompt_tokens):
             table.pop(request_id, None)
 
     def __contains__(self, request_id) -> bool:
@@ -335,6 +523,18 @@ class Sampler:
         Raises:
             ValueError: shapes disagree, an unknown request id, or a history id outside [0, V).
         """
+        return self.sample_with_logprobs(logits, request_ids, histories, with_logprobs=False)[0]
+
+    def sample_with_logprobs(self, logits: torch.Tensor, request_ids: list, histories: list[list[int]],
+                             with_logprobs: bool = True) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """:meth:`sample`, plus the log-probabilities of the rows whose ``logprobs`` is set.
+
+        Same arguments and errors as :meth:`sample`. Returns ``(tokens, step)``: tokens as :meth:`sample`
+        (the same draws: the log-probabilities change nothing), ``step`` a :class:`StepLogprobs` on the
+        device, or ``None`` when no row asked (or ``with_logprobs`` is false). The values are
+        ``log_softmax`` of the penalized logits divided by the row's temperature (1 for a greedy row),
+        before top-k and top-p (module doc).
+        """
         self._check_batch(logits, request_ids, histories)
         params = [self._params[rid] for rid in request_ids]
         scores = self._penalized(logits, params, request_ids, histories)
@@ -344,7 +544,17 @@ class Sampler:
             filtered = _filter(scores[rows], [params[b] for b in rows])
             drawn = self._race(torch.softmax(filtered, dim=-1), [request_ids[b] for b in rows])
             tokens[torch.tensor(rows, device=tokens.device)] = drawn
-        return tokens
+        asked = [b for b, p in enumerate(params) if p.logprobs is not None] if with_logprobs else []
+        if not asked:
+            return tokens, None
+        temperature = torch.tensor([1.0 if params[b].greedy else params[b].sampling_temperature for b in asked],
+                                   dtype=torch.float32, device=scores.device).unsqueeze(1)
+        logp = torch.log_softmax(scores[asked] / temperature, dim=-1)
+        chosen = logp.gather(1, tokens[asked].unsqueeze(1))
+        rank = (logp > chosen).sum(-1) + 1
+        top = max(params[b].logprobs for b in asked)
+        top_lp, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], tokens.new_empty(len(asked), 0))
+        return tokens, StepLogprobs(asked, chosen.squeeze(1), rank, top_ids, top_lp)
 
     def filtered_logits(self, logits: torch.Tensor, request_ids: list, histories: list[list[int]]) -> torch.Tensor:
         """What :meth:`sample` draws from: [B, V] float32 logits after the repetition penalty,
@@ -369,20 +579,46 @@ class Sampler:
             raise ValueError(f"requests not registered with the sampler: {missing[:5]}")
 
     def _penalized(self, logits, params, request_ids, histories) -> torch.Tensor:
-        """[B, V] float32 logits with the repetition penalty applied (may alias float32 ``logits``)."""
+        """[B, V] float32 logits with the repetition penalty, then the presence and frequency penalties,
+        applied (may alias float32 ``logits``)."""
         # NaN logits never win (they would make every probability NaN and the draw index 0); +inf clamps to the
         # largest float so that a row's softmax stays defined
         scores = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=torch.finfo(torch.float32).max)
         rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if not rows:
+        counted = [b for b, p in enumerate(params) if p.penalizes_counts]
+        if not rows and not counted:
             return scores
         scores = scores.clone()
-        masks = torch.stack([self._seen_mask(request_ids[b], histories[b]) for b in rows])
-        penalty = torch.tensor([params[b].repetition_penalty for b in rows], dtype=torch.float32,
-                               device=scores.device).unsqueeze(1)
-        chosen = scores[rows]
-        scores[rows] = torch.where(masks, torch.where(chosen < 0, chosen * penalty, chosen / penalty), chosen)
+        if rows:
+            masks = torch.stack([self._seen_mask(request_ids[b], histories[b]) for b in rows])
+            penalty = torch.tensor([params[b].repetition_penalty for b in rows], dtype=torch.float32,
+                                   device=scores.device).unsqueeze(1)
+            chosen = scores[rows]
+            scores[rows] = torch.where(masks, torch.where(chosen < 0, chosen * penalty, chosen / penalty), chosen)
+        if counted:
+            counts = torch.stack([self._generated_counts(request_ids[b], histories[b]) for b in counted])
+            presence = torch.tensor([float(params[b].presence_penalty or 0) for b in counted], dtype=torch.float32,
+                                    device=scores.device).unsqueeze(1)
+            frequency = torch.tensor([float(params[b].frequency_penalty or 0) for b in counted], dtype=torch.float32,
+                                     device=scores.device).unsqueeze(1)
+            scores[counted] = scores[counted] - counts * frequency - (counts > 0).float() * presence
         return scores
+
+    def _generated_counts(self, request_id, history: list[int]) -> torch.Tensor:
+        """[V] float32 counts of the generated ids (the history past the prompt), folded in incrementally."""
+        start = self._prompt_tokens.get(request_id, 0)
+        count, counts = self._counts.get(request_id, (start, None))
+        if counts is None or len(history) < count:
+            count, counts = start, torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+        new = list(history[count:])
+        if new:
+            bad = next((t for t in new if not (_is_int(t) and 0 <= t < self.vocab_size)), None)
+            if bad is not None:
+                raise ValueError(f"request {request_id!r}: history token id {bad!r} outside [0, {self.vocab_size})")
+            counts.index_add_(0, torch.tensor(new, dtype=torch.long, device=self.device),
+                              torch.ones(len(new), dtype=torch.float32, device=self.device))
+        self._counts[request_id] = (max(len(history), start), counts)
+        return counts
 
     def _seen_mask(self, request_id, history: list[int]) -> torch.Tensor:
         count, mask = self._seen.get(request_id, (0, None))

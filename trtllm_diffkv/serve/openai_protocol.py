@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI-compatible server (pydantic models, OpenAI's field names).
 
-Only what the server implements is accepted: ``n``, ``best_of``, ``logprobs``, ``top_logprobs``,
-``echo``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``suffix`` at their
-neutral values (:data:`NEUTRAL`: absent, ``null`` or the value that changes nothing, e.g.
-``"n": 1``, ``"logit_bias": {}``, ``"logprobs": false``); another value is a 400 error naming the
-field, never silently ignored. ``tools``, ``tool_choice``, ``functions``, ``function_call`` and
+Only what the server implements is accepted: ``logit_bias`` and ``suffix`` only at their neutral
+values (:data:`NEUTRAL`: absent, ``null`` or the value that changes nothing: ``"logit_bias": {}``,
+``"suffix": ""``); another value is a 400 error naming the field, never silently ignored. ``n``,
+``best_of``, ``logprobs``, ``top_logprobs``, ``echo``, ``presence_penalty`` and
+``frequency_penalty`` are implemented (:mod:`trtllm_diffkv.serve.openai_server`). A completion's
+``prompt`` is a string, a list of strings, a list of token ids or a list of lists of token ids
+(OpenAI's four forms; lm-evaluation-harness sends token ids). ``tools``, ``tool_choice``, ``functions``, ``function_call`` and
 ``response_format`` (features the server does not implement) are refused with a 400 naming the field
 unless absent or ``null`` (:data:`UNSUPPORTED`). Where OpenAI's API says integer (``max_tokens``,
 ``n``, ``best_of``, ``logprobs`` of a completion, ``top_logprobs``, ``seed``, ...) only a JSON integer
@@ -24,17 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "UsageInfo", "ErrorBody", "new_id",
            "NEUTRAL", "CHAT_NEUTRAL", "UNSUPPORTED", "is_neutral"]
 
-NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None,), "top_logprobs": (None, 0),
-           "echo": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-           "logit_bias": (None, {}), "suffix": (None, "")}
+NEUTRAL = {"logit_bias": (None, {}), "suffix": (None, "")}
 """Fields of a completion accepted only at these values (OpenAI features the server does not implement):
-field -> the neutral values (``None`` = absent or ``null``). ``logprobs`` of a completion is an integer
-(``0`` asks for the chosen tokens' log-probabilities, so only ``null`` is neutral there; ``false`` is
-not an integer and is refused by the strict type); ``False == 0`` in Python, so the server compares
-booleans and numbers by type as well (:func:`is_neutral`)."""
+field -> the neutral values (``None`` = absent or ``null``); ``False == 0`` in Python, so the server
+compares booleans and numbers by type as well (:func:`is_neutral`)."""
 
-CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False)}
-"""The same for a chat completion, where ``logprobs`` is a boolean (``false`` changes nothing)."""
+CHAT_NEUTRAL = dict(NEUTRAL)
+"""The same for a chat completion."""
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls")
 """Fields refused unless absent or ``null``: tool calling and structured output are not implemented, and
@@ -69,9 +67,10 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: dict | None = Field(default=None, description='{"include_usage": true} adds a usage chunk')
     ignore_eos: StrictBool = False
-    n: StrictInt | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
+    n: StrictInt | None = Field(default=None, description="choices per prompt (independent requests, seeds "
+                                "derived from seed); default 1")
+    presence_penalty: StrictFloat | None = Field(default=None, description="OpenAI's, in [-2, 2]")
+    frequency_penalty: StrictFloat | None = Field(default=None, description="OpenAI's, in [-2, 2]")
     logit_bias: dict | None = None
     user: str | None = None
     tools: object = None
@@ -83,14 +82,17 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``: ``prompt`` in any of OpenAI's four forms: a string, a list of strings (one choice
-    each), a list of token ids, or a list of lists of token ids (one choice each; ids are JSON integers, checked
-    against the model's vocabulary by the server)."""
+    """``POST /v1/completions``: ``prompt`` in any of OpenAI's four forms: a string, a list of strings (one prompt
+    each), a list of token ids, or a list of lists of token ids (one prompt each; ids are JSON integers, checked
+    against the model's vocabulary by the server); ``n`` choices per prompt."""
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    best_of: StrictInt | None = None
-    logprobs: StrictInt | None = None
-    echo: StrictBool | None = None
+    best_of: StrictInt | None = Field(default=None, description=">= n: the n of best_of sequences with the "
+                                      "highest cumulative log-probability")
+    logprobs: StrictInt | None = Field(default=None, description="per token: the chosen token's log-probability "
+                                       "and this many top alternatives (0 .. 20)")
+    echo: StrictBool | None = Field(default=None, description="prepend the prompt to the text (and its "
+                                    "log-probabilities to logprobs); max_tokens 0 then returns the prompt alone")
     suffix: str | None = Field(default=None, description="refused unless empty (no fill-in-the-middle)")
 
 

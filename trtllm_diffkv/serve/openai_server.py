@@ -16,6 +16,21 @@ shape. When a client disconnects its request is aborted, which frees its KV page
 defaults are OpenAI's (``temperature`` 1, ``top_p`` 1; ``max_tokens`` 16 for completions, the
 rest of the context for chat).
 
+Log-probabilities: completions' ``logprobs: k`` gives OpenAI's legacy object (``tokens``,
+``token_logprobs``, ``top_logprobs``: the chosen token and the top ``k`` as ``{token text: logprob}``,
+``text_offset``: character offsets in the choice's text); chat's ``logprobs: true`` +
+``top_logprobs: k`` gives ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``; both
+streamed per chunk too. Values are the sampler's (after the penalties and the temperature, before
+top-k/top-p: :mod:`trtllm_diffkv.runtime.sampling`). ``echo`` prepends the prompt text and, with
+``logprobs``, the prompt tokens' log-probabilities (raw logits; the first token's ``null``);
+``echo`` with ``max_tokens: 0`` returns the prompt alone (one token is generated and dropped, as
+vLLM does; ``completion_tokens`` 0). ``n`` / ``best_of``: each choice is an independent request
+(:meth:`~trtllm_diffkv.runtime.sampling.SamplingParams.child_params`: child ``i`` is seeded
+``seed + i * 0x9E3779B97F4A7C15 mod 2**64``, child 0 the request's seed), the prompt prefilled once
+per choice (no page sharing); ``best_of`` keeps the ``n`` with the highest cumulative
+log-probability; choices are ordered prompt by prompt (``index = prompt * n + i``), ``usage`` sums every
+sequence run (the dropped ``best_of`` ones too), and a disconnect aborts all of them.
+
 ``usage`` carries DiffKV's numbers besides OpenAI's token counts (:func:`_usage`): ``kv_memory_fraction``
 (KV bytes / FP16 KV bytes of the same tokens), ``high_fraction``, ``low_fraction``, ``pruned_fraction``
 (tier shares; ``null`` for the ``fp16`` preset) and ``kv_pool_bytes`` (pool bytes the request held at its
@@ -38,6 +53,8 @@ from starlette.exceptions import HTTPException
 
 from . import is_server_fault
 from .metrics import ServingMetrics
+from ..runtime.detokenizer import token_texts
+from ..runtime.sampling import best_of_order
 from .openai_protocol import (CHAT_NEUTRAL, NEUTRAL, UNSUPPORTED, ChatCompletionRequest, CompletionRequest, created,
                               is_neutral, new_id)
 
@@ -51,6 +68,8 @@ MAX_BODY_BYTES = 8 << 20
 """Request bodies above this many bytes get a 413 (``trtllm-diffkv serve --max-body-bytes``); 8 MiB holds
 a prompt filling a 128k-token context several times over."""
 SHUTDOWN_MESSAGE = "the server is shutting down"
+MAX_SEQUENCES = 256
+"""Most sequences one prompt may run (``best_of``, else ``n``): each is one executor request."""
 
 
 class BadRequest(Exception):
@@ -211,11 +230,101 @@ def _sampling_params(body, max_tokens: int):
             allowed = " or ".join(repr(v) if v is not None else "null" for v in neutrals)
             raise BadRequest(f"'{name}' = {getattr(body, name)!r} is not supported (only {allowed})", name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
-                          repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                          seed=body.seed, stop=[s for s in stop if s] or None if stop else None,
-                          ignore_eos=body.ignore_eos)
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs, prompt_logprobs, best_of = (body.top_logprobs or 0) if body.logprobs else None, None, None
+    else:
+        logprobs, best_of = body.logprobs, body.best_of
+        prompt_logprobs = body.logprobs if body.echo else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
+                            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                            seed=body.seed, stop=[s for s in stop if s] or None if stop else None,
+                            ignore_eos=body.ignore_eos, n=1 if body.n is None else body.n, best_of=best_of,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    try:
+        params.validate()
+    except ValueError as exc:  # the message starts with the field's name
+        message = str(exc)
+        field = message.split(" ", 1)[0].split("=", 1)[0]
+        field = {"logprobs": "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs",
+                 "prompt_logprobs": "logprobs"}.get(field, field)
+        if isinstance(body, ChatCompletionRequest) and field == "top_logprobs":
+            message = message.replace("logprobs", "top_logprobs", 1)
+        raise BadRequest(message, field if field in type(body).model_fields else None) from None
+    return params
+
+
+def _logprob_texts(tokenizer, ids, entries) -> dict[int, str]:
+    """Token id -> its text for every id in ``ids`` and in the ``entries`` (one decode call)."""
+    wanted = set(ids)
+    for entry in entries:
+        wanted.update(entry or ())
+    wanted = sorted(wanted)
+    return dict(zip(wanted, token_texts(tokenizer, wanted)))
+
+
+class _CompletionChoice:
+    """One completion choice's text and legacy ``logprobs`` object, whole or streamed piece by piece.
+
+    Args:
+        tokenizer: decodes the token texts (and a prompt given as token ids, for ``echo``).
+        prompt: the choice's prompt (text or token ids).
+        echo: prepend the prompt (and its log-probabilities) to the first piece.
+        logprobs: the request's ``logprobs`` (``None``: no ``logprobs`` object).
+        prompt_only: ``echo`` with ``max_tokens`` 0: the generated token is dropped.
+    """
+
+    def __init__(self, tokenizer, prompt, echo: bool, logprobs: int | None, prompt_only: bool):
+        self.tokenizer, self.prompt, self.echo, self.logprobs = tokenizer, prompt, echo, logprobs
+        self.prompt_only, self.started, self.offset = prompt_only, False, 0
+
+    def piece(self, output, text: str, token_ids: list[int], entries) -> tuple[str, dict | None]:
+        """``(text, logprobs object)`` of what is new: ``text`` / ``token_ids`` / ``entries`` (the output's
+        ``logprobs`` entries of those ids) new since the previous piece; the prompt first when echoing."""
+        ids, listed, out = [], [], ""
+        if self.echo and not self.started:
+            prompt_ids = list(output.prompt_token_ids)
+            out = self.prompt if isinstance(self.prompt, str) else (
+                self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "")
+            ids += prompt_ids
+            listed += getattr(output.outputs[0], "prompt_logprobs", None) or [None] * len(prompt_ids)
+        self.started = True
+        if not self.prompt_only:
+            ids += list(token_ids)
+            listed += list(entries or [None] * len(token_ids))
+            out += text
+        if self.logprobs is None:
+            return out, None
+        texts = _logprob_texts(self.tokenizer, ids, listed)
+        body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in zip(ids, listed):
+            body["tokens"].append(texts[token])
+            body["token_logprobs"].append(None if entry is None else entry[token].logprob)
+            body["top_logprobs"].append(None if entry is None else
+                                        {texts[t]: lp.logprob for t, lp in sorted(entry.items(), key=_rank)})
+            body["text_offset"].append(self.offset)
+            self.offset += len(texts[token])
+        return out, body
+
+
+def _rank(item) -> int:
+    return item[1].rank
+
+
+def _chat_logprobs(tokenizer, token_ids: list[int], entries, top: int) -> dict:
+    """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) of ``token_ids`` with their entries."""
+    texts = _logprob_texts(tokenizer, token_ids, entries)
+    content = []
+    for token, entry in zip(token_ids, entries or ()):
+        tops = sorted(entry.items(), key=_rank)[:top]
+        content.append({"token": texts[token], "logprob": entry[token].logprob,
+                        "bytes": list(texts[token].encode("utf-8")),
+                        "top_logprobs": [{"token": texts[t], "logprob": lp.logprob,
+                                          "bytes": list(texts[t].encode("utf-8"))} for t, lp in tops]})
+    return {"content": content}
 
 
 async def _next(handle, request: Request):
@@ -246,8 +355,9 @@ async def _finals(handles, request: Request) -> list:
             return [None] * len(handles)
 
 
-def _usage(outputs) -> dict:
-    """OpenAI's token counts of the finished ``outputs`` (one per choice) plus DiffKV's numbers.
+def _usage(outputs, dropped_tokens: int = 0) -> dict:
+    """OpenAI's token counts of the finished ``outputs`` (one per sequence run) plus DiffKV's numbers;
+    ``dropped_tokens``: generated tokens not returned (``echo`` with ``max_tokens`` 0), not counted.
 
     ``kv_memory_fraction``: KV bytes / FP16 KV bytes over all choices' tokens; ``high_fraction``,
     ``low_fraction``, ``pruned_fraction``: tier shares weighted by each choice's FP16 KV bytes (its
@@ -255,7 +365,7 @@ def _usage(outputs) -> dict:
     ``None`` where the executor reported nothing (tier shares under the ``fp16`` preset).
     """
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs) - dropped_tokens
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     metrics = [o.metrics or {} for o in outputs]
     fp16 = [m.get("fp16_kv_cache_bytes") or 0 for m in metrics]
@@ -351,25 +461,60 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
         prompts = _completion_prompts(body.prompt, llm)
         if body.stream and len(prompts) > 1:
             raise BadRequest("streaming takes one prompt (got a list of several)", "prompt")
-        params = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
-        for prompt in prompts:  # each is one request
-            _check_prompt_chars(llm, [prompt], "prompt")
+        prompt_only = bool(body.echo) and body.max_tokens == 0  # the prompt's logprobs alone (lm-eval's shape)
+        params = _sampling_params(body, 1 if prompt_only else 16 if body.max_tokens is None else body.max_tokens)
+        if body.stream and params.num_sequences > params.n:
+            raise BadRequest("'best_of' > 'n' cannot be streamed (the best are known at the end)", "best_of")
+        children = params.child_params()
+        if len(children) > MAX_SEQUENCES:
+            raise BadRequest(f"{'best_of' if body.best_of is not None else 'n'} = {len(children)} exceeds "
+                             f"{MAX_SEQUENCES} sequences per prompt", "n" if body.best_of is None else "best_of")
+        for prompt in prompts:  # each is one request per child
+            if isinstance(prompt, str):
+                _check_prompt_chars(llm, [prompt], "prompt")
         # tokenizing happens in generate_async: in a worker thread, so the event loop keeps serving
-        handles = await asyncio.to_thread(lambda: [llm.generate_async(p, params, streaming=body.stream)
-                                                   for p in prompts])
+        handles = await asyncio.to_thread(lambda: [llm.generate_async(p, c, streaming=body.stream)
+                                                   for p in prompts for c in children])
         drain.add(handles)
+        tokenizer = getattr(llm, "tokenizer", None)
+
+        def view(prompt):
+            return _CompletionChoice(tokenizer, prompt, bool(body.echo), body.logprobs, prompt_only)
+
         try:
             meta = {"id": new_id("cmpl"), "object": "text_completion", "created": created(), "model": model_name}
             if body.stream:
-                return await _stream(handles[0], request, body, meta, chat=False, drain=drain,
-                                     observe=serving_metrics.observe)
+                views = [view(prompts[0]) for _ in handles]
+
+                def render(i, output):
+                    completion = output.outputs[0]
+                    new = completion.text_diff or output.finished or (body.echo and not views[i].started) or (
+                        body.logprobs is not None and completion.token_ids_diff)
+                    if not new:
+                        return None
+                    text, logprobs = views[i].piece(output, completion.text_diff, completion.token_ids_diff,
+                                                    getattr(completion, "logprobs_diff", None))
+                    reason = ("length" if prompt_only else completion.finish_reason) if output.finished else None
+                    return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+                return await _stream(handles, request, body, meta, chat=False, drain=drain,
+                                     observe=serving_metrics.observe, render=render,
+                                     dropped_tokens=len(handles) if prompt_only else 0)
             finals = await _finals(handles, request)
             for handle in handles:
                 serving_metrics.observe(handle)
             _raise_first_error(finals, handles, drain)
-            choices = [{"index": i, "text": f.outputs[0].text, "logprobs": None,
-                        "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
-            usage = request.state.usage = _usage(finals)
+            choices, k = [], len(children)
+            for p, prompt in enumerate(prompts):
+                group = finals[p * k:(p + 1) * k]
+                order = best_of_order([getattr(f.outputs[0], "cumulative_logprob", None) or 0.0 for f in group], params.n)
+                for j, i in enumerate(order):
+                    completion = group[i].outputs[0]
+                    text, logprobs = view(prompt).piece(group[i], completion.text, completion.token_ids,
+                                                        getattr(completion, "logprobs", None))
+                    choices.append({"index": p * params.n + j, "text": text, "logprobs": logprobs,
+                                    "finish_reason": "length" if prompt_only else completion.finish_reason})
+            usage = request.state.usage = _usage(finals, len(finals) if prompt_only else 0)
             return {**meta, "choices": choices, "usage": usage}
         finally:
             if not body.stream:
@@ -382,27 +527,45 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
         params = _sampling_params(body, 1)  # refuses unsupported fields before the chat template runs
         _check_prompt_chars(llm, [m.content if isinstance(m.content, str) else json.dumps(m.content)
                                   for m in body.messages], "messages")
+        if params.n > MAX_SEQUENCES:
+            raise BadRequest(f"n = {params.n} exceeds {MAX_SEQUENCES} sequences per prompt", "n")
         ids = await asyncio.to_thread(_chat_prompt_ids, llm, body)  # the template and tokenizer: off the loop
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max(1, llm.max_seq_len - len(ids)) if max_tokens is None else max_tokens)
-        handle = llm.generate_async(ids, params, streaming=body.stream)
-        drain.add([handle])
+        handles = [llm.generate_async(ids, child, streaming=body.stream) for child in params.child_params()]
+        drain.add(handles)
+        tokenizer = getattr(llm, "tokenizer", None)
+
+        def logprobs(completion, token_ids, entries):
+            return None if params.logprobs is None else _chat_logprobs(tokenizer, token_ids, entries, params.logprobs)
+
         try:
             meta = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": created(), "model": model_name}
             if body.stream:
-                return await _stream(handle, request, body, {**meta, "object": "chat.completion.chunk"}, chat=True,
-                                     drain=drain, observe=serving_metrics.observe)
-            final = await _next(handle, request)
-            serving_metrics.observe(handle)
-            _raise_first_error([final], [handle], drain)
-            completion = final.outputs[0]
-            usage = request.state.usage = _usage([final])
-            return {**meta, "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
-                                         "logprobs": None, "finish_reason": completion.finish_reason}],
-                    "usage": usage}
+                def render(i, output):
+                    completion = output.outputs[0]
+                    if not (completion.text_diff or output.finished or (params.logprobs is not None
+                                                                        and completion.token_ids_diff)):
+                        return None
+                    delta = {"content": completion.text_diff} if completion.text_diff or not output.finished else {}
+                    return {"index": i, "delta": delta,
+                            "logprobs": logprobs(completion, completion.token_ids_diff, getattr(completion, "logprobs_diff", None)),
+                            "finish_reason": completion.finish_reason if output.finished else None}
+
+                return await _stream(handles, request, body, {**meta, "object": "chat.completion.chunk"}, chat=True,
+                                     drain=drain, observe=serving_metrics.observe, render=render)
+            finals = await _finals(handles, request)
+            for handle in handles:
+                serving_metrics.observe(handle)
+            _raise_first_error(finals, handles, drain)
+            choices = [{"index": i, "message": {"role": "assistant", "content": f.outputs[0].text},
+                        "logprobs": logprobs(f.outputs[0], f.outputs[0].token_ids, getattr(f.outputs[0], "logprobs", None)),
+                        "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
+            usage = request.state.usage = _usage(finals)
+            return {**meta, "choices": choices, "usage": usage}
         finally:
             if not body.stream:
-                drain.discard([handle])
+                drain.discard(handles)
 
     return app
 
@@ -483,59 +646,70 @@ def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
             raise BadRequest(final.error, None, 500 if server_side else 400)
 
 
-async def _stream(handle, request: Request, body, meta: dict, chat: bool, drain: Drain, observe):
-    """Wait for the first output (an error then is a 400 response), then stream the rest as SSE; a client
-    that disconnects aborts the request (before the first token: :func:`_next`; after: Starlette cancels
-    the stream, whose ``finally`` aborts). A stream cut by the shutdown ends with an error event and
-    ``[DONE]``."""
+async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain: Drain, observe, render,
+                  dropped_tokens: int = 0):
+    """Wait for every handle's first output (an error then is a 400 response), then stream the rest as SSE,
+    the handles' chunks in the order they come (``render(i, output)``: handle ``i``'s choice dict, or
+    ``None`` when there is nothing to send). A client that disconnects aborts every request (before the
+    first tokens: :func:`_finals`; after: Starlette cancels the stream, whose ``finally`` aborts). A stream
+    cut by the shutdown ends with an error event and ``[DONE]``."""
     try:
-        first = await _next(handle, request)
-        _raise_first_error([first], [handle], drain)
+        firsts = await _finals(handles, request)
+        _raise_first_error(firsts, handles, drain)
     except BaseException:
-        drain.discard([handle])
+        drain.discard(handles)
         raise
     include_usage = bool((body.stream_options or {}).get("include_usage"))
 
-    def chunk(output) -> dict:
-        completion = output.outputs[0]
-        reason = completion.finish_reason if output.finished else None
-        if chat:
-            delta = {"content": completion.text_diff} if completion.text_diff or not output.finished else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": completion.text_diff, "logprobs": None, "finish_reason": reason}
-        return {**meta, "choices": [choice]}
-
     async def events():
-        output = first
+        outputs, pending, ready = list(firsts), {}, list(range(len(handles)))
         try:
             if chat:
-                yield _sse({**meta, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            while True:
-                if output.error is not None:
-                    yield _sse({"error": {"message": output.error, "type": "internal_error", "param": None,
-                                          "code": None}})
-                    break
-                if drain.aborted and output.outputs[0].finish_reason == "cancelled":
-                    if output.outputs[0].text_diff:
-                        yield _sse({**meta, "choices": [{**chunk(output)["choices"][0], "finish_reason": None}]})
-                    yield _sse(_error_body(f"{SHUTDOWN_MESSAGE}: the stream was cancelled before it finished",
-                                           status=503))
-                    break
-                if output.outputs[0].text_diff or output.finished:
-                    yield _sse(chunk(output))
-                if output.finished:
-                    request.state.usage = usage = _usage([output])
-                    if include_usage:
-                        yield _sse({**meta, "choices": [], "usage": usage})
-                    break
-                output = await handle.__anext__()
+                for i in range(len(handles)):
+                    yield _sse({**meta, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+            cut = False
+            while (ready or pending) and not cut:
+                for i in ready:
+                    output = outputs[i]
+                    if output.error is not None:
+                        yield _sse({"error": {"message": output.error, "type": "internal_error", "param": None,
+                                              "code": None}})
+                        cut = True
+                        break
+                    if drain.aborted and output.outputs[0].finish_reason == "cancelled":
+                        if output.outputs[0].text_diff:
+                            choice = render(i, output)
+                            if choice is not None:
+                                yield _sse({**meta, "choices": [{**choice, "finish_reason": None}]})
+                        yield _sse(_error_body(f"{SHUTDOWN_MESSAGE}: the stream was cancelled before it finished",
+                                               status=503))
+                        cut = True
+                        break
+                    choice = render(i, output)
+                    if choice is not None:
+                        yield _sse({**meta, "choices": [choice]})
+                    if not output.finished:
+                        pending[asyncio.ensure_future(handles[i].__anext__())] = i
+                ready = []
+                if pending and not cut:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        i = pending.pop(task)
+                        outputs[i] = task.result()
+                        ready.append(i)
+            if not cut:
+                request.state.usage = usage = _usage(outputs, dropped_tokens)
+                if include_usage:
+                    yield _sse({**meta, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
-            drain.discard([handle])
-            observe(handle)
-            if not handle.finished:  # the client went away mid-stream: free the request's pages
-                handle.abort()
+            for task in pending:
+                task.cancel()
+            drain.discard(handles)
+            for handle in handles:
+                observe(handle)
+                if not handle.finished:  # the client went away mid-stream: free the request's pages
+                    handle.abort()
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -304,9 +304,11 @@ class TritonPythonModel:
             if completion.finish_reason == "cancelled":  # the client is gone, or the shutdown cut it
                 return output if self.shutdown_aborted else None
             if completion.text_diff or output.finished:
+                logprobs = ([completion.token_ids_diff], [completion.logprobs_diff]) \
+                    if completion.logprobs is not None else None
                 _send(sender, self._response([completion.text_diff], [completion.finish_reason or ""],
                                            [len(output.prompt_token_ids)], [len(completion.token_ids)], [index],
-                                           [output] if output.finished else None))
+                                           [output] if output.finished else None, logprobs))
 
     def _whole_response(self, rows, finals):
         errors, client = _errors(finals)
@@ -314,12 +316,16 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(error=_error("; ".join(errors), client))
         texts = [f.outputs[0].text if row.exclude_input else row.prompt + f.outputs[0].text
                  for row, f in zip(rows, finals)]
+        logprobs = ([f.outputs[0].token_ids for f in finals], [f.outputs[0].logprobs for f in finals]) \
+            if any(row.return_log_probs for row in rows) else None
         return self._response(texts, [f.outputs[0].finish_reason or "" for f in finals],
                               [len(f.prompt_token_ids) for f in finals],
-                              [len(f.outputs[0].token_ids) for f in finals], list(range(len(rows))), finals)
+                              [len(f.outputs[0].token_ids) for f in finals], list(range(len(rows))), finals, logprobs)
 
-    def _response(self, texts, reasons, num_input, num_output, batch_index, finals=None):
-        """One response's tensors; ``finals`` (the rows' final outputs) adds the DiffKV outputs."""
+    def _response(self, texts, reasons, num_input, num_output, batch_index, finals=None, logprobs=None):
+        """One response's tensors; ``finals`` (the rows' final outputs) adds the DiffKV outputs, ``logprobs``
+        (``(token ids, logprobs entries)`` per row, streaming: the new ones) ``cum_log_probs`` and
+        ``output_log_probs``. In a stream, ``cum_log_probs`` is the sum over the new tokens."""
         def column(values, dtype):
             return np.array(values, dtype=dtype).reshape(len(values), 1)
 
@@ -329,6 +335,9 @@ class TritonPythonModel:
             extra = [pb_utils.Tensor(name, column([v[name] for v in values],
                                                   np.int64 if name == "kv_pool_bytes" else np.float32))
                      for name in self.requests_module.DIFFKV_OUTPUTS]
+        if logprobs is not None:
+            cumulative, per_token = self.requests_module.log_prob_values(*logprobs)
+            extra += [pb_utils.Tensor("cum_log_probs", cumulative), pb_utils.Tensor("output_log_probs", per_token)]
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", column([t.encode("utf-8") for t in texts], np.object_)),
             pb_utils.Tensor("finish_reason", column([r.encode() for r in reasons], np.object_)),

@@ -6,7 +6,7 @@ Triton backend (``text_input``, ``max_tokens``, ``stop_words``, ``end_id``, ``to
 same data types and dims, so a client written for a TensorRT-LLM deployment sends the same
 request. ``random_seed`` (the older name, ``tensorrt_llm_bls``) is accepted as well, and
 ``finish_reason`` comes from the newer ``llmapi`` model. Inputs we accept only at their neutral
-value (``beam_width`` 1, ``length_penalty`` 1, no ``bad_words``, no log probs, ...) are declared
+value (``beam_width`` 1, ``length_penalty`` 1, no ``bad_words``, no context logits, ...) are declared
 so that clients that always send them work; another value is a clear error for that request.
 
 This module has no Triton import: :func:`parse_request` takes plain NumPy arrays (what
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TensorSpec", "INPUTS", "OUTPUTS", "DIFFKV_OUTPUTS", "RowRequest", "parse_request",
-           "llm_kwargs_from_parameters", "diffkv_output_values", "DEFAULT_MAX_TOKENS"]
+__all__ = ["TensorSpec", "INPUTS", "OUTPUTS", "DIFFKV_OUTPUTS", "LOG_PROB_OUTPUTS", "RowRequest", "parse_request",
+           "llm_kwargs_from_parameters", "diffkv_output_values", "log_prob_values", "DEFAULT_MAX_TOKENS"]
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens when a request has no ``max_tokens`` (TensorRT-LLM's ensemble requires it; we default)."""
@@ -64,11 +64,12 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("length_penalty", "TYPE_FP32", (1,), neutral=1.0, doc="beam search only: must be 1"),
     TensorSpec("repetition_penalty", "TYPE_FP32", (1,), doc="> 0, 1 = off (CTRL/HF rule)"),
     TensorSpec("min_tokens", "TYPE_INT32", (1,), neutral=0, doc="not supported: must be 0"),
-    TensorSpec("presence_penalty", "TYPE_FP32", (1,), neutral=0.0, doc="not supported: must be 0"),
-    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), neutral=0.0, doc="not supported: must be 0"),
+    TensorSpec("presence_penalty", "TYPE_FP32", (1,), doc="OpenAI's, in [-2, 2] over the generated tokens; 0 = off"),
+    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), doc="OpenAI's, in [-2, 2] over the generated tokens; 0 = off"),
     TensorSpec("seed", "TYPE_UINT64", (1,), doc="per-request sampling seed"),
     TensorSpec("random_seed", "TYPE_UINT64", (1,), doc="the older name of seed (tensorrt_llm_bls)"),
-    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), neutral=False, doc="not supported: must be false"),
+    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), doc="true: cum_log_probs and output_log_probs come with "
+               "each response (the sampler's log-probabilities: after penalties and temperature)"),
     TensorSpec("return_context_logits", "TYPE_BOOL", (1,), neutral=False, doc="not supported: must be false"),
     TensorSpec("return_generation_logits", "TYPE_BOOL", (1,), neutral=False, doc="not supported: must be false"),
     TensorSpec("beam_width", "TYPE_INT32", (1,), neutral=1, doc="greedy or sampled decoding only: must be 1"),
@@ -108,9 +109,15 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("pruned_fraction", "TYPE_FP32", (1,), doc="DiffKV: share pruned (as high_fraction)"),
     TensorSpec("kv_pool_bytes", "TYPE_INT64", (1,), doc="DiffKV: KV pool bytes the request held at its end "
                "(final responses; -1 when not reported)"),
+    TensorSpec("cum_log_probs", "TYPE_FP32", (-1,), doc="with return_log_probs: [batch, 1] the sum of the "
+               "generated tokens' log-probabilities so far"),
+    TensorSpec("output_log_probs", "TYPE_FP32", (-1, -1), doc="with return_log_probs: [batch, 1, tokens] each "
+               "token's log-probability (streaming: the new tokens; rows padded with 0)"),
 )
 DIFFKV_OUTPUTS = ("kv_memory_fraction", "high_fraction", "low_fraction", "pruned_fraction", "kv_pool_bytes")
 """The outputs carrying DiffKV's numbers (``RequestOutput.metrics``), sent with final responses only."""
+LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
+"""TensorRT-LLM's log-probability outputs (beam dimension 1), sent when the request sets ``return_log_probs``."""
 
 _BY_NAME = {spec.name: spec for spec in INPUTS}
 
@@ -125,12 +132,14 @@ class RowRequest:
             validated: the LLM validates it and fails the request alone with the message).
         stream: whether to send a response per new piece of text.
         exclude_input: leave the prompt out of a non-streaming ``text_output``.
+        return_log_probs: send :data:`LOG_PROB_OUTPUTS` (``sampling_params.logprobs`` is then 0).
     """
 
     prompt: str
     sampling_params: object
     stream: bool
     exclude_input: bool
+    return_log_probs: bool = False
 
 
 def _row_values(name: str, array: np.ndarray, batch_size: int, row: int) -> np.ndarray:
@@ -209,12 +218,16 @@ def parse_request(inputs: dict[str, np.ndarray]) -> list[RowRequest]:
             top_k=None if "top_k" not in scalars else int(scalars["top_k"]),
             top_p=None if "top_p" not in scalars else float(scalars["top_p"]),
             repetition_penalty=float(scalars.get("repetition_penalty", 1.0)),
+            presence_penalty=float(scalars["presence_penalty"]) if "presence_penalty" in scalars else None,
+            frequency_penalty=float(scalars["frequency_penalty"]) if "frequency_penalty" in scalars else None,
+            logprobs=0 if scalars.get("return_log_probs") else None,
             seed=None if seed is None else int(seed),
             stop=_stop_strings(values["stop_words"]) or None if "stop_words" in values else None,
             stop_token_ids=None if end_id is None or end_id < 0 else [int(end_id)],
             ignore_eos=end_id is not None and end_id < 0)
         rows.append(RowRequest(_text("text_input", scalars["text_input"]), params, bool(scalars.get("stream", False)),
-                               bool(scalars.get("exclude_input_in_output", False))))
+                               bool(scalars.get("exclude_input_in_output", False)),
+                               bool(scalars.get("return_log_probs", False))))
     if len({r.stream for r in rows}) > 1:
         raise ValueError("input 'stream' must be the same for every row of a request")
     return rows
@@ -228,6 +241,18 @@ def diffkv_output_values(metrics: dict | None) -> dict[str, float | int]:
               for name in DIFFKV_OUTPUTS[:4]}
     values["kv_pool_bytes"] = -1 if metrics.get("pool_used_bytes") is None else int(metrics["pool_used_bytes"])
     return values
+
+
+def log_prob_values(token_ids: list[list[int]], entries: list[list | None]) -> tuple[np.ndarray, np.ndarray]:
+    """:data:`LOG_PROB_OUTPUTS` of a response's rows: ``cum_log_probs`` ``[rows, 1]`` float32 (the sum over
+    ``token_ids[r]``) and ``output_log_probs`` ``[rows, 1, max tokens]`` float32 (each token's, padded with 0),
+    from each row's ``CompletionOutput.logprobs`` entries of those tokens (``None``: zeros)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    per_token = np.zeros((len(token_ids), 1, width), dtype=np.float32)
+    for r, (ids, row) in enumerate(zip(token_ids, entries)):
+        for t, (token, entry) in enumerate(zip(ids, row or ())):
+            per_token[r, 0, t] = entry[token].logprob
+    return per_token.sum(axis=2, dtype=np.float64).astype(np.float32), per_token
 
 
 def llm_kwargs_from_parameters(parameters: dict[str, str]) -> dict:
