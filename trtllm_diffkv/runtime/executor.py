@@ -525,8 +525,10 @@ class Executor:
         requests = [r for r in batch.all_requests if r.completes_prefill]
         if not requests:
             return torch.empty(0, dtype=torch.int64, device=dev), None
-        return self.sampler.sample_with_logprobs(logits, [r.request_id for r in requests],
-                                                 [r.history for r in requests])
+        request_ids, histories = [r.request_id for r in requests], [r.history for r in requests]
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            return self.sampler.sample_with_logprobs(logits, request_ids, histories)
+        return self.sampler.sample(logits, request_ids, histories), None
 
     @staticmethod
     def _prompt_logprob_rows(batch: ScheduledBatch, rows: list[int]):

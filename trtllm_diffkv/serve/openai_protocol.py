@@ -4,9 +4,7 @@ Only what the server implements is accepted: ``logit_bias`` and ``suffix`` only 
 values (:data:`NEUTRAL`: absent, ``null`` or the value that changes nothing: ``"logit_bias": {}``,
 ``"suffix": ""``); another value is a 400 error naming the field, never silently ignored. ``n``,
 ``best_of``, ``logprobs``, ``top_logprobs``, ``echo``, ``presence_penalty`` and
-``frequency_penalty`` are implemented (:mod:`trtllm_diffkv.serve.openai_server`). A completion's
-``prompt`` is a string, a list of strings, a list of token ids or a list of lists of token ids
-(OpenAI's four forms; lm-evaluation-harness sends token ids). ``tools``, ``tool_choice``, ``functions``, ``function_call`` and
+``frequency_penalty`` are implemented (:mod:`trtllm_diffkv.serve.openai_server`). ``tools``, ``tool_choice``, ``functions``, ``function_call`` and
 ``response_format`` (features the server does not implement) are refused with a 400 naming the field
 unless absent or ``null`` (:data:`UNSUPPORTED`). Where OpenAI's API says integer (``max_tokens``,
 ``n``, ``best_of``, ``logprobs`` of a completion, ``top_logprobs``, ``seed``, ...) only a JSON integer

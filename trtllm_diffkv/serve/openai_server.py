@@ -327,19 +327,6 @@ def _chat_logprobs(tokenizer, token_ids: list[int], entries, top: int) -> dict:
     return {"content": content}
 
 
-async def _next(handle, request: Request):
-    """The handle's next output; aborts the request (and returns ``None``) if the client disconnects."""
-    task = asyncio.ensure_future(handle.__anext__())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            handle.abort()
-            await task
-            return None
-
-
 async def _finals(handles, request: Request) -> list:
     """The final outputs of ``handles`` (non-streaming), with one disconnect watcher for all of them;
     on a disconnect every handle is aborted and the list holds ``None``."""
