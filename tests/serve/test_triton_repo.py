@@ -347,3 +347,29 @@ def test_shutdown_leaves_no_process_and_no_shared_memory(checkpoint, tmp_path):
     assert list(Path("/dev/shm").glob(server.shm_prefix + "*"))
     assert server.stop() == 0  # graceful: the model's finalize shut the LLM down
     assert group_pids(pgid) == [] and not list(Path("/dev/shm").glob(server.shm_prefix + "*"))
+
+
+def test_return_log_probs_gives_tensorrt_llms_outputs(server, checkpoint):
+    """``return_log_probs``: ``cum_log_probs`` [batch, 1] and ``output_log_probs`` [batch, 1, tokens], equal to the
+    in-process LLM's log-probabilities of the same greedy tokens; the streamed pieces concatenate to them."""
+    import httpx
+    import tritonclient.grpc as grpc
+
+    from trtllm_diffkv.llmapi.llm import LLM
+
+    with LLM(str(checkpoint), device="cpu", kv_memory_bytes=KV_BYTES, max_batch_size=2) as llm:
+        want = llm.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)).outputs[0]
+    per_token = [entry[token].logprob for entry, token in zip(want.logprobs, want.token_ids)]
+    with grpc.InferenceServerClient(server.grpc_url) as client:
+        result = client.infer("diffkv_sync", _grpc_inputs(grpc, PROMPTS[1], 8, False, temperature=_column(
+            [0.0], np.float32), return_log_probs=_column([True], bool)))
+    output, cumulative = result.as_numpy("output_log_probs"), result.as_numpy("cum_log_probs")
+    assert output.shape == (1, 1, 8) and cumulative.shape == (1, 1)
+    assert output[0, 0].tolist() == pytest.approx(per_token, abs=1e-4)
+    assert float(cumulative[0, 0]) == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    body = {"text_input": PROMPTS[1], "max_tokens": 8, "temperature": 0.0, "return_log_probs": True, "stream": True}
+    with httpx.Client(timeout=120) as client:
+        events = client.post(f"http://{server.http_url}/v2/models/diffkv/generate_stream", json=body).text
+    chunks = [json.loads(line[len("data: "):]) for line in events.splitlines() if line.startswith("data: ")]
+    streamed = [v for c in chunks for v in np.ravel(c.get("output_log_probs", []))]
+    assert streamed == pytest.approx(per_token, abs=1e-4)
