@@ -113,6 +113,19 @@ def test_trtllm_contract_round_trip(model):
     rm.cache.manager.check_invariants()
 
 
+def test_request_length_is_a_copy_of_the_caches(model):
+    """The paged cache owns a request's length; ``update_resources`` copies it, it does not recompute it."""
+    rm = _rm(model)
+    a = _request("a", list(range(10, 23)))
+    batch = ScheduledBatch(context_requests=[a])
+    rm.prepare_resources(batch)
+    _forward(model, rm, batch)
+    assert rm.cache.seq_len[a.slot] == 13
+    rm.cache.seq_len[a.slot] = 11  # what the owner says wins (a real cache never disagrees with its step)
+    rm.update_resources(batch)
+    assert a.num_cached_tokens == 11
+
+
 def test_prepare_resources_out_of_pages_changes_nothing(model):
     rm = _rm(model, budget=45_000)
     total = rm.get_max_resource_count()

@@ -48,7 +48,9 @@ class Request:
         state: a :class:`RequestState`.
         output_token_ids: generated token ids so far (the stop token included).
         slot: the paged cache's request slot while ``RUNNING``, else ``None``.
-        num_cached_tokens: tokens stored in the cache (prompt and generated); 0 unless ``RUNNING``.
+        num_cached_tokens: tokens stored in the cache (prompt and generated); 0 unless ``RUNNING``. A copy
+            of the owner, the paged cache's ``seq_len[slot]``, taken by ``DiffKVResourceManager.update_resources``
+            after each step (and reset when the slot is given back); the scheduler reads it, never advances it.
             While its prompt is prefilled in chunks: the prompt tokens of the chunks that ran (kept at full
             precision in the cache's staging until the final chunk).
         prefill_token_ids: what the next prefill brings: the prompt, or after a preemption by

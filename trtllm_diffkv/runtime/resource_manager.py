@@ -210,14 +210,16 @@ class DiffKVResourceManager:
         Returns:
             ``{request_id: message}`` for requests whose keys or values were not finite (edge
             case 1); the caller fails them and calls :meth:`free_resources`. Also updates
-            :attr:`free_pages_after_step`, the true free page count after the step's allocations.
+            :attr:`free_pages_after_step`, the true free page count after the step's allocations, and copies each
+            request's length from the cache (``cache.seq_len[slot]``, the one owner) into ``num_cached_tokens``.
         """
         if status is None:
             status = self.device_status().tolist()
         flags, (start, end) = status[:self.max_batch_size], status[self.max_batch_size:]
         self.free_pages_after_step = int(end - start)
+        seq_len = self.cache.seq_len  # the cache owns each request's length; the request keeps a copy of it
         for request in batch.all_requests:
-            request.num_cached_tokens, request.prefill_chunk_tokens = request.seq_len, 0
+            request.num_cached_tokens, request.prefill_chunk_tokens = seq_len[request.slot], 0
         return {r.request_id: NONFINITE_KV_ERROR for r in batch.all_requests if flags[r.slot]}
 
     def free_resources(self, request: Request) -> None:
