@@ -141,6 +141,11 @@ def test_n_fans_out_into_seeded_requests_prompt_by_prompt(app):
     assert [(len(ids), p.seed, p.n) for ids, p in llm.calls] == [(2, 5, 1), (2, 5 + stride, 1), (4, 5, 1),
                                                                   (4, 5 + stride, 1)]
     assert out["usage"]["completion_tokens"] == 4 * 3  # the stand-in answers min(max_tokens, len % 5 + 1) = 3 tokens
+    assert out["usage"]["prompt_tokens"] == 2 + 4  # each prompt once (OpenAI, vLLM), not once per sequence
+    messages = [{"role": "user", "content": "hello"}]
+    one = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).json()["usage"]
+    two = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "n": 2}).json()["usage"]
+    assert two["prompt_tokens"] == one["prompt_tokens"] and two["completion_tokens"] == 2 * one["completion_tokens"]
     del llm.calls[:]
     for body, param in (({"n": 257}, "n"), ({"n": 2, "best_of": 257}, "best_of")):
         answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})

@@ -342,16 +342,18 @@ async def _finals(handles, request: Request) -> list:
             return [None] * len(handles)
 
 
-def _usage(outputs, dropped_tokens: int = 0) -> dict:
+def _usage(outputs, dropped_tokens: int = 0, sequences_per_prompt: int = 1) -> dict:
     """OpenAI's token counts of the finished ``outputs`` (one per sequence run) plus DiffKV's numbers;
-    ``dropped_tokens``: generated tokens not returned (``echo`` with ``max_tokens`` 0), not counted.
+    ``dropped_tokens``: generated tokens not returned (``echo`` with ``max_tokens`` 0), not counted;
+    ``sequences_per_prompt``: the ``n`` / ``best_of`` sequences each prompt ran (``outputs`` prompt by prompt):
+    ``prompt_tokens`` counts each prompt once, as OpenAI and vLLM do, ``completion_tokens`` every sequence.
 
     ``kv_memory_fraction``: KV bytes / FP16 KV bytes over all choices' tokens; ``high_fraction``,
     ``low_fraction``, ``pruned_fraction``: tier shares weighted by each choice's FP16 KV bytes (its
     stored tokens); ``kv_pool_bytes``: pool bytes the choices held at their end (pages and metadata).
     ``None`` where the executor reported nothing (tier shares under the ``fp16`` preset).
     """
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::max(1, sequences_per_prompt)])
     completion = sum(len(o.outputs[0].token_ids) for o in outputs) - dropped_tokens
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     metrics = [o.metrics or {} for o in outputs]
@@ -486,7 +488,8 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
 
                 return await _stream(handles, request, body, meta, chat=False, drain=drain,
                                      observe=serving_metrics.observe, render=render,
-                                     dropped_tokens=len(handles) if prompt_only else 0)
+                                     dropped_tokens=len(handles) if prompt_only else 0,
+                                     sequences_per_prompt=len(children))
             finals = await _finals(handles, request)
             for handle in handles:
                 serving_metrics.observe(handle)
@@ -501,7 +504,7 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
                                                         getattr(completion, "logprobs", None))
                     choices.append({"index": p * params.n + j, "text": text, "logprobs": logprobs,
                                     "finish_reason": "length" if prompt_only else completion.finish_reason})
-            usage = request.state.usage = _usage(finals, len(finals) if prompt_only else 0)
+            usage = request.state.usage = _usage(finals, len(finals) if prompt_only else 0, k)
             return {**meta, "choices": choices, "usage": usage}
         finally:
             if not body.stream:
@@ -540,7 +543,8 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
                             "finish_reason": completion.finish_reason if output.finished else None}
 
                 return await _stream(handles, request, body, {**meta, "object": "chat.completion.chunk"}, chat=True,
-                                     drain=drain, observe=serving_metrics.observe, render=render)
+                                     drain=drain, observe=serving_metrics.observe, render=render,
+                                     sequences_per_prompt=len(handles))
             finals = await _finals(handles, request)
             for handle in handles:
                 serving_metrics.observe(handle)
@@ -548,7 +552,7 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
             choices = [{"index": i, "message": {"role": "assistant", "content": f.outputs[0].text},
                         "logprobs": logprobs(f.outputs[0], f.outputs[0].token_ids, getattr(f.outputs[0], "logprobs", None)),
                         "finish_reason": f.outputs[0].finish_reason} for i, f in enumerate(finals)]
-            usage = request.state.usage = _usage(finals)
+            usage = request.state.usage = _usage(finals, sequences_per_prompt=len(finals))
             return {**meta, "choices": choices, "usage": usage}
         finally:
             if not body.stream:
@@ -634,7 +638,7 @@ def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
 
 
 async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain: Drain, observe, render,
-                  dropped_tokens: int = 0):
+                  dropped_tokens: int = 0, sequences_per_prompt: int = 1):
     """Wait for every handle's first output (an error then is a 400 response), then stream the rest as SSE,
     the handles' chunks in the order they come (``render(i, output)``: handle ``i``'s choice dict, or
     ``None`` when there is nothing to send). A client that disconnects aborts every request (before the
@@ -686,7 +690,7 @@ async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain
                         outputs[i] = task.result()
                         ready.append(i)
             if not cut:
-                request.state.usage = usage = _usage(outputs, dropped_tokens)
+                request.state.usage = usage = _usage(outputs, dropped_tokens, sequences_per_prompt)
                 if include_usage:
                     yield _sse({**meta, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
