@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_diffkv.runtime.sampling import Sampler, SamplingParams, StopChecker
+from trtllm_diffkv.runtime.sampling import Sampler, SamplingParams, StopChecker, prompt_logprobs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,6 +444,23 @@ def test_nan_and_inf_logits_never_draw_a_nan_token():
     for _ in range(20):
         a, b = sampler.sample(logits, ["a", "b"], [[], []]).tolist()
         assert a in (1, 2) and b in (1, 3)
+
+
+def test_inf_logit_wins_at_low_temperature_and_logprobs_stay_finite():
+    """+inf survives the division by a temperature < 1 (it became inf again and the softmax NaN: token 0 was
+    drawn) and reported logprobs are finite (vLLM's -9999.0 for -inf), also for a row of NaN logits."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, float("inf")], [float("nan")] * 6])
+    sampler = Sampler(6, "cpu")
+    sampler.add("hot", SamplingParams(temperature=0.5, seed=1, logprobs=2))
+    sampler.add("nan", SamplingParams(temperature=0.5, seed=2, logprobs=2))
+    tokens, step = sampler.sample_with_logprobs(logits, ["hot", "nan"], [[], []])
+    assert int(tokens[0]) == 5
+    assert float(step.sampled[0]) == 0.0
+    for t in (step.sampled, step.top_logprobs):
+        assert torch.isfinite(t).all(), t
+    prompt = prompt_logprobs(torch.tensor([[0.0, float("inf"), 1.0], [float("nan")] * 3]), [0, 1, 2], 1)
+    values = [lp.logprob for entry in prompt[1:] for lp in entry.values()]
+    assert values and all(math.isfinite(v) for v in values), prompt
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

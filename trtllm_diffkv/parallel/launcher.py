@@ -119,7 +119,13 @@ class TensorParallelExecutor:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before it was ready")
             if waited > READY_TIMEOUT_S:
                 raise RuntimeError(f"tensor-parallel rank {rank} was not ready within {READY_TIMEOUT_S:.0f} s")
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the rank died after its pipe became readable (closed): say why it usually does
+            proc.join(5)
+            raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before it was ready; a "
+                               "script that starts tensor parallelism needs an `if __name__ == '__main__':` guard "
+                               "(the ranks are spawned processes that re-import it)") from None
         if msg[0] == "failed":
             _kind, exc, trace = msg
             if isinstance(exc, (ValueError, FileNotFoundError)):

@@ -50,6 +50,19 @@ MAX_LOGPROBS = 20
 """Most top log-probabilities a token may ask for (``logprobs``, ``prompt_logprobs``; OpenAI's chat
 ``top_logprobs`` limit, vLLM's default ``max_logprobs``)."""
 PROMPT_LOGPROB_ROWS = 512
+
+LOGIT_POSINF = 1e30
+"""What a ``+inf`` logit becomes before sampling: finite, and still finite after the division by the smallest
+temperature (float32 max is 3.4e38), so that the row's softmax picks that token instead of turning NaN."""
+
+LOGPROB_FLOOR = -9999.0
+"""What a reported logprob of ``-inf`` / NaN becomes (vLLM's value): responses stay valid JSON."""
+
+
+def finite_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """``logp`` with ``-inf``/NaN replaced by :data:`LOGPROB_FLOOR` (and ``+inf``, impossible after a
+    log-softmax of finite scores, by 0)."""
+    return torch.nan_to_num(logp, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0)
 """Prompt positions whose float32 ``log_softmax`` is computed at once by :func:`prompt_logprobs` (the model's
 ``[P, V]`` logits are already there: a 2k-token prompt of a 49152-token vocabulary holds 400 MB of float32
 logits for that prefill step; chunked prefill bounds ``P`` per step)."""
@@ -425,7 +438,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], top: int,
     ids = torch.tensor(prompt_token_ids[start + 1:start + 1 + used], dtype=torch.long, device=logits.device)
     chosen, rank, top_lp, top_ids = [], [], [], []
     for first in range(0, used, PROMPT_LOGPROB_ROWS):  # float32 copies of a block of rows at a time
-        logp = torch.log_softmax(logits[first:min(first + PROMPT_LOGPROB_ROWS, used)].float(), dim=-1)
+        logp = finite_logprobs(torch.log_softmax(torch.nan_to_num(
+            logits[first:min(first + PROMPT_LOGPROB_ROWS, used)].float(), nan=-math.inf, posinf=LOGIT_POSINF), dim=-1))
         picked = logp.gather(1, ids[first:first + logp.shape[0]].unsqueeze(1))
         rank += ((logp > picked).sum(-1) + 1).tolist()
         chosen += picked.squeeze(1).tolist()
@@ -549,7 +563,7 @@ class Sampler:
             return tokens, None
         temperature = torch.tensor([1.0 if params[b].greedy else params[b].sampling_temperature for b in asked],
                                    dtype=torch.float32, device=scores.device).unsqueeze(1)
-        logp = torch.log_softmax(scores[asked] / temperature, dim=-1)
+        logp = finite_logprobs(torch.log_softmax(scores[asked] / temperature, dim=-1))
         chosen = logp.gather(1, tokens[asked].unsqueeze(1))
         rank = (logp > chosen).sum(-1) + 1
         top = max(params[b].logprobs for b in asked)
@@ -581,9 +595,9 @@ class Sampler:
     def _penalized(self, logits, params, request_ids, histories) -> torch.Tensor:
         """[B, V] float32 logits with the repetition penalty, then the presence and frequency penalties,
         applied (may alias float32 ``logits``)."""
-        # NaN logits never win (they would make every probability NaN and the draw index 0); +inf clamps to the
-        # largest float so that a row's softmax stays defined
-        scores = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=torch.finfo(torch.float32).max)
+        # NaN logits never win (they would make every probability NaN and the draw index 0); +inf clamps to
+        # LOGIT_POSINF, which stays finite after the temperature, so that a row's softmax stays defined
+        scores = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=LOGIT_POSINF)
         rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
         counted = [b for b, p in enumerate(params) if p.penalizes_counts]
         if not rows and not counted:
