@@ -150,7 +150,8 @@ def test_llm_tensor_parallel_size_2_equals_one_process(checkpoint):
         next(iter(stream))
         stream.abort()
         assert stream.result().outputs[0].finish_reason in ("cancelled", "abort")
-        llm.generate(prompts[0], greedy)  # a step after the abort: the abort is carried out and reported
+        after = llm.generate(prompts[0], greedy)  # a step after the abort: the abort is carried out and reported
+        assert after.error is None and after.outputs[0].token_ids == want[0]  # and the LLM still serves
         stats = llm.stats()
         assert stats["tensor_parallel_size"] == TP and stats["rank_used_pages"] == [0, 0]
         assert stats["free_pages"] == stats["pool_pages"]

@@ -193,7 +193,7 @@ class TensorParallelExecutor:
             if update.finished:
                 self._live.pop(update.request_id, None)
                 result = update.result
-                if result is not None and hasattr(result, "pool_pages"):
+                if result is not None and getattr(result, "pool_pages", None) is not None:  # None: aborted/failed
                     per_rank = [p.get(update.request_id, (0, 0)) for p in pages]
                     result = replace(result, pool_pages=sum(p[0] for p in per_rank),
                                      pool_used_bytes=sum(p[1] for p in per_rank))
