@@ -50,6 +50,8 @@ def test_every_line_shape_is_read(tmp_path):
     ([{"prompt": "a", "output_tokens": True}], "line 1: field 'output_tokens' must be a positive integer, got True"),
     ([{"prompt": "a", "output_tokens": 3, "output_length": 3}], "line 1: give one of 'output_tokens' and"),
     (["", "  "], "holds no request"),
+    ([{"input_length": 100000000000}], "line 1: field 'input_length' = 100000000000 exceeds 1048576 tokens"),
+    ([{"prompt": "a", "output_tokens": 2000000}], "line 1: field 'output_tokens' = 2000000 exceeds 1048576 tokens"),
 ])
 def test_a_bad_file_is_refused_in_one_line_naming_the_line_and_field(tmp_path, lines, message):
     path = _write(tmp_path, lines)

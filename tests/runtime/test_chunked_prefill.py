@@ -200,6 +200,8 @@ def test_without_chunked_prefill_a_prompt_must_fit_one_step(model):
     assert update.finish_reason == "error" and "max_num_tokens=32" in update.error and "enable_chunked_prefill" in update.error
     with pytest.raises(ValueError, match="max_num_tokens=4 must be >= max_batch_size=8"):
         make(model, CFG, max_num_tokens=4)
+    with pytest.raises(ValueError, match="enable_chunked_prefill='no' must be True or False"):
+        make(model, CFG, enable_chunked_prefill="no")
     tiny = make(model, CFG, max_num_tokens=16, chunk_staging_bytes=100)
     rid = tiny.add_request(_prompts((40,), seed=11)[0], _greedy(2))
     update = [u for u in tiny.step() if u.request_id == rid][0]

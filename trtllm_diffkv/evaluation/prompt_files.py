@@ -24,6 +24,9 @@ __all__ = ["BenchPrompt", "read_prompts_file", "materialize", "PROMPT_KEYS", "OU
 
 PROMPT_KEYS = ("prompt", "text", "input_ids", "input_length")
 """The keys that give a line's prompt; exactly one per line."""
+MAX_LENGTH_TOKENS = 1 << 20
+"""Largest ``input_length`` / ``output_length`` / ``output_tokens`` a line may give (a made-up prompt is
+allocated whole before it is sent: a typo must not ask for gigabytes); far above any model's context."""
 OUTPUT_KEYS = ("output_tokens", "output_length")
 """The keys that give a line's generated tokens; at most one per line."""
 
@@ -108,6 +111,8 @@ def _prompt(record: dict, where: str, number: int) -> BenchPrompt:
     output = record[outputs[0]] if outputs else None
     if output is not None and not _positive_int(output):
         raise ValueError(f"{where}: field {outputs[0]!r} must be a positive integer, got {output!r}")
+    if output is not None and output > MAX_LENGTH_TOKENS:
+        raise ValueError(f"{where}: field {outputs[0]!r} = {output} exceeds {MAX_LENGTH_TOKENS} tokens")
     if key in ("prompt", "text"):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {value!r}"[:300])
@@ -121,6 +126,8 @@ def _prompt(record: dict, where: str, number: int) -> BenchPrompt:
         return BenchPrompt(token_ids=tuple(value), output_tokens=output, line=number)
     if not _positive_int(value):
         raise ValueError(f"{where}: field 'input_length' must be a positive integer, got {value!r}")
+    if value > MAX_LENGTH_TOKENS:
+        raise ValueError(f"{where}: field 'input_length' = {value} exceeds {MAX_LENGTH_TOKENS} tokens")
     return BenchPrompt(input_tokens=value, output_tokens=output, line=number)
 
 

@@ -154,6 +154,8 @@ class Executor:
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
         self.device = torch.device(device) if device is not None else param.device
         self.parallel = SingleProcess() if parallel is None else parallel
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r} must be True or False")
         if resource_manager is None:
             limit = position_limit(model_config)
             for name, value in (("max_seq_len", max_seq_len), ("max_num_tokens", max_num_tokens)):
@@ -195,7 +197,7 @@ class Executor:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_token_ids or ()) | ({eos} if eos is not None else set())
         self.sampler = Sampler(model_config.vocab_size, self.device)
-        self.enable_chunked_prefill = bool(enable_chunked_prefill)
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.scheduler = Scheduler(self.rm, self.max_batch_size, self.max_num_tokens, self.enable_chunked_prefill)
         self.requests: dict = {}  # live requests by id
         self._checkers: dict = {}

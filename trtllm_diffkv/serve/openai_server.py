@@ -70,6 +70,9 @@ a prompt filling a 128k-token context several times over."""
 SHUTDOWN_MESSAGE = "the server is shutting down"
 MAX_SEQUENCES = 256
 """Most sequences one prompt may run (``best_of``, else ``n``): each is one executor request."""
+MAX_REQUEST_SEQUENCES = 4096
+"""Most sequences one request may run over all its prompts (prompts x ``best_of``/``n``), checked before
+anything is queued: 1,000 prompts x ``n`` 256 would queue 256,000 executor requests."""
 
 
 class BadRequest(Exception):
@@ -458,6 +461,10 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
         if len(children) > MAX_SEQUENCES:
             raise BadRequest(f"{'best_of' if body.best_of is not None else 'n'} = {len(children)} exceeds "
                              f"{MAX_SEQUENCES} sequences per prompt", "n" if body.best_of is None else "best_of")
+        if len(prompts) * len(children) > MAX_REQUEST_SEQUENCES:
+            raise BadRequest(f"{len(prompts)} prompts x {len(children)} sequences = {len(prompts) * len(children)} "
+                             f"exceeds {MAX_REQUEST_SEQUENCES} sequences per request",
+                             "n" if body.best_of is None else "best_of")
         for prompt in prompts:  # each is one request per child
             if isinstance(prompt, str):
                 _check_prompt_chars(llm, [prompt], "prompt")
