@@ -150,6 +150,10 @@ def test_n_fans_out_into_seeded_requests_prompt_by_prompt(app):
     for body, param in (({"n": 257}, "n"), ({"n": 2, "best_of": 257}, "best_of")):
         answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    for field in ("best_of", "echo"):
+        body = {"messages": [{"role": "user", "content": "hi"}], field: 2 if field == "best_of" else True}
+        chat = http.post("/v1/chat/completions", json=body)  # completions-only fields: refused on chat, not ignored
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == field, chat.text
     many = http.post("/v1/completions", json={"prompt": [[1]] * 1000, "max_tokens": 2, "n": 5})
     assert many.status_code == 400 and "exceeds 4096 sequences per request" in many.json()["error"]["message"], many.text
     assert llm.calls == []

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "UsageInfo", "ErrorBody", "new_id",
-           "NEUTRAL", "CHAT_NEUTRAL", "UNSUPPORTED", "is_neutral"]
+           "NEUTRAL", "CHAT_NEUTRAL", "UNSUPPORTED", "CHAT_UNSUPPORTED", "is_neutral"]
 
 NEUTRAL = {"logit_bias": (None, {}), "suffix": (None, "")}
 """Fields of a completion accepted only at these values (OpenAI features the server does not implement):
@@ -35,6 +35,11 @@ CHAT_NEUTRAL = dict(NEUTRAL)
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls")
 """Fields refused unless absent or ``null``: tool calling and structured output are not implemented, and
 ignoring them would hand the client text it did not ask for."""
+
+
+CHAT_UNSUPPORTED = ("best_of", "echo", "suffix")
+"""Completions-only fields refused on a chat completion unless absent or ``null`` (OpenAI's chat API has none of
+them; ignoring one would hand the client something else than it asked for)."""
 
 
 def is_neutral(name: str, value, neutrals: dict | None = None) -> bool:
@@ -125,6 +130,9 @@ class ChatCompletionRequest(_Request):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
+    best_of: object = None  # completions-only fields: refused on chat (CHAT_UNSUPPORTED), not ignored
+    echo: object = None
+    suffix: object = None
 
 
 class UsageInfo(BaseModel):

@@ -55,7 +55,7 @@ from . import is_server_fault
 from .metrics import ServingMetrics
 from ..runtime.detokenizer import token_texts
 from ..runtime.sampling import best_of_order
-from .openai_protocol import (CHAT_NEUTRAL, NEUTRAL, UNSUPPORTED, ChatCompletionRequest, CompletionRequest, created,
+from .openai_protocol import (CHAT_NEUTRAL, CHAT_UNSUPPORTED, NEUTRAL, UNSUPPORTED, ChatCompletionRequest, CompletionRequest, created,
                               is_neutral, new_id)
 
 LOG = logging.getLogger("trtllm_diffkv.serve")
@@ -227,6 +227,10 @@ def _sampling_params(body, max_tokens: int):
     for name in UNSUPPORTED:
         if getattr(body, name, None) is not None:
             raise BadRequest(f"'{name}' is not supported by this server (send it null or leave it out)", name)
+    if isinstance(body, ChatCompletionRequest):
+        for name in CHAT_UNSUPPORTED:
+            if getattr(body, name, None) is not None:
+                raise BadRequest(f"'{name}' is a /v1/completions field; chat completions have none", name)
     table = CHAT_NEUTRAL if isinstance(body, ChatCompletionRequest) else NEUTRAL
     for name, neutrals in table.items():
         if name in type(body).model_fields and not is_neutral(name, getattr(body, name), table):
