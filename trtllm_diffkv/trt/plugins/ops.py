@@ -147,7 +147,8 @@ def run_prefill(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: b
     cache = _cache_view(cfg, attrs, pool, table, tokens, key_offsets, flags, q.shape[0], use_triton)
     step = SimpleNamespace(prefill=dict(cu=cu, cu_host=cu.tolist(), req=req, t=t, count=count, thr_h=thr_h,
                                         thr_l=thr_l, window=window, start=start, row_base=row_base, reserved=reserved,
-                                        counts=tier_counts, err_idx=err_idx))
+                                        counts=tier_counts, err_idx=err_idx,
+                                        chunked=False, finishing=list(range(len(cu) - 1))))  # whole prompts only
     prefill.prefill_layer(cache, step, int(attrs["layer_idx"]), q, k, v, out)
 
 
