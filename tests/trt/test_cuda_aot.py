@@ -35,11 +35,13 @@ def _shape(preset="default", head_dim=128, num_heads=16, num_kv_heads=4, dtype="
                        kv_config=get_preset(preset), dtype=dtype, max_batch_size=4, max_seq_len=2048)
 
 
-SHAPES = {  # name: (engine, ptxas spills of the source kernel on sm_90 are expected to be 0)
-    "default-d128-g4": (_shape(), False),  # nvcc 13.0's ptxas spills 32 bytes here at the kernel's 168-register cap
-    "default-d64-g4": (_shape(head_dim=64), True),
-    "k8v4-d128-g4": (_shape("k8v4"), True),
-    "default-d128-g8-bf16": (_shape(num_heads=32, dtype="bfloat16"), True),
+SHAPES = {  # name: (engine, most spill bytes ptxas (nvcc 13.0) may give the partial kernel on sm_90; None: unchecked)
+    "default-d128-g4": (_shape(), None),  # spills 32 bytes here at the kernel's 168-register cap
+    "default-d64-g4": (_shape(head_dim=64), 0),
+    # head_dim 128: up to 32 bytes since the group query sums moved to quad shuffles (commit f1521f8: the partial
+    # kernel 5041 -> 4295 us per step at Llama-3-8B 48 x 4096 on the H200, docs/PERFORMANCE.md)
+    "k8v4-d128-g4": (_shape("k8v4"), 32),
+    "default-d128-g8-bf16": (_shape(num_heads=32, dtype="bfloat16"), 32),
 }
 
 
@@ -176,7 +178,8 @@ def test_entries_compile_to_the_nvrtc_kernels_code(builds, name, tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_no_spills_on_sm90(builds, name):
-    """No spills on sm_90 where the source kernel has none (nvcc 13.0); the register cap holds on both targets."""
+    """Spills on sm_90 within each shape's bound (none for the score kernel, nvcc 13.0); the register cap holds on
+    both targets."""
     _, entries = builds(name)
     for e in entries:
         for target, c in e["compiled"].items():
@@ -184,8 +187,9 @@ def test_no_spills_on_sm90(builds, name):
             min_blocks = e["defines"]["MIN_BLOCKS"] if e["source_kernel"] == "diffkv_decode_partial" else 1
             assert c["registers"] * threads * min_blocks <= 65536, (target, c)
         sm90 = e["compiled"]["sm_90"]
-        if SHAPES[name][1] or e["source_kernel"] == "diffkv_decode_scores":
-            assert sm90["spill_stores"] == sm90["spill_loads"] == 0, (e["kernel_name"], sm90)
+        bound = 0 if e["source_kernel"] == "diffkv_decode_scores" else SHAPES[name][1]
+        if bound is not None:
+            assert sm90["spill_stores"] <= bound and sm90["spill_loads"] <= bound, (e["kernel_name"], sm90)
 
 
 class _Recorder:
