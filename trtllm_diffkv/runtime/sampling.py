@@ -59,6 +59,13 @@ LOGPROB_FLOOR = -9999.0
 """What a reported logprob of ``-inf`` / NaN becomes (vLLM's value): responses stay valid JSON."""
 
 
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """float32 ``logits`` the sampler and the logprobs can use: NaN -> ``-inf`` (a NaN never wins; it would make
+    every probability NaN and the draw index 0), ``+inf`` -> :data:`LOGIT_POSINF` (a row's softmax stays
+    defined, also after the temperature)."""
+    return torch.nan_to_num(logits.float(), nan=-math.inf, posinf=LOGIT_POSINF)
+
+
 def finite_logprobs(logp: torch.Tensor) -> torch.Tensor:
     """``logp`` with ``-inf``/NaN replaced by :data:`LOGPROB_FLOOR` (and ``+inf``, impossible after a
     log-softmax of finite scores, by 0)."""
@@ -438,8 +445,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], top: int,
     ids = torch.tensor(prompt_token_ids[start + 1:start + 1 + used], dtype=torch.long, device=logits.device)
     chosen, rank, top_lp, top_ids = [], [], [], []
     for first in range(0, used, PROMPT_LOGPROB_ROWS):  # float32 copies of a block of rows at a time
-        logp = finite_logprobs(torch.log_softmax(torch.nan_to_num(
-            logits[first:min(first + PROMPT_LOGPROB_ROWS, used)].float(), nan=-math.inf, posinf=LOGIT_POSINF), dim=-1))
+        logp = finite_logprobs(torch.log_softmax(finite_logits(logits[first:min(first + PROMPT_LOGPROB_ROWS, used)]),
+                                                 dim=-1))
         picked = logp.gather(1, ids[first:first + logp.shape[0]].unsqueeze(1))
         rank += ((logp > picked).sum(-1) + 1).tolist()
         chosen += picked.squeeze(1).tolist()
@@ -595,9 +602,7 @@ class Sampler:
     def _penalized(self, logits, params, request_ids, histories) -> torch.Tensor:
         """[B, V] float32 logits with the repetition penalty, then the presence and frequency penalties,
         applied (may alias float32 ``logits``)."""
-        # NaN logits never win (they would make every probability NaN and the draw index 0); +inf clamps to
-        # LOGIT_POSINF, which stays finite after the temperature, so that a row's softmax stays defined
-        scores = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=LOGIT_POSINF)
+        scores = finite_logits(logits)
         rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
         counted = [b for b, p in enumerate(params) if p.penalizes_counts]
         if not rows and not counted:
