@@ -1,0 +1,136 @@
+// DiffKV paged decode attention: the split-K merge with the score update folded in (CUDA C++, sm_80+).
+//
+// Replaces, on the CUDA backend, the Triton _decode_merge_kernel followed by diffkv_decode_scores (two launches
+// per layer; 191 + 463 us a step at Llama-3-8B 48 x 4096 on the H200, docs/PERFORMANCE.md). The score update needs
+// each query head's final log-sum-exp, known once every CTA of the row's split has written its partial state, i.e.
+// after the partial kernel: so the merge is where the update can go without a cross-CTA wait.
+//
+//   grid (num_seqs, num_kv_heads, Z), MERGE_WARPS warps. Every CTA of a row (seq, kvh):
+//   1. merges the row's NSLOT partial (m, l) per query head (warp w takes heads w, w + MERGE_WARPS, ...):
+//      m_safe, 1 / l, lse = m_safe + log2 l (inf for an empty row), the slots' weights 2^(m_s - m_safe) into
+//      shared memory (the Triton merge's arithmetic);
+//   2. writes its share of the output (element e = z * threads + tid, stepping Z * threads: the GROUP x HEAD_DIM
+//      outputs spread over the row's Z CTAs) and, CTA z = 0, the row's lse (the workspace's contract);
+//   3. with SCORES, adds to every token of its SCORE_PAGES page-table positions the max over the group's query
+//      heads of its final probability p_h 2^(page_max_h - lse_h) (page_probs holds p_h relative to page_max_h):
+//      one warp per page, lanes over the page's slots, both of a warp's pages loaded before either is stored.
+//   A padding row (row_ids < 0) has empty partial states: zeros out, lse inf, no score touched.
+//
+// Compile-time configuration (-D): GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, PMAX, PAGE_BYTES, MAX_SLOTS (>= 2 x the
+// workspace's partitions), OUT_BF16 (the output's dtype: 1 bf16, 0 fp16), SCORES, MERGE_WARPS, and per tier
+// H_TOKENS / L_TOKENS, H_SC / L_SC (score segment byte offsets). kernels/cuda_decode.py sets them.
+
+// Compiled after the helpers at the top of decode_partial.cu (u32 / u16 / u64, NEG_INF, h2f, ex2, ...), which
+// kernels/cuda_decode.py (merge_source) puts before this text.
+
+#define POS_INF (__int_as_float(0x7f800000))
+
+#ifndef MERGE_WARPS
+#define MERGE_WARPS 4
+#endif
+#define SCORE_PAGES (2 * MERGE_WARPS)  // page-table positions per CTA: two per warp
+
+__device__ __forceinline__ u16 f2out(float x) {
+    u16 r;
+#if OUT_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#endif
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
+diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, const float* __restrict__ part_l,
+                    const float* __restrict__ part_acc, float* __restrict__ lse_out, unsigned char* __restrict__ pool,
+                    const int* __restrict__ table, const int* __restrict__ tier_tokens,
+                    const int* __restrict__ row_ids, const u16* __restrict__ page_probs,
+                    const float* __restrict__ page_max, int num_kv_heads, int num_slots, int R) {
+    __shared__ float s_w[MAX_SLOTS][GROUP];
+    __shared__ float s_inv[GROUP], s_lse[GROUP];
+    const int seq = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rs = seq * num_kv_heads + kvh;
+    const long long base = (long long)rs * num_slots;
+#if SCORES
+    // the score part's first loads do not depend on the merge: issue them before it
+    const int row = row_ids[rs];
+    int n_high = 0, n_low = 0;
+    if (row >= 0) {
+        n_high = tier_tokens[2 * (long long)row];
+        n_low = tier_tokens[2 * (long long)row + 1];
+    }
+#endif
+    for (int h = warp; h < GROUP; h += MERGE_WARPS) {
+        float mx = NEG_INF;
+        for (int s = lane; s < num_slots; s += 32) mx = fmaxf(mx, part_m[(base + s) * GROUP_PAD + h]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_safe = (mx == NEG_INF) ? 0.f : mx;
+        float l = 0.f;
+        for (int s = lane; s < num_slots; s += 32) {
+            const float ms = part_m[(base + s) * GROUP_PAD + h];
+            const float w = (ms == NEG_INF) ? 0.f : ex2(ms - m_safe);
+            s_w[s][h] = w;
+            l += w * part_l[(base + s) * GROUP_PAD + h];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+        if (lane == 0) {
+            s_inv[h] = (l > 0.f) ? 1.f / l : 0.f;
+            s_lse[h] = (l > 0.f) ? m_safe + log2f(l) : POS_INF;
+        }
+    }
+    __syncthreads();
+    if (z == 0 && threadIdx.x < GROUP) lse_out[(long long)rs * GROUP_PAD + threadIdx.x] = s_lse[threadIdx.x];
+    const int step = gridDim.z * MERGE_WARPS * 32;
+    for (int e = z * MERGE_WARPS * 32 + threadIdx.x; e < GROUP * HEAD_DIM; e += step) {
+        const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+        float a = 0.f;
+        for (int s = 0; s < num_slots; ++s) a += s_w[s][h] * part_acc[((base + s) * GROUP_PAD + h) * BLOCK_D + d];
+        out[((long long)rs * GROUP + h) * HEAD_DIM + d] = f2out(a * s_inv[h]);
+    }
+#if SCORES
+    if (row < 0) return;
+    const int hp = (n_high + H_TOKENS - 1) / H_TOKENS;
+    const int lp = (n_low + L_TOKENS - 1) / L_TOKENS;
+    constexpr int SLOT_ITERS = (PMAX + 31) / 32;
+    float best[2][SLOT_ITERS];
+    float* score[2];
+    int count[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int u = z * SCORE_PAGES + warp + k * MERGE_WARPS;
+        count[k] = 0;
+        score[k] = nullptr;
+#pragma unroll
+        for (int i = 0; i < SLOT_ITERS; ++i) best[k][i] = 0.f;
+        if (u >= hp + lp) continue;
+        const bool high = u < hp;
+        const int j = high ? u : u - hp;
+        const int pos = high ? u : R - 1 - j;
+        count[k] = high ? min(n_high - j * H_TOKENS, H_TOKENS) : min(n_low - j * L_TOKENS, L_TOKENS);
+        const long long cell = (long long)rs * R + pos;
+        const int page = table[(long long)row * R + pos];
+        score[k] = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
+        const u16* probs = page_probs + cell * GROUP * PMAX;
+#pragma unroll
+        for (int h = 0; h < GROUP; ++h) {
+            const float factor = ex2(page_max[cell * GROUP + h] - s_lse[h]);
+#pragma unroll
+            for (int i = 0; i < SLOT_ITERS; ++i) {
+                const int slot = lane + 32 * i;
+                if (slot < count[k]) best[k][i] = fmaxf(best[k][i], h2f(probs[h * PMAX + slot]) * factor);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+#pragma unroll
+        for (int i = 0; i < SLOT_ITERS; ++i) {
+            const int slot = lane + 32 * i;
+            if (slot < count[k]) score[k][slot] += best[k][i];
+        }
+    }
+#endif
+}
