@@ -259,22 +259,25 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
 
 
 MERGE_WARPS = 4
-"""Warps of the merge kernel; each CTA also updates the scores of ``2 * MERGE_WARPS`` page-table positions."""
+"""Warps of the merge kernel; each CTA also updates the scores of ``MERGE_PAGES_PER_WARP * MERGE_WARPS`` page-table
+positions."""
+MERGE_PAGES_PER_WARP = 4
+"""Pages whose scores one warp of the merge kernel updates (their loads all issued before the merge)."""
 
 
 def merge_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
-                  out_dtype: torch.dtype, scores: bool) -> dict[str, int]:
+                  out_dtype: torch.dtype, scores: bool, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> dict[str, int]:
     """The ``-D`` macros of one ``diffkv_decode_merge`` configuration (also used by the CPU compile test)."""
     hi, lo = page_format.high, page_format.low
     return dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=page_format.head_dim, BLOCK_D=block_d,
                 PMAX=max(hi.tokens_per_page, lo.tokens_per_page), PAGE_BYTES=page_format.page_size_bytes,
                 MAX_SLOTS=num_slots, OUT_BF16=int(out_dtype == torch.bfloat16), SCORES=int(scores),
-                MERGE_WARPS=MERGE_WARPS, H_TOKENS=hi.tokens_per_page, L_TOKENS=lo.tokens_per_page,
+                MERGE_WARPS=MERGE_WARPS, PAGES_PER_WARP=pages_per_warp, H_TOKENS=hi.tokens_per_page, L_TOKENS=lo.tokens_per_page,
                 H_SC=hi.score.offset_bytes, L_SC=lo.score.offset_bytes)
 
 
 def _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace, group, scores, arch,
-                  device) -> None:
+                  device, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> None:
     import numpy as np
 
     if out.dtype not in (torch.float16, torch.bfloat16):
@@ -283,13 +286,13 @@ def _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids
     num_slots = 2 * workspace.num_partitions
     max_pages = page_table.shape[1]
     defines = merge_defines(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1], num_slots,
-                            out.dtype, scores)
+                            out.dtype, scores, pages_per_warp)
     fn = _merge_kernel(tuple(sorted(defines.items())), arch)
     ptr = _ptr
     args = (ptr(out), ptr(workspace.part_m), ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.lse),
             ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.page_probs),
             ptr(workspace.page_max), np.int32(num_kv_heads), np.int32(num_slots), np.int32(max_pages))
-    z = -(-max_pages // (2 * MERGE_WARPS)) if scores else 1
+    z = -(-max_pages // (pages_per_warp * MERGE_WARPS)) if scores else 1
     with _stream(torch.cuda.current_stream(out.device).cuda_stream, device):
         fn((num_seqs, num_kv_heads, z), (32 * MERGE_WARPS, 1, 1), args)
 

@@ -13,11 +13,13 @@
 //      outputs spread over the row's Z CTAs) and, CTA z = 0, the row's lse (the workspace's contract);
 //   3. with SCORES, adds to every token of its SCORE_PAGES page-table positions the max over the group's query
 //      heads of its final probability p_h 2^(page_max_h - lse_h) (page_probs holds p_h relative to page_max_h):
-//      one warp per page, lanes over the page's slots, both of a warp's pages loaded before either is stored.
+//      PAGES_PER_WARP pages a warp, a lane on two adjacent slots (one 4-byte load of fp16 pairs per head). The
+//      pages' probabilities, maxima and old scores are loaded first, before step 1, since they do not depend on
+//      the merge: the row's chain of dependent loads (row id, tier counts, page table, page) overlaps the merge's.
 //   A padding row (row_ids < 0) has empty partial states: zeros out, lse inf, no score touched.
 //
 // Compile-time configuration (-D): GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, PMAX, PAGE_BYTES, MAX_SLOTS (>= 2 x the
-// workspace's partitions), OUT_BF16 (the output's dtype: 1 bf16, 0 fp16), SCORES, MERGE_WARPS, and per tier
+// workspace's partitions), OUT_BF16 (the output's dtype: 1 bf16, 0 fp16), SCORES, MERGE_WARPS, PAGES_PER_WARP, and per tier
 // H_TOKENS / L_TOKENS, H_SC / L_SC (score segment byte offsets). kernels/cuda_decode.py sets them.
 
 // Compiled after the helpers at the top of decode_partial.cu (u32 / u16 / u64, NEG_INF, h2f, ex2, ...), which
@@ -28,7 +30,12 @@
 #ifndef MERGE_WARPS
 #define MERGE_WARPS 4
 #endif
-#define SCORE_PAGES (2 * MERGE_WARPS)  // page-table positions per CTA: two per warp
+#ifndef PAGES_PER_WARP
+#define PAGES_PER_WARP 4
+#endif
+#define SCORE_PAGES (PAGES_PER_WARP * MERGE_WARPS)  // page-table positions per CTA
+constexpr int SLOT_ITERS = (PMAX + 63) / 64;       // a lane's slot pairs per page
+static_assert(PMAX % 2 == 0, "slot pairs: PMAX even (4-byte probability loads)");
 
 __device__ __forceinline__ u16 f2out(float x) {
     u16 r;
@@ -39,6 +46,15 @@ __device__ __forceinline__ u16 f2out(float x) {
 #endif
     return r;
 }
+
+// A warp's pages' probabilities, maxima and scores, loaded before the merge (they do not depend on it).
+struct ScorePage {
+    u32 probs[GROUP][SLOT_ITERS];  // slots 2 lane, 2 lane + 1 (+ 64 i) of each head: fp16 pairs (low half first)
+    float pmax[GROUP];
+    float score[SLOT_ITERS][2];
+    float* dst;                    // the page's score segment (nullptr: no page)
+    int count;
+};
 
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
 diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, const float* __restrict__ part_l,
@@ -53,12 +69,47 @@ diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, con
     const int rs = seq * num_kv_heads + kvh;
     const long long base = (long long)rs * num_slots;
 #if SCORES
-    // the score part's first loads do not depend on the merge: issue them before it
     const int row = row_ids[rs];
-    int n_high = 0, n_low = 0;
-    if (row >= 0) {
-        n_high = tier_tokens[2 * (long long)row];
-        n_low = tier_tokens[2 * (long long)row + 1];
+    ScorePage sp[PAGES_PER_WARP];
+    {
+        int n_high = 0, n_low = 0;
+        if (row >= 0) {
+            n_high = tier_tokens[2 * (long long)row];
+            n_low = tier_tokens[2 * (long long)row + 1];
+        }
+        const int hp = (n_high + H_TOKENS - 1) / H_TOKENS;
+        const int lp = row >= 0 ? (n_low + L_TOKENS - 1) / L_TOKENS : 0;
+#pragma unroll
+        for (int k = 0; k < PAGES_PER_WARP; ++k) {
+            const int u = z * SCORE_PAGES + warp + k * MERGE_WARPS;
+            ScorePage& p = sp[k];
+            p.count = 0;
+            p.dst = nullptr;
+            if (u >= hp + lp) continue;
+            const bool high = u < hp;
+            const int j = high ? u : u - hp;
+            const int pos = high ? u : R - 1 - j;
+            p.count = high ? min(n_high - j * H_TOKENS, H_TOKENS) : min(n_low - j * L_TOKENS, L_TOKENS);
+            const long long cell = (long long)rs * R + pos;
+            const int page = table[(long long)row * R + pos];
+            p.dst = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
+            const u16* probs = page_probs + cell * GROUP * PMAX;
+#pragma unroll
+            for (int h = 0; h < GROUP; ++h) {
+                p.pmax[h] = page_max[cell * GROUP + h];
+#pragma unroll
+                for (int i = 0; i < SLOT_ITERS; ++i) {
+                    const int slot = 2 * lane + 64 * i;
+                    p.probs[h][i] = (slot < p.count) ? *(const u32*)(probs + h * PMAX + slot) : 0u;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < SLOT_ITERS; ++i) {
+                const int slot = 2 * lane + 64 * i;
+                p.score[i][0] = (slot < p.count) ? p.dst[slot] : 0.f;
+                p.score[i][1] = (slot + 1 < p.count) ? p.dst[slot + 1] : 0.f;
+            }
+        }
     }
 #endif
     for (int h = warp; h < GROUP; h += MERGE_WARPS) {
@@ -91,45 +142,28 @@ diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, con
         out[((long long)rs * GROUP + h) * HEAD_DIM + d] = f2out(a * s_inv[h]);
     }
 #if SCORES
-    if (row < 0) return;
-    const int hp = (n_high + H_TOKENS - 1) / H_TOKENS;
-    const int lp = (n_low + L_TOKENS - 1) / L_TOKENS;
-    constexpr int SLOT_ITERS = (PMAX + 31) / 32;
-    float best[2][SLOT_ITERS];
-    float* score[2];
-    int count[2];
+    // score += max over the heads of p_h 2^(page_max_h - lse_h) (diffkv_decode_scores' arithmetic, in its order)
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int u = z * SCORE_PAGES + warp + k * MERGE_WARPS;
-        count[k] = 0;
-        score[k] = nullptr;
+    for (int k = 0; k < PAGES_PER_WARP; ++k) {
+        const ScorePage& p = sp[k];
+        if (p.dst == nullptr) continue;
+        float best[SLOT_ITERS][2];
 #pragma unroll
-        for (int i = 0; i < SLOT_ITERS; ++i) best[k][i] = 0.f;
-        if (u >= hp + lp) continue;
-        const bool high = u < hp;
-        const int j = high ? u : u - hp;
-        const int pos = high ? u : R - 1 - j;
-        count[k] = high ? min(n_high - j * H_TOKENS, H_TOKENS) : min(n_low - j * L_TOKENS, L_TOKENS);
-        const long long cell = (long long)rs * R + pos;
-        const int page = table[(long long)row * R + pos];
-        score[k] = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
-        const u16* probs = page_probs + cell * GROUP * PMAX;
+        for (int i = 0; i < SLOT_ITERS; ++i) best[i][0] = best[i][1] = 0.f;
 #pragma unroll
         for (int h = 0; h < GROUP; ++h) {
-            const float factor = ex2(page_max[cell * GROUP + h] - s_lse[h]);
+            const float factor = ex2(p.pmax[h] - s_lse[h]);
 #pragma unroll
             for (int i = 0; i < SLOT_ITERS; ++i) {
-                const int slot = lane + 32 * i;
-                if (slot < count[k]) best[k][i] = fmaxf(best[k][i], h2f(probs[h * PMAX + slot]) * factor);
+                best[i][0] = fmaxf(best[i][0], h2f(p.probs[h][i] & 0xFFFFu) * factor);
+                best[i][1] = fmaxf(best[i][1], h2f(p.probs[h][i] >> 16) * factor);
             }
         }
-    }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
 #pragma unroll
         for (int i = 0; i < SLOT_ITERS; ++i) {
-            const int slot = lane + 32 * i;
-            if (slot < count[k]) score[k][slot] += best[k][i];
+            const int slot = 2 * lane + 64 * i;
+            if (slot < p.count) p.dst[slot] = p.score[i][0] + best[i][0];
+            if (slot + 1 < p.count) p.dst[slot + 1] = p.score[i][1] + best[i][1];
         }
     }
 #endif
