@@ -113,10 +113,12 @@ def test_source_compiles_within_the_register_cap(cfg, head_dim, group, arch, tmp
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg,head_dim,group,slots,dtype", [
-    (PRESETS["llama3-8b"], 128, 4, 6, torch.bfloat16), (DiffKVConfig(), 64, 3, 128, torch.float16)])
+    (PRESETS["llama3-8b"], 128, 4, 6, torch.bfloat16), (DiffKVConfig(), 64, 3, 128, torch.float16),
+    (PRESETS["default-k8v2"], 128, 4, 4, torch.float16), (PRESETS["default-k8v2"], 64, 3, 2, torch.bfloat16)])
 def test_merge_source_compiles_without_spills(cfg, head_dim, group, slots, dtype, tmp_path):
     """``decode_merge.cu`` (the merge with the score update folded in) with the score update: compiles for sm_90 with
-    CuPy's flags, no spills, one kernel; outputs are tested on the GPU (test_attention_gpu.py, every CUDA case)."""
+    CuPy's flags, no spills, one kernel, also where the larger tokens-per-page is odd (``default-k8v2``: 35 and 33
+    low-tier tokens, no 4-byte probability pairs); outputs are tested on the GPU (test_attention_gpu.py)."""
     fmt = _fmt(cfg, head_dim)
     defines = merge_defines(fmt, group, 16, head_dim, slots, dtype, True)
     (tmp_path / "m.cu").write_text(merge_source())

@@ -13,7 +13,8 @@
 //      outputs spread over the row's Z CTAs) and, CTA z = 0, the row's lse (the workspace's contract);
 //   3. with SCORES, adds to every token of its SCORE_PAGES page-table positions the max over the group's query
 //      heads of its final probability p_h 2^(page_max_h - lse_h) (page_probs holds p_h relative to page_max_h):
-//      PAGES_PER_WARP pages a warp, a lane on two adjacent slots (one 4-byte load of fp16 pairs per head). The
+//      PAGES_PER_WARP pages a warp, a lane on two adjacent slots (one 4-byte load of fp16 pairs per head; two
+//      2-byte loads where PMAX is odd, e.g. the default-k8v2 preset's 35-token low pages). The
 //      pages' probabilities, maxima and old scores are loaded first, before step 1, since they do not depend on
 //      the merge: the row's chain of dependent loads (row id, tier counts, page table, page) overlaps the merge's.
 //   A padding row (row_ids < 0) has empty partial states: zeros out, lse inf, no score touched.
@@ -35,7 +36,7 @@
 #endif
 #define SCORE_PAGES (PAGES_PER_WARP * MERGE_WARPS)  // page-table positions per CTA
 constexpr int SLOT_ITERS = (PMAX + 63) / 64;       // a lane's slot pairs per page
-static_assert(PMAX % 2 == 0, "slot pairs: PMAX even (4-byte probability loads)");
+constexpr bool PAIR_LOADS = PMAX % 2 == 0;          // a head's slot pairs 4-byte aligned (else two 2-byte loads)
 
 __device__ __forceinline__ u16 f2out(float x) {
     u16 r;
@@ -100,7 +101,12 @@ diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, con
 #pragma unroll
                 for (int i = 0; i < SLOT_ITERS; ++i) {
                     const int slot = 2 * lane + 64 * i;
-                    p.probs[h][i] = (slot < p.count) ? *(const u32*)(probs + h * PMAX + slot) : 0u;
+                    const u16* ph = probs + h * PMAX + slot;
+                    if constexpr (PAIR_LOADS) {
+                        p.probs[h][i] = (slot < p.count) ? *(const u32*)ph : 0u;
+                    } else {
+                        p.probs[h][i] = ((slot < p.count) ? (u32)ph[0] : 0u) | ((slot + 1 < p.count) ? (u32)ph[1] << 16 : 0u);
+                    }
                 }
             }
 #pragma unroll
