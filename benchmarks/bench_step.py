@@ -176,7 +176,8 @@ def executor_steps(model, preset: str, batch: int, context_tokens: int, *, timed
     Returns:
         dict: ``step_ms`` (median), ``step_ms_all`` (each timed step), ``kv_bytes_read`` (pool bytes used
         at the timed steps), ``kv_memory_fraction``, ``use_cuda_graphs``, ``profile`` (kernel rows of
-        ``profile_steps`` profiled steps after the timed ones, or ``[]``).
+        ``profile_steps`` profiled steps after the timed ones, or ``[]``), ``host`` (:func:`profile_host` of
+        ``profile_steps`` more steps, or ``[]``).
 
     Raises:
         RuntimeError: a request failed or finished before the timed steps ended, or not every request
@@ -186,7 +187,7 @@ def executor_steps(model, preset: str, batch: int, context_tokens: int, *, timed
     cuda = device.type == "cuda"
     max_num_tokens = max(8192, context_tokens + 1)
     prefill_steps = math.ceil(batch * context_tokens / max_num_tokens) + batch  # decodes while the rest prefill
-    max_tokens = prefill_steps + warm_steps + timed_steps + profile_steps + 4
+    max_tokens = prefill_steps + warm_steps + timed_steps + 2 * profile_steps + 4
     max_seq_len = context_tokens + max_tokens
     executor = Executor(model, config, get_preset(preset), max_batch_size=batch, max_num_tokens=max_num_tokens,
                         max_seq_len=max_seq_len, kv_memory_bytes=kv_budget_bytes(config, batch, max_seq_len),
@@ -221,9 +222,10 @@ def executor_steps(model, preset: str, batch: int, context_tokens: int, *, timed
         if len(updates) != batch:
             raise RuntimeError(f"a timed step advanced {len(updates)} of {batch} requests")
     kernels = profile_kernels(step, device, profile_steps) if profile_steps else []
+    host = profile_host(step, profile_steps) if profile_steps else []
     out = dict(step_ms=statistics.median(times), step_ms_all=times, kv_bytes_read=int(stats["used_bytes"]),
                kv_memory_fraction=stats["kv_memory_fraction"], use_cuda_graphs=executor.use_cuda_graphs,
-               profile=kernels)
+               profile=kernels, host=host)
     del executor
     gc.collect()
     if cuda:
@@ -255,6 +257,30 @@ def profile_kernels(step, device: torch.device, steps: int) -> list[dict]:
         totals.setdefault(event.name, []).append(us)
     rows = [dict(name=name, us_per_step=sum(v) / steps, calls_per_step=len(v) / steps) for name, v in totals.items()]
     return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def profile_host(step, steps: int, top: int = 30) -> list[dict]:
+    """Host time per Python function over ``steps`` calls of ``step()`` (cProfile; its own overhead included, so
+    the sums exceed the unprofiled step: read the shares, not the totals).
+
+    Returns:
+        the ``top`` functions by own time: ``[{"function", "own_us_per_step", "cumulative_us_per_step",
+        "calls_per_step"}]``.
+    """
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        where = f"{os.path.relpath(path) if path.startswith('/') else path}:{line}({name})"
+        rows.append(dict(function=where, own_us_per_step=own / steps * 1e6, cumulative_us_per_step=cum / steps * 1e6,
+                         calls_per_step=calls / steps))
+    return sorted(rows, key=lambda r: -r["own_us_per_step"])[:top]
 
 
 # --------------------------------------------------------------------------------------- the run
@@ -289,7 +315,7 @@ def run(shapes: list[StepShape], device: torch.device, *, timed_steps: int, warm
                 if profiled:
                     profiles.append(dict(shape=shape.name, batch=batch, context_tokens=context, preset=preset,
                                          steps=profiled, use_cuda_graphs=measured["use_cuda_graphs"],
-                                         kernels=measured["profile"]))
+                                         kernels=measured["profile"], host=measured["host"]))
         del model
         gc.collect()
         if device.type == "cuda":
@@ -350,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile {p['shape']} {p['batch']}x{p['context_tokens']} {p['preset']} (us per step, top 12)")
         for k in p["kernels"][:12]:
             print(f"    {k['us_per_step']:9.1f} us  x{k['calls_per_step']:5.0f}  {k['name'][:90]}")
+        print(f"  host, own time per step (cProfile, top 8): " + "; ".join(
+            f"{h['function'].rsplit('/', 1)[-1][:48]} {h['own_us_per_step']:.0f} us" for h in p["host"][:8]))
     return 0
 
 

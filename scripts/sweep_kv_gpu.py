@@ -10,6 +10,13 @@
    layout before issue 19; 8 = one layer's KV heads), loop block and warps, for the 48 x 32 x 8 rows of one
    step (random pool bytes: the work, not the outcome, is what is timed); every variant's actions must equal
    those of ``rows_per_program=1``. Bytes: each row's tokens' score and position (8 B a token).
+3. The merge after the CUDA partial kernel at the 85 % high mix: the Triton merge followed by the separate score
+   update (``diffkv_decode_scores``; two launches, the code before the fold) against ``diffkv_decode_merge``
+   (``cuda/decode_merge.cu``: merge and score update in one launch) at 4, 2, 1 pages a warp, timed replayed from a
+   CUDA graph (as in the step; launch gaps between graph nodes count, host launch costs do not). Each runs on its own copy of the pool and
+   workspace after the same partial launch; reported: the outputs' relative difference and the largest score
+   difference after one update (the two merges round their log-sum-exp differently: not bit for bit). Bytes: part_acc and part_m/l read, output written,
+   the probabilities read, the scores read and written.
 
 Run on the GPU machine: ``python3 scripts/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (about a minute).
 """
@@ -33,10 +40,22 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def graph_ms(fn) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph (as the executor's decode step runs its kernels)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+
+
 def copy_gbps() -> float:
     src = torch.randint(0, 2**15, (1 << 30,), dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() * 2 / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def timed_row(kernel: str, ms: float, nbytes: int, bw: float, **fields) -> dict:
+    """One result row: the kernel, its ``fields``, time in us and bytes as a fraction of the copy bandwidth."""
+    return dict(kernel=kernel, **fields, us=ms * 1e3, bytes=nbytes, fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / bw)
 
 
 def partial_sweep(bw: float, min_blocks: list[int], parts: list, log) -> list[dict]:
@@ -68,16 +87,71 @@ def partial_sweep(bw: float, min_blocks: list[int], parts: list, log) -> list[di
                 call = lambda: cuda_decode.launch_partial(  # noqa: E731
                     q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True, mb)
                 ms = median_ms(call)
-                row = dict(kernel="diffkv_decode_partial", high_fraction=mix, num_partitions=ws.num_partitions,
-                           min_blocks=mb, us=ms * 1e3, bytes=nbytes,
-                           fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / bw, rel_err_vs_triton=err,
-                           finite=bool(torch.isfinite(out).all()))
+                row = timed_row("diffkv_decode_partial", ms, nbytes, bw, high_fraction=mix,
+                                num_partitions=ws.num_partitions, min_blocks=mb, rel_err_vs_triton=err,
+                                finite=bool(torch.isfinite(out).all()))
                 rows_out.append(row)
                 log(f"partial high {mix:4.0%} parts {ws.num_partitions:2d} min_blocks {mb}: "
                     f"{row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  err {err:.1e}")
         del pool
         torch.cuda.empty_cache()
     return rows_out
+
+
+def merge_sweep(bw: float, log) -> list[dict]:
+    import bench_attention as ba
+    from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode
+    from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E, _decode_merge_kernel
+    from trtllm_diffkv.kernels.sizes import next_pow2
+
+    name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = SHAPE
+    fmt, pool, table, tokens, row_ids, q = ba.decode_inputs(SHAPE, 0.85)
+    group = num_heads // num_kv_heads
+    ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, table.shape[1], "cuda")
+    cuda_decode.launch_partial(q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True)
+    torch.cuda.synchronize()
+    pages0 = pool.pages().clone()
+    n_tok = int(tokens[0].sum())
+    rows = num_seqs * num_kv_heads
+    nbytes = rows * (2 * ws.num_partitions * group * (head_dim + 2) * 4 + group * head_dim * 2
+                     + n_tok * (group * 2 + 8))
+    gp, bd = ws.part_m.shape[-1], ws.part_acc.shape[-1]
+    device = torch.cuda.current_device()
+    score_fn = cuda_decode._kernel(tuple(sorted(cuda_decode.compile_defines(
+        fmt, group, gp, bd, max(fmt.high_tokens_per_page, fmt.low_tokens_per_page), True).items())),
+        "sm_90")[1]
+
+    def two_launches(pages, out):
+        _decode_merge_kernel[(num_seqs, num_kv_heads)](
+            out, ws.part_m, ws.part_l, ws.part_acc, ws.lse, num_kv_heads, ws.num_partitions, GROUP=group,
+            GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=next_pow2(2 * ws.num_partitions), num_warps=4)
+        cuda_decode._launch_scores(score_fn, q, pages, table, tokens, row_ids, ws, num_seqs, num_kv_heads, device)
+
+    variants = [("triton merge + diffkv_decode_scores", lambda pages, out: two_launches(pages, out))]
+    for ppw in (4, 2, 1):
+        variants.append((f"diffkv_decode_merge, {ppw} pages a warp", lambda pages, out, ppw=ppw: cuda_decode._launch_merge(
+            out, pages, fmt, table, tokens, row_ids, ws, group, True, "sm_90", device, ppw)))
+    results = []
+    for variant, call in variants:
+        pages = pages0.clone()
+        out_v = torch.empty_like(q)
+        call(pages, out_v)
+        torch.cuda.synchronize()
+        after = pages.clone()
+        results.append((variant, out_v.clone(), after, graph_ms(lambda: call(pages, out_v))))
+    _, o_ref, p_ref, _ = results[0]
+    out = []
+    for variant, o, p, ms in results:
+        # the pools as fp32 words: the scores differ by rounding, the codes not at all (NaN words: equal bytes)
+        score_diff = float((p.view(torch.float32) - p_ref.view(torch.float32)).nan_to_num().abs().max())
+        err = float((o.float() - o_ref.float()).norm() / o_ref.float().norm())
+        out.append(row := timed_row(variant, ms, nbytes, bw, high_fraction=0.85, num_partitions=ws.num_partitions,
+                                    max_score_diff_vs_two_launches=score_diff, out_rel_err_vs_two_launches=err))
+        log(f"merge {variant:38s}: {row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  "
+            f"max score diff {score_diff:.1e}  out err {err:.1e}")
+    del pool
+    torch.cuda.empty_cache()
+    return out
 
 
 def decision_sweep(bw: float, log) -> list[dict]:
@@ -130,7 +204,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--min-blocks", default="2,3")
     ap.add_argument("--parts", default="default,2,4", help="partitions per row ('default': the heuristic)")
-    ap.add_argument("--skip", default="", help="'partial' and/or 'decide'")
+    ap.add_argument("--skip", default="", help="'partial', 'decide' and/or 'merge'")
     args = ap.parse_args()
     from trtllm_diffkv.evaluation.throughput import environment
 
@@ -139,6 +213,8 @@ def main():
     log = lambda s: print(s, flush=True)  # noqa: E731
     result = dict(**environment(), command="python3 scripts/sweep_kv_gpu.py " + " ".join(sys.argv[1:]),
                   copy_bandwidth_gbps=bw, shape=SHAPE, rows=[])
+    if "merge" not in args.skip:
+        result["rows"] += merge_sweep(bw, log)
     if "decide" not in args.skip:
         result["rows"] += decision_sweep(bw, log)
     if "partial" not in args.skip:

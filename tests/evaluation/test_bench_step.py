@@ -62,6 +62,10 @@ def test_profile_table(smoke):
         assert "aten::mm" in names or "aten::linear" in names
         us = [k["us_per_step"] for k in row["kernels"]]
         assert us == sorted(us, reverse=True) and us[0] > 0
+        own = [h["own_us_per_step"] for h in row["host"]]  # the host profile: the executor's Python functions
+        assert len(own) == 30 and own == sorted(own, reverse=True) and own[0] > 0
+        assert all(h["cumulative_us_per_step"] >= h["own_us_per_step"] for h in row["host"])
+        assert any("trtllm_diffkv" in h["function"] for h in row["host"])
 
 
 def test_weight_bytes_count_a_tied_head_once():

@@ -17,6 +17,7 @@ FORMATS = {
     "k8v4": PRESETS["k8v4"],
     "fp16": PRESETS["fp16"],
     "k4v2-1group": DiffKVConfig(low=TierConfig(4, 2, 1, 1)),
+    "default-k8v2": PRESETS["default-k8v2"],  # 35-token low pages: an odd probability stride (CUDA merge)
 }
 
 

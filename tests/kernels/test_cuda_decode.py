@@ -10,8 +10,8 @@ import torch
 
 from trtllm_diffkv.config import PRESETS, DiffKVConfig, TierConfig
 from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
-from trtllm_diffkv.kernels.cuda_decode import (BACKEND_ENV, SOURCE_PATH, compile_defines, resolve_backend,
-                                               unsupported_reason)
+from trtllm_diffkv.kernels.cuda_decode import (BACKEND_ENV, SOURCE_PATH, compile_defines, merge_defines, merge_source,
+                                               resolve_backend, unsupported_reason)
 from trtllm_diffkv.memory import PageFormat
 
 
@@ -109,6 +109,26 @@ def test_source_compiles_within_the_register_cap(cfg, head_dim, group, arch, tmp
     assert per_fn["diffkv_decode_partial"][0] <= (32 if head_dim == 128 else 0), info
     regs = per_fn["diffkv_decode_partial"][1]
     assert regs * 32 * 4 * defines["MIN_BLOCKS"] <= 65536, (regs, defines["MIN_BLOCKS"])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("cfg,head_dim,group,slots,dtype", [
+    (PRESETS["llama3-8b"], 128, 4, 6, torch.bfloat16), (DiffKVConfig(), 64, 3, 128, torch.float16),
+    (PRESETS["default-k8v2"], 128, 4, 4, torch.float16), (PRESETS["default-k8v2"], 64, 3, 2, torch.bfloat16)])
+def test_merge_source_compiles_without_spills(cfg, head_dim, group, slots, dtype, tmp_path):
+    """``decode_merge.cu`` (the merge with the score update folded in) with the score update: compiles for sm_90 with
+    CuPy's flags, no spills, one kernel, also where the larger tokens-per-page is odd (``default-k8v2``: 35 and 33
+    low-tier tokens, no 4-byte probability pairs); outputs are tested on the GPU (test_attention_gpu.py)."""
+    fmt = _fmt(cfg, head_dim)
+    defines = merge_defines(fmt, group, 16, head_dim, slots, dtype, True)
+    (tmp_path / "m.cu").write_text(merge_source())
+    cmd = ["nvcc", "-std=c++17", "-ftz=true", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"), "-Xptxas",
+           "-v", *[f"-D{k}={v}" for k, v in defines.items()], str(tmp_path / "m.cu")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = res.stdout + res.stderr
+    assert re.findall(r"Compiling entry function '(\w+)'", info) == ["diffkv_decode_merge"], info
+    assert int(re.search(r"(\d+) bytes spill stores", info).group(1)) == 0, info
 
 
 def test_environment_value_is_normalized_and_a_bad_one_is_named(monkeypatch):

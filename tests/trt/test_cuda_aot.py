@@ -201,7 +201,7 @@ class _Recorder:
 
 
 def test_defines_and_arguments_are_launch_partials(monkeypatch):
-    """``cuda_decode.launch_partial`` (and its score lambda) recorded on CPU tensors with NVRTC and the stream
+    """``cuda_decode.launch_partial`` (and ``_launch_scores``, the separate score update) recorded on CPU tensors with NVRTC and the stream
     stubbed out: the macros it compiles with, its grid, block and every argument (by the source kernel's
     parameter names) equal the manifest's defines and :func:`cuda_aot.launch_args` in TensorRT's order."""
     from trtllm_diffkv.kernels import cuda_decode as cd
@@ -227,9 +227,10 @@ def test_defines_and_arguments_are_launch_partials(monkeypatch):
                 tier_tokens=torch.zeros(B * H * shape.num_layers, 2, dtype=torch.int32),
                 row_ids=torch.zeros(num_seqs, H, dtype=torch.int32), part_m=ws.part_m, part_l=ws.part_l,
                 part_acc=ws.part_acc, page_probs=ws.page_probs, page_max=ws.page_max, lse=ws.lse)
-    scores = cd.launch_partial(bufs["q"], bufs["pool"], fmt, bufs["table"], bufs["tier_tokens"], bufs["row_ids"], ws,
-                               float(sizes["sm_scale"]) * LOG2E, True)
-    scores()
+    cd.launch_partial(bufs["q"], bufs["pool"], fmt, bufs["table"], bufs["tier_tokens"], bufs["row_ids"], ws,
+                      float(sizes["sm_scale"]) * LOG2E, True)  # its merge (the NVRTC path's scores) not launched
+    cd._launch_scores(_Recorder(launches, "diffkv_decode_scores"), bufs["q"], bufs["pool"], bufs["table"],
+                      bufs["tier_tokens"], bufs["row_ids"], ws, num_seqs, H, 0)
     assert compiled == [defines]
     entries = {e["source_kernel"]: e for e in cuda_aot.cuda_kernel_entries(shape)}
     source = SOURCE_PATH.read_text()

@@ -5,8 +5,9 @@ How: for an engine shape (default and k8v4 presets, fp16, head_dim 128 and 64, 1
 entries are compiled with nvcc (``build_cuda_kernels``) and loaded through ``cupy.RawModule(path=...)``, once from
 the cubin and once from the PTX (what TensorRT receives; the driver compiles it). The reference is
 ``paged_decode_attention(backend="cuda")`` on the same pages and query: the NVRTC partial kernel
-(``cuda_decode.launch_partial``, whose ``-D`` macros are recorded and must equal the manifest's), the Triton
-merge, the NVRTC score update. The AOT partial entry then runs on a second workspace and must write the same
+(``cuda_decode.launch_partial``, whose ``-D`` macros are recorded and must equal the manifest's), then the
+NVRTC merge with the score update folded in (``cuda/decode_merge.cu``; its score arithmetic is the score
+entry's, on the ``lse`` it writes). The AOT partial entry then runs on a second workspace and must write the same
 ``part_m / part_l / part_acc / page_probs / page_max`` bytes; the reference's ``lse`` (a function of those same
 partials) is copied over and the AOT score entry runs on a second copy of the pool, whose bytes must equal the
 reference's pool. Arguments in TensorRT's QDP AOT order (``cuda_aot.launch_args``): ``numpy.uint64`` input
@@ -119,7 +120,7 @@ def test_aot_entries_match_the_nvrtc_kernels_bit_for_bit(built, case, binary, mo
         workspaces.append(ws)
     ws_ref, ws_aot = workspaces
 
-    # the reference: the NVRTC kernels (recording the macros they are compiled with), the Triton merge
+    # the reference: the NVRTC kernels (recording the partial kernel's macros), the merge with the scores
     compiled = []
     nvrtc_kernel = cd._kernel
     monkeypatch.setattr(cd, "_kernel", lambda defines, arch: (compiled.append(dict(defines)),

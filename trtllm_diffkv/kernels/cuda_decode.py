@@ -8,8 +8,10 @@ straight into the ``mma.sync`` fragment registers, keeps the probabilities in re
 barrier in its page loop; see the header of the ``.cu`` file for the design.
 
 It writes the same :class:`~.decode_attention.DecodeWorkspace` buffers as the Triton partial kernel
-(one slot per CTA: ``2 * num_partitions`` CTAs per row), so the Triton merge and score kernels run
-after it unchanged, and the Triton kernel stays the portable path for everything this one does not
+(one slot per CTA: ``2 * num_partitions`` CTAs per row). The merge after it is CUDA too
+(``cuda/decode_merge.cu``): the Triton merge's arithmetic with the score update folded into the same
+launch (the update needs the final log-sum-exp the merge computes; one launch per layer instead of two).
+The Triton kernel stays the portable path for everything this one does not
 cover (:func:`unsupported_reason`).
 
 Known limit: the kernel dequantizes values in fp16 (``s c + z`` rounded to fp16), so a value group whose
@@ -33,6 +35,7 @@ import torch
 from ..memory.page_format import PageFormat, TierLayout
 
 SOURCE_PATH = Path(__file__).with_name("cuda") / "decode_partial.cu"
+MERGE_SOURCE_PATH = Path(__file__).with_name("cuda") / "decode_merge.cu"
 WARPS = 4
 BACKEND_ENV = "TRTLLM_DIFFKV_DECODE_BACKEND"
 """Environment override of the decode backend: ``auto`` (default), ``cuda`` or ``triton``."""
@@ -173,12 +176,33 @@ def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d
 
 @functools.lru_cache(maxsize=64)
 def _kernel(defines: tuple[tuple[str, int], ...], arch: str):
+    """``(diffkv_decode_partial, diffkv_decode_scores)`` of ``decode_partial.cu`` at these macros."""
+    module = _module(SOURCE_PATH.read_text(), defines)
+    return module.get_function("diffkv_decode_partial"), module.get_function("diffkv_decode_scores")
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_kernel(defines: tuple[tuple[str, int], ...], arch: str):
+    """``diffkv_decode_merge`` of :func:`merge_source` at these macros."""
+    return _module(merge_source(), defines).get_function("diffkv_decode_merge")
+
+
+HELPERS_END = "// (end of the helpers cuda/decode_merge.cu is compiled after"
+
+
+def merge_source() -> str:
+    """The merge kernel's translation unit: ``decode_partial.cu``'s leading helpers (types, PTX wrappers; no
+    macros needed), then ``decode_merge.cu``."""
+    partial = SOURCE_PATH.read_text()
+    return partial[:partial.index(HELPERS_END)] + MERGE_SOURCE_PATH.read_text()
+
+
+def _module(code: str, defines: tuple[tuple[str, int], ...]):
     import cupy
 
-    # CuPy picks the -arch of the current device itself; ``arch`` only keys the cache
+    # CuPy picks the -arch of the current device itself (the callers' ``arch`` only keys their caches)
     options = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines)
-    module = cupy.RawModule(code=SOURCE_PATH.read_text(), options=options)
-    return module.get_function("diffkv_decode_partial"), module.get_function("diffkv_decode_scores")
+    return cupy.RawModule(code=code, options=options)
 
 
 def _ptr(t: torch.Tensor):
@@ -201,9 +225,10 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
                    qk_scale: float, update_scores: bool, min_blocks: int | None = None):
     """Fill ``workspace``'s partial states (and probabilities) for ``q`` on the current stream.
 
-    Returns, when ``update_scores``, a callable that launches the CUDA score update
-    (``diffkv_decode_scores``: one warp per page, replaces the Triton score kernel); the caller runs it
-    after the merge kernel has written ``workspace.lse``. ``None`` otherwise.
+    Returns a callable ``finish(out)`` that launches the merge (``diffkv_decode_merge``, ``cuda/decode_merge.cu``):
+    the row's partial states into ``out`` (fp16 or bf16, ``[num_seqs, num_heads, head_dim]`` contiguous) and
+    ``workspace.lse``, and, when ``update_scores``, the score update in the same launch (it needs the final
+    log-sum-exp the merge computes; it replaces the Triton merge and score kernels on this backend).
 
     Arguments as :func:`~.decode_attention.paged_decode_attention` (already checked there);
     ``q`` is fp16 ``[num_seqs, num_heads, head_dim]`` contiguous; ``qk_scale`` is the softmax scale
@@ -220,7 +245,7 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks)
     major, minor = torch.cuda.get_device_capability(q.device)
     arch = f"sm_{major}{minor}"
-    fn, score_fn = _kernel(tuple(sorted(defines.items())), arch)
+    fn = _kernel(tuple(sorted(defines.items())), arch)[0]
     num_slots = 2 * workspace.num_partitions
     ptr = _ptr
     args = (ptr(q), ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.part_m),
@@ -229,19 +254,57 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, device):
         fn((num_seqs, num_kv_heads, num_slots), (32 * WARPS, 1, 1), args)
-    if update_scores:
-        # to run after the (Triton) merge has written lse: _launch_scores
-        return lambda: _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
-                                      num_seqs, num_kv_heads, device)
-    return None
+    return lambda out: _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace,
+                                     group, update_scores, arch, device)
+
+
+MERGE_WARPS = 4
+"""Warps of the merge kernel; each CTA also updates the scores of ``MERGE_PAGES_PER_WARP * MERGE_WARPS`` page-table
+positions."""
+MERGE_PAGES_PER_WARP = 4
+"""Pages whose scores one warp of the merge kernel updates (their loads all issued before the merge)."""
+
+
+def merge_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
+                  out_dtype: torch.dtype, scores: bool, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> dict[str, int]:
+    """The ``-D`` macros of one ``diffkv_decode_merge`` configuration (also used by the CPU compile test)."""
+    hi, lo = page_format.high, page_format.low
+    return dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=page_format.head_dim, BLOCK_D=block_d,
+                PMAX=max(hi.tokens_per_page, lo.tokens_per_page), PAGE_BYTES=page_format.page_size_bytes,
+                MAX_SLOTS=num_slots, OUT_BF16=int(out_dtype == torch.bfloat16), SCORES=int(scores),
+                MERGE_WARPS=MERGE_WARPS, PAGES_PER_WARP=pages_per_warp, H_TOKENS=hi.tokens_per_page, L_TOKENS=lo.tokens_per_page,
+                H_SC=hi.score.offset_bytes, L_SC=lo.score.offset_bytes)
+
+
+def _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace, group, scores, arch,
+                  device, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> None:
+    import numpy as np
+
+    if out.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the CUDA merge writes fp16/bf16 outputs, got {out.dtype}")
+    num_seqs, num_kv_heads = row_ids.shape
+    num_slots = 2 * workspace.num_partitions
+    max_pages = page_table.shape[1]
+    defines = merge_defines(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1], num_slots,
+                            out.dtype, scores, pages_per_warp)
+    fn = _merge_kernel(tuple(sorted(defines.items())), arch)
+    ptr = _ptr
+    args = (ptr(out), ptr(workspace.part_m), ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.lse),
+            ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.page_probs),
+            ptr(workspace.page_max), np.int32(num_kv_heads), np.int32(num_slots), np.int32(max_pages))
+    z = -(-max_pages // (pages_per_warp * MERGE_WARPS)) if scores else 1
+    with _stream(torch.cuda.current_stream(out.device).cuda_stream, device):
+        fn((num_seqs, num_kv_heads, z), (32 * MERGE_WARPS, 1, 1), args)
 
 
 SCORE_WARPS = 4
-"""Warps of the score-update kernel (4: 18.7 us against 19.7 at 8 and 21.1 at 16, H200, Llama-3-8B 64 x 4096); each CTA covers ``2 * SCORE_WARPS`` page-table positions of a row."""
+"""Warps of ``diffkv_decode_scores`` (4: 18.7 us against 19.7 at 8 and 21.1 at 16, H200, Llama-3-8B 64 x 4096)."""
 
 
 def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, workspace, num_seqs, num_kv_heads,
                    device) -> None:
+    """The separate score update after a merge has written ``workspace.lse``: the TensorRT AOT path's launch
+    (``trt/cuda_aot.py`` builds ``diffkv_decode_scores`` with this grid); the NVRTC path folds it into the merge."""
     import numpy as np
 
     ptr = _ptr
@@ -253,4 +316,4 @@ def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, wo
 
 
 __all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "choose_backend", "configured_backend", "launch_partial", "compile_defines",
-           "SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]
+           "merge_defines", "merge_source", "SOURCE_PATH", "MERGE_SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]

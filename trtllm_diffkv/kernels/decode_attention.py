@@ -12,8 +12,8 @@ Host side (:class:`DecodeWorkspace`) is separate from the launch: the
 workspace is allocated once for a maximum batch and reused; the call does no
 host synchronisation and no allocation when given one, so it can be captured
 in a CUDA graph (tested). Kernels (three launches: partial, merge, score):
-:mod:`.attn_decode_kernels`; the partial kernel also in CUDA C++ (:mod:`.cuda_decode`, the default on
-CUDA where it covers the configuration). Measured speed: ``docs/PERFORMANCE.md``.
+:mod:`.attn_decode_kernels`; in CUDA C++ (:mod:`.cuda_decode`, the default on CUDA where it covers the
+configuration) two launches: the partial kernel, then the merge with the score update folded in. Measured speed: ``docs/PERFORMANCE.md``.
 """
 from __future__ import annotations
 
@@ -206,8 +206,8 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
             ``maxnreg``; ``None``: :data:`DEFAULT_MAX_REGISTERS` with 4 warps and
             16 stacked product rows, else the compiler's choice; 0: the
             compiler's choice; ignored on the CPU). Triton backend only.
-        backend: which partial kernel runs (the merge and score kernels are Triton either way):
-            ``"cuda"`` the CUDA C++ kernel (:mod:`.cuda_decode`; head_dim 64/128, ratios 1-8,
+        backend: which kernels run: ``"cuda"`` the CUDA C++ partial kernel and merge-with-scores
+            (:mod:`.cuda_decode`; head_dim 64/128, ratios 1-8,
             fp16/bf16, 8/4-bit keys, 8/4/2-bit values), ``"triton"``, or ``None``/``"auto"``: the
             environment variable ``TRTLLM_DIFFKV_DECODE_BACKEND``, default CUDA where it can run.
         cuda_min_blocks: the CUDA kernel's ``__launch_bounds__`` blocks per multiprocessor (register
@@ -267,27 +267,25 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
     per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM", "NG", "FOLD")
     if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16:
         max_registers = DEFAULT_MAX_REGISTERS  # 32 stacked rows need more registers than the cap (spills)
-    cuda_scores = None
     if use_cuda:
-        cuda_scores = launch_partial(q if q.dtype == torch.float16 else q.to(torch.float16), pool_pages, page_format, page_table,
-                       tier_tokens, row_ids, workspace, float(sm_scale) * LOG2E, update_scores, cuda_min_blocks)
-    else:
-        _decode_partial_kernel[(num_seqs, num_kv_heads, nparts * nchunk)](
-            q, pool_pages, page_table, tier_tokens, row_ids,
-            workspace.part_m, workspace.part_l, workspace.part_acc, workspace.page_probs, workspace.page_max,
-            float(sm_scale) * LOG2E, num_kv_heads, nparts, **common,
-            **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
-            DT=dt, IEEE=q.dtype == torch.float32, STORE_PROBS=update_scores,
-            FAST=FAST_CONVERT and q.is_cuda and dt == _tl_dtype("fp16"),
-            num_warps=num_warps or 4, num_stages=num_stages or 2,
-            **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
+        finish = launch_partial(q if q.dtype == torch.float16 else q.to(torch.float16), pool_pages, page_format,
+                                page_table, tier_tokens, row_ids, workspace, float(sm_scale) * LOG2E, update_scores,
+                                cuda_min_blocks)
+        finish(out)  # the merge, with the score update in the same launch
+        return
+    _decode_partial_kernel[(num_seqs, num_kv_heads, nparts * nchunk)](
+        q, pool_pages, page_table, tier_tokens, row_ids,
+        workspace.part_m, workspace.part_l, workspace.part_acc, workspace.page_probs, workspace.page_max,
+        float(sm_scale) * LOG2E, num_kv_heads, nparts, **common,
+        **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
+        DT=dt, IEEE=q.dtype == torch.float32, STORE_PROBS=update_scores,
+        FAST=FAST_CONVERT and q.is_cuda and dt == _tl_dtype("fp16"),
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
+        **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
     _decode_merge_kernel[(num_seqs, num_kv_heads)](
         out, workspace.part_m, workspace.part_l, workspace.part_acc, workspace.lse, num_kv_heads, nparts,
         GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=next_pow2(2 * nparts), num_warps=4)
     if not update_scores:
-        return
-    if cuda_scores is not None:
-        cuda_scores()
         return
     block_p = next_pow2(pmax)
     gps = next_pow2(group)

@@ -79,6 +79,7 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+// (end of the helpers cuda/decode_merge.cu is compiled after: kernels/cuda_decode.py, merge_source)
 __device__ __forceinline__ u32 movtrans(u32 x) {
     u32 r;
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
