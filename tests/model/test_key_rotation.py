@@ -11,14 +11,13 @@ import math
 import pytest
 import torch
 
-from conftest import peaked_tiny_llama, random_llama
+from conftest import Recorder, peaked_tiny_llama, random_llama
 from oracle import attention as dense
 from oracle.quant import quantize_row
 from trtllm_diffkv.evaluation.accuracy import teacher_forced_logits
 from trtllm_diffkv.cache import DiffKVReferenceCache
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
 from trtllm_diffkv.generation.reference import ReferenceGenerator
-from trtllm_diffkv.model.attention_api import DenseCausalAttention
 from trtllm_diffkv.model.rotation import hadamard_matrix, key_rotation_matrices, model_for_kv_config, rotate_model
 from trtllm_diffkv.generation.static_batch import PagedGenerator
 from trtllm_diffkv.runtime.executor import Executor
@@ -30,17 +29,6 @@ ROT = dict(key_rotation="hadamard")
 @pytest.fixture(scope="module")
 def model():
     return peaked_tiny_llama()
-
-
-class Recorder:
-    """Dense attention that keeps the q/k/v each layer received."""
-
-    def __init__(self):
-        self.inner, self.seen = DenseCausalAttention(), {}
-
-    def forward(self, layer_idx, q, k, v):
-        self.seen[layer_idx] = (q.clone(), k.clone(), v.clone())
-        return self.inner.forward(layer_idx, q, k, v)
 
 
 def _prompt(n, seed=0):
