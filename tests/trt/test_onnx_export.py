@@ -451,7 +451,7 @@ def _aot_graph(model, kv, manifest, phase):
 _LAYER_KERNELS = ["_write_tokens_kernel", "_decode_partial_kernel", "_decode_merge_kernel"]
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["default", "fp16", "default-rotated"])
 def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
     """``graph="aot"``: the per-op decode graph's inputs and outputs, its DiffKV nodes replaced by one
     ``diffkv::aot_<wrapper>`` node per launch, in launch order (decide; count, decode apply; locate (+ read / write of
@@ -545,7 +545,7 @@ def test_aot_prefill_graph_nodes(preset):
                                     engine.max_pages_per_row]
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16", "demote"])
+@pytest.mark.parametrize("preset", ["default", "fp16", "demote", "default-rotated"])
 def test_aot_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
     """Prefill through the AOT prefill graph, then 4 decode steps (step 2 padded) through the AOT decode graph, every
     kernel node launching its TensorRT-convention wrapper through Triton's JIT (interpreter) with TensorRT's argument
