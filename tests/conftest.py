@@ -127,3 +127,17 @@ def poison_prompt_staging(monkeypatch):
             t.fill_(float("nan"))
 
     monkeypatch.setattr(staging.PromptStaging, "__init__", poisoned)
+
+
+class Recorder:
+    """Dense causal attention (``model.attention_api.DenseCausalAttention``) that keeps the q/k/v each layer
+    received (``seen[layer] = (q, k, v)``, the last call's)."""
+
+    def __init__(self):
+        from trtllm_diffkv.model.attention_api import DenseCausalAttention
+
+        self.inner, self.seen = DenseCausalAttention(), {}
+
+    def forward(self, layer_idx, q, k, v):
+        self.seen[layer_idx] = (q.clone(), k.clone(), v.clone())
+        return self.inner.forward(layer_idx, q, k, v)

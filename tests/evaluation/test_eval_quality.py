@@ -224,3 +224,25 @@ def test_shard_spec_is_checked():
     for bad in ("4/4", "-1/2", "1", "a/b", "0/0"):
         with pytest.raises(ValueError, match="--shard"):
             parse_shard(bad)
+
+
+def test_points_and_case_counts_are_selected_as_named():
+    """``--point METHOD=CONFIG`` adds single points to the ``--methods`` curves (fp16 always, a wrong label
+    refused with the known ones listed); ``--short-cases`` sizes the short tasks only."""
+    from trtllm_diffkv.commands.eval import case_count
+    from trtllm_diffkv.evaluation.quality import method_points, select_points
+
+    points = method_points()
+    got = select_points(points, ["kivi"], ["snapkv=budget=0.35", "diffkv=default (ah=1, al=0)"])
+    assert [(p.method, p.config) for p in got] == [
+        ("fp16", "fp16"), ("diffkv", "default (ah=1, al=0)"), ("kivi", "KIVI-4 (G=32, R=128)"),
+        ("kivi", "KIVI-2 (G=32, R=128)"), ("snapkv", "budget=0.35")]
+    assert [p.config for p in select_points(points, None, ["h2o=budget=0.2"])] == ["fp16", "budget=0.2"]
+    assert select_points(points, None, None) == points
+    with pytest.raises(ValueError, match="--point 'snapkv=budget=0.3' names no point; known points: .*snapkv=budget=0.35"):
+        select_points(points, None, ["snapkv=budget=0.3"])
+    rot_pool = [p.kv_config for p in points if p.method == "diffkv-rotated-pool"]
+    assert [(c.key_rotation, c.score_pool_tokens, c.alpha_low) for c in rot_pool] == [("hadamard", 5, 0.01),
+                                                                                      ("hadamard", 5, 0.02)]
+    assert [case_count(t, 16, 4, None) for t in ("passkey", "kv_lookup", "fewshot_reasoning", "humaneval")] == [16, 16, 4, 4]
+    assert case_count("humaneval", 16, 4, 2) == 2 and case_count("fewshot_reasoning", 16, None, 2) == 16

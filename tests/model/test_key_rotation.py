@@ -11,14 +11,13 @@ import math
 import pytest
 import torch
 
-from conftest import peaked_tiny_llama, random_llama
+from conftest import Recorder, peaked_tiny_llama, random_llama
 from oracle import attention as dense
 from oracle.quant import quantize_row
 from trtllm_diffkv.evaluation.accuracy import teacher_forced_logits
 from trtllm_diffkv.cache import DiffKVReferenceCache
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
 from trtllm_diffkv.generation.reference import ReferenceGenerator
-from trtllm_diffkv.model.attention_api import DenseCausalAttention
 from trtllm_diffkv.model.rotation import hadamard_matrix, key_rotation_matrices, model_for_kv_config, rotate_model
 from trtllm_diffkv.generation.static_batch import PagedGenerator
 from trtllm_diffkv.runtime.executor import Executor
@@ -30,17 +29,6 @@ ROT = dict(key_rotation="hadamard")
 @pytest.fixture(scope="module")
 def model():
     return peaked_tiny_llama()
-
-
-class Recorder:
-    """Dense attention that keeps the q/k/v each layer received."""
-
-    def __init__(self):
-        self.inner, self.seen = DenseCausalAttention(), {}
-
-    def forward(self, layer_idx, q, k, v):
-        self.seen[layer_idx] = (q.clone(), k.clone(), v.clone())
-        return self.inner.forward(layer_idx, q, k, v)
 
 
 def _prompt(n, seed=0):
@@ -176,12 +164,12 @@ def test_k8v2_and_rotated_k4v2_low_tiers_run_the_paged_path(model):
         assert 0 < got.low_fraction and got.kv_memory_fraction == pytest.approx(ref.kv_memory_fraction, abs=0.02)
 
 
-def test_onnx_graphs_refuse_rotation_and_pooling_by_name(model):
+def test_onnx_graphs_refuse_pooling_by_name(model):
+    """Score pooling is not in the graphs yet (refused by name); rotation is (tests/trt/test_onnx_export.py)."""
     pytest.importorskip("onnx")
     from trtllm_diffkv.trt.onnx_export import export_onnx
 
-    for cfg, field in ((get_preset("default-rotated"), "key_rotation='hadamard'"),
-                       (get_preset("default").replace(score_pool_tokens=5), "score_pool_tokens=5")):
-        for graph, phase in (("composite", None), ("per-op", "decode")):
-            with pytest.raises(ValueError, match=field):
-                export_onnx(model, cfg, max_positions=32, graph=graph, phase=phase)
+    cfg = get_preset("default").replace(score_pool_tokens=5)
+    for graph, phase in (("composite", None), ("per-op", "decode")):
+        with pytest.raises(ValueError, match="score_pool_tokens=5"):
+            export_onnx(model, cfg, max_positions=32, graph=graph, phase=phase)

@@ -27,6 +27,7 @@ from trtllm_diffkv.trt import onnx_export, ort_ops  # noqa: E402
 from trtllm_diffkv.trt.fields import kv_config_from_fields  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.paged.cache import PagedDiffKVCache  # noqa: E402
+from trtllm_diffkv.model.rotation import model_for_kv_config  # noqa: E402
 
 PREFILL_ATOL, DECODE_ATOL = 1e-4, 2e-2
 
@@ -140,6 +141,7 @@ def _run_both(model, kv, prompts, decode_steps, pages=96, max_len=64):
     """Prefill + decode steps on the PyTorch path and in onnxruntime; returns polygraphy RunResults and states."""
     proto = onnx_export.export_onnx(model, kv, max_positions=max_len)
     ref, mine = _cache(model, kv, len(prompts), pages, max_len), _cache(model, kv, len(prompts), pages, max_len)
+    model = model_for_kv_config(model, kv)  # the PyTorch path of a rotated config runs the rotated copy
     handle = ort_ops.register_cache(mine)
     session = ort_ops.ort_session(proto)
     torch_iters, ort_iters, states = [], [], []
@@ -181,10 +183,12 @@ def _check(results, states, decode_atol=DECODE_ATOL):
         assert (pool == ref_pool).mean() >= 0.99  # measured: 0.9999 tiny model, 0.997 default model
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16"])
+@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16", "default-rotated"])
 def test_onnxruntime_matches_pytorch_tiny_model(preset):
     """Two prompts of odd lengths, prefill + 4 decode steps: tiers and demotions (``default``), pruning
-    (``llama3-8b``), the uncompressed paged path (``fp16``: keys/values rounded to fp16 in the pool)."""
+    (``llama3-8b``), the uncompressed paged path (``fp16``: keys/values rounded to fp16 in the pool), Hadamard
+    key rotation (``default-rotated``: the graph's q/k MatMuls and folded v/o weights against the rotated
+    PyTorch model)."""
     model = tiny_llama()
     results, states = _run_both(model, get_preset(preset), [[5, 9, 13, 200, 7, 3, 11], [42, 17, 99, 4]], 4)
     _check(results, states)
@@ -307,6 +311,7 @@ def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64, pad
                                                                              graph="per-op", phase=ph)))
     slots_ = len(prompts) + (pad_step is not None)  # a free slot: the padded bucket is at most max_slots
     ref, mine = _cache(model, kv, slots_, pages, max_len), _cache(model, kv, slots_, pages, max_len)
+    model = model_for_kv_config(model, kv)  # the PyTorch path of a rotated config runs the rotated copy
     torch_iters, ort_iters, states = [], [], []
     slots, lens, ids, pos, last, plan = _prefill_inputs(prompts)
     state = lambda c: (c.pool.pages().numpy().copy(), c.manager.page_table.numpy().copy(),  # noqa: E731
@@ -350,7 +355,7 @@ def _check_states(states):
             assert torch.equal(getattr(snap, name), getattr(ref_snap, name)), name
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16", "demote"])
+@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16", "demote", "default-rotated"])
 def test_per_op_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
     """Prefill + 4 decode steps through the per-operation graphs (prefill: plan tensors as graph inputs; decode: the
     graph's own decode_decide / page_update / decode_locate nodes from the slots and positions, then one
@@ -446,7 +451,7 @@ def _aot_graph(model, kv, manifest, phase):
 _LAYER_KERNELS = ["_write_tokens_kernel", "_decode_partial_kernel", "_decode_merge_kernel"]
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["default", "fp16", "default-rotated"])
 def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
     """``graph="aot"``: the per-op decode graph's inputs and outputs, its DiffKV nodes replaced by one
     ``diffkv::aot_<wrapper>`` node per launch, in launch order (decide; count, decode apply; locate (+ read / write of
@@ -540,7 +545,7 @@ def test_aot_prefill_graph_nodes(preset):
                                     engine.max_pages_per_row]
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16", "demote"])
+@pytest.mark.parametrize("preset", ["default", "fp16", "demote", "default-rotated"])
 def test_aot_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
     """Prefill through the AOT prefill graph, then 4 decode steps (step 2 padded) through the AOT decode graph, every
     kernel node launching its TensorRT-convention wrapper through Triton's JIT (interpreter) with TensorRT's argument

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("pydantic", reason="TensorRT-LLM's config classes (and the stand-in's) are pydantic models")
 import trtllm_standin as sti  # noqa: E402
-from conftest import peaked_tiny_llama  # noqa: E402
+from conftest import Recorder, peaked_tiny_llama  # noqa: E402
 from trtllm_diffkv import LLM, SamplingParams  # noqa: E402
 
 KV_BYTES = 16 << 20
@@ -199,10 +199,39 @@ def test_chunked_prefill_and_oversized_prompt_fail_with_clear_errors(trt, model)
         executor(trt, model, kv_memory_bytes=256 << 10, preset="fp16")
 
 
-def test_rotation_refused_inside_tensorrt_llm(trt, model):
-    with pytest.raises(ValueError, match="key_rotation='hadamard' is not supported inside TensorRT-LLM"):
-        trt.DiffKVCompressionManager(trt.DiffKVCompressionConfig(preset="default-rotated"),
-                                     pretrained_config=hf_dict(model.config))
+def test_rotation_inside_tensorrt_llm_equals_the_folded_model(trt, model, monkeypatch):
+    """``default-rotated``: TensorRT-LLM's (unrotated) model, the backend rotating q, k, v and the output itself,
+    gives our ``LLM``'s tokens (the rotated copy with v_proj / o_proj folded); the cache receives ``k @ R`` with
+    ``R`` the seeded matrices of ``model/rotation.py``, not the model's keys."""
+    from trtllm_diffkv.model.rotation import key_rotation_matrices
+    from trtllm_diffkv.paged.cache import PagedDiffKVCache
+
+    seen, forward = {}, PagedDiffKVCache.forward
+
+    def spy(self, layer_idx, q, k, v):
+        seen.setdefault(layer_idx, (q.clone(), k.clone(), v.clone()))
+        return forward(self, layer_idx, q, k, v)
+
+    prompts = prompts_of([9, 33, 60], seed=3)
+    ex = executor(trt, model, preset="default-rotated")
+    monkeypatch.setattr(PagedDiffKVCache, "forward", spy)
+    ids = [ex.add_request(p, 8) for p in prompts]
+    done = ex.run_until_done()
+    monkeypatch.undo()
+    assert ex.errors == {}
+    assert [done[i].output_token_ids for i in ids] == llm_tokens(model, prompts, 8, "default-rotated")
+    assert_all_pages_back(ex)
+    plain = Recorder()
+    with torch.inference_mode():
+        model(torch.tensor(prompts[0]), torch.arange(len(prompts[0])), plain)
+    q0, k0, _ = plain.seen[1]
+    r = key_rotation_matrices(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim)[1]
+    q, k = seen[1][0][:len(prompts[0])], seen[1][1][:len(prompts[0])]
+    assert (k - k0).abs().max() > 0.1
+    torch.testing.assert_close(k, torch.einsum("nhd,hde->nhe", k0, r), rtol=1e-4, atol=1e-4)
+    g = model.config.num_heads // model.config.num_kv_heads
+    torch.testing.assert_close(q, torch.einsum("nhgd,hde->nhge", q0.view(len(prompts[0]), -1, g, q0.shape[-1]), r)
+                               .reshape(q0.shape), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -34,11 +34,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma-separated tasks (default: {DEFAULT_TASKS})")
     p.add_argument("--methods", help="comma-separated methods (curves): diffkv, k8v4, k8v8, k4v4, kivi, snapkv, h2o, "
                                      "streamingllm; fp16 always runs (default: all)")
+    p.add_argument("--point", action="append", metavar="METHOD=CONFIG",
+                   help="add one point of the sweep by its method and exact config label (as in the results "
+                        "JSON, e.g. 'snapkv=budget=0.35'); repeat for several (default: the --methods' points)")
     p.add_argument("--kv-config", action="append", metavar="PRESET|FILE",
                    help="add a DiffKV point (curve 'custom'): a preset name or a kv-config JSON file written by "
                         "`trtllm-diffkv calibrate`; repeat for several (default: none)")
     p.add_argument("--num-cases", type=int, default=8, help="cases per long-context / reasoning task (default: 8)")
-    p.add_argument("--humaneval-cases", type=int, help="humaneval cases (default: --num-cases)")
+    p.add_argument("--short-cases", type=int, help="cases per short task: fewshot_reasoning, and humaneval unless "
+                                                   "--humaneval-cases (default: --num-cases)")
+    p.add_argument("--humaneval-cases", type=int, help="humaneval cases (default: --short-cases, else --num-cases)")
     p.add_argument("--context-tokens", type=int, default=4096,
                    help="length of the long-context tasks' contexts, tokens (default: 4096)")
     p.add_argument("--span-tokens", type=int, default=16,
@@ -182,6 +187,18 @@ def _merge(files: list[str], output: Path, plot: bool) -> int:
     return 0
 
 
+def case_count(task: str, num_cases: int, short_cases: int | None, humaneval_cases: int | None) -> int:
+    """Cases of ``task``: ``--num-cases`` for a long-context task; ``--short-cases`` (else ``--num-cases``) for a
+    short one, ``--humaneval-cases`` first for humaneval."""
+    from ..evaluation.tasks import TASKS
+
+    if TASKS[task].long_context:
+        return num_cases
+    if task == "humaneval" and humaneval_cases:
+        return humaneval_cases
+    return short_cases or num_cases
+
+
 def _points_for_model(points, model_config) -> list:
     """The points this model can run: a built-in DiffKV point the model cannot take (key rotation needs a
     power-of-two head_dim) is dropped with a notice; a ``--kv-config`` point (curve ``custom``) is refused.
@@ -222,8 +239,8 @@ def _setup(args):
     points = method_points()
     for spec in args.kv_config or ():
         points.append(custom_point(spec))
-    points = select_points(points, methods)
-    for name in ("num_cases", "humaneval_cases", "context_tokens", "span_tokens", "humaneval_new_tokens", "threads"):
+    points = select_points(points, methods, args.point)
+    for name in ("num_cases", "short_cases", "humaneval_cases", "context_tokens", "span_tokens", "humaneval_new_tokens", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
@@ -242,7 +259,7 @@ def _setup(args):
     points = _points_for_model(points, model_config)
     per_task, sources, skipped = [], {}, {}
     for task in tasks:
-        count = args.humaneval_cases or args.num_cases if task == "humaneval" else args.num_cases
+        count = case_count(task, args.num_cases, args.short_cases, args.humaneval_cases)
         try:
             built = build_cases(task, tokenizer, count, args.context_tokens, args.span_tokens, args.seed,
                                 bigbench=args.bigbench)

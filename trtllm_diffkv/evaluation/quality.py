@@ -103,6 +103,9 @@ def method_points() -> list[MethodPoint]:
                _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.005", pooled.replace(alpha_low=0.005)),
                _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.01", pooled.replace(alpha_low=0.01)),
                _diffkv_point("diffkv-pool", "score pool 5, ah=1, al=0.02", pooled.replace(alpha_low=0.02))]
+    rotated_pooled = rotated.replace(score_pool_tokens=5, name="rotated-pool5")
+    points += [_diffkv_point("diffkv-rotated-pool", f"Hadamard keys, score pool 5, ah=1, al={al}",
+                             rotated_pooled.replace(alpha_low=al)) for al in (0.01, 0.02)]
     for cls, name in ((baselines.SnapKVCache, "snapkv"), (baselines.H2OCache, "h2o"),
                       (baselines.StreamingLLMCache, "streamingllm")):
         for budget in EVICTION_BUDGETS:
@@ -120,19 +123,27 @@ def custom_point(spec) -> MethodPoint:
     return _diffkv_point("custom", f"{spec} ({cfg.name})", cfg)
 
 
-def select_points(points: list[MethodPoint], methods: list[str] | None) -> list[MethodPoint]:
-    """The points of the named methods (curves); fp16 (first) and ``custom`` points (``--kv-config``) always.
+def select_points(points: list[MethodPoint], methods: list[str] | None,
+                  picks: list[str] | None = None) -> list[MethodPoint]:
+    """The points of the named methods (curves) and the single points ``picks`` names (``"METHOD=CONFIG"``,
+    ``CONFIG`` the point's exact label, e.g. ``"snapkv=budget=0.35"``); fp16 (first) and ``custom`` points
+    (``--kv-config``) always. Neither given: every point.
 
     Raises:
-        ValueError: an unknown method name, listing the known ones.
+        ValueError: an unknown method name or a pick that names no point, listing the known ones.
     """
-    if not methods:
+    if not methods and not picks:
         return points
     known = sorted({p.method for p in points})
-    unknown = sorted(set(methods) - set(known))
+    unknown = sorted(set(methods or ()) - set(known))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known methods: {known}")
-    return [p for p in points if p.method in (REFERENCE_METHOD, "custom") or p.method in methods]
+    labels = {f"{p.method}={p.config}" for p in points}
+    for pick in picks or ():
+        if pick not in labels:
+            raise ValueError(f"--point {pick!r} names no point; known points: {sorted(labels)}")
+    return [p for p in points if p.method in (REFERENCE_METHOD, "custom") or p.method in (methods or ())
+            or f"{p.method}={p.config}" in (picks or ())]
 
 
 class PointGenerator(ReferenceGenerator):

@@ -15,7 +15,8 @@ The graph (built and its plugin nodes inserted with onnx-graphsurgeon, opset 17)
   ``step_token`` output feeds every attention node, so it runs first, and whose page table and tier
   counts (aliased) feed the first layer's;
 * per layer, the projections, RoPE (cos/sin tables gathered by position) and MLP as standard ONNX
-  ops, and one ``DiffKVAttention`` node: ``(q [T, H, D], k [T, Hkv, D], v, kv_pool, page_table,
+  ops (with ``key_rotation``: the rotated model's folded ``v_proj`` / ``o_proj`` and a per-head MatMul of q
+  and k after RoPE, as ``model/rotation.py``), and one ``DiffKVAttention`` node: ``(q [T, H, D], k [T, Hkv, D], v, kv_pool, page_table,
   tier_tokens, cache_handle, step_token) -> (out [T, H, D], kv_pool, page_table, tier_tokens)``: scored prefill
   with prompt compaction into the pool for the step's prompts, paged mixed-precision decode
   attention with the score update for its decode tokens. The pool, table and tier counts pass
@@ -159,13 +160,13 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
 
     Raises:
         ValueError: a configuration that cannot run the model, weights beyond 2 GB, an unknown ``graph``, a
-            ``phase`` that does not fit it, or a ``key_rotation`` / ``score_pool_tokens`` the graphs do not
-            implement yet (the PyTorch paths do).
+            ``phase`` that does not fit it, or a ``score_pool_tokens`` the graphs do not implement yet (the
+            PyTorch paths do).
     """
-    if kv_config.key_rotation != "none" or kv_config.score_pool_tokens != 1:
-        raise ValueError(f"the ONNX graphs do not implement key_rotation={kv_config.key_rotation!r} or "
-                         f"score_pool_tokens={kv_config.score_pool_tokens} yet; build with --no-onnx (the engine "
-                         f"directory's PyTorch path runs them) or a configuration without them")
+    if kv_config.score_pool_tokens != 1:
+        raise ValueError(f"the ONNX graphs do not implement score_pool_tokens={kv_config.score_pool_tokens} yet; "
+                         "build with --no-onnx (the engine directory's PyTorch path runs it) or a configuration "
+                         "without it")
     if graph == "per-op":
         return export_per_op(model, kv_config, phase, path, max_positions=max_positions)
     if graph == "aot":
@@ -183,7 +184,7 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     import onnx_graphsurgeon as gs
 
     cfg = model.config
-    _check_model(model, kv_config)
+    model = _check_model(model, kv_config)
     b = _Builder(gs)
     H, D = cfg.num_heads, cfg.head_dim
     var = b.var
@@ -222,12 +223,18 @@ def export_onnx(model, kv_config: DiffKVConfig, path: str | Path | None = None, 
     return _finish(b, gs, path)
 
 
-def _check_model(model, kv_config: DiffKVConfig) -> None:
+def _check_model(model, kv_config: DiffKVConfig):
+    """Refuse a model the graphs cannot hold; returns the model to export: ``model`` or, with ``key_rotation``,
+    its rotated copy (``model/rotation.py``: ``v_proj`` / ``o_proj`` folded, ``self_attn.key_rotation`` set, which
+    :func:`_decoder` applies to q and k after RoPE)."""
+    from ..model.rotation import model_for_kv_config
+
     cfg = model.config
     kv_config.validate_for_model(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
     if weight_bytes > MAX_ONNX_BYTES:
         raise ValueError(f"the model's fp32 weights take {weight_bytes:,} bytes; one ONNX file holds < 2 GB")
+    return model_for_kv_config(model, kv_config)
 
 
 ENGINE_MAX_SEQ_LEN = "diffkv.max_seq_len"
@@ -356,7 +363,7 @@ def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path |
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}: expected one of {list(PHASES)} with graph='per-op'")
     cfg = model.config
-    _check_model(model, kv_config)
+    model = _check_model(model, kv_config)
     b = _Builder(gs)
     H, D = cfg.num_heads, cfg.head_dim
     ids, pos, sel = b.token_inputs()
@@ -437,6 +444,14 @@ def _rope(b: _Builder, x, cos, sin, head_dim: int, name: str):
     return b.op("Add", [b.op("Mul", [x, cos]), b.op("Mul", [rot, sin])], dtype=np.float32)
 
 
+def _rotate_heads(b: _Builder, x, rotation: torch.Tensor, name: str):
+    """``x [T, n, D]`` -> ``x[:, h] @ rotation[h]`` per head (``rotation`` ``[n, D, D]``; as ``model/llama.py``'s
+    ``einsum("nhd,hde->nhe")``), a batched MatMul between two transposes."""
+    xt = b.op("Transpose", [x], {"perm": [1, 0, 2]})
+    y = b.op("MatMul", [xt, b.const(f"{name}.matrices", _np(rotation))])
+    return b.op("Transpose", [y], {"perm": [1, 0, 2]}, dtype=np.float32)
+
+
 def _typed(var, dtype, shape) -> None:
     """Set a plugin output's dtype and shape (ONNX shape inference does not know the plugin ops)."""
     var.dtype, var.shape = dtype, shape
@@ -463,6 +478,10 @@ def _decoder(b: _Builder, model, ids, pos, sel, max_positions: int | None, atten
             y = b.linear(h, proj.weight, proj.bias, f"{p}.self_attn.{name}_proj")
             y = b.op("Reshape", [y, b.const(f"{p}.{name}_shape", np.array([-1, n, D], np.int64))], dtype=np.float32)
             heads[name] = _rope(b, y, cos_t, sin_t, D, f"{p}.{name}") if name != "v" else y
+        if a.key_rotation is not None:  # a rotated model (_check_model): q, k rotated per KV head after RoPE
+            r = a.key_rotation.detach().float().cpu()
+            heads["k"] = _rotate_heads(b, heads["k"], r, f"{p}.k_rotation")
+            heads["q"] = _rotate_heads(b, heads["q"], r.repeat_interleave(H // Hkv, 0), f"{p}.q_rotation")
         out = attend(i, heads["q"], heads["k"], heads["v"])
         out = b.op("Reshape", [out, b.const(f"{p}.o_shape", np.array([-1, H * D], np.int64))])
         x = b.op("Add", [x, b.linear(out, a.o_proj.weight, None, f"{p}.self_attn.o_proj")], dtype=np.float32)
@@ -567,7 +586,7 @@ def _aot_engine(model, kv_config: DiffKVConfig, manifest: dict):
     from .fields import EngineShape
 
     cfg = model.config
-    _check_model(model, kv_config)
+    _check_model(model, kv_config)  # the exporters rotate their model themselves (_check_model's return value)
     engine = EngineShape.from_fields(manifest["engine"])
     want = (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_config, "float32")
     got = (engine.num_layers, engine.num_heads, engine.num_kv_heads, engine.head_dim, engine.kv_config, engine.dtype)
@@ -699,6 +718,7 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     from .aot_graph import record_decode
 
     engine = _aot_engine(model, kv_config, manifest)
+    model = _check_model(model, kv_config)
     infos, plan, layer = record_decode(engine)
     b = _Builder(gs)
     ids, pos, sel = b.token_inputs()
@@ -762,6 +782,7 @@ def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str
 
     cfg = model.config
     engine = _aot_engine(model, kv_config, manifest)
+    model = _check_model(model, kv_config)
     infos, launches = record_prefill(engine)
     scores, writes = launches[:3], launches[3:]
     L, Hq, H, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

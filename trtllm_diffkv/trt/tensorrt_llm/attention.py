@@ -90,9 +90,12 @@ class DiffKVAttention(AttentionBackend[DiffKVAttentionMetadata]):
             metadata: the step's :class:`DiffKVAttentionMetadata` (``prepare()`` done).
             attention_mask: causal only.
 
+        With ``key_rotation`` q, k and v are rotated per KV head before the cache sees them and the output
+        is rotated back (:meth:`~.manager.DiffKVCompressionManager.key_rotation`).
+
         Returns:
             ``[num_tokens, num_heads * head_dim]`` in the cache dtype: a view of the cache's output
-            buffer, valid until the next layer's call.
+            buffer, valid until the next layer's call (a new tensor with ``key_rotation``).
 
         Raises:
             ValueError: fused QKV (``k`` or ``v`` is ``None``), a mask other than causal, or shapes the
@@ -106,8 +109,14 @@ class DiffKVAttention(AttentionBackend[DiffKVAttentionMetadata]):
         manager = metadata.diffkv_manager
         if manager is None:
             raise RuntimeError("DiffKVAttentionMetadata.prepare() must run before the forward")
-        num_tokens = q.shape[0]
-        out = manager.rm.cache.forward(self.layer_idx, q.reshape(num_tokens, self.num_heads, self.head_dim),
-                                       k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
-                                       v.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        n, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        q, k, v = q.reshape(n, self.num_heads, d), k.reshape(n, hkv, d), v.reshape(n, hkv, d)
+        r = manager.key_rotation(self.layer_idx, q.device)
+        if r is not None:  # as model/llama.py (q, k) and the folded v_proj (v), in fp32
+            k = torch.einsum("nhd,hde->nhe", k.float(), r).to(k.dtype)
+            v = torch.einsum("nhd,hde->nhe", v.float(), r).to(v.dtype)
+            q = torch.einsum("nhgd,hde->nhge", q.float().view(n, hkv, -1, d), r).reshape(q.shape).to(q.dtype)
+        out = manager.rm.cache.forward(self.layer_idx, q, k, v)
+        if r is not None:  # back to the model's coordinates (the folded o_proj's R^T)
+            out = torch.einsum("nhge,hde->nhgd", out.float().view(n, hkv, -1, d), r).reshape(out.shape).to(out.dtype)
+        return out.reshape(n, self.num_heads * self.head_dim)

@@ -96,15 +96,28 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         self.kv_config = config.to_kv_config()
         mc = self.model_config
         self.kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads)  # calibrated_for too
-        if self.kv_config.key_rotation != "none":
-            raise ValueError(f"key_rotation={self.kv_config.key_rotation!r} is not supported inside TensorRT-LLM: "
-                             "it folds the rotation into v_proj / o_proj of our model (model/rotation.py), and "
-                             "TensorRT-LLM runs its own; use a preset or file without key_rotation")
+        self._rotations: torch.Tensor | None = None  # key_rotation: [layers, kv heads, D, D] on the cache device
         self._dtype = _dtype_of(config.dtype, pretrained_config)
         self.rm: DiffKVResourceManager | None = None
         self._requests: dict = {}  # TensorRT-LLM request id -> our runtime Request
         self._batch: ScheduledBatch | None = None  # the planned step, until its end
         self.request_errors: dict = {}
+
+    def key_rotation(self, layer_idx: int, device: torch.device) -> torch.Tensor | None:
+        """``float32 [num_kv_heads, head_dim, head_dim]``: layer ``layer_idx``'s rotations
+        (:func:`~trtllm_diffkv.model.rotation.key_rotation_matrices`, ``rotation_seed``) on ``device``, or ``None``
+        without ``key_rotation``. TensorRT-LLM runs its own model, so :class:`~.attention.DiffKVAttention` rotates
+        q, k and v itself and rotates the output back (our model folds the value side into ``v_proj`` /
+        ``o_proj`` instead; the same products)."""
+        if self.kv_config.key_rotation == "none":
+            return None
+        if self._rotations is None or self._rotations.device != device:
+            from ...model.rotation import key_rotation_matrices
+
+            mc = self.model_config
+            self._rotations = key_rotation_matrices(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                    self.kv_config.rotation_seed).to(device)
+        return self._rotations[layer_idx]
 
     # ------------------------------------------------------------------ binding
     def bind_kv_cache_managers(self, kv_cache_manager, draft_kv_cache_manager=None) -> None:
