@@ -202,6 +202,7 @@ def main(argv=None) -> int:
                                                   context=24 if small else 1024, repeats=1 if small else args.repeats,
                                                   long_tokens=40 if small else 2146, short_tokens=6 if small else 150))
         print(name, "isolated ms:", row["isolated"], flush=True)
+        _write(args.out, result, row)
         if name in loop_shapes:
             row["closed_loop"] = []
             for mnt, chunked in ((2048, True), (8192, True), (8192, False)):
@@ -213,13 +214,20 @@ def main(argv=None) -> int:
                                    lengths=(5, 9, 30, 6) if small else HUMANEVAL_MIXED_LONG_TOKENS)
                 row["closed_loop"].append(loop)
                 print(name, "closed loop:", loop, flush=True)
+                _write(args.out, result, row)
+        _write(args.out, result, row)
         result["rows"].append(row)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    _write(args.out, result)
     return 0
+
+
+def _write(path: str, result: dict, partial_row: dict | None = None) -> None:
+    """Write the results so far (a run cut by a time limit keeps its finished parts)."""
+    with open(path, "w") as f:
+        json.dump(dict(result, rows=result["rows"] + ([partial_row] if partial_row else [])), f, indent=1)
 
 
 if __name__ == "__main__":
