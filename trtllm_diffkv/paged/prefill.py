@@ -22,7 +22,6 @@ unchunked prefill of the same prompt does.
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from .. import policy
 from .gather import token_location
@@ -163,8 +162,7 @@ def _chunk_attention(cache, p, layer, q, k, v, out):
 
 
 def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sm_scale: float) -> torch.Tensor:
-    """Causal attention of one chunk's queries over its prompt's keys so far (torch SDPA, lower-right causal:
-    the flash kernel in bf16/fp16 on CUDA, the memory-efficient one in fp32; no materialized mask).
+    """Causal attention of one chunk's queries over its prompt's keys so far (torch SDPA with a boolean mask).
 
     Args:
         q: ``[c, num_heads, head_dim]``, the queries of positions ``[start, start + c)``.
@@ -180,11 +178,8 @@ def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     group = num_heads // num_kv_heads
     qh = q.transpose(0, 1).unsqueeze(0)
     kh, vh = (x.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0) for x in (k, v))
-    if start == 0:
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale)
-    else:
-        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(c, total),
-                                                             scale=sm_scale)
+    mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(start, start + c, device=q.device)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
     return o[0].transpose(0, 1)
 
 
