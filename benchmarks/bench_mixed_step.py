@@ -17,7 +17,8 @@ Random-weight bf16 models (:func:`trtllm_diffkv.evaluation.throughput.random_lla
   -> first token), and per step class (``decode``, ``prefill``: whole prompts only, ``chunk``: a step with a
   chunk) the count and median / mean ms.
 
-Writes JSON (``--out``) and prints a table. ``--smoke``: a 2-layer model on the CPU, seconds.
+Writes JSON (``--out``) and prints a table. ``--smoke``: a 2-layer model on the CPU, seconds. ``--profile FILE``:
+torch-profiler tables (top operators by host time) of one whole-prompt step and one final-chunk step.
 
     python benchmarks/bench_mixed_step.py --out /tmp/mixed.json                 # H200: SmolLM2 + Llama-3-8B shapes
     python benchmarks/bench_mixed_step.py --smoke --out /tmp/mixed.json         # CPU check
@@ -81,8 +82,25 @@ def _timed_step(ex, device) -> tuple[float, list]:
     return (time.perf_counter() - t) * 1e3, updates
 
 
-def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146, short_tokens=150) -> dict:
-    """Median ms of each case (module docstring), ``batch - 1`` requests decoding at ``context`` tokens."""
+def _profiled(ex, device, path: str | None, label: str):
+    """Time one step; with ``path``, under the torch profiler, its top operators by host time appended to ``path``."""
+    if path is None:
+        return _timed_step(ex, device)
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        result = _timed_step(ex, device)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    with open(path, "a") as f:
+        f.write(f"=== {label}: {result[0]:.1f} ms\n{table}\n")
+    return result
+
+
+def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146, short_tokens=150,
+             profile_path: str | None = None) -> dict:
+    """Median ms of each case (module docstring), ``batch - 1`` requests decoding at ``context`` tokens;
+    ``profile_path``: the last round's ``long_whole`` and ``long_chunk2`` steps profiled into that file."""
     vocab, out = config.vocab_size, {}
     background = SamplingParams(max_tokens=min(4096, config.max_position_embeddings - context - 64), temperature=0.0,
                                 ignore_eos=True)
@@ -97,19 +115,20 @@ def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146
         times = {c: [] for c in cases}
         for r in range(repeats + 1):  # the first round warms up
             record = r > 0
+            prof = profile_path if r == repeats else None
             if case_set == "whole":
                 ms, _ = _timed_step(ex, device)
                 times["decode"].append(ms)
                 for case, n in (("short", short_tokens), ("long_whole", long_tokens)):
                     rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
-                    ms, _ = _timed_step(ex, device)
+                    ms, _ = _profiled(ex, device, prof if case == "long_whole" else None, case)
                     times[case].append(ms)
                     ex.abort(rid)
                     ex.step()
             else:
                 rid = ex.add_request(_ids(long_tokens, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
                 ms1, _ = _timed_step(ex, device)
-                ms2, _ = _timed_step(ex, device)
+                ms2, _ = _profiled(ex, device, prof, "long_chunk2")
                 times["long_chunk1"].append(ms1)
                 times["long_chunk2"].append(ms2)
                 ex.abort(rid)
@@ -138,7 +157,7 @@ def closed_loop(model, config, device, *, concurrency, num_requests, max_tokens,
     ex = _executor(model, config, device, batch=concurrency, max_num_tokens=max_num_tokens, chunked=chunked)
     log, vocab = [], config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    sent, added, ttft, done, step_ms = 0, {}, [], 0, []
+    sent, added, ttft, done, step_ms, errors = 0, {}, [], 0, [], 0
 
     def send():
         nonlocal sent
@@ -159,6 +178,7 @@ def closed_loop(model, config, device, *, concurrency, num_requests, max_tokens,
                 ttft.append((now - added.pop(u.request_id)) * 1e3)
             if u.finished:
                 done += 1
+                errors += u.finish_reason == "error"
                 if sent < num_requests:
                     send()
     wall = time.perf_counter() - t0
@@ -166,7 +186,7 @@ def closed_loop(model, config, device, *, concurrency, num_requests, max_tokens,
     row = dict(max_num_tokens=max_num_tokens, chunked=chunked, requests=num_requests, wall_s=round(wall, 3),
                output_tokens_per_s=round(num_requests * max_tokens / wall, 1), requests_per_s=round(num_requests / wall, 2),
                ttft_p50_ms=round(ttft[len(ttft) // 2], 1), ttft_p99_ms=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
-               steps=len(step_ms))
+               steps=len(step_ms), errors=errors)
     for cls in ("decode", "prefill", "chunk"):
         ms = [m for m, c in zip(step_ms, log) if c == cls]
         row[cls] = dict(count=len(ms), median_ms=round(statistics.median(ms), 3) if ms else None,
@@ -185,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--closed-loop", default="smollm2", help="shapes that also run the closed loop")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--profile", help="write torch-profiler tables of one whole-prompt step and one final-chunk "
+                                          "step (the last isolated round) to this file")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = {"smollm2": SMOLLM2_135M_SHAPE, "llama3-8b": LLAMA3_8B_SHAPE}
@@ -200,7 +222,8 @@ def main(argv=None) -> int:
         small = args.smoke
         row = dict(shape=name, isolated=isolated(model, config, device, batch=4 if small else 64,
                                                   context=24 if small else 1024, repeats=1 if small else args.repeats,
-                                                  long_tokens=40 if small else 2146, short_tokens=6 if small else 150))
+                                                  long_tokens=40 if small else 2146, short_tokens=6 if small else 150,
+                                                  profile_path=args.profile))
         print(name, "isolated ms:", row["isolated"], flush=True)
         _write(args.out, result, row)
         if name in loop_shapes:
