@@ -28,10 +28,10 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_la
                tie_word_embeddings=True)
 LLAMA_WIDE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=4, num_heads=32,
                   num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
-TOL = {"fp16": 2e-2, "default": 3e-2}
-"""Absolute log-probability tolerance against the reference loop: the paged kernels and the reference cache
-round differently (fp16 pages; for ``default`` also the 8-/4-bit codes, where a one-code difference moves a
-logit by ~1e-2 after 30 layers). The test prints the largest difference it saw."""
+TOL = {"fp16": 2e-2, "default": 1e-3}
+"""Absolute log-probability tolerance. ``fp16``: against the reference loop, whose cache rounds differently from
+the paged kernels (fp16 pages; 1.6e-2 measured on the H200 at fca190a). ``default``: against the logits the
+sampler saw (only the log-softmax's own rounding). The test prints the largest difference it saw."""
 CHUNK_ATOL = 5e-2
 """Logits of chunked vs one-step prefill (docs/RUNTIME.md, "Exactness"): the chunks' attention runs on other
 shapes, and 30 peaked layers amplify its last-bit differences: ``fp16`` preset measured on the H200 at fca190a
@@ -117,30 +117,55 @@ def _check_entry(row, entry, token, tol, top):
     return worst
 
 
+def _recording_sampler(llm) -> dict:
+    """{request id: [fp32 logits row the sampler saw, one per token]} of every later ``sample_with_logprobs``."""
+    seen, sampler = {}, llm.executor.sampler
+    inner = sampler.sample_with_logprobs
+
+    def recording(logits, request_ids, histories, *args, **kwargs):
+        for row, rid in zip(logits.float().cpu(), request_ids):
+            seen.setdefault(rid, []).append(row)
+        return inner(logits, request_ids, histories, *args, **kwargs)
+
+    sampler.sample_with_logprobs = recording
+    return seen
+
+
 @pytest.mark.parametrize("name", ["fp16", "default"])
 def test_logprobs_equal_log_softmax_of_the_reference_logits_gpu(smollm2, name):
     """Greedy and sampled (temperature 0.8, top_k 40, presence 0.6, frequency 1.1) tokens with their top-5: the
-    log-probabilities the LLM returns equal log_softmax((reference logits - penalties) / temperature)."""
+    log-probabilities the LLM returns equal log_softmax((logits - penalties) / temperature). ``fp16``: the logits
+    of the reference-cache loop (the whole pipeline); ``default``: the logits the sampler saw, since the paged and
+    the reference cache may tier a token differently after a last-bit difference (see :data:`CHUNK_ATOL`) and
+    the decode logits then differ by more than any logprob tolerance."""
     kv, tol = get_preset(name), TOL[name]
     prompts = _prompts((9, 100, 300), SMOLLM2["vocab_size"])
     sampled = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, presence_penalty=0.6, frequency_penalty=1.1,
                              seed=11, logprobs=5)
     with _llm(smollm2, kv) as llm:
+        seen = _recording_sampler(llm)
         greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, logprobs=5))  # one batch
-        drawn = llm.generate(prompts[1], sampled).outputs[0]
+        drawn_out = llm.generate(prompts[1], sampled)
         again = llm.generate(prompts[1], sampled).outputs[0]
         assert _free(llm)
+    drawn = drawn_out.outputs[0]
+
+    def logits_of(out, prompt):
+        if kv.compress:
+            return torch.stack(seen[out.request_id])
+        return reference_logits(smollm2, kv, prompt, out.outputs[0].token_ids)
+
     worst = 0.0
     for prompt, out in zip(prompts, greedy):
         c = out.outputs[0]
-        ref = torch.log_softmax(reference_logits(smollm2, kv, prompt, c.token_ids), dim=-1)
-        assert len(c.logprobs) == len(c.token_ids) == 12
+        ref = torch.log_softmax(logits_of(out, prompt), dim=-1)
+        assert len(c.logprobs) == len(c.token_ids) == 12 == ref.shape[0]
         for row, token, entry in zip(ref, c.token_ids, c.logprobs):
             assert entry[token].rank == 1 and _rank_range(row, token, tol)[0] == 1  # greedy = the reference's top
             worst = max(worst, _check_entry(row, entry, token, tol, 5))
         assert c.cumulative_logprob == pytest.approx(sum(float(r[t]) for r, t in zip(ref, c.token_ids)),
                                                      abs=tol * len(ref))
-    logits = reference_logits(smollm2, kv, prompts[1], drawn.token_ids)
+    logits = logits_of(drawn_out, prompts[1])
     for i, (token, entry) in enumerate(zip(drawn.token_ids, drawn.logprobs)):
         counts = torch.bincount(torch.tensor(drawn.token_ids[:i], dtype=torch.long), minlength=logits.shape[1]).float()
         row = torch.log_softmax((logits[i] - 1.1 * counts - 0.6 * (counts > 0).float()) / 0.8, dim=-1)
