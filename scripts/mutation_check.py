@@ -300,6 +300,10 @@ MUTATIONS = [
       SCHEDULER_TESTS),
     m("runtime-fifo-rejects-waiting-head", SCHEDULER, "a head that waits for pages behind new admissions is rejected",
       [("if self.running or batch.context_requests:", "if self.running:")], SCHEDULER_TESTS),
+    m("runtime-chunks-a-prompt-one-step-holds", SCHEDULER, "a prompt one step could carry whole is chunked into "
+      "what earlier prompts left (a chunk step costs ~2.7x)",
+      [("                if n <= self.max_num_tokens - len(batch.generation_requests):\n",
+        "                if False:\n")], SCHEDULER_TESTS),
     m("runtime-preempt-forgets-output", SCHEDULER, "a preempted request re-prefills its prompt only (tokens lost)",
       [("request.prefill_token_ids = request.prompt_token_ids + request.output_token_ids",
         "request.prefill_token_ids = list(request.prompt_token_ids)")], SCHEDULER_TESTS),
@@ -366,6 +370,11 @@ MUTATIONS = [
     m("serve-chat-default-ignores-prompt", SERVER, "chat default max_tokens is max_seq_len (prompt not subtracted)",
       [("max(1, llm.max_seq_len - len(ids))", "max(1, llm.max_seq_len)")], SERVE_TESTS),
     # ------------------------------------------------------------------ paged: decisions, planning, moves, gather
+    m("paged-prefill-whole-beside-chunk-misplaced", PREFILL, "paged prefill: the whole prompts batched beside a chunk "
+      "take their neighbour's score rows",
+      [("keys.append(wk[a:b]), values.append(wv[a:b]), sums.append(ws[a:b])",
+        "keys.append(wk[a:b]), values.append(wv[a:b]), sums.append(ws[a:b].roll(1, 0))")],
+      ["test_chunked_prefill_cache.py::test_whole_prompts_beside_a_chunk_equal_an_unchunked_step"]),
     m("paged-prefill-window-off-by-one", PREFILL, "paged prefill: recent window one token short",
       [("window=t >= n_tok - W,", "window=t > n_tok - W,")], PAGED_TESTS),
     m("paged-prefill-counts-unclamped", PREFILL, "paged prefill: query counts not clamped to S",

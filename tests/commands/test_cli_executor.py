@@ -94,3 +94,23 @@ def test_console_entry_runs_the_executor_engine(checkpoint):
     assert "=== request 0:" in run.stdout and "3 generated (length)" in run.stdout
     assert "pool really used" in run.stdout and "Traceback" not in run.stderr
     assert "[trtllm-diffkv] engine: executor" in run.stderr
+
+
+def test_n_logprobs_and_penalty_flags(capsys, checkpoint):
+    """--n 3: three rows of request 0 (sequence 0..2), each the single run seeded by SamplingParams' child rule;
+    --logprobs 2: per generated token its logprob and the 2 most likely alternatives, summing to the cumulative."""
+    common = ["--model", str(checkpoint), "--json", "--prompt", "Tell me about the sea.", "--max-new-tokens", "6",
+              "--engine", "executor", "--temperature", "1.0", "--presence-penalty", "0.5", "--frequency-penalty", "0.3"]
+    code, rows, _ = _run(capsys, *common, "--n", "3", "--seed", "5", "--logprobs", "2")
+    assert code == 0 and [(r["request"], r["sequence"]) for r in rows] == [(0, 0), (0, 1), (0, 2)]
+    for i, row in enumerate(rows):
+        assert [e["token"] for e in row["logprobs"]] == row["token_ids"]
+        for e in row["logprobs"]:
+            assert len(e["top"]) == 2 and e["top"][0][1] >= e["top"][1][1] and e["logprob"] <= e["top"][0][1] + 1e-6
+        assert row["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in row["logprobs"]), abs=1e-4)
+        seed = (5 + i * 0x9E3779B97F4A7C15) % 2 ** 64
+        _, [alone], _ = _run(capsys, *common, "--seed", str(seed))
+        assert alone["token_ids"] == row["token_ids"] and "sequence" not in alone
+    code, _, out = _run(capsys, "--model", str(checkpoint), "--prompt", "hi", "--engine", "executor",
+                        "--presence-penalty", "3")
+    assert code == 2 and "--presence-penalty" in out

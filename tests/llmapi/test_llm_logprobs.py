@@ -177,5 +177,28 @@ def test_aborting_a_group_aborts_every_child_and_frees_the_pages(setup):
     final = group.result(timeout=120)
     assert [c.finish_reason for c in final.outputs] == ["cancelled"] * 4
     assert _free(llm)
-    streamed = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=4, n=2), streaming=True).result(timeout=60)
-    assert streamed.error.startswith("n=2 / best_of=None: the LLM API streams one sequence")
+    streamed = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=4, n=2, best_of=3),
+                                  streaming=True).result(timeout=60)
+    assert streamed.error.startswith("n=2 / best_of=3: best_of > n cannot stream")
+
+
+def test_a_streamed_group_concatenates_to_the_unstreamed_one(setup):
+    """n = 3 streamed: every update holds the 3 sequences (index 0..2); each index's token and text diffs
+    concatenate to its final ids and text, which equal the unstreamed group's with the same seed."""
+    _, _, llm = setup
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=99, logprobs=1)
+    want = llm.generate(PROMPTS[1], params)
+    group = llm.generate_async(PROMPTS[1], params, streaming=True)
+    assert isinstance(group, RequestGroup) and group.streaming
+    ids, logprobs, updates = [[] for _ in range(3)], [[] for _ in range(3)], list(group)
+    assert len(updates) > 1 and updates[-1].finished and not any(u.finished for u in updates[:-1])
+    for update in updates:
+        assert [c.index for c in update.outputs] == [0, 1, 2]
+        for c in update.outputs:
+            ids[c.index] += c.token_ids_diff
+            logprobs[c.index] += c.logprobs_diff or []
+    final = updates[-1]
+    assert ids == [c.token_ids for c in final.outputs] == [c.token_ids for c in want.outputs]
+    assert logprobs == [c.logprobs for c in want.outputs]
+    assert [c.cumulative_logprob for c in final.outputs] == [c.cumulative_logprob for c in want.outputs]
+    assert group.result() is final and _free(llm)

@@ -238,3 +238,32 @@ def _tiny_engine_config(tmp_path):
                         dtype="float16", max_batch_size=3, max_seq_len=96)
     return engine, engine_config(mc, shape, onnx_file=None, engine_file=None, targets=[],
                                  tensorrt_note="not built here")
+
+
+def test_penalties_and_log_probs_follow_the_reference_logits(setup):
+    """presence / frequency penalties and output_log_probs / output_cum_log_probs (TensorRT-LLM's generate
+    arguments): each greedy token is the argmax of the reference logits minus OpenAI's penalties over the tokens
+    generated before it, and its log-probability is log_softmax of those penalized logits."""
+    from test_llm_logprobs import TOL, reference_logits
+
+    runner, prompts, _ = setup
+    out = runner.generate(prompts, max_new_tokens=MAX_NEW, pad_id=PAD, presence_penalty=0.5, frequency_penalty=0.7,
+                          output_log_probs=True, output_cum_log_probs=True, output_sequence_lengths=True,
+                          return_dict=True)
+    assert out["log_probs"].shape == (4, 1, MAX_NEW) and out["cum_log_probs"].shape == (4, 1)
+    model = runner.llm.executor.model
+    for b, prompt in enumerate(prompts):
+        n = int(out["sequence_lengths"][b, 0]) - len(prompt)
+        tokens = out["output_ids"][b, 0, len(prompt):len(prompt) + n].tolist()
+        logits = reference_logits(model, get_preset("default"), prompt.tolist(), tokens)
+        for i, token in enumerate(tokens):
+            counts = torch.bincount(torch.tensor(tokens[:i], dtype=torch.long), minlength=logits.shape[1]).float()
+            row = torch.log_softmax(logits[i] - 0.7 * counts - 0.5 * (counts > 0).float(), dim=-1)
+            assert float(row[token]) >= float(row.max()) - TOL  # greedy over the penalized logits
+            assert float(out["log_probs"][b, 0, i]) == pytest.approx(float(row[token]), abs=TOL)
+        assert torch.all(out["log_probs"][b, 0, n:] == 0)
+        assert float(out["cum_log_probs"][b, 0]) == pytest.approx(float(out["log_probs"][b, 0].sum()), abs=1e-4)
+    with pytest.raises(ValueError, match="need return_dict=True"):
+        runner.generate(prompts, max_new_tokens=2, output_log_probs=True)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        runner.generate(prompts, max_new_tokens=2, presence_penalty=float("nan"))

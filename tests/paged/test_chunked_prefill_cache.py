@@ -10,7 +10,7 @@ import torch
 
 from chunked_prefill_cases import check_chunked_equals_unchunked, kv_config, make_cache, prefill, random_qkv
 from conftest import poison_prompt_staging
-from trtllm_diffkv.paged.cache import OutOfPagesError
+from trtllm_diffkv.paged.cache import OutOfPagesError, PagedDiffKVCache
 
 
 @pytest.mark.parametrize("name", ["fp16", "k8v4", "default", "llama3-8b", "k8v8"])
@@ -60,3 +60,38 @@ def test_unwritten_staging_rows_are_never_read(monkeypatch):
         outs = prefill(cache, random_qkv(100, device="cpu", dtype=torch.float32), 30)
         assert all(bool(torch.isfinite(o).all()) for o in outs)
         assert not bool(cache.error_flags.any())
+
+
+@pytest.mark.parametrize("name", ["default", "fp16"])
+def test_whole_prompts_beside_a_chunk_equal_an_unchunked_step(name):
+    """A step with a chunk runs its whole prompts as one prefill call (``paged/prefill.py``): two whole prompts
+    beside the first chunk of a third give the outputs, tier counts and decode reads of an unchunked step."""
+    from chunked_prefill_cases import SHAPE
+
+    config = kv_config(name)
+    lens = (70, 100, 90)
+    qkvs = [random_qkv(n, device="cpu", dtype=torch.float32, seed=s) for n, s in zip(lens, (3, 4, 5))]
+    caches = [PagedDiffKVCache(config, **SHAPE, num_pages=4096, max_slots=3, max_seq_len_tokens=128,
+                               max_num_tokens=256, device="cpu", dtype=torch.float32, high_tokens_per_page=16,
+                               use_triton=False, staging_limit_bytes=1 << 28) for _ in range(2)]
+    caches[0].plan([0, 1], [70, 100], [0, 0], [True, True])
+    caches[1].plan([0, 1, 2], [70, 100, 40], [0, 0, 0], [True] * 3, prompt_lens=list(lens))
+    assert caches[1].planned_step.prefill["whole"] is not None
+    outs = []
+    for cache, parts in zip(caches, ([0, 1], [0, 1, 2])):
+        layers = []
+        for layer in range(SHAPE["num_layers"]):
+            q, k, v = (torch.cat([qkvs[i][layer][j][:40 if i == 2 else None] for i in parts]) for j in range(3))
+            layers.append(cache.forward(layer, q, k, v)[:170].clone())
+        outs.append(layers)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for s in (0, 1):
+        assert torch.equal(caches[0].manager.tokens[s], caches[1].manager.tokens[s])
+    step = random_qkv(2, device="cpu", dtype=torch.float32, seed=9)
+    reads = []
+    for cache in caches:
+        cache.plan([0, 1], [71, 101], [70, 100], [False, False])
+        reads.append([cache.forward(layer, *x).clone() for layer, x in enumerate(step)])
+    for a, b in zip(*reads):
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())

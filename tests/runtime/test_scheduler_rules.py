@@ -139,3 +139,22 @@ def test_unschedule_restores_the_queue_order_of_a_refused_plan(num_new):
     again, _ = s.schedule()
     assert [r.request_id for r in again.context_requests] == names
 
+
+
+def test_a_prompt_one_step_can_hold_waits_for_it_instead_of_being_chunked():
+    """With chunked prefill, a prompt that fits a step beside the running decodes but not in what earlier prompts
+    left waits for the next step (whole); one longer than a step is still chunked at once."""
+    pool = CountingPool(num_pages=1000)
+    pool.staging_bytes_needed = lambda n: 0
+    pool.staging_free_bytes = lambda: 1 << 30
+    s = Scheduler(pool, max_batch_size=8, max_num_tokens=16)
+    _running(s, pool, {"dec": (2, 3, 1)})                    # one decode: 15 tokens left per step
+    for rid, n in (("a", 10), ("b", 10), ("long", 40)):
+        s.add(_request(rid, n))
+    batch, _ = s.schedule()
+    assert [(r.request_id, r.prefill_chunk_tokens) for r in batch.context_requests] == [("a", 10)]
+    assert [r.request_id for r in s.waiting] == ["b", "long"]  # b (10 <= 15) is not cut into 5 + 5
+    for r in batch.context_requests:                          # a's prefill ran: it decodes from now on
+        r.num_cached_tokens = r.prefill_chunk_tokens
+    batch, _ = s.schedule()
+    assert [(r.request_id, r.prefill_chunk_tokens) for r in batch.context_requests] == [("b", 10), ("long", 4)]

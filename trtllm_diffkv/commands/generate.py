@@ -119,6 +119,15 @@ def add_parser(subparsers) -> None:
                                                  "(default: unset = off)")
     gen.add_argument("--repetition-penalty", type=finite_float, default=1.0,
                      help="executor: CTRL/HF repetition penalty over prompt and output, 1 = off (default: 1.0)")
+    gen.add_argument("--presence-penalty", type=finite_float,
+                     help="executor: OpenAI's presence penalty in [-2, 2] over the generated tokens (default: off)")
+    gen.add_argument("--frequency-penalty", type=finite_float,
+                     help="executor: OpenAI's frequency penalty in [-2, 2] over the generated tokens (default: off)")
+    gen.add_argument("--logprobs", type=int, metavar="K",
+                     help="executor: report each generated token's log-probability and its K most likely "
+                          "alternatives, 0..20 (--json: a 'logprobs' list; text: the cumulative sum)")
+    gen.add_argument("--n", type=int, default=1,
+                     help="executor: sequences per prompt, independent seeds derived from --seed (default: 1)")
     gen.add_argument("--seed", type=int, help="executor: per-request sampling seed (default: none, unseeded)")
     gen.add_argument("--stop", action="append", help="executor: a stop string, cut from the text; repeat for "
                                                      "several (default: none)")
@@ -132,10 +141,14 @@ def _rate(value: float | None, spec: str, none: str) -> str:
     return none if value is None else f"{value:{spec}} tok/s"
 
 
-def _report(index: int, result, as_json: bool, streamed: bool = False) -> None:
+def _report(index: int, result, as_json: bool, streamed: bool = False, extra: dict | None = None) -> None:
+    """Print one result; ``extra``: executor fields beside it (``sequence`` with ``--n``, ``logprobs``)."""
+    extra = extra or {}
     if as_json:
-        print(json.dumps({"request": index, **result.to_json_dict()}), flush=True)
+        print(json.dumps({"request": index, **result.to_json_dict(), **extra}), flush=True)
         return
+    if "sequence" in extra:
+        index = f"{index}.{extra['sequence']}"
     if result.error:
         print(f"{chr(10) if streamed else ''}=== request {index}: ERROR: {result.error}", flush=True)
         return
@@ -157,6 +170,8 @@ def _report(index: int, result, as_json: bool, streamed: bool = False) -> None:
           f"{result.fp16_kv_cache_bytes:,} bytes){pool} | {tiers} | "
           f"prefill {_rate(result.prefill_tokens_per_s, ',.0f', 'n/a')}, "
           f"decode {_rate(result.decode_tokens_per_s, ',.1f', 'n/a (one token)')}", flush=True)
+    if extra.get("cumulative_logprob") is not None:
+        print(f"--- cumulative logprob {extra['cumulative_logprob']:.4f} over {len(extra['logprobs'])} tokens", flush=True)
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -203,8 +218,9 @@ def generate_command(args: argparse.Namespace) -> int:
         engine = pick_engine(args.engine, device)
         print(f"[trtllm-diffkv] engine: {engine}", file=sys.stderr, flush=True)
         if engine != "executor" and sampling is not None:
-            raise ValueError(f"--temperature/--top-k/--top-p/--repetition-penalty/--seed/--stop need --engine "
-                             f"executor (the {engine} engine decodes greedily)")
+            raise ValueError(f"--temperature/--top-k/--top-p/--repetition-penalty/--presence-penalty/"
+                             f"--frequency-penalty/--logprobs/--n/--seed/--stop need --engine executor (the {engine} "
+                             "engine decodes greedily)")
         if engine != "executor" and args.kv_memory_bytes is not None:
             raise ValueError("--kv-memory-bytes needs --engine executor")
         if engine == "executor":
@@ -222,7 +238,8 @@ def generate_command(args: argparse.Namespace) -> int:
         print(f"trtllm-diffkv: error: {type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError))
               else f"trtllm-diffkv: error: {exc}", file=sys.stderr)
         return 2
-    stream = engine == "executor" and not args.json and sys.stdout.isatty()  # a terminal: text as it comes
+    # a terminal: text as it comes (one sequence per prompt: the LLM API streams no n > 1 group)
+    stream = engine == "executor" and not args.json and sys.stdout.isatty() and args.n == 1
     if engine == "executor":
         results = _generate_in_flight(generator, prompts, sampling, args, stream=stream)
     elif engine == "paged":
@@ -234,8 +251,9 @@ def generate_command(args: argparse.Namespace) -> int:
     failed = 0
     try:
         for index, result in enumerate(results):
+            index, result, extra = result if isinstance(result, tuple) else (index, result, None)
             failed += result.error is not None
-            _report(index, result, args.json, streamed=stream)
+            _report(index, result, args.json, streamed=stream, extra=extra)
     finally:
         if engine == "executor":
             generator.shutdown()
@@ -279,12 +297,14 @@ def _sampling_params(args: argparse.Namespace):
     greedy defaults. Raises ValueError naming the bad flag."""
     from ..runtime.sampling import SamplingParams
 
-    if (args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.stop) == \
-            (None, None, None, 1.0, None, None):
+    if (args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed, args.stop,
+            args.presence_penalty, args.frequency_penalty, args.logprobs, args.n) == \
+            (None, None, None, 1.0, None, None, None, None, None, 1):
         return None
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            stop=args.stop)
+                            stop=args.stop, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs, n=args.n)
     try:
         params.validate()
     except ValueError as exc:
@@ -311,7 +331,7 @@ def _executor_llm(model, tokenizer, model_config, kv_config, args: argparse.Name
 def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace, stream: bool = False):
     """Submit every prompt to the executor at once (in-flight batching); yield results in the prompts' order.
     ``stream``: print each request's text to stdout as it is generated (``=== request i`` first), in order."""
-    from ..generation.results import PagedGenerationResult, result_from_fields
+    from ..generation.results import PagedGenerationResult
     from ..runtime.sampling import SamplingParams
 
     params = sampling or SamplingParams.greedy_params(args.max_new_tokens)
@@ -326,10 +346,28 @@ def _generate_in_flight(llm, prompts: list, sampling, args: argparse.Namespace, 
             print(f"=== request {index}:", flush=True)
             for partial in request:
                 print(partial.outputs[0].text_diff, end="", flush=True)
-        out = request.result()
-        done = out.outputs[0]
-        yield result_from_fields(**{
-            **(out.metrics or {}), "text": done.text, "token_ids": list(done.token_ids),
-            "generated_tokens": len(done.token_ids), "prompt_tokens": len(out.prompt_token_ids), "error": out.error,
-            "finish_reason": "error" if out.error else done.finish_reason,
+        # n > 1: each child request is one sequence, reported with its own metrics
+        children = getattr(request, "children", None)
+        for sequence, child in enumerate(children or [request]):
+            out = child.result()
+            done = out.outputs[0]
+            extra = {} if children is None else {"sequence": sequence}
+            if params.logprobs is not None:
+                extra["logprobs"] = [  # per token: its id, its logprob, the K most likely [id, logprob] by rank
+                    dict(token=t, logprob=entry[t].logprob,
+                         top=[[a, lp.logprob] for a, lp in sorted(entry.items(), key=lambda x: x[1].rank)
+                              [:params.logprobs]])
+                    for t, entry in zip(done.token_ids, done.logprobs or [])]
+                extra["cumulative_logprob"] = done.cumulative_logprob
+            yield index, _cli_result(out, done), extra
+
+
+def _cli_result(out, done):
+    """The :class:`GenerationResult` of one finished sequence (``out``: its request's final output)."""
+    from ..generation.results import result_from_fields
+
+    return result_from_fields(**{
+        **(out.metrics or {}), "text": done.text, "token_ids": list(done.token_ids),
+        "generated_tokens": len(done.token_ids), "prompt_tokens": len(out.prompt_token_ids), "error": out.error,
+        "finish_reason": "error" if out.error else done.finish_reason,
             "stop_token_id": done.stop_reason if isinstance(done.stop_reason, int) else None})

@@ -308,8 +308,9 @@ class LLM:
                        chat_template: bool = False, _listener=None) -> AsyncRequest | RequestGroup:
         """Submit one request; returns at once with its :class:`AsyncRequest` (never raises for the request's
         content: a bad prompt or bad sampling values finish it with ``error``). ``n > 1`` or ``best_of > 1``:
-        a :class:`RequestGroup` of independent child requests (seeds derived from the request's seed;
-        no streaming: ``streaming=True`` fails the request).
+        a :class:`RequestGroup` of independent child requests (seeds derived from the request's seed); it
+        streams all ``n`` sequences with ``streaming=True`` unless ``best_of > n`` (then the request fails:
+        the ``n`` best are known only at the end).
 
         Raises:
             RuntimeError: the LLM was shut down.
@@ -324,14 +325,19 @@ class LLM:
                 return RequestGroup([self.generate_async(prompt, child, chat_template=chat_template,
                                                          _listener=_listener) for child in params.child_params()],
                                     params)
+            if params.best_of in (None, params.n):
+                listener = queue.Queue()
+                return RequestGroup([self.generate_async(prompt, child, streaming=True, chat_template=chat_template,
+                                                         _listener=listener) for child in params.child_params()],
+                                    params, listener=listener)
         rid = next(self._ids)
         text = prompt if isinstance(prompt, str) else None
         try:
             if not isinstance(params, SamplingParams):  # before the prompt is tokenized
                 raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
             if streaming and params.num_sequences != 1:
-                raise ValueError(f"n={params.n} / best_of={params.best_of}: the LLM API streams one sequence "
-                                 "per request (use streaming=False, or the OpenAI server's stream)")
+                raise ValueError(f"n={params.n} / best_of={params.best_of}: best_of > n cannot stream (the n best "
+                                 "are known only at the end; use streaming=False)")
             ids = self.executor.check_request(self._prompt_ids(prompt, chat_template), params)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)

@@ -27,9 +27,9 @@ from ..runtime.sampling import is_neutral_value
 
 # TensorRT-LLM generate() arguments we accept only at their "off" value (anything else is refused).
 _OFF_VALUES = {"num_beams": (1,), "num_return_sequences": (None, 1), "length_penalty": (1.0,),
-               "early_stopping": (1, 0, False, True), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+               "early_stopping": (1, 0, False, True),
                "bad_words_list": (None,), "lora_uids": (None,), "prompt_table": (None,), "prompt_tasks": (None,),
-               "no_repeat_ngram_size": (None,), "output_log_probs": (False,), "output_cum_log_probs": (False,),
+               "no_repeat_ngram_size": (None,),
                "output_generation_logits": (False,), "medusa_choices": (None,), "min_length": (1, None),
                "max_attention_window_size": (None,), "sink_token_length": (None,),
                "return_all_generated_tokens": (False,), "input_token_extra_ids": (None,),
@@ -110,7 +110,8 @@ class ModelRunner:
                  pad_id: int | None = None, streaming: bool = False, temperature: float = 1.0, top_k: int = 1,
                  top_p: float = 0.0, repetition_penalty: float = 1.0, random_seed: int | None = None,
                  stop_words_list=None, output_sequence_lengths: bool = False, return_dict: bool = False,
-                 **kwargs):
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, output_log_probs: bool = False,
+                 output_cum_log_probs: bool = False, **kwargs):
         """Generate for a batch of token-id tensors (TensorRT-LLM ``ModelRunner.generate``).
 
         Args:
@@ -124,11 +125,17 @@ class ModelRunner:
             temperature, top_k, top_p: TensorRT-LLM ``SamplingConfig`` semantics: ``top_k == 1`` or
                 ``temperature == 0`` is greedy (the defaults: greedy); ``top_p == 0`` is off; ``top_k == 0``
                 with ``top_p == 0`` is greedy.
-            repetition_penalty: HF/CTRL rule (1 = off). random_seed: seeds every request's generator.
+            repetition_penalty: HF/CTRL rule (1 = off). presence_penalty, frequency_penalty: OpenAI's rule over
+                the generated tokens (0 = off; :class:`~trtllm_diffkv.runtime.sampling.SamplingParams`).
+                random_seed: seeds every request's generator.
             stop_words_list: per request, token sequences that end it (kept in the output, as
                 TensorRT-LLM does): a list (one per request) of lists of id lists, or TensorRT-LLM's
                 ``[batch, 2, len]`` word-list array (``to_word_list_format``).
             output_sequence_lengths, return_dict: as TensorRT-LLM (``{"output_ids", "sequence_lengths"}``).
+            output_log_probs: with ``return_dict``, ``"log_probs"``: float32 ``[batch, 1, max_new_tokens]``, each
+                kept generated token's log-probability (``log_softmax`` of the penalized logits / temperature,
+                the sampler's, docs/RUNTIME.md), 0 past the sequence's end.
+            output_cum_log_probs: with ``return_dict``, ``"cum_log_probs"``: float32 ``[batch, 1]``, their sum.
             **kwargs: other TensorRT-LLM arguments are accepted at their "off" value (``num_beams=1``,
                 ``bad_words_list=None``, ...) and refused otherwise.
 
@@ -153,7 +160,10 @@ class ModelRunner:
                 raise ValueError(f"{name}={value!r} must be a token id ({allowed})")
         no_end = end_id == -1  # TensorRT-LLM's convention: no end token, run to max_new_tokens
         end_id = None if no_end else end_id
-        params = self._params(max_new_tokens, end_id, temperature, top_k, top_p, repetition_penalty, random_seed)
+        if (output_log_probs or output_cum_log_probs) and not return_dict:
+            raise ValueError("output_log_probs / output_cum_log_probs need return_dict=True (they are dict entries)")
+        params = self._params(max_new_tokens, end_id, temperature, top_k, top_p, repetition_penalty, random_seed,
+                              presence_penalty, frequency_penalty, output_log_probs or output_cum_log_probs)
         if no_end:
             params = params.with_changes(ignore_eos=True)
         for index, ids in enumerate(inputs):  # TensorRT-LLM raises here too, before anything runs
@@ -164,7 +174,8 @@ class ModelRunner:
         pad = _first_not_none(pad_id, end_id, getattr(self.tokenizer, "pad_token_id", None),
                               getattr(self.tokenizer, "eos_token_id", None), 0)
         run = _BatchRun(self.llm, inputs, params, stops, end_id, pad, max_new_tokens)
-        shape = dict(output_sequence_lengths=output_sequence_lengths, return_dict=return_dict)
+        shape = dict(output_sequence_lengths=output_sequence_lengths, return_dict=return_dict,
+                     output_log_probs=output_log_probs, output_cum_log_probs=output_cum_log_probs)
         if streaming:
             return run.stream(**shape)
         return run.wait(**shape)
@@ -196,13 +207,15 @@ class ModelRunner:
             raise ValueError(f"batch_input_ids[{index}]: token id {bad[0]!r} is not an int in [0, {vocab})")
         return ids
 
-    def _params(self, max_new_tokens, end_id, temperature, top_k, top_p, repetition_penalty, random_seed):
+    def _params(self, max_new_tokens, end_id, temperature, top_k, top_p, repetition_penalty, random_seed,
+                presence_penalty=0.0, frequency_penalty=0.0, logprobs=False):
         from ..runtime.sampling import SamplingParams
 
         # every value is checked as given, also where greedy decoding will not use it (a bad input never runs)
         given = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=0.0 if top_p is None else top_p, repetition_penalty=repetition_penalty,
-                               seed=random_seed, stop_token_ids=None if end_id is None else [end_id],
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                               logprobs=0 if logprobs else None, seed=random_seed, stop_token_ids=None if end_id is None else [end_id],
                                ignore_eos=end_id is not None)
         given.validate(self.vocab_size)
         top_p_off = top_p is None or top_p == 0  # SamplingConfig's top_p=0 is "off", SamplingParams' is greedy
@@ -217,11 +230,12 @@ class _BatchRun:
 
     def __init__(self, llm: LLM, inputs, params, stops, end_id, pad_id, max_new_tokens):
         self.llm, self.inputs, self.stops, self.end_id, self.pad_id = llm, inputs, stops, end_id, pad_id
-        self.width = max(len(ids) for ids in inputs) + max_new_tokens
+        self.width, self.max_new_tokens = max(len(ids) for ids in inputs) + max_new_tokens, max_new_tokens
         self.events: queue.Queue = queue.Queue()
         self.requests = [llm.generate_async(ids, params, streaming=True, _listener=self.events) for ids in inputs]
         self.index = {r.request_id: i for i, r in enumerate(self.requests)}
         self.generated = [[] for _ in inputs]
+        self.logprobs = [[] for _ in inputs]  # per generated token its log-probability (when asked)
         self.done = [False] * len(inputs)
         self.errors: dict[int, str] = {}
 
@@ -252,6 +266,7 @@ class _BatchRun:
             out = request._poll()
             checked = len(self.generated[i])
             self.generated[i] = list(out.outputs[0].token_ids)
+            self.logprobs[i] = [entry[t].logprob for t, entry in zip(self.generated[i], out.outputs[0].logprobs or [])]
             if out.finished:
                 self._finish(i, out, checked)
             elif self._hit_stop_word(i, checked):
@@ -283,7 +298,8 @@ class _BatchRun:
             if not self.done[i] or not request.finished:
                 request.abort()
 
-    def _output(self, output_sequence_lengths: bool, return_dict: bool):
+    def _output(self, output_sequence_lengths: bool, return_dict: bool, output_log_probs: bool = False,
+                output_cum_log_probs: bool = False):
         if self.errors and all(self.done):
             first = min(self.errors)
             raise RuntimeError(f"request {first} of the batch failed: {self.errors[first]}"
@@ -299,6 +315,15 @@ class _BatchRun:
         out = {"output_ids": output_ids}
         if output_sequence_lengths:
             out["sequence_lengths"] = lengths
+        if output_log_probs or output_cum_log_probs:
+            kept = [lp[:len(ids)] for lp, ids in zip(self.logprobs, self.generated)]  # end id / stop word cut
+            if output_log_probs:
+                log_probs = torch.zeros((len(self.inputs), 1, self.max_new_tokens), dtype=torch.float32)
+                for i, values in enumerate(kept):
+                    log_probs[i, 0, :len(values)] = torch.tensor(values, dtype=torch.float32)
+                out["log_probs"] = log_probs
+            if output_cum_log_probs:
+                out["cum_log_probs"] = torch.tensor([[sum(values)] for values in kept], dtype=torch.float32)
         return out
 
 

@@ -351,8 +351,10 @@ class RequestGroup:
     independent child requests (:meth:`~trtllm_diffkv.runtime.sampling.SamplingParams.child_params`:
     seeds derived from the request's), each its own :class:`AsyncRequest` in :attr:`children`.
 
-    The same calls as :class:`AsyncRequest` without streaming: ``result(timeout)``, ``await``,
-    ``aresult()``, iteration (the final output only), ``abort()`` (every child: all their pages go back).
+    The same calls as :class:`AsyncRequest`: ``result(timeout)``, ``await``, ``aresult()``, iteration (the
+    final output only; with ``streaming``, one cumulative output of all ``n`` sequences each time any child
+    has new tokens, ``index`` 0 .. n - 1, each with its own ``*_diff`` since the previous one, then the final
+    output), ``abort()`` (every child: all their pages go back). Streaming needs ``best_of`` unset or ``n``.
     The final :class:`RequestOutput` holds ``n`` :class:`CompletionOutput` (``index`` 0 .. n - 1): with
     ``best_of > n`` the ``n`` children with the highest ``cumulative_logprob``, best first
     (:func:`~trtllm_diffkv.runtime.sampling.best_of_order`), else the children in order. A child that
@@ -361,12 +363,13 @@ class RequestGroup:
     Attributes:
         children: the child handles (``best_of`` of them), in seed order.
         request_id: the first child's id; prompt, prompt_token_ids, sampling_params (the request's).
+        streaming: whether iteration streams (``listener``: the queue.Queue the streaming children tell
+            their request id after every event).
     """
 
-    streaming = False
-
-    def __init__(self, children: list[AsyncRequest], sampling_params):
+    def __init__(self, children: list[AsyncRequest], sampling_params, listener=None):
         self.children, self.sampling_params = list(children), sampling_params
+        self.streaming, self._listener = listener is not None, listener
         first = self.children[0]
         self.request_id, self.prompt, self.prompt_token_ids = first.request_id, first.prompt, first.prompt_token_ids
         self._final: RequestOutput | None = None
@@ -406,6 +409,8 @@ class RequestGroup:
     def __next__(self) -> RequestOutput:
         if self._given:
             raise StopIteration
+        if self.streaming:
+            return self._next_streamed()
         self._given = True
         return self.result()
 
@@ -415,8 +420,23 @@ class RequestGroup:
     async def __anext__(self) -> RequestOutput:
         if self._given:
             raise StopAsyncIteration
+        if self.streaming:  # the children's events come through one thread-safe queue: wait for it off the loop
+            return await asyncio.get_running_loop().run_in_executor(None, self._next_streamed)
         self._given = True
         return await self.aresult()
+
+    def _next_streamed(self) -> RequestOutput:
+        """The next streamed output: wait until a child has an event, then every child's cumulative output."""
+        if not all(child.finished for child in self.children):
+            self._listener.get()
+            while not self._listener.empty():  # every event already waiting is in the snapshots below
+                self._listener.get_nowait()
+        snapshots = [child._poll() for child in self.children]
+        if all(child.finished for child in self.children):
+            self._given = True
+            return self._merge(snapshots)
+        outputs = [replace(snap.outputs[0], index=i) for i, snap in enumerate(snapshots)]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs, False)
 
     def _merge(self, finals: list[RequestOutput]) -> RequestOutput:
         if self._final is not None:

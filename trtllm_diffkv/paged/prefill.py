@@ -66,7 +66,7 @@ def plan_prefill(cache, step) -> None:
     for x in lens:
         cu_host.append(cu_host[-1] + x)
     step.prefill = dict(
-        slots=slots, cu=cu.to(torch.int32), cu_host=cu_host, req=req,
+        slots=slots, cu=host_bounds(cu_host, dev), cu_host=cu_host, req=req,
         t=t.to(torch.int32), count=torch.minimum(n_tok - t, torch.full_like(t, S)).float(), thr_h=thr_h, thr_l=thr_l,
         window=t >= n_tok - W, start=cu[req], row_base=slots[req] * cache.rows_per_slot,
         reserved=torch.tensor([cache.page_format.prompt_reserve_pages(x) for x in lens], dtype=torch.int64,
@@ -76,8 +76,33 @@ def plan_prefill(cache, step) -> None:
         chunked=any(a or b < n for a, b, n in zip(starts, ends, totals)), finishing=finishing,
         chunks=[(slots_host[i], starts[i], ends[i], totals[i], bounds[i], bounds[i + 1]) for i in range(n_pre)],
     )
+    if step.prefill["chunked"]:
+        _plan_whole_prompts(step.prefill, dev)
     for i in finishing:
         cache.prompt_len_device[slots_host[i]] = totals[i]
+
+
+def host_bounds(bounds: list[int], device: torch.device) -> torch.Tensor:
+    """int32 prompt boundaries on the host (pinned when ``device`` is CUDA): the prefill attention reads them
+    without waiting for the device queue and copies them to the device asynchronously, once per layer."""
+    t = torch.tensor(bounds, dtype=torch.int32)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def _plan_whole_prompts(p: dict, device: torch.device) -> None:
+    """A step with chunks: the whole prompts in it (``start == 0 and end == n``) run as one prefill attention
+    call over their packed rows (``p["whole"]``: the rows, their host bounds and each one's place), not one
+    call each."""
+    whole = [(cs, ce) for _, start, end, n, cs, ce in p["chunks"] if start == 0 and end == n]
+    if len(whole) < 2:
+        p["whole"] = None
+        return
+    bounds = [0]
+    for cs, ce in whole:
+        bounds.append(bounds[-1] + ce - cs)
+    rows = torch.cat([torch.arange(cs, ce) for cs, ce in whole]).to(device, non_blocking=device.type == "cuda")
+    p["whole"] = dict(rows=rows, cu=host_bounds(bounds, device), at={cs: (a, b) for (cs, _), a, b in
+                                                                        zip(whole, bounds[:-1], bounds[1:])})
 
 
 def prefill_layer(cache, step, layer, q, k, v, out) -> None:
@@ -103,7 +128,17 @@ def _chunk_attention(cache, p, layer, q, k, v, out):
     cfg, dev = cache.config, cache.device
     S = cfg.prompt_score_window_tokens
     keys, values, sums = [], [], []
+    whole = p["whole"]
+    if whole is not None:  # every whole prompt of the step in one call, as an unchunked step runs them
+        rows = whole["rows"]
+        wq, wk, wv = q[rows], k[rows], v[rows]
+        wo, ws = cache.prefill_attention(wq, wk, wv, whole["cu"], sm_scale=cache.sm_scale, num_scoring_queries=S)
+        out[rows] = wo
     for slot, start, end, n, cs, ce in p["chunks"]:
+        if start == 0 and end == n and whole is not None:
+            a, b = whole["at"][cs]
+            keys.append(wk[a:b]), values.append(wv[a:b]), sums.append(ws[a:b])
+            continue
         qi, ki, vi = q[cs:ce], k[cs:ce], v[cs:ce]
         if start == 0 and end == n:  # a whole prompt: the unchunked computation, bit for bit
             _, s = cache.prefill_attention(qi, ki, vi, torch.tensor([0, n], dtype=torch.int32), sm_scale=cache.sm_scale,

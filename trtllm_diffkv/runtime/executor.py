@@ -10,9 +10,9 @@
    pages; then prompts fill what is left of the step's ``max_num_tokens``: the half-prefilled ones
    first, then waiting requests admitted in FIFO order while the page manager allows, within
    ``max_batch_size`` (the free count: a lower bound from the last step's status, re-read only
-   when it refuses). With ``enable_chunked_prefill`` (default) a prompt that does not fit gets a
-   chunk and continues in later steps, its K/V kept at full precision until its final chunk
-   compacts it (:mod:`trtllm_diffkv.paged.staging`);
+   when it refuses). With ``enable_chunked_prefill`` (default) a prompt longer than a step can carry
+   beside the decodes gets a chunk and continues in later steps, its K/V kept at full precision until
+   its final chunk compacts it (:mod:`trtllm_diffkv.paged.staging`);
 3. ``prepare_resources``: ONE :meth:`PagedDiffKVCache.plan` (prefill requests first, then decode);
 4. ONE model call over the packed tokens (decode-only steps: one CUDA-graph replay with
    ``use_cuda_graphs``; the logits of the last token of each request, and of every prompt position
@@ -51,10 +51,11 @@ from .scheduler import Scheduler
 
 DEFAULT_MAX_NUM_TOKENS = 8192
 """Default ``max_num_tokens`` with chunked prefill: a step carries the running decodes and at most this many
-tokens in all (TensorRT-LLM's ``max_num_tokens`` default). Prompts up to the step's remaining tokens go whole;
-longer ones are chunked. Not vLLM's 2048: on the H200 (docs/SERVING.md, servers benchmark of 2026-12-02) a
-2048-token step halved the OpenAI server's throughput and raised its TTFT p99 3.7x on a workload with one
-~2k-token prompt in eight."""
+tokens in all (TensorRT-LLM's ``max_num_tokens`` default). Prompts that a step can carry beside the decodes go
+whole (waiting a step when earlier prompts used the room); longer ones are chunked. Not vLLM's 2048: on the
+H200 a step carrying a chunk cost ~2.7x one with the whole prompt (docs/PERFORMANCE.md, "Chunked prefill
+steps"), and a 2048-token step halved the OpenAI server's throughput and raised its TTFT p99 3.7x on a
+workload with one ~2k-token prompt in eight (docs/SERVING.md, servers benchmark of 2026-12-02)."""
 
 
 def prefill_chunk_positions(batch: ScheduledBatch) -> list[tuple[int, int]]:

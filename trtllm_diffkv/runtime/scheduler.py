@@ -13,8 +13,11 @@ manager's sizing rules, read through :class:`~.resource_manager.DiffKVResourceMa
 * chunked prefill (``enable_chunked_prefill``, TensorRT-LLM's and vLLM's order): the step's
   ``max_num_tokens`` go first to the running decodes (one token each), then to the prompts
   already half-prefilled (admission order; they hold their pages and staging), then to new
-  prompts. A prompt that does not fit in what is left gets a chunk of it and continues in the
-  next steps; it samples its first token after its final chunk. A half-prefilled prompt holds
+  prompts. A prompt longer than a step can carry beside the running decodes gets a chunk of what
+  is left and continues in the next steps; it samples its first token after its final chunk. A
+  prompt that one step could carry whole but that does not fit in what is left waits for the next
+  step instead (on the H200 a step with a chunk cost ~2.7x a step with the whole prompt,
+  docs/PERFORMANCE.md "Chunked prefill steps"). A half-prefilled prompt holds
   a slot and its whole prompt's reserve from its first chunk, counts among ``running`` (it is
   preempted like any other, newest first), and decodes nothing until it ends.
 * admission: unless a request was preempted in this step, waiting requests join in FIFO
@@ -139,6 +142,8 @@ class Scheduler:
             if chunk < n:
                 if not self.enable_chunked_prefill:
                     return  # waits until one step can take it whole
+                if n <= self.max_num_tokens - len(batch.generation_requests):
+                    return  # the next step can take it whole: a chunk step costs more (docs/PERFORMANCE.md)
                 staging += self.rm.staging_bytes_needed(n)
                 if staging > self.rm.staging_free_bytes():
                     return  # waits for staging room (or, if it fits one step, for a step that takes it whole)

@@ -1,0 +1,257 @@
+"""What a step with a prompt chunk costs next to an unchunked prefill and a decode-only step (issue 22).
+
+Random-weight bf16 models (:func:`trtllm_diffkv.evaluation.throughput.random_llama`), random prompt ids, the
+``default`` preset, the GPU executor (Triton kernels, CUDA-graph decode). Two measurements per model shape:
+
+* **isolated steps**: ``--batch`` - 1 requests decoding at ``--context`` tokens, then, repeated, one prompt
+  added and the steps until its first token timed (``torch.cuda.synchronize`` around each
+  :meth:`Executor.step`), the prompt aborted, one decode-only step timed. Cases: ``decode`` (decode-only),
+  ``short`` (a 150-token prompt whole), ``long_whole`` (a 2146-token prompt in one step, chunking off),
+  ``long_chunk1`` / ``long_chunk2`` (the same prompt at ``max_num_tokens`` 2048: its first chunk, then its
+  final chunk), ``two_short_chunked`` (two 150-token prompts whole in a step that also carries a chunk).
+* **closed loop** (``--closed-loop``): the servers benchmark's schedule without the servers: ``--concurrency``
+  requests always live (a finished one is replaced at once), prompt lengths of
+  ``benchmarks/prompts/humaneval_mixed_long.jsonl`` under the default model's tokenizer (one in eight ~2.2k
+  tokens), 128 greedy tokens each with ``ignore_eos``, at ``max_num_tokens`` 2048 (chunked), 8192 (chunked on,
+  no prompt chunked) and chunking off. Per config: output tokens/s, requests/s, executor TTFT p50/p99 (added
+  -> first token), and per step class (``decode``, ``prefill``: whole prompts only, ``chunk``: a step with a
+  chunk) the count and median / mean ms.
+
+Writes JSON (``--out``) and prints a table. ``--smoke``: a 2-layer model on the CPU, seconds. ``--profile FILE``:
+torch-profiler tables (top operators by host time) of one whole-prompt step and one final-chunk step.
+
+    python benchmarks/bench_mixed_step.py --out /tmp/mixed.json                 # H200: SmolLM2 + Llama-3-8B shapes
+    python benchmarks/bench_mixed_step.py --smoke --out /tmp/mixed.json         # CPU check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trtllm_diffkv.config import get_preset  # noqa: E402
+from trtllm_diffkv.evaluation.throughput import LLAMA3_8B_SHAPE, TINY_SHAPE, environment, random_llama  # noqa: E402
+from trtllm_diffkv.model import ModelConfig  # noqa: E402
+from trtllm_diffkv.runtime.executor import Executor  # noqa: E402
+from trtllm_diffkv.runtime.sampling import SamplingParams  # noqa: E402
+
+SMOLLM2_135M_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                          max_position_embeddings=8192, tie_word_embeddings=True)
+HUMANEVAL_MIXED_LONG_TOKENS = (132, 114, 95, 149, 2146, 114, 124, 212, 126, 195, 146, 165, 2197, 183, 83, 172)
+"""Prompt lengths of ``benchmarks/prompts/humaneval_mixed_long.jsonl`` under the default model's tokenizer."""
+
+
+def _ids(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _executor(model, config, device, *, batch, max_num_tokens, chunked, max_seq_len=8192):
+    kw = dict(kv_memory_fraction=0.5) if device.type == "cuda" else dict(kv_memory_bytes=64 << 20)
+    return Executor(model, config, get_preset("default"), max_batch_size=batch, max_num_tokens=max_num_tokens,
+                    enable_chunked_prefill=chunked, max_seq_len=max_seq_len, **kw)
+
+
+def _classify(ex, log: list) -> None:
+    """Record each step's class (decode / prefill / chunk) by wrapping the executor's one model call."""
+    forward = ex._forward
+
+    def recorded(batch, graphs=None):
+        chunk = any(r.num_cached_tokens or r.num_new_tokens < len(r.prefill_token_ids) for r in batch.context_requests)
+        log.append("chunk" if chunk else "prefill" if batch.context_requests else "decode")
+        return forward(batch, graphs)
+
+    ex._forward = recorded
+
+
+def _timed_step(ex, device) -> tuple[float, list]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    updates = ex.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t) * 1e3, updates
+
+
+def _profiled(ex, device, path: str | None, label: str):
+    """Time one step; with ``path``, under the torch profiler, its top operators by host time appended to ``path``."""
+    if path is None:
+        return _timed_step(ex, device)
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        result = _timed_step(ex, device)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    with open(path, "a") as f:
+        f.write(f"=== {label}: {result[0]:.1f} ms\n{table}\n")
+    return result
+
+
+def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146, short_tokens=150,
+             profile_path: str | None = None) -> dict:
+    """Median ms of each case (module docstring), ``batch - 1`` requests decoding at ``context`` tokens;
+    ``profile_path``: the last round's ``long_whole`` and ``long_chunk2`` steps profiled into that file."""
+    vocab, out = config.vocab_size, {}
+    background = SamplingParams(max_tokens=min(4096, config.max_position_embeddings - context - 64), temperature=0.0,
+                                ignore_eos=True)
+    for case_set, mnt, chunked in (("whole", 8192, False), ("chunked", 2048, True)):
+        ex = _executor(model, config, device, batch=batch, max_num_tokens=mnt, chunked=chunked)
+        for i in range(batch - 1):
+            ex.add_request(_ids(context, vocab, 100 + i), background)
+        for _ in range(3):
+            ex.step()
+        cases = ["decode", "short", "long_whole"] if case_set == "whole" else \
+            ["long_chunk1", "long_chunk2", "two_short_chunked"]
+        times = {c: [] for c in cases}
+        for r in range(repeats + 1):  # the first round warms up
+            record = r > 0
+            prof = profile_path if r == repeats else None
+            if case_set == "whole":
+                ms, _ = _timed_step(ex, device)
+                times["decode"].append(ms)
+                for case, n in (("short", short_tokens), ("long_whole", long_tokens)):
+                    rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
+                    ms, _ = _profiled(ex, device, prof if case == "long_whole" else None, case)
+                    times[case].append(ms)
+                    ex.abort(rid)
+                    ex.step()
+            else:
+                rid = ex.add_request(_ids(long_tokens, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
+                ms1, _ = _timed_step(ex, device)
+                ms2, _ = _profiled(ex, device, prof, "long_chunk2")
+                times["long_chunk1"].append(ms1)
+                times["long_chunk2"].append(ms2)
+                ex.abort(rid)
+                ex.step()
+                # a chunk (first of a long prompt) with two short prompts whole in the same step
+                ids = [ex.add_request(_ids(short_tokens, vocab, 50 + r), SamplingParams(max_tokens=8, temperature=0.0)),
+                       ex.add_request(_ids(short_tokens, vocab, 60 + r), SamplingParams(max_tokens=8, temperature=0.0)),
+                       ex.add_request(_ids(long_tokens, vocab, 70 + r), SamplingParams(max_tokens=8, temperature=0.0))]
+                ms, _ = _timed_step(ex, device)
+                times["two_short_chunked"].append(ms)
+                for rid in ids:
+                    ex.abort(rid)
+                ex.step()
+            if not record:
+                times = {c: [] for c in cases}
+        out.update({c: round(statistics.median(v), 3) for c, v in times.items()})
+        del ex
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def closed_loop(model, config, device, *, concurrency, num_requests, max_tokens, max_num_tokens, chunked,
+                lengths=HUMANEVAL_MIXED_LONG_TOKENS) -> dict:
+    """The servers benchmark's schedule on the executor alone (module docstring)."""
+    ex = _executor(model, config, device, batch=concurrency, max_num_tokens=max_num_tokens, chunked=chunked)
+    log, vocab = [], config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sent, added, ttft, done, step_ms, errors = 0, {}, [], 0, [], 0
+
+    def send():
+        nonlocal sent
+        rid = ex.add_request(_ids(lengths[sent % len(lengths)], vocab, sent), params)
+        added[rid] = time.perf_counter()
+        sent += 1
+
+    for _ in range(min(concurrency, num_requests)):
+        send()
+    _classify(ex, log)
+    t0 = time.perf_counter()
+    while done < num_requests:
+        ms, updates = _timed_step(ex, device)
+        step_ms.append(ms)
+        now = time.perf_counter()
+        for u in updates:
+            if u.request_id in added and u.new_token_ids:
+                ttft.append((now - added.pop(u.request_id)) * 1e3)
+            if u.finished:
+                done += 1
+                errors += u.finish_reason == "error"
+                if sent < num_requests:
+                    send()
+    wall = time.perf_counter() - t0
+    ttft.sort()
+    row = dict(max_num_tokens=max_num_tokens, chunked=chunked, requests=num_requests, wall_s=round(wall, 3),
+               output_tokens_per_s=round(num_requests * max_tokens / wall, 1), requests_per_s=round(num_requests / wall, 2),
+               ttft_p50_ms=round(ttft[len(ttft) // 2], 1), ttft_p99_ms=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
+               steps=len(step_ms), errors=errors)
+    for cls in ("decode", "prefill", "chunk"):
+        ms = [m for m, c in zip(step_ms, log) if c == cls]
+        row[cls] = dict(count=len(ms), median_ms=round(statistics.median(ms), 3) if ms else None,
+                        mean_ms=round(statistics.fmean(ms), 3) if ms else None, total_s=round(sum(ms) / 1e3, 3))
+    del ex
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--shapes", default="smollm2,llama3-8b")
+    parser.add_argument("--closed-loop", default="smollm2", help="shapes that also run the closed loop")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--profile", help="write torch-profiler tables of one whole-prompt step and one final-chunk "
+                                          "step (the last isolated round) to this file")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shapes = {"smollm2": SMOLLM2_135M_SHAPE, "llama3-8b": LLAMA3_8B_SHAPE}
+    if args.smoke:
+        shapes = {"tiny": dict(TINY_SHAPE)}
+        wanted, loop_shapes = ["tiny"], ["tiny"]
+    else:
+        wanted, loop_shapes = args.shapes.split(","), args.closed_loop.split(",")
+    result = dict(environment(), command=" ".join(sys.argv), commit=os.environ.get("DIFFKV_COMMIT"), rows=[])
+    for name in wanted:
+        config = ModelConfig(**shapes[name])
+        model = random_llama(config, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        small = args.smoke
+        row = dict(shape=name, isolated=isolated(model, config, device, batch=4 if small else 64,
+                                                  context=24 if small else 1024, repeats=1 if small else args.repeats,
+                                                  long_tokens=40 if small else 2146, short_tokens=6 if small else 150,
+                                                  profile_path=args.profile))
+        print(name, "isolated ms:", row["isolated"], flush=True)
+        _write(args.out, result, row)
+        if name in loop_shapes:
+            row["closed_loop"] = []
+            for mnt, chunked in ((2048, True), (8192, True), (8192, False)):
+                if small:
+                    mnt = mnt // 128
+                loop = closed_loop(model, config, device, concurrency=4 if small else 64,
+                                   num_requests=8 if small else args.num_requests, max_tokens=4 if small else 128,
+                                   max_num_tokens=mnt, chunked=chunked,
+                                   lengths=(5, 9, 30, 6) if small else HUMANEVAL_MIXED_LONG_TOKENS)
+                row["closed_loop"].append(loop)
+                print(name, "closed loop:", loop, flush=True)
+                _write(args.out, result, row)
+        _write(args.out, result, row)
+        result["rows"].append(row)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _write(args.out, result)
+    return 0
+
+
+def _write(path: str, result: dict, partial_row: dict | None = None) -> None:
+    """Write the results so far (a run cut by a time limit keeps its finished parts)."""
+    with open(path, "w") as f:
+        json.dump(dict(result, rows=result["rows"] + ([partial_row] if partial_row else [])), f, indent=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
