@@ -1,7 +1,7 @@
 """``key_rotation="hadamard"`` on CUDA: the executor (Triton kernels, CUDA graphs) with rotation.
 
-Run on the device: ``python3 -m pytest -q -s -m gpu tests/runtime/test_key_rotation_gpu.py``. Not yet
-run on a GPU (written on the CPU machine; the CPU counterparts are in tests/model/test_key_rotation.py).
+Run on the device: ``python3 -m pytest -q -s -m gpu tests/runtime/test_key_rotation_gpu.py`` (H200, commit
+f1fa164, 2026-12-02: 2 passed). The CPU counterparts are in tests/model/test_key_rotation.py.
 """
 import pytest
 import torch
