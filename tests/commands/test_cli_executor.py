@@ -114,3 +114,6 @@ def test_n_logprobs_and_penalty_flags(capsys, checkpoint):
     code, _, out = _run(capsys, "--model", str(checkpoint), "--prompt", "hi", "--engine", "executor",
                         "--presence-penalty", "3")
     assert code == 2 and "--presence-penalty" in out
+    code, _, out = _run(capsys, "--model", str(checkpoint), "--prompt", "hi", "--engine", "executor",
+                        "--n", "100000000")  # refused at once (it hung building 10**8 child requests)
+    assert code == 2 and "--n: n must be an int >= 1, at most 256" in out

@@ -598,3 +598,18 @@ def test_child_seeds_are_the_documented_rule():
     assert all(c.n == 1 and c.best_of is None and c.logprobs == 0 for c in children)  # best_of needs logprobs
     assert [c.seed for c in SamplingParams(n=2).child_params()] == [None, None]
     assert SamplingParams(n=2, logprobs=None).child_params()[0].logprobs is None
+
+
+def test_sequence_counts_are_bounded_before_any_child_is_built():
+    """``n`` / ``best_of`` above MAX_SEQUENCES (256, each one executor request) are refused by name in
+    ``validate``, so no entry point (LLM API, CLI ``--n``, servers) builds 10**9 children before checking
+    (``--n 100000000`` hung the generate CLI)."""
+    from trtllm_diffkv.runtime.sampling import MAX_SEQUENCES
+
+    assert MAX_SEQUENCES == 256
+    SamplingParams(n=MAX_SEQUENCES).validate()
+    SamplingParams(n=2, best_of=MAX_SEQUENCES).validate()
+    for bad, name in ((dict(n=MAX_SEQUENCES + 1), "n"), (dict(n=10 ** 12), "n"),
+                      (dict(n=2, best_of=MAX_SEQUENCES + 1), "best_of"), (dict(best_of=10 ** 12), "best_of")):
+        with pytest.raises(ValueError, match=f"^{name} must be .*{MAX_SEQUENCES}"):
+            SamplingParams(**bad).validate()

@@ -147,7 +147,7 @@ def test_n_fans_out_into_seeded_requests_prompt_by_prompt(app):
     two = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "n": 2}).json()["usage"]
     assert two["prompt_tokens"] == one["prompt_tokens"] and two["completion_tokens"] == 2 * one["completion_tokens"]
     del llm.calls[:]
-    for body, param in (({"n": 257}, "n"), ({"n": 2, "best_of": 257}, "best_of")):
+    for body, param in (({"n": 257}, "n"), ({"n": 2, "best_of": 257}, "best_of"), ({"n": 10 ** 12}, "n")):
         answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
     for field in ("best_of", "echo"):

@@ -46,6 +46,10 @@ GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (see :attr:`SamplingParams.greedy`)."""
 PENALTY_RANGE = (-2.0, 2.0)
 """Allowed presence and frequency penalties (OpenAI's API reference: "Number between -2.0 and 2.0")."""
+MAX_SEQUENCES = 256
+"""Most sequences one request may run (``best_of``, else ``n``): each is one executor request, built by
+:meth:`SamplingParams.child_params` only after :meth:`SamplingParams.validate` bounds the count (an unbounded
+``n`` of 10**9 hung the caller building its children)."""
 MAX_LOGPROBS = 20
 """Most top log-probabilities a token may ask for (``logprobs``, ``prompt_logprobs``; OpenAI's chat
 ``top_logprobs`` limit, vLLM's default ``max_logprobs``)."""
@@ -314,9 +318,9 @@ class SamplingParams:
             if value is not None:
                 _check_float(name, value, isinstance(value, (int, float)) and -2 <= value <= 2,
                              "in [-2, 2] (0 = off) or None")
-        _check_int("n", self.n, 1, None, "an int >= 1")
+        _check_int("n", self.n, 1, MAX_SEQUENCES, f"an int >= 1, at most {MAX_SEQUENCES}")
         if self.best_of is not None:
-            _check_int("best_of", self.best_of, self.n, None, f"None or an int >= n ({self.n})")
+            _check_int("best_of", self.best_of, self.n, MAX_SEQUENCES, f"None or an int >= n ({self.n}), at most {MAX_SEQUENCES}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,

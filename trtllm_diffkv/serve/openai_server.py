@@ -68,8 +68,6 @@ MAX_BODY_BYTES = 8 << 20
 """Request bodies above this many bytes get a 413 (``trtllm-diffkv serve --max-body-bytes``); 8 MiB holds
 a prompt filling a 128k-token context several times over."""
 SHUTDOWN_MESSAGE = "the server is shutting down"
-MAX_SEQUENCES = 256
-"""Most sequences one prompt may run (``best_of``, else ``n``): each is one executor request."""
 MAX_REQUEST_SEQUENCES = 4096
 """Most sequences one request may run over all its prompts (prompts x ``best_of``/``n``), checked before
 anything is queued: 1,000 prompts x ``n`` 256 would queue 256,000 executor requests."""
@@ -461,10 +459,7 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
         params = _sampling_params(body, 1 if prompt_only else 16 if body.max_tokens is None else body.max_tokens)
         if body.stream and params.num_sequences > params.n:
             raise BadRequest("'best_of' > 'n' cannot be streamed (the best are known at the end)", "best_of")
-        children = params.child_params()
-        if len(children) > MAX_SEQUENCES:
-            raise BadRequest(f"{'best_of' if body.best_of is not None else 'n'} = {len(children)} exceeds "
-                             f"{MAX_SEQUENCES} sequences per prompt", "n" if body.best_of is None else "best_of")
+        children = params.child_params()  # at most MAX_SEQUENCES: _sampling_params validated n and best_of
         if len(prompts) * len(children) > MAX_REQUEST_SEQUENCES:
             raise BadRequest(f"{len(prompts)} prompts x {len(children)} sequences = {len(prompts) * len(children)} "
                              f"exceeds {MAX_REQUEST_SEQUENCES} sequences per request",
@@ -528,8 +523,6 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
         params = _sampling_params(body, 1)  # refuses unsupported fields before the chat template runs
         _check_prompt_chars(llm, [m.content if isinstance(m.content, str) else json.dumps(m.content)
                                   for m in body.messages], "messages")
-        if params.n > MAX_SEQUENCES:
-            raise BadRequest(f"n = {params.n} exceeds {MAX_SEQUENCES} sequences per prompt", "n")
         ids = await asyncio.to_thread(_chat_prompt_ids, llm, body)  # the template and tokenizer: off the loop
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max(1, llm.max_seq_len - len(ids)) if max_tokens is None else max_tokens)
