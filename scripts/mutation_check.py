@@ -58,6 +58,7 @@ SCHEDULER = "trtllm_diffkv/runtime/scheduler.py"
 EXECUTOR = "trtllm_diffkv/runtime/executor.py"
 RESOURCES = "trtllm_diffkv/runtime/resource_manager.py"
 SAMPLING = "trtllm_diffkv/runtime/sampling.py"
+OUTPUTS = "trtllm_diffkv/llmapi/outputs.py"
 STOPS = "trtllm_diffkv/runtime/stop_checker.py"
 SERVER = "trtllm_diffkv/serve/openai_server.py"
 PROTOCOL = "trtllm_diffkv/serve/openai_protocol.py"
@@ -314,6 +315,12 @@ MUTATIONS = [
       [("if n + params.max_tokens > self.max_seq_len:", "if n + params.max_tokens >= self.max_seq_len:")],
       EXECUTOR_TESTS),
     # ------------------------------------------------------------------ runtime: sampler (survivor 1) and stops
+    m("runtime-n-unbounded", SAMPLING, "n has no upper bound: n = 10**9 builds 10**9 children before any check",
+      [('_check_int("n", self.n, 1, MAX_SEQUENCES,', '_check_int("n", self.n, 1, None,')],
+      ["test_sampling.py::test_sequence_counts_are_bounded_before_any_child_is_built"]),
+    m("runtime-group-stream-repeats-ended", OUTPUTS, "a streamed n > 1 group repeats a finished sequence's last "
+      "diffs in every later update", [("            if i in self._ended:\n", "            if False:\n")],
+      ["test_llm_logprobs.py::test_a_streamed_group_reports_a_finished_sequence_once"]),
     m("runtime-top-p-boundary-strict", SAMPLING, "top-p keeps a token whose cumulative mass equals 1 - top_p (< not <=)",
       [("drop_sorted = cumulative <= (1 - top_p)", "drop_sorted = cumulative < (1 - top_p)")], SAMPLING_TESTS),
     m("runtime-top-p-may-drop-all", SAMPLING, "top-p may drop the most likely token too",

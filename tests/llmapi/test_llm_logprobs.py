@@ -202,3 +202,23 @@ def test_a_streamed_group_concatenates_to_the_unstreamed_one(setup):
     assert logprobs == [c.logprobs for c in want.outputs]
     assert [c.cumulative_logprob for c in final.outputs] == [c.cumulative_logprob for c in want.outputs]
     assert group.result() is final and _free(llm)
+
+
+def test_a_streamed_group_reports_a_finished_sequence_once(setup):
+    """Sequences of one streamed group that end at different steps (stop ids: every third id): a sequence that
+    ended in an earlier update has empty diffs in every later one, so each index's diffs still concatenate to its
+    final ids and logprobs (a finished child's last diffs were repeated in every later update)."""
+    model, _, llm = setup
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=99, logprobs=1,
+                            stop_token_ids=list(range(0, model.config.vocab_size, 3)))
+    want = llm.generate(PROMPTS[0], params)
+    assert len({len(c.token_ids) for c in want.outputs}) > 1  # they do end at different steps
+    ids, logprobs = [[] for _ in range(3)], [[] for _ in range(3)]
+    for update in llm.generate_async(PROMPTS[0], params, streaming=True):
+        for c in update.outputs:
+            ids[c.index] += c.token_ids_diff
+            logprobs[c.index] += c.logprobs_diff or []
+    assert ids == [c.token_ids for c in update.outputs] == [c.token_ids for c in want.outputs]
+    assert logprobs == [c.logprobs for c in want.outputs]
+    assert [c.finish_reason for c in update.outputs] == [c.finish_reason for c in want.outputs]
+    assert _free(llm)

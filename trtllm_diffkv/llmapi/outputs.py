@@ -374,6 +374,7 @@ class RequestGroup:
         self.request_id, self.prompt, self.prompt_token_ids = first.request_id, first.prompt, first.prompt_token_ids
         self._final: RequestOutput | None = None
         self._given = False
+        self._ended: set[int] = set()  # streaming: the children whose final output an update already held
 
     @property
     def finished(self) -> bool:
@@ -432,10 +433,17 @@ class RequestGroup:
             while not self._listener.empty():  # every event already waiting is in the snapshots below
                 self._listener.get_nowait()
         snapshots = [child._poll() for child in self.children]
+        outputs = []
+        for i, snap in enumerate(snapshots):
+            out = snap.outputs[0]  # a child's final output is the same object from its end on: its diffs are old
+            if i in self._ended:
+                out = replace(out, text_diff="", token_ids_diff=[],
+                              logprobs_diff=None if out.logprobs_diff is None else [])
+            outputs.append(replace(out, index=i))
+        self._ended.update(i for i, snap in enumerate(snapshots) if snap.finished)
         if all(child.finished for child in self.children):
             self._given = True
-            return self._merge(snapshots)
-        outputs = [replace(snap.outputs[0], index=i) for i, snap in enumerate(snapshots)]
+            return self._merge([replace(snap, outputs=[out]) for snap, out in zip(snapshots, outputs)])
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs, False)
 
     def _merge(self, finals: list[RequestOutput]) -> RequestOutput:
