@@ -305,6 +305,10 @@ MUTATIONS = [
       "what earlier prompts left (a chunk step costs ~2.7x)",
       [("                if n <= self.max_num_tokens - len(batch.generation_requests):\n",
         "                if False:\n")], SCHEDULER_TESTS),
+    m("runtime-whole-wait-ignores-decodes", SCHEDULER, "the whole-prompt wait compares with max_num_tokens, not "
+      "what a step leaves beside the decodes (the head idles behind decode-only steps)",
+      [("                if n <= self.max_num_tokens - len(batch.generation_requests):\n",
+        "                if n <= self.max_num_tokens:\n")], SCHEDULER_TESTS),
     m("runtime-preempt-forgets-output", SCHEDULER, "a preempted request re-prefills its prompt only (tokens lost)",
       [("request.prefill_token_ids = request.prompt_token_ids + request.output_token_ids",
         "request.prefill_token_ids = list(request.prompt_token_ids)")], SCHEDULER_TESTS),

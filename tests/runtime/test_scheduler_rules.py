@@ -158,3 +158,46 @@ def test_a_prompt_one_step_can_hold_waits_for_it_instead_of_being_chunked():
         r.num_cached_tokens = r.prefill_chunk_tokens
     batch, _ = s.schedule()
     assert [(r.request_id, r.prefill_chunk_tokens) for r in batch.context_requests] == [("b", 10), ("long", 4)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_waiting_head_waits_only_behind_work_and_every_prompt_runs(seed):
+    """No starvation from the whole-prompt wait: under random traffic (prompts of 1 .. 3 steps' tokens arriving
+    while others decode), a queue head is left waiting with free pages and slots only in a step whose budget went
+    to work ahead of it (half-prefilled prompts, prompts admitted before it); FIFO, so no later prompt runs first;
+    and every request ends. A rule that ignored the decodes (``n <= max_num_tokens``) idles such a head in steps
+    of decodes alone for as long as they run."""
+    import random
+
+    rng = random.Random(seed)
+    M = rng.choice([8, 16, 33])
+    pool = CountingPool(num_pages=10 ** 6)
+    pool.staging_bytes_needed = lambda n: 0
+    pool.staging_free_bytes = lambda: 1 << 30
+    s = Scheduler(pool, max_batch_size=4, max_num_tokens=M)
+    out_len, order, started, next_id = {}, [], [], 0
+    for step in range(3000):
+        if step < 60 and rng.random() < 0.5:
+            n = rng.choice([1, M // 2, M - 3, M - 1, M, M + 1, 3 * M, rng.randint(1, 3 * M)])
+            r = _request(next_id, max(1, n))
+            out_len[next_id], next_id = rng.randint(1, 40), next_id + 1
+            order.append(r.request_id)
+            s.add(r)
+        if step >= 60 and not s.waiting and not s.running:
+            break
+        head = s.waiting[0] if s.waiting else None
+        batch, rejected = s.schedule()
+        assert rejected == []
+        new = [r for r in batch.context_requests if r.num_cached_tokens == 0]
+        started += [r.request_id for r in new]
+        if head is not None and head not in new and len(s.running) < s.max_batch_size:
+            assert batch.context_requests, f"step {step}: head {head.request_id} waits in a step with no prefill"
+        for r in batch.context_requests:
+            r.num_cached_tokens += r.prefill_chunk_tokens
+            r.slot, pool.held[r.request_id] = 0, 1
+        for r in batch.generation_requests + [r for r in new if not r.prefill_in_progress]:
+            r.output_token_ids.append(1)
+            r.num_cached_tokens += r in batch.generation_requests
+            if len(r.output_token_ids) >= out_len[r.request_id]:
+                s.remove(r)
+    assert not s.waiting and not s.running and started == order  # all ran, in arrival order
