@@ -222,3 +222,15 @@ def test_a_streamed_group_reports_a_finished_sequence_once(setup):
     assert logprobs == [c.logprobs for c in want.outputs]
     assert [c.finish_reason for c in update.outputs] == [c.finish_reason for c in want.outputs]
     assert _free(llm)
+
+
+def test_a_bad_streamed_group_fails_with_its_own_error(setup):
+    """streaming=True with n > 1 and a bad value fails naming that value, not "best_of > n cannot stream" (the
+    streaming check ran before validation and named the wrong cause once n > 1 could stream)."""
+    _, _, llm = setup
+    for params, want in ((SamplingParams(max_tokens=4, n=2, temperature=-1.0), "temperature must be"),
+                         (SamplingParams(max_tokens=4, n=300), "n must be an int >= 1, at most 256"),
+                         (SamplingParams(max_tokens=4, n=2, best_of=3), "n=2 / best_of=3: best_of > n cannot stream")):
+        out = llm.generate_async(PROMPTS[0], params, streaming=True).result(timeout=60)
+        assert out.error.startswith(want), out.error
+    assert _free(llm)

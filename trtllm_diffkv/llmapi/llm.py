@@ -335,10 +335,10 @@ class LLM:
         try:
             if not isinstance(params, SamplingParams):  # before the prompt is tokenized
                 raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-            if streaming and params.num_sequences != 1:
+            ids = self.executor.check_request(self._prompt_ids(prompt, chat_template), params)  # validates params
+            if streaming and params.num_sequences != 1:  # valid with n > 1 here: only best_of > n
                 raise ValueError(f"n={params.n} / best_of={params.best_of}: best_of > n cannot stream (the n best "
                                  "are known only at the end; use streaming=False)")
-            ids = self.executor.check_request(self._prompt_ids(prompt, chat_template), params)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)
             request._channel.put(_Event([], True, "error", _message(exc)))
