@@ -49,11 +49,41 @@ def test_rotations_are_seeded_orthogonal_hadamards():
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])
-def test_non_power_of_two_head_dims_are_refused_by_name(head_dim):
-    with pytest.raises(ValueError, match=f"key_rotation='hadamard'.*head_dim={head_dim}"):
-        DiffKVConfig(**ROT).validate_for_model(head_dim, 8, 2)
-    with pytest.raises(ValueError, match=f"head_dim={head_dim}"):
-        key_rotation_matrices(1, 1, head_dim)
+def test_non_power_of_two_head_dims_get_exact_hadamard_rotations(head_dim):
+    """80 and 96 (Paley's construction): entries +-1/sqrt(head_dim), orthogonal to fp32 rounding, seeded."""
+    h = hadamard_matrix(head_dim)
+    assert torch.equal(h @ h.T, head_dim * torch.eye(head_dim)) and set(h.unique().tolist()) == {-1.0, 1.0}
+    DiffKVConfig(**ROT).validate_for_model(head_dim, 8, 2)  # no refusal
+    r = key_rotation_matrices(2, 2, head_dim, seed=3)
+    eye = torch.eye(head_dim).expand(2, 2, head_dim, head_dim)
+    torch.testing.assert_close(r @ r.transpose(-1, -2), eye, atol=1e-6, rtol=0)
+    torch.testing.assert_close(r.abs(), torch.full_like(r, head_dim ** -0.5), atol=1e-7, rtol=0)
+    assert torch.equal(r, key_rotation_matrices(2, 2, head_dim, seed=3)) and not torch.equal(r[0, 0], r[0, 1])
+
+
+def test_head_dims_without_a_rotation_are_refused_by_name():
+    with pytest.raises(ValueError, match="head_dim=72"):  # not a supported head_dim: the config names it
+        DiffKVConfig(**ROT).validate_for_model(72, 8, 2)
+    with pytest.raises(ValueError, match="head_dim=100: no Hadamard"):
+        hadamard_matrix(100)
+
+
+def test_rotations_of_a_rank_are_the_global_heads_rows():
+    full = key_rotation_matrices(2, 4, 64, seed=7)
+    assert torch.equal(key_rotation_matrices(2, 2, 64, seed=7, first_kv_head=2), full[:, 2:])
+
+
+def test_fp16_at_head_dim_80_with_rotation_equals_without():
+    """The default (rotated) runs at head_dim 80: under ``fp16`` rotated attention equals unrotated."""
+    model = random_llama(4, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=80, hidden_size=96,
+                         intermediate_size=128, vocab_size=128).to(torch.float16)
+    fp16 = get_preset("fp16")
+    prompt, forced = [t % 128 for t in _prompt(24, 7)], [t % 128 for t in _prompt(6, 8)]
+    want = teacher_forced_logits(ReferenceGenerator(model, None, model.config, fp16), prompt, forced)
+    got = teacher_forced_logits(ReferenceGenerator(model, None, model.config, fp16.replace(**ROT)), prompt, forced)
+    assert model_for_kv_config(model, fp16.replace(**ROT)).model.layers[0].self_attn.key_rotation.shape == (2, 80, 80)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    assert _executor_tokens(model, get_preset("default"), prompt, 4)  # the default preset runs there
 
 
 def test_backend_sees_rotated_q_k_v_and_the_output_is_unchanged():
