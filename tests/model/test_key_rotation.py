@@ -203,3 +203,47 @@ def test_onnx_graphs_refuse_pooling_by_name(model):
     for graph, phase in (("composite", None), ("per-op", "decode")):
         with pytest.raises(ValueError, match="score_pool_tokens=5"):
             export_onnx(model, cfg, max_positions=32, graph=graph, phase=phase)
+
+
+def test_in_place_rotation_equals_the_copy_and_keeps_one_set_of_weights():
+    """``rotate_model_`` (the product's own model) computes what ``rotate_model`` does, without a second copy."""
+    from trtllm_diffkv.model.rotation import rotate_model_
+
+    src = random_llama(5, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128,
+                       intermediate_size=256, vocab_size=128, qkv_bias=True, architecture="Qwen2ForCausalLM")
+    copy = rotate_model(src, seed=2)
+    ids, pos = torch.tensor(_prompt(9, 9)) % 128, torch.arange(9)
+    with torch.inference_mode():
+        want = copy(ids, pos, Recorder())
+    attn = src.model.layers[0].self_attn
+    ptrs = (attn.v_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), attn._qkv_weight.data_ptr())
+    assert rotate_model_(src, seed=2) is src
+    assert (attn.v_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), attn._qkv_weight.data_ptr()) == ptrs
+    torch.testing.assert_close(attn._qkv_weight[-128:], attn.v_proj.weight, rtol=0, atol=0)  # fused rows rotated too
+    with torch.inference_mode():
+        torch.testing.assert_close(src(ids, pos, Recorder()), want, rtol=0, atol=1e-6)
+    assert model_for_kv_config(src, get_preset("default").replace(rotation_seed=2)) is src  # rotated already
+    with pytest.raises(ValueError, match="rotated with rotation_seed=2; the kv_config asks for rotation_seed=0"):
+        model_for_kv_config(src, get_preset("default"))
+    with pytest.raises(ValueError, match="key_rotation='none' needs the unrotated model"):
+        model_for_kv_config(src, get_preset("default-unrotated"))
+
+
+def test_llm_loading_its_model_keeps_one_copy_of_the_weights(tmp_path):
+    """LLM(path) with the (rotated) default: one model object alive, the executor's, rotated in place."""
+    import gc
+
+    from trtllm_diffkv import LLM
+    from trtllm_diffkv.model import LlamaForCausalLM
+    from trtllm_diffkv.testing.tensor_parallel import write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "m", peaked_tiny_llama())
+    with LLM(str(folder), "default", num_threads=1, kv_memory_bytes=1 << 22, max_batch_size=2) as llm:
+        gc.collect()
+        alive = [o for o in gc.get_objects() if isinstance(o, LlamaForCausalLM)]
+        attn = llm.executor.model.model.layers[0].self_attn
+        assert alive == [llm.executor.model] and attn.key_rotation is not None
+        assert attn._qkv_weight is not None  # rotated in place (a copy drops the shared fused q/k/v buffer)
+        got = llm.generate(_prompt(12, 10), SamplingParams.greedy_params(5)).outputs[0].token_ids
+    ref = ReferenceGenerator(peaked_tiny_llama(), None, peaked_tiny_llama().config, get_preset("default"))
+    assert got == ref.generate_ids(_prompt(12, 10), 5).token_ids
