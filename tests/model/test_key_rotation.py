@@ -238,9 +238,11 @@ def test_llm_loading_its_model_keeps_one_copy_of_the_weights(tmp_path):
     from trtllm_diffkv.testing.tensor_parallel import write_checkpoint
 
     folder = write_checkpoint(tmp_path / "m", peaked_tiny_llama())
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, LlamaForCausalLM)}  # other tests' models
     with LLM(str(folder), "default", num_threads=1, kv_memory_bytes=1 << 22, max_batch_size=2) as llm:
         gc.collect()
-        alive = [o for o in gc.get_objects() if isinstance(o, LlamaForCausalLM)]
+        alive = [o for o in gc.get_objects() if isinstance(o, LlamaForCausalLM) and id(o) not in before]
         attn = llm.executor.model.model.layers[0].self_attn
         assert alive == [llm.executor.model] and attn.key_rotation is not None
         assert attn._qkv_weight is not None  # rotated in place (a copy drops the shared fused q/k/v buffer)
