@@ -488,6 +488,15 @@ MUTATIONS = [
     m("kernels-prefill-lse-not-causal", PREFILL_KERNELS, "prompt log-sum-exp over every key (no causal mask)",
       [("keep = i_mask[:, None] & (t[None, :] <= pos[:, None]) & (t < k_end)[None, :]",
         "keep = i_mask[:, None] & (t < k_end)[None, :]")], PREFILL_KERNEL_TESTS),
+    # ------------------------------------------------------------------ key rotation
+    m("rotation-shard-first-head-zero", "trtllm_diffkv/parallel/sharding.py",
+      "tensor parallelism: every rank rotates with global KV head 0's matrices",
+      [("    model._first_kv_head = group.rank * local_config.num_kv_heads\n", "    model._first_kv_head = 0\n")],
+      ["test_tensor_parallel.py::test_each_rank_rotates_with_its_global_kv_heads_matrices"]),
+    m("rotation-in-place-rebinds-v", "trtllm_diffkv/model/rotation.py",
+      "in-place rotation rebinds v_proj instead of writing it (the fused q/k/v rows stay unrotated)",
+      [("            attn.v_proj.weight.copy_(wv)\n", "            attn.v_proj.weight.data = wv\n")],
+      ["test_key_rotation.py::test_in_place_rotation_equals_the_copy_and_keeps_one_set_of_weights"]),
 ]
 
 

@@ -14,8 +14,9 @@ policy (paper section 4; ``shared/reference/DiffKV.md``, "Policy details"):
 * ``prompt_score_window_tokens``: only the last queries of the prompt score the
   prompt tokens, as the authors' implementation does;
 * low-tier key treatments beyond the paper: ``key_rotation`` (a randomized
-  Hadamard transform per KV head, :mod:`trtllm_diffkv.model.rotation`) and
-  ``score_pool_tokens`` (SnapKV-style max-pooling of the prompt scores).
+  Hadamard transform per KV head, :mod:`trtllm_diffkv.model.rotation`; on in
+  ``default``) and ``score_pool_tokens`` (SnapKV-style max-pooling of the
+  prompt scores).
 
 A configuration can also come from a JSON file written by ``trtllm-diffkv
 calibrate`` (:func:`load_kv_config_file`); :func:`resolve_kv_config` is the one
@@ -44,8 +45,9 @@ SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 KEY_ROTATIONS = ("none", "hadamard")
 """``DiffKVConfig.key_rotation`` choices."""
 
-ROTATION_HEAD_DIMS = (64, 128, 256)
-"""Head dimensions a Hadamard rotation exists for (powers of two)."""
+ROTATION_HEAD_DIMS = SUPPORTED_HEAD_DIMS
+"""Head dimensions ``key_rotation="hadamard"`` is defined for: every supported one (Sylvester's Hadamard
+matrices for powers of two, Paley's construction for 80 and 96; :func:`~trtllm_diffkv.model.rotation.hadamard_matrix`)."""
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -183,8 +185,9 @@ class DiffKVConfig:
             (:mod:`trtllm_diffkv.model.rotation`; QuaRot, arXiv:2404.00456).
             ``q . k`` and the attention output are unchanged, so are the tier
             scores; key outlier channels are spread over all channels before
-            quantization. Not in the paper. Needs head_dim in
-            :data:`ROTATION_HEAD_DIMS`.
+            quantization. Not in the paper; on in the ``default`` preset
+            (docs/QUALITY.md "Choosing the default"). Needs head_dim in
+            :data:`ROTATION_HEAD_DIMS` (every supported head_dim).
         rotation_seed: seed of the rotation's random signs, in [0, 2**31 - 1].
         score_pool_tokens: width of a max-pool over neighbouring prompt
             tokens' importance before the prompt-phase tier decision (SnapKV,
@@ -272,8 +275,8 @@ class DiffKVConfig:
                     raise ValueError(f"kv-config {self.name!r} was calibrated for {field_name}={want}; "
                                      f"this model has {field_name}={got}")
         if self.key_rotation != "none" and head_dim not in ROTATION_HEAD_DIMS:
-            raise ValueError(f"key_rotation={self.key_rotation!r} needs a power-of-two head_dim "
-                             f"{list(ROTATION_HEAD_DIMS)}; this model has head_dim={head_dim}")
+            raise ValueError(f"key_rotation={self.key_rotation!r} needs head_dim in {list(ROTATION_HEAD_DIMS)}; "
+                             f"this model has head_dim={head_dim} (use key_rotation='none')")
         if self.compress:
             self.high.validate_for_head_dim(head_dim)
             self.low.validate_for_head_dim(head_dim)
@@ -309,15 +312,19 @@ PRESETS: dict[str, DiffKVConfig] = {
 # Calibrated on the default model (SmolLM2-135M-Instruct) with examples/calibrate_thresholds.py over
 # HumanEval problems 100-123 (docs/CALIBRATION.md): pruning at any alpha_low > 0 broke greedy agreement.
 PRESETS["smollm2-135m"] = _preset("smollm2-135m", alpha_low=0.0, alpha_high=1.0)
-PRESETS["default"] = PRESETS["smollm2-135m"].replace(name="default")
+# `default`: those thresholds with the keys rotated (key_rotation="hadamard"), the point docs/QUALITY.md's rule
+# picks from the quality-vs-memory harness ("Choosing the default"); `default-unrotated` is the previous default,
+# `default-rotated` the name the measurements used (the same configuration as `default`).
+PRESETS["default-unrotated"] = PRESETS["smollm2-135m"].replace(name="default-unrotated")
+PRESETS["default"] = PRESETS["smollm2-135m"].replace(name="default", key_rotation="hadamard")
+PRESETS["default-rotated"] = PRESETS["default"].replace(name="default-rotated")
 # The paper's rules as its text states them (section 4.2): alpha / i in the prompt phase, no key centering,
 # the Llama3-8B thresholds (alpha_low 0.02, alpha_high 1). docs/CALIBRATION.md lists each departure of
 # `default` from it with its measured effect.
 PRESETS["paper"] = _preset("paper", alpha_low=0.02, alpha_high=1.0, prompt_threshold_base="position",
                            center_keys=False)
-# Low-tier variants of `default` (issue 18 section 3; docs/CALIBRATION.md "Low-tier formats").
-PRESETS["default-k8v2"] = PRESETS["default"].replace(name="default-k8v2", low=TierConfig(8, 2))
-PRESETS["default-rotated"] = PRESETS["default"].replace(name="default-rotated", key_rotation="hadamard")
+# Low-tier variant of `default-unrotated` (issue 18 section 3; docs/CALIBRATION.md "Low-tier formats").
+PRESETS["default-k8v2"] = PRESETS["default-unrotated"].replace(name="default-k8v2", low=TierConfig(8, 2))
 
 
 def get_preset(name: str) -> DiffKVConfig:

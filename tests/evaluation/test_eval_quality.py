@@ -99,7 +99,7 @@ def test_eval_command_smoke_on_the_tiny_model(tmp_path):
         assert by[("fp16", "fp16", task, "span_top1")]["kv_memory_fraction"] == 1.0
         # K8V8, one group, nothing evicted: (64 + 64 + 8) / (2 x 2 x 64) bytes per token per KV head
         assert by[("k8v8", "K8V8 per token", task, "span_top1")]["kv_memory_fraction"] == round(136 / 256, 4)
-    assert ("diffkv", "default (ah=1, al=0)", "humaneval", "pass_at_1") in by
+    assert ("diffkv", "default-unrotated (ah=1, al=0)", "humaneval", "pass_at_1") in by
     assert ("custom", "qwen2.5-7b (qwen2.5-7b)", "passkey", "span_top1") in by  # --kv-config adds a point
     # SnapKV at a 0.2 budget drops most of a 150-token prompt: its distributions differ from fp16's
     assert max(by[("snapkv", "budget=0.2", task, "mean_kl_nats")]["value"] for task in ("code_recall", "passkey")) > 1e-3
@@ -139,7 +139,7 @@ def test_greedy_completion_is_the_reference_generation_cut_at_the_first_stop_seq
     folder = write_tiny_text_checkpoint(tmp_path / "tiny")
     model, tokenizer, config = load_model(folder, dtype=torch.float32)
     points = {p.config: p for p in method_points()}
-    for name in ("fp16", "default (ah=1, al=0)", "budget=0.2"):
+    for name in ("fp16", "default-unrotated (ah=1, al=0)", "budget=0.2"):
         gen = PointGenerator(model, tokenizer, config, points[name])
         for prompt in ("def add(a, b):\n", "# sort a list\ndef f(xs):\n    \"\"\"Sort.\"\"\"\n"):
             ids = tokenizer(prompt)["input_ids"]
@@ -171,8 +171,11 @@ def test_merge_details_unions_two_runs(tmp_path):
 
 
 def test_points_a_model_cannot_take_are_dropped_or_refused():
-    """Key rotation needs a power-of-two head_dim: at head_dim 80 the built-in rotated point is dropped (with a
-    notice), a --kv-config point the model refuses fails the run with its field named."""
+    """Every point runs at head_dim 80 (key rotation is defined there); at an unsupported head_dim (72) the
+    built-in compressed points are dropped (with a notice), and a --kv-config point the model refuses (another
+    model's calibration) fails the run with its field named."""
+    import dataclasses
+
     from trtllm_diffkv.commands.eval import _points_for_model
     from trtllm_diffkv.evaluation.quality import custom_point, method_points
     from trtllm_diffkv.model import ModelConfig
@@ -180,13 +183,14 @@ def test_points_a_model_cannot_take_are_dropped_or_refused():
     mc = ModelConfig(vocab_size=512, hidden_size=640, intermediate_size=512, num_layers=2, num_heads=8,
                      num_kv_heads=2, head_dim=80, max_position_embeddings=4096)
     points = method_points()
-    kept = _points_for_model(points, mc)
     assert [p for p in points if p.kv_config is not None and p.kv_config.key_rotation != "none"]
-    assert all(p.kv_config is None or p.kv_config.key_rotation == "none" for p in kept)
-    assert len(kept) == len(points) - sum(p.kv_config is not None and p.kv_config.key_rotation != "none"
-                                          for p in points)
-    with pytest.raises(ValueError, match="--kv-config default-rotated.*head_dim"):
-        _points_for_model([custom_point("default-rotated")], mc)
+    assert _points_for_model(points, mc) == points
+    kept = _points_for_model(points, dataclasses.replace(mc, head_dim=72))
+    assert all(p.kv_config is None or not p.kv_config.compress for p in kept) and len(kept) < len(points)
+    other = custom_point("default")
+    other = dataclasses.replace(other, kv_config=other.kv_config.replace(calibrated_for=(8, 2, 64)))
+    with pytest.raises(ValueError, match="--kv-config default.*calibrated for head_dim=64"):
+        _points_for_model([other], mc)
 
 
 def test_fast_path_equals_the_per_point_path(tmp_path):
@@ -233,9 +237,9 @@ def test_points_and_case_counts_are_selected_as_named():
     from trtllm_diffkv.evaluation.quality import method_points, select_points
 
     points = method_points()
-    got = select_points(points, ["kivi"], ["snapkv=budget=0.35", "diffkv=default (ah=1, al=0)"])
+    got = select_points(points, ["kivi"], ["snapkv=budget=0.35", "diffkv=default-unrotated (ah=1, al=0)"])
     assert [(p.method, p.config) for p in got] == [
-        ("fp16", "fp16"), ("diffkv", "default (ah=1, al=0)"), ("kivi", "KIVI-4 (G=32, R=128)"),
+        ("fp16", "fp16"), ("diffkv", "default-unrotated (ah=1, al=0)"), ("kivi", "KIVI-4 (G=32, R=128)"),
         ("kivi", "KIVI-2 (G=32, R=128)"), ("snapkv", "budget=0.35")]
     assert [p.config for p in select_points(points, None, ["h2o=budget=0.2"])] == ["fp16", "budget=0.2"]
     assert select_points(points, None, None) == points

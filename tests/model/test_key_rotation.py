@@ -49,11 +49,41 @@ def test_rotations_are_seeded_orthogonal_hadamards():
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])
-def test_non_power_of_two_head_dims_are_refused_by_name(head_dim):
-    with pytest.raises(ValueError, match=f"key_rotation='hadamard'.*head_dim={head_dim}"):
-        DiffKVConfig(**ROT).validate_for_model(head_dim, 8, 2)
-    with pytest.raises(ValueError, match=f"head_dim={head_dim}"):
-        key_rotation_matrices(1, 1, head_dim)
+def test_non_power_of_two_head_dims_get_exact_hadamard_rotations(head_dim):
+    """80 and 96 (Paley's construction): entries +-1/sqrt(head_dim), orthogonal to fp32 rounding, seeded."""
+    h = hadamard_matrix(head_dim)
+    assert torch.equal(h @ h.T, head_dim * torch.eye(head_dim)) and set(h.unique().tolist()) == {-1.0, 1.0}
+    DiffKVConfig(**ROT).validate_for_model(head_dim, 8, 2)  # no refusal
+    r = key_rotation_matrices(2, 2, head_dim, seed=3)
+    eye = torch.eye(head_dim).expand(2, 2, head_dim, head_dim)
+    torch.testing.assert_close(r @ r.transpose(-1, -2), eye, atol=1e-6, rtol=0)
+    torch.testing.assert_close(r.abs(), torch.full_like(r, head_dim ** -0.5), atol=1e-7, rtol=0)
+    assert torch.equal(r, key_rotation_matrices(2, 2, head_dim, seed=3)) and not torch.equal(r[0, 0], r[0, 1])
+
+
+def test_head_dims_without_a_rotation_are_refused_by_name():
+    with pytest.raises(ValueError, match="head_dim=72"):  # not a supported head_dim: the config names it
+        DiffKVConfig(**ROT).validate_for_model(72, 8, 2)
+    with pytest.raises(ValueError, match="head_dim=100: no Hadamard"):
+        hadamard_matrix(100)
+
+
+def test_rotations_of_a_rank_are_the_global_heads_rows():
+    full = key_rotation_matrices(2, 4, 64, seed=7)
+    assert torch.equal(key_rotation_matrices(2, 2, 64, seed=7, first_kv_head=2), full[:, 2:])
+
+
+def test_fp16_at_head_dim_80_with_rotation_equals_without():
+    """The default (rotated) runs at head_dim 80: under ``fp16`` rotated attention equals unrotated."""
+    model = random_llama(4, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=80, hidden_size=96,
+                         intermediate_size=128, vocab_size=128).to(torch.float16)
+    fp16 = get_preset("fp16")
+    prompt, forced = [t % 128 for t in _prompt(24, 7)], [t % 128 for t in _prompt(6, 8)]
+    want = teacher_forced_logits(ReferenceGenerator(model, None, model.config, fp16), prompt, forced)
+    got = teacher_forced_logits(ReferenceGenerator(model, None, model.config, fp16.replace(**ROT)), prompt, forced)
+    assert model_for_kv_config(model, fp16.replace(**ROT)).model.layers[0].self_attn.key_rotation.shape == (2, 80, 80)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    assert _executor_tokens(model, get_preset("default"), prompt, 4)  # the default preset runs there
 
 
 def test_backend_sees_rotated_q_k_v_and_the_output_is_unchanged():
@@ -173,3 +203,49 @@ def test_onnx_graphs_refuse_pooling_by_name(model):
     for graph, phase in (("composite", None), ("per-op", "decode")):
         with pytest.raises(ValueError, match="score_pool_tokens=5"):
             export_onnx(model, cfg, max_positions=32, graph=graph, phase=phase)
+
+
+def test_in_place_rotation_equals_the_copy_and_keeps_one_set_of_weights():
+    """``rotate_model_`` (the product's own model) computes what ``rotate_model`` does, without a second copy."""
+    from trtllm_diffkv.model.rotation import rotate_model_
+
+    src = random_llama(5, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128,
+                       intermediate_size=256, vocab_size=128, qkv_bias=True, architecture="Qwen2ForCausalLM")
+    copy = rotate_model(src, seed=2)
+    ids, pos = torch.tensor(_prompt(9, 9)) % 128, torch.arange(9)
+    with torch.inference_mode():
+        want = copy(ids, pos, Recorder())
+    attn = src.model.layers[0].self_attn
+    ptrs = (attn.v_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), attn._qkv_weight.data_ptr())
+    assert rotate_model_(src, seed=2) is src
+    assert (attn.v_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), attn._qkv_weight.data_ptr()) == ptrs
+    torch.testing.assert_close(attn._qkv_weight[-128:], attn.v_proj.weight, rtol=0, atol=0)  # fused rows rotated too
+    with torch.inference_mode():
+        torch.testing.assert_close(src(ids, pos, Recorder()), want, rtol=0, atol=1e-6)
+    assert model_for_kv_config(src, get_preset("default").replace(rotation_seed=2)) is src  # rotated already
+    with pytest.raises(ValueError, match="rotated with rotation_seed=2; the kv_config asks for rotation_seed=0"):
+        model_for_kv_config(src, get_preset("default"))
+    with pytest.raises(ValueError, match="key_rotation='none' needs the unrotated model"):
+        model_for_kv_config(src, get_preset("default-unrotated"))
+
+
+def test_llm_loading_its_model_keeps_one_copy_of_the_weights(tmp_path):
+    """LLM(path) with the (rotated) default: one model object alive, the executor's, rotated in place."""
+    import gc
+
+    from trtllm_diffkv import LLM
+    from trtllm_diffkv.model import LlamaForCausalLM
+    from trtllm_diffkv.testing.tensor_parallel import write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "m", peaked_tiny_llama())
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, LlamaForCausalLM)}  # other tests' models
+    with LLM(str(folder), "default", num_threads=1, kv_memory_bytes=1 << 22, max_batch_size=2) as llm:
+        gc.collect()
+        alive = [o for o in gc.get_objects() if isinstance(o, LlamaForCausalLM) and id(o) not in before]
+        attn = llm.executor.model.model.layers[0].self_attn
+        assert alive == [llm.executor.model] and attn.key_rotation is not None
+        assert attn._qkv_weight is not None  # rotated in place (a copy drops the shared fused q/k/v buffer)
+        got = llm.generate(_prompt(12, 10), SamplingParams.greedy_params(5)).outputs[0].token_ids
+    ref = ReferenceGenerator(peaked_tiny_llama(), None, peaked_tiny_llama().config, get_preset("default"))
+    assert got == ref.generate_ids(_prompt(12, 10), 5).token_ids

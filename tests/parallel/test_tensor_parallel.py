@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: 2 ranks over gloo against the single-process run of the same requests.
 
-One spawn of 2 ranks runs every scenario (presets fp16, k8v4, default; small windows where tiers change;
+One spawn of 2 ranks runs every scenario (presets fp16, k8v4, default (rotated keys), default-unrotated; small
+windows where tiers change, also rotated;
 an abort; preemptions; unseeded sampling). Each rank's run is compared with the whole model run in this
 process (its pool holding both ranks' pages): greedy tokens equal, per-step logits equal to fp32
 rounding (and bit-equal between the ranks), each rank's per-(layer, KV head) page and token counts
@@ -41,6 +42,11 @@ SCENARIOS = {
     "fp16": _scenario(get_preset("fp16")),
     "k8v4": _scenario(get_preset("k8v4")),
     "default": _scenario(get_preset("default")),
+    "default-unrotated": _scenario(get_preset("default-unrotated")),
+    # (not small-windows' prompts: with rotated keys its request 2 meets a top-2 logit gap of 4e-4 at step 2,
+    # below the low tier's rounding differences, and the greedy tokens part legitimately)
+    "small-windows-rotated": _scenario(SMALL_WINDOWS.replace(key_rotation="hadamard"), lengths=(20, 33, 9, 28),
+                                       max_tokens=14),
     "small-windows": _scenario(SMALL_WINDOWS, lengths=(24, 40, 12, 30), max_tokens=14),
     "abort": _scenario(SMALL_WINDOWS, lengths=(24, 40, 12), max_tokens=12, abort_after={1: 2}),
     "preempt-fp16": _scenario(get_preset("fp16"), num_pages=60),
@@ -67,10 +73,12 @@ def runs(checkpoint):
 KV_PER_RANK = 1  # peaked_tiny_llama: 2 KV heads
 
 
-LOW_TIER_RUNS = ("small-windows", "abort", "preempt-small-windows")
+LOW_TIER_RUNS = ("small-windows", "small-windows-rotated", "abort", "preempt-small-windows", "default")
 """Runs whose tokens reach the low tier (K4V2): there the row-parallel sums, equal to the single run's to
 fp32 rounding, can move a key or value across a rounding boundary of the quantizer, one code of a 2-bit
-value, so their logits are compared at 3e-2 of a logit scale of ~1.2 (the tiers and pages stay exact)."""
+value, so their logits are compared at 3e-2 of a logit scale of ~1.2 (the tiers and pages stay exact).
+``default`` (rotated keys, alpha_low 0: every token below alpha_high / N in K4V2) does: differences of
+~1e-6 at most steps, 2e-4..1.6e-3 at the few where a code moved (the unrotated default happened to move none)."""
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "sampled"])
@@ -91,6 +99,20 @@ def test_tokens_logits_and_pages_equal_the_single_process_run(runs, name):
             assert torch.equal(pages, ref_pages[:, :, heads]), (rank, step)
             assert torch.equal(tokens, ref_tokens[:, :, heads]), (rank, step)
         assert run["final_free"] == run["pool_pages"] == SCENARIOS[name]["num_pages"]
+
+
+@pytest.mark.parametrize("name", ["default", "small-windows-rotated"])
+def test_each_rank_rotates_with_its_global_kv_heads_matrices(runs, name):
+    """Rank r's rotations are the single-process model's matrices of KV heads [r, r + 1) (not head 0's again)."""
+    from trtllm_diffkv.model.rotation import key_rotation_matrices
+
+    r0, r1, single = runs[name]
+    full = key_rotation_matrices(3, 2, 64, seed=SCENARIOS[name]["kv_config"].rotation_seed)  # peaked_tiny_llama
+    torch.testing.assert_close(single["key_rotation"], full, rtol=0, atol=0)
+    for rank, run in enumerate((r0, r1)):
+        torch.testing.assert_close(run["key_rotation"], full[:, rank * KV_PER_RANK:(rank + 1) * KV_PER_RANK],
+                                   rtol=0, atol=0)
+    assert runs["default-unrotated"][0]["key_rotation"] is None
 
 
 def test_the_compressed_runs_differ_per_head(runs):
@@ -178,8 +200,7 @@ def test_other_refusals_name_the_field():
     check_tensor_parallel(config, 2)
     with pytest.raises(ValueError, match=r"num_kv_heads=2 is not divisible by tensor_parallel_size=4"):
         check_tensor_parallel(config, 4)
-    with pytest.raises(ValueError, match="key_rotation='hadamard' is not supported with tensor_parallel_size=2"):
-        check_tensor_parallel(config, 2, get_preset("default-rotated"))
+    check_tensor_parallel(config, 2, get_preset("default"))  # key rotation splits over the ranks (KV heads whole)
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be a positive integer"):
         check_tensor_parallel(config, 0)
     from trtllm_diffkv import LLM

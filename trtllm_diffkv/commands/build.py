@@ -222,6 +222,9 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     try:
         stage(STAGES[1])
         _write_model(model, resolve_model_path(str(checkpoint)), tmp / "model")
+        from ..model.rotation import model_for_kv_config
+
+        model = model_for_kv_config(model, kv, in_place=True)  # written unrotated above; the graphs take it rotated
         onnx_file = None
         if onnx and graph == "composite":
             stage(STAGES[2])

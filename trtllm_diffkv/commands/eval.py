@@ -200,11 +200,11 @@ def case_count(task: str, num_cases: int, short_cases: int | None, humaneval_cas
 
 
 def _points_for_model(points, model_config) -> list:
-    """The points this model can run: a built-in DiffKV point the model cannot take (key rotation needs a
-    power-of-two head_dim) is dropped with a notice; a ``--kv-config`` point (curve ``custom``) is refused.
+    """The points this model can run: a built-in DiffKV point the model cannot take (a head_dim the formats do not
+    support) is dropped with a notice; a ``--kv-config`` point (curve ``custom``) is refused.
 
     Raises:
-        ValueError: a ``--kv-config`` the model refuses (another model's shape, rotation at this head_dim).
+        ValueError: a ``--kv-config`` the model refuses (another model's shape, an unsupported head_dim).
     """
     kept = []
     for point in points:

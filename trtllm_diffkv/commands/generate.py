@@ -181,6 +181,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from ..generation.results import GenerationResult
     from ..generation.reference import ReferenceGenerator
     from ..model.loader import load_model, stop_token_ids
+    from ..model.rotation import model_for_kv_config
 
     try:
         kv_config = resolve_kv_config(args.kv_config)
@@ -213,6 +214,8 @@ def generate_command(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
         model, tokenizer, model_config = load_model(args.model, device=device, dtype=dtype)
+        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        model = model_for_kv_config(model, kv_config, in_place=True)  # our own model: no unrotated copy kept
         if tokenizer is None:
             raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
         engine = pick_engine(args.engine, device)

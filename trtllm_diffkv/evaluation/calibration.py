@@ -36,9 +36,9 @@ STDLIB_MODULES = ("argparse", "textwrap", "difflib", "tarfile", "zipfile", "conf
 """Standard-library modules whose source makes the ``stdlib-recall`` prompts, in order."""
 
 LOW_TIERS = {
-    "k4v2": dict(low=TierConfig(4, 2)),
-    "k8v2": dict(low=TierConfig(8, 2)),
-    "k4v4": dict(low=TierConfig(4, 4)),
+    "k4v2": dict(low=TierConfig(4, 2), key_rotation="none"),  # explicit: the base (`default`) rotates keys
+    "k8v2": dict(low=TierConfig(8, 2), key_rotation="none"),
+    "k4v4": dict(low=TierConfig(4, 4), key_rotation="none"),
     "rotated-k4v2": dict(low=TierConfig(4, 2), key_rotation="hadamard"),
     "rotated-k8v2": dict(low=TierConfig(8, 2), key_rotation="hadamard"),
 }

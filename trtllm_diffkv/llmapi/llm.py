@@ -52,7 +52,9 @@ def load_source(model, kv_config, device, dtype):
     Returns:
         ``(model, tokenizer, model_config, kv_config, stop_token_ids, engine_info)``; ``kv_config``
         resolved (a preset name, a :class:`DiffKVConfig`, or ``None`` = the engine dir's or ``"default"``);
-        ``engine_info`` is the engine dir's ``EngineDirInfo`` or ``None``.
+        with its ``key_rotation`` the model is rotated in place (the product loaded it: no second copy of
+        ``v_proj`` / ``o_proj``, ``model/rotation.py``); ``engine_info`` is the engine dir's ``EngineDirInfo`` or
+        ``None``.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`~trtllm_diffkv.model.loader.load_model`; an unknown preset.
@@ -61,6 +63,7 @@ def load_source(model, kv_config, device, dtype):
 
     from ..config import resolve_kv_config
     from ..model.loader import default_dtype, load_model, stop_token_ids
+    from ..model.rotation import model_for_kv_config
 
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -84,6 +87,8 @@ def load_source(model, kv_config, device, dtype):
         from ..trt.engine_dir import check_engine_matches_model
 
         check_engine_matches_model(engine_dir, model_config)
+    kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+    net = model_for_kv_config(net, kv_config, in_place=True)
     return net, tokenizer, model_config, kv_config, stop_token_ids(model), info
 
 

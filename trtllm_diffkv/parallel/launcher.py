@@ -287,6 +287,7 @@ def _serve_checks(executor, conn) -> None:
 
 def _worker_main(rank: int, spec: dict, conn, check_conn) -> None:
     """One rank: join the group, load the shard, build the executor, then serve the parent's commands."""
+    from ..model.rotation import model_for_kv_config
     from ..runtime.executor import Executor
     from .executor_hook import TensorParallelHook
     from .groups import destroy_tensor_parallel, init_tensor_parallel
@@ -298,6 +299,7 @@ def _worker_main(rank: int, spec: dict, conn, check_conn) -> None:
         device = torch.device(f"cuda:{rank}") if spec["device_type"] == "cuda" else torch.device("cpu")
         group = init_tensor_parallel(rank, spec["world_size"], spec["init_method"], device, spec["timeout_s"])
         model, tokenizer, local_config = load_model_shard(spec["path"], group, spec["dtype"])
+        model = model_for_kv_config(model, spec["kv_config"], in_place=True)  # the rank's own: no second copy
         executor = Executor(model, local_config, local_kv_config(spec["kv_config"], spec["world_size"]),
                             tokenizer=tokenizer, stop_token_ids=spec["stop_token_ids"],
                             parallel=TensorParallelHook(group), **spec["executor_kwargs"])

@@ -23,8 +23,9 @@ Refused by name (:func:`check_tensor_parallel`): ``num_heads``, ``num_kv_heads``
 ``intermediate_size`` not divisible by ``tp``. TensorRT-LLM replicates KV heads when
 ``num_kv_heads < tp``; here that would split a KV head's query group over ranks, and DiffKV scores a
 token by the max over the group's query heads (DiffKV.md "Policy details"), so each replica would
-keep different tokens: it is refused instead. ``key_rotation`` is refused (its rotations are seeded
-per global KV head; not wired for shards).
+keep different tokens: it is refused instead. ``key_rotation`` works: rank ``r``'s shard rotates its KV heads
+with the matrices of their global indices (:func:`load_model_shard` records the first one; ``model/rotation.py``
+``first_kv_head``), so the ranks together run exactly the single-process rotated model.
 """
 from __future__ import annotations
 
@@ -48,8 +49,7 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int, kv_con
     Raises:
         ValueError: ``tensor_parallel_size`` not a positive int; ``num_heads``, ``num_kv_heads`` or
             ``intermediate_size`` not divisible by it (each naming the field; see the module docstring
-            for why KV heads are not replicated); ``kv_config.key_rotation`` other than ``"none"``; or
-            ``kv_config`` refusing the whole model (:meth:`DiffKVConfig.validate_for_model`).
+            for why KV heads are not replicated); or ``kv_config`` refusing the whole model (:meth:`DiffKVConfig.validate_for_model`).
     """
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -64,9 +64,6 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int, kv_con
         raise ValueError(f"intermediate_size={config.intermediate_size} is not divisible by tensor_parallel_size={tp}")
     if kv_config is not None:
         kv_config.validate_for_model(config.head_dim, config.num_heads, config.num_kv_heads)
-        if tp > 1 and kv_config.key_rotation != "none":
-            raise ValueError(f"key_rotation={kv_config.key_rotation!r} is not supported with tensor_parallel_size={tp} "
-                             "(its rotations are seeded per global KV head); use key_rotation='none'")
 
 
 def local_kv_config(kv_config, tensor_parallel_size: int):
@@ -180,7 +177,8 @@ def load_model_shard(path, group: TensorParallelGroup, dtype: torch.dtype | None
 
     Returns:
         ``(model, tokenizer, local_config)``: the rank's :class:`LlamaForCausalLM` (its row-parallel
-        projections all-reduce over ``group``), the tokenizer (or ``None``), the rank's :class:`ModelConfig`.
+        projections all-reduce over ``group``; ``model._first_kv_head`` the global index of its first KV head,
+        which a key rotation of it uses), the tokenizer (or ``None``), the rank's :class:`ModelConfig`.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`~trtllm_diffkv.model.loader.load_model`, and
@@ -190,4 +188,5 @@ def load_model_shard(path, group: TensorParallelGroup, dtype: torch.dtype | None
 
     model, tokenizer, local_config = load_model(path, device=group.device, dtype=dtype,
                                                 shard=WeightShard(group.rank, group.world_size))
+    model._first_kv_head = group.rank * local_config.num_kv_heads
     return make_row_parallel(model, group), tokenizer, local_config

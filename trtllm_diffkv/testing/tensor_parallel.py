@@ -74,14 +74,16 @@ def record_executor_run(executor, prompts, params, abort_after: dict | None = No
         ``[max_slots, num_layers, num_kv_heads, 2]`` from the page manager's snapshot), ``free`` (per step:
         this pool's free pages), ``free_estimate`` (per step: the scheduler's free count),
         ``free_after_abort`` (id -> (free before, free after, pages the slot held)), ``preemptions``,
-        ``pool_pages``, ``final_free``.
+        ``pool_pages``, ``final_free``, ``key_rotation`` (``float32 [num_layers, num_kv_heads, head_dim,
+        head_dim]``, the rotations the executor's model runs, or ``None``).
     """
     logits = []
     handle = executor.model.register_forward_hook(lambda _m, _i, out: logits.append(out.detach().clone()))
     rm = executor.rm
     local_free = getattr(rm, "local_free_pages", rm.free_pages)
+    rotations = [layer.self_attn.key_rotation for layer in executor.model.model.layers]
     out = dict(tokens={}, finish={}, logits=logits, pages=[], tokens_per_row=[], free=[], free_estimate=[],
-               free_after_abort={})
+               free_after_abort={}, key_rotation=None if rotations[0] is None else torch.stack(rotations).cpu())
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             executor.add_request(prompt, p, request_id=i)
