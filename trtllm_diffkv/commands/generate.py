@@ -103,7 +103,8 @@ def add_parser(subparsers) -> None:
                           "paged: tokens stored quantized in the unified pages, all prompts as static batches; "
                           "executor: every prompt submitted at once to the in-flight batching executor (one page "
                           "pool, admission by free pages, preemption), results printed in order; Triton and "
-                          "CUDA C++ kernels on CUDA (default: auto = executor on CUDA, reference on CPU)")
+                          "CUDA C++ kernels on CUDA (default: auto = executor on CUDA or with a sampling flag, "
+                          "--n, --logprobs or --kv-memory-bytes; else reference on CPU)")
     gen.add_argument("--max-batch-size", type=int,
                      help="paged engine: prompts per static batch, the pool sized per batch for its longest "
                           "request; executor: most requests in one step (default: 8 paged, 64 executor)")
