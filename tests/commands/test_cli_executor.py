@@ -84,6 +84,16 @@ def test_auto_picks_the_executor_on_cuda_and_the_reference_on_cpu():
     assert pick_engine("auto", torch.device("cuda")) == "executor"
     assert pick_engine("auto", torch.device("cpu")) == "reference"
     assert pick_engine("executor", torch.device("cpu")) == "executor"
+    assert pick_engine("auto", torch.device("cpu"), executor_flags=True) == "executor"
+    assert pick_engine("reference", torch.device("cpu"), executor_flags=True) == "reference"
+
+
+def test_auto_on_cpu_runs_sampling_flags_on_the_executor(capsys, checkpoint):
+    """`generate --n 2 --logprobs 3 --presence-penalty 0.5` without --engine: on the CPU auto takes the executor."""
+    code, rows, out = _run(capsys, "--model", str(checkpoint), "--json", "--prompt", "hi", "--max-new-tokens", "3",
+                           "--n", "2", "--logprobs", "3", "--presence-penalty", "0.5")
+    assert code == 0 and "engine: executor" in out
+    assert [r["sequence"] for r in rows] == [0, 1] and all(len(r["logprobs"]) == 3 for r in rows)
 
 
 def test_console_entry_runs_the_executor_engine(checkpoint):

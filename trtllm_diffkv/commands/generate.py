@@ -103,7 +103,8 @@ def add_parser(subparsers) -> None:
                           "paged: tokens stored quantized in the unified pages, all prompts as static batches; "
                           "executor: every prompt submitted at once to the in-flight batching executor (one page "
                           "pool, admission by free pages, preemption), results printed in order; Triton and "
-                          "CUDA C++ kernels on CUDA (default: auto = executor on CUDA, reference on CPU)")
+                          "CUDA C++ kernels on CUDA (default: auto = executor on CUDA or with a sampling flag, "
+                          "--n, --logprobs or --kv-memory-bytes; else reference on CPU)")
     gen.add_argument("--max-batch-size", type=int,
                      help="paged engine: prompts per static batch, the pool sized per batch for its longest "
                           "request; executor: most requests in one step (default: 8 paged, 64 executor)")
@@ -218,7 +219,8 @@ def generate_command(args: argparse.Namespace) -> int:
         model = model_for_kv_config(model, kv_config, in_place=True)  # our own model: no unrotated copy kept
         if tokenizer is None:
             raise ValueError(f"model {args.model} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        engine = pick_engine(args.engine, device)
+        engine = pick_engine(args.engine, device,
+                             executor_flags=sampling is not None or args.kv_memory_bytes is not None)
         print(f"[trtllm-diffkv] engine: {engine}", file=sys.stderr, flush=True)
         if engine != "executor" and sampling is not None:
             raise ValueError(f"--temperature/--top-k/--top-p/--repetition-penalty/--presence-penalty/"
@@ -288,11 +290,13 @@ def _generate_static_batch(generator, prompts: list, args: argparse.Namespace) -
     return results
 
 
-def pick_engine(name: str, device) -> str:
-    """The engine ``--engine NAME`` runs on ``device``: ``auto`` is the executor on CUDA, the reference on the CPU."""
+def pick_engine(name: str, device, *, executor_flags: bool = False) -> str:
+    """The engine ``--engine NAME`` runs on ``device``: ``auto`` is the executor on CUDA or when a flag only
+    the executor takes is given (``executor_flags``: sampling, ``--n``, ``--logprobs``, ``--kv-memory-bytes``),
+    else the reference on the CPU."""
     if name != "auto":
         return name
-    return "executor" if device.type == "cuda" else "reference"
+    return "executor" if device.type == "cuda" or executor_flags else "reference"
 
 
 def _sampling_params(args: argparse.Namespace):
