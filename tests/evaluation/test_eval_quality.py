@@ -170,6 +170,28 @@ def test_merge_details_unions_two_runs(tmp_path):
     assert rows[("y", "span_top1_delta_vs_fp16")]["value"] == pytest.approx(-0.25)  # paired with run a's fp16
 
 
+def test_without_output_the_results_go_to_the_cache_not_the_current_folder(tmp_path, monkeypatch):
+    """A plain ``eval`` never writes over ``benchmarks/results/quality.json`` (the committed run): without
+    ``--output`` it writes under ``$XDG_CACHE_HOME/trtllm-diffkv/eval/``, as ``bench`` does."""
+    from trtllm_diffkv.cli import main
+
+    records = [{"task": "t", "case_id": "0", "method": m, "config": m, "kv_memory_fraction": 0.5, "span_top1": 1.0,
+                "span_exact": 0.0, "span_logprob": -1.0, "top1_agreement": 1.0, "mean_kl_nats": 0.0}
+               for m in ("fp16", "x")]
+    details = tmp_path / "run_details.json"
+    (tmp_path / "run.json").write_text(json.dumps({"model": "m", "date": "d", "commit": "c", "command": "c", "rows": []}))
+    details.write_text(json.dumps({"device": "d", "records": records, "points": [{"method": m, "config": m}
+                                                                                 for m in ("fp16", "x")]}))
+    cwd, cache = tmp_path / "cwd", tmp_path / "cache"
+    (cwd / "benchmarks" / "results").mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    assert main(["eval", "--merge-details", str(details), "--no-plot"]) == 0
+    assert list((cwd / "benchmarks" / "results").iterdir()) == []
+    result = json.loads((cache / "trtllm-diffkv" / "eval" / "quality.json").read_text())
+    assert {r["method"] for r in result["rows"]} == {"fp16", "x"}
+
+
 def test_points_a_model_cannot_take_are_dropped_or_refused():
     """Every point runs at head_dim 80 (key rotation is defined there); at an unsupported head_dim (72) the
     built-in compressed points are dropped (with a notice), and a --kv-config point the model refuses (another

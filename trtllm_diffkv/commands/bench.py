@@ -20,7 +20,6 @@ serving_client`) and writes throughput and TTFT/TPOT/ITL/e2e mean, p50, p90 and 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -95,8 +94,9 @@ def add_parser(subparsers) -> None:
 def default_output(client: bool) -> Path:
     """Where results go without ``--output``: ``$XDG_CACHE_HOME/trtllm-diffkv/bench/`` (``~/.cache/...``),
     ``throughput.json`` or (client mode) ``client.json``: outside the current folder and the repository."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "trtllm-diffkv" / "bench" / ("client.json" if client else "throughput.json")
+    from .common import default_results_path
+
+    return default_results_path("bench", "client.json" if client else "throughput.json")
 
 
 def _output(args, client: bool) -> Path:

@@ -115,3 +115,18 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def default_results_path(command: str, file_name: str):
+    """Where a command writes its results without ``--output``: ``$XDG_CACHE_HOME/trtllm-diffkv/<command>/<file_name>``
+    (``~/.cache/trtllm-diffkv/...`` without it), outside the current folder and the repository, so that a plain run
+    never replaces committed results (``benchmarks/results/``). Used by ``bench`` and ``eval``.
+
+    Returns:
+        a ``pathlib.Path`` (its folder is not created here).
+    """
+    import os
+    from pathlib import Path
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "trtllm-diffkv" / command / file_name

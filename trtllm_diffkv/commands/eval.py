@@ -62,10 +62,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="model dtype (default: float32)")
     add_threads_argument(p)
-    p.add_argument("--output", default="benchmarks/results/quality.json",
-                   help="results JSON; details JSON and PNG beside it (default: benchmarks/results/quality.json)")
+    p.add_argument("--output", default=None,
+                   help="results JSON; details JSON and PNG beside it (default: ~/.cache/trtllm-diffkv/eval/quality.json, "
+                        "$XDG_CACHE_HOME respected; pass benchmarks/results/quality.json to replace the committed run)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--plot-from", metavar="JSON", help="run nothing: plot a results JSON at --output's stem + .png")
+    p.add_argument("--plot-from", metavar="JSON", help="run nothing: plot a results JSON at --output's stem + .png "
+                   "(default: beside JSON)")
     p.add_argument("--merge-details", nargs="+", metavar="DETAILS_JSON",
                    help="run nothing: merge the per-case records of several runs' details JSONs (the same cases, "
                         "e.g. a second run of more methods; the first file wins a duplicate record) into --output, "
@@ -105,6 +107,10 @@ def _title(result: dict) -> str:
 
 def run(args) -> int:
     """Run the evaluation; 0 on success, 2 on a usage or setup error (one line on stderr)."""
+    if args.output is None:  # --plot-from: the PNG beside the plotted JSON; a run: outside the repository
+        from .common import default_results_path
+
+        args.output = args.plot_from or str(default_results_path("eval", "quality.json"))
     output = Path(args.output)
     if args.plot_from:
         try:
