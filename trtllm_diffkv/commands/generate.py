@@ -126,7 +126,7 @@ def add_parser(subparsers) -> None:
                      help="executor: OpenAI's frequency penalty in [-2, 2] over the generated tokens (default: off)")
     gen.add_argument("--logprobs", type=int, metavar="K",
                      help="executor: report each generated token's log-probability and its K most likely "
-                          "alternatives, 0..20 (--json: a 'logprobs' list; text: the cumulative sum)")
+                          "alternatives, 0..20 (--json: a 'logprobs' list; text: the cumulative sum; default: none reported)")
     gen.add_argument("--n", type=int, default=1,
                      help="executor: sequences per prompt, independent seeds derived from --seed (default: 1)")
     gen.add_argument("--seed", type=int, help="executor: per-request sampling seed (default: none, unseeded)")
