@@ -8,7 +8,9 @@ Random-weight bf16 models (:func:`trtllm_diffkv.evaluation.throughput.random_lla
   :meth:`Executor.step`), the prompt aborted, one decode-only step timed. Cases: ``decode`` (decode-only),
   ``short`` (a 150-token prompt whole), ``long_whole`` (a 2146-token prompt in one step, chunking off),
   ``long_chunk1`` / ``long_chunk2`` (the same prompt at ``max_num_tokens`` 2048: its first chunk, then its
-  final chunk), ``two_short_chunked`` (two 150-token prompts whole in a step that also carries a chunk).
+  final chunk), ``two_short_chunked`` (two 150-token prompts whole in a step that also carries a chunk),
+  ``short_alone`` / ``long_alone`` (the prompt's step with no request decoding beside it), ``decode_eager`` (the
+  decode-only step without CUDA graphs).
 * **closed loop** (``--closed-loop``): the servers benchmark's schedule without the servers: ``--concurrency``
   requests always live (a finished one is replaced at once), prompt lengths of
   ``benchmarks/prompts/humaneval_mixed_long.jsonl`` under the default model's tokenizer (one in eight ~2.2k
@@ -18,7 +20,8 @@ Random-weight bf16 models (:func:`trtllm_diffkv.evaluation.throughput.random_lla
   chunk) the count and median / mean ms.
 
 Writes JSON (``--out``) and prints a table. ``--smoke``: a 2-layer model on the CPU, seconds. ``--profile FILE``:
-torch-profiler tables (top operators by host time) of one whole-prompt step and one final-chunk step.
+torch-profiler tables (top operators by host and by device time) of one whole-prompt step and one final-chunk
+step, and cProfile tables (Python functions by cumulative time) of those and of ``long_alone`` / ``decode_eager``.
 
     python benchmarks/bench_mixed_step.py --out /tmp/mixed.json                 # H200: SmolLM2 + Llama-3-8B shapes
     python benchmarks/bench_mixed_step.py --smoke --out /tmp/mixed.json         # CPU check
@@ -54,10 +57,10 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def _executor(model, config, device, *, batch, max_num_tokens, chunked, max_seq_len=8192):
+def _executor(model, config, device, *, batch, max_num_tokens, chunked, max_seq_len=8192, use_cuda_graphs=None):
     kw = dict(kv_memory_fraction=0.5) if device.type == "cuda" else dict(kv_memory_bytes=64 << 20)
     return Executor(model, config, get_preset("default"), max_batch_size=batch, max_num_tokens=max_num_tokens,
-                    enable_chunked_prefill=chunked, max_seq_len=max_seq_len, **kw)
+                    enable_chunked_prefill=chunked, max_seq_len=max_seq_len, use_cuda_graphs=use_cuda_graphs, **kw)
 
 
 def _classify(ex, log: list) -> None:
@@ -83,7 +86,8 @@ def _timed_step(ex, device) -> tuple[float, list]:
 
 
 def _profiled(ex, device, path: str | None, label: str):
-    """Time one step; with ``path``, under the torch profiler, its top operators by host time appended to ``path``."""
+    """Time one step; with ``path``, under the torch profiler: its top operators by host time and by device time
+    appended to ``path``."""
     if path is None:
         return _timed_step(ex, device)
     from torch.profiler import ProfilerActivity, profile
@@ -92,8 +96,27 @@ def _profiled(ex, device, path: str | None, label: str):
     with profile(activities=activities) as prof:
         result = _timed_step(ex, device)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    cuda_table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15) \
+        if device.type == "cuda" else ""
     with open(path, "a") as f:
-        f.write(f"=== {label}: {result[0]:.1f} ms\n{table}\n")
+        f.write(f"=== {label}: {result[0]:.1f} ms\n{table}\n{cuda_table}\n")
+    return result
+
+
+def _host_profiled(ex, device, path: str, label: str):
+    """Time one step under cProfile; the Python functions by cumulative time appended to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    result = _timed_step(ex, device)
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
+    with open(path, "a") as f:
+        f.write(f"=== {label} (cProfile): {result[0]:.1f} ms\n{buf.getvalue()}\n")
     return result
 
 
@@ -104,19 +127,38 @@ def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146
     vocab, out = config.vocab_size, {}
     background = SamplingParams(max_tokens=min(4096, config.max_position_embeddings - context - 64), temperature=0.0,
                                 ignore_eos=True)
-    for case_set, mnt, chunked in (("whole", 8192, False), ("chunked", 2048, True)):
-        ex = _executor(model, config, device, batch=batch, max_num_tokens=mnt, chunked=chunked)
-        for i in range(batch - 1):
-            ex.add_request(_ids(context, vocab, 100 + i), background)
-        for _ in range(3):
-            ex.step()
-        cases = ["decode", "short", "long_whole"] if case_set == "whole" else \
-            ["long_chunk1", "long_chunk2", "two_short_chunked"]
+    case_sets = (("whole", 8192, False, None), ("chunked", 2048, True, None), ("alone", 8192, False, None),
+                 ("eager", 8192, False, False))
+    for case_set, mnt, chunked, graphs in case_sets:
+        ex = _executor(model, config, device, batch=batch, max_num_tokens=mnt, chunked=chunked, use_cuda_graphs=graphs)
+        if case_set != "alone":
+            for i in range(batch - 1):
+                ex.add_request(_ids(context, vocab, 100 + i), background)
+            for _ in range(3):
+                ex.step()
+        cases = dict(whole=["decode", "short", "long_whole"], chunked=["long_chunk1", "long_chunk2", "two_short_chunked"],
+                     alone=["short_alone", "long_alone"], eager=["decode_eager"])[case_set]
         times = {c: [] for c in cases}
         for r in range(repeats + 1):  # the first round warms up
             record = r > 0
             prof = profile_path if r == repeats else None
-            if case_set == "whole":
+            if case_set in ("alone", "eager"):
+                for case in cases:
+                    n = dict(short_alone=short_tokens, long_alone=long_tokens).get(case)
+                    rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0)) \
+                        if n else None
+                    ms, _ = _timed_step(ex, device)
+                    times[case].append(ms)
+                    if prof is not None and case in ("long_alone", "decode_eager"):
+                        if rid is not None:
+                            ex.abort(rid)
+                            ex.step()
+                            rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
+                        _host_profiled(ex, device, prof, case)
+                    if rid is not None:
+                        ex.abort(rid)
+                        ex.step()
+            elif case_set == "whole":
                 ms, _ = _timed_step(ex, device)
                 times["decode"].append(ms)
                 for case, n in (("short", short_tokens), ("long_whole", long_tokens)):
@@ -125,6 +167,11 @@ def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146
                     times[case].append(ms)
                     ex.abort(rid)
                     ex.step()
+                    if prof is not None and case == "long_whole":
+                        rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
+                        _host_profiled(ex, device, prof, case)
+                        ex.abort(rid)
+                        ex.step()
             else:
                 rid = ex.add_request(_ids(long_tokens, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
                 ms1, _ = _timed_step(ex, device)
@@ -133,6 +180,12 @@ def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146
                 times["long_chunk2"].append(ms2)
                 ex.abort(rid)
                 ex.step()
+                if prof is not None:
+                    rid = ex.add_request(_ids(long_tokens, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
+                    ex.step()
+                    _host_profiled(ex, device, prof, "long_chunk2")
+                    ex.abort(rid)
+                    ex.step()
                 # a chunk (first of a long prompt) with two short prompts whole in the same step
                 ids = [ex.add_request(_ids(short_tokens, vocab, 50 + r), SamplingParams(max_tokens=8, temperature=0.0)),
                        ex.add_request(_ids(short_tokens, vocab, 60 + r), SamplingParams(max_tokens=8, temperature=0.0)),
