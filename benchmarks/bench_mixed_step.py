@@ -57,22 +57,24 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def _executor(model, config, device, *, batch, max_num_tokens, chunked, max_seq_len=8192, use_cuda_graphs=None):
+def _executor(model, config, device, *, batch, max_num_tokens, chunked, split, max_seq_len=8192,
+              use_cuda_graphs=None):
     kw = dict(kv_memory_fraction=0.5) if device.type == "cuda" else dict(kv_memory_bytes=64 << 20)
     return Executor(model, config, get_preset("default"), max_batch_size=batch, max_num_tokens=max_num_tokens,
-                    enable_chunked_prefill=chunked, max_seq_len=max_seq_len, use_cuda_graphs=use_cuda_graphs, **kw)
+                    enable_chunked_prefill=chunked, max_seq_len=max_seq_len, use_cuda_graphs=use_cuda_graphs,
+                    split_mixed_steps=split, **kw)
 
 
 def _classify(ex, log: list) -> None:
-    """Record each step's class (decode / prefill / chunk) by wrapping the executor's one model call."""
-    forward = ex._forward
+    """Record each step's class (decode / prefill / chunk) by wrapping the executor's run of a scheduled batch."""
+    run = ex._run
 
-    def recorded(batch, graphs=None):
+    def recorded(batch, updates, t0):
         chunk = any(r.num_cached_tokens or r.num_new_tokens < len(r.prefill_token_ids) for r in batch.context_requests)
         log.append("chunk" if chunk else "prefill" if batch.context_requests else "decode")
-        return forward(batch, graphs)
+        return run(batch, updates, t0)
 
-    ex._forward = recorded
+    ex._run = recorded
 
 
 def _timed_step(ex, device) -> tuple[float, list]:
@@ -120,17 +122,19 @@ def _host_profiled(ex, device, path: str, label: str):
     return result
 
 
-def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146, short_tokens=150,
+def isolated(model, config, device, *, batch, context, repeats, split, long_tokens=2146, short_tokens=150,
              profile_path: str | None = None) -> dict:
     """Median ms of each case (module docstring), ``batch - 1`` requests decoding at ``context`` tokens;
-    ``profile_path``: the last round's ``long_whole`` and ``long_chunk2`` steps profiled into that file."""
+    ``profile_path``: the last round's ``long_whole`` and ``long_chunk2`` steps profiled into that file;
+    ``split``: the executors' ``split_mixed_steps`` (the eager decode case never splits)."""
     vocab, out = config.vocab_size, {}
     background = SamplingParams(max_tokens=min(4096, config.max_position_embeddings - context - 64), temperature=0.0,
                                 ignore_eos=True)
     case_sets = (("whole", 8192, False, None), ("chunked", 2048, True, None), ("alone", 8192, False, None),
                  ("eager", 8192, False, False))
     for case_set, mnt, chunked, graphs in case_sets:
-        ex = _executor(model, config, device, batch=batch, max_num_tokens=mnt, chunked=chunked, use_cuda_graphs=graphs)
+        ex = _executor(model, config, device, batch=batch, max_num_tokens=mnt, chunked=chunked, split=split,
+                       use_cuda_graphs=graphs)
         if case_set != "alone":
             for i in range(batch - 1):
                 ex.add_request(_ids(context, vocab, 100 + i), background)
@@ -204,10 +208,11 @@ def isolated(model, config, device, *, batch, context, repeats, long_tokens=2146
     return out
 
 
-def closed_loop(model, config, device, *, concurrency, num_requests, max_tokens, max_num_tokens, chunked,
+def closed_loop(model, config, device, *, concurrency, num_requests, max_tokens, max_num_tokens, chunked, split,
                 lengths=HUMANEVAL_MIXED_LONG_TOKENS) -> dict:
     """The servers benchmark's schedule on the executor alone (module docstring)."""
-    ex = _executor(model, config, device, batch=concurrency, max_num_tokens=max_num_tokens, chunked=chunked)
+    ex = _executor(model, config, device, batch=concurrency, max_num_tokens=max_num_tokens, chunked=chunked,
+                   split=split)
     log, vocab = [], config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     sent, added, ttft, done, step_ms, errors = 0, {}, [], 0, [], 0
@@ -236,7 +241,7 @@ def closed_loop(model, config, device, *, concurrency, num_requests, max_tokens,
                     send()
     wall = time.perf_counter() - t0
     ttft.sort()
-    row = dict(max_num_tokens=max_num_tokens, chunked=chunked, requests=num_requests, wall_s=round(wall, 3),
+    row = dict(max_num_tokens=max_num_tokens, chunked=chunked, split_mixed_steps=split, requests=num_requests, wall_s=round(wall, 3),
                output_tokens_per_s=round(num_requests * max_tokens / wall, 1), requests_per_s=round(num_requests / wall, 2),
                ttft_p50_ms=round(ttft[len(ttft) // 2], 1), ttft_p99_ms=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
                steps=len(step_ms), errors=errors)
@@ -258,6 +263,9 @@ def main(argv=None) -> int:
     parser.add_argument("--closed-loop", default="smollm2", help="shapes that also run the closed loop")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--split", default="on,off",
+                        help="the executors' split_mixed_steps settings to run, side by side (on: the default with "
+                             "CUDA graphs; off: one model call per step)")
     parser.add_argument("--profile", help="write torch-profiler tables of one whole-prompt step and one final-chunk "
                                           "step (the last isolated round) to this file")
     args = parser.parse_args(argv)
@@ -273,26 +281,27 @@ def main(argv=None) -> int:
         config = ModelConfig(**shapes[name])
         model = random_llama(config, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         small = args.smoke
-        row = dict(shape=name, isolated=isolated(model, config, device, batch=4 if small else 64,
-                                                  context=24 if small else 1024, repeats=1 if small else args.repeats,
-                                                  long_tokens=40 if small else 2146, short_tokens=6 if small else 150,
-                                                  profile_path=args.profile))
-        print(name, "isolated ms:", row["isolated"], flush=True)
-        _write(args.out, result, row)
-        if name in loop_shapes:
-            row["closed_loop"] = []
-            for mnt, chunked in ((2048, True), (8192, True), (8192, False)):
-                if small:
-                    mnt = mnt // 128
-                loop = closed_loop(model, config, device, concurrency=4 if small else 64,
-                                   num_requests=8 if small else args.num_requests, max_tokens=4 if small else 128,
-                                   max_num_tokens=mnt, chunked=chunked,
-                                   lengths=(5, 9, 30, 6) if small else HUMANEVAL_MIXED_LONG_TOKENS)
-                row["closed_loop"].append(loop)
-                print(name, "closed loop:", loop, flush=True)
-                _write(args.out, result, row)
-        _write(args.out, result, row)
-        result["rows"].append(row)
+        for split in args.split.split(","):
+            split = dict(on=True, off=False)[split]
+            row = dict(shape=name, split_mixed_steps=split, isolated=isolated(
+                model, config, device, batch=4 if small else 64, context=24 if small else 1024,
+                repeats=1 if small else args.repeats, split=split, long_tokens=40 if small else 2146,
+                short_tokens=6 if small else 150, profile_path=args.profile if split else None))
+            print(name, "split" if split else "one call", "isolated ms:", row["isolated"], flush=True)
+            _write(args.out, result, row)
+            if name in loop_shapes:
+                row["closed_loop"] = []
+                for mnt, chunked in ((2048, True), (8192, True), (8192, False)):
+                    if small:
+                        mnt = mnt // 128
+                    loop = closed_loop(model, config, device, concurrency=4 if small else 64,
+                                       num_requests=8 if small else args.num_requests, max_tokens=4 if small else 128,
+                                       max_num_tokens=mnt, chunked=chunked, split=split,
+                                       lengths=(5, 9, 30, 6) if small else HUMANEVAL_MIXED_LONG_TOKENS)
+                    row["closed_loop"].append(loop)
+                    print(name, "closed loop:", loop, flush=True)
+                    _write(args.out, result, row)
+            result["rows"].append(row)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

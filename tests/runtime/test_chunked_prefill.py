@@ -219,3 +219,76 @@ def test_chunked_prefill_on_the_triton_interpreter():
     got = run(model, CFG, prompt, 2, ex=make(model, CFG, max_num_tokens=4, **kw))
     assert got[0].output_token_ids == want[0].output_token_ids
     torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=0)
+
+
+def _mixed_traffic(model, kv, split):
+    """Requests arriving while others decode (whole prompts and a chunked one, greedy and seeded), every
+    sampled logits row recorded per request; returns (drive's outputs, rows, steps planned with both kinds)."""
+    ex = make(model, kv, max_batch_size=4, max_num_tokens=40, split_mixed_steps=split)
+    rows, mixed, sample, prepare = {}, [], ex.sampler.sample, ex.rm.prepare_resources
+
+    def recording(logits, ids, histories):
+        for rid, row in zip(ids, logits):
+            rows.setdefault(rid, []).append(row.clone())
+        return sample(logits, ids, histories)
+
+    def planned(batch, **kw):
+        mixed.append(bool(batch.context_requests and batch.generation_requests))
+        return prepare(batch, **kw)
+
+    ex.sampler.sample, ex.rm.prepare_resources = recording, planned
+    prompts = _prompts((12, 30, 100, 7), seed=11)
+    seeded = SamplingParams(max_tokens=7, temperature=0.8, top_k=30, seed=5)
+    got = drive(ex, {0: [("a", prompts[0], _greedy(12))], 2: [("b", prompts[1], seeded)],
+                     3: [("c", prompts[2], _greedy(5))], 5: [("d", prompts[3], _greedy(6))]})
+    return got, {key: torch.stack(rows[update.request_id]) for key, (_, update) in got.items()}, sum(mixed)
+
+
+@pytest.mark.parametrize("name", ["default", "fp16"])
+def test_split_mixed_steps_equal_the_one_call_steps(model, name):
+    """``split_mixed_steps`` (the default with CUDA graphs) runs a step's decodes, then its prompts, as two model
+    calls: every request's tokens, logits, pages and tiers are those of the one-call step."""
+    want, want_rows, want_mixed = _mixed_traffic(model, preset(name), False)
+    got, got_rows, got_mixed = _mixed_traffic(model, preset(name), True)
+    assert want_mixed > 0 and got_mixed == 0  # the traffic has mixed steps, and the split leaves none
+    for key, (tokens, update) in want.items():
+        assert got[key][0] == tokens and got[key][1].finish_reason == update.finish_reason, key
+        torch.testing.assert_close(got_rows[key], want_rows[key], atol=LOGIT_ATOL[name], rtol=0)
+        for field in ("kv_cache_bytes", "high_fraction", "low_fraction", "pruned_fraction", "pool_pages"):
+            assert getattr(got[key][1].result, field) == getattr(update.result, field), (key, field)
+
+
+def test_a_failing_prompt_call_of_a_split_step_fails_only_its_prompts(model):
+    """The prompts' model call of a split step raises: those requests fail with the reason, the decodes of the
+    same step go on to their tokens, and every page comes back."""
+    ex = make(model, get_preset("default"), max_batch_size=4, max_num_tokens=64, split_mixed_steps=True)
+    forward = ex._forward
+
+    def failing(batch, graphs=None):
+        if batch.context_requests and batch.context_requests[0].request_id == bad:
+            raise RuntimeError("planted")
+        return forward(batch, graphs)
+
+    ex._forward = failing
+    short, other = _prompts((9, 20), seed=12)
+    tokens, final = {}, {}
+    good = ex.add_request(short, _greedy(8))
+    bad = None
+    for step in range(40):
+        if step == 2:
+            bad = ex.add_request(other, _greedy(4))
+        for update in ex.step():
+            tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.finished:
+                final[update.request_id] = update
+        if step > 2 and not ex.has_unfinished():
+            break
+    assert final[good].finish_reason == "length"
+    assert tokens[good] == run(model, get_preset("default"), short, 8)[0].output_token_ids
+    assert final[bad].finish_reason == "error" and "planted" in final[bad].error and tokens.get(bad, []) == []
+    assert ex.cache.manager.free_pages() == ex.cache.manager.num_pages and ex.cache.staging == {}
+
+
+def test_split_mixed_steps_is_checked(model):
+    with pytest.raises(ValueError, match="split_mixed_steps"):
+        make(model, get_preset("default"), split_mixed_steps="yes")

@@ -24,6 +24,11 @@
    ``max_tokens`` (:class:`~.sampling.StopChecker`); finished and failed requests free every
    page in this same step (``free_resources``).
 
+A step with both prompts and decodes runs 3-6 twice with ``split_mixed_steps`` (default with CUDA graphs):
+the decodes first, as a decode-only step (a graph replay), then the prompts eagerly. An eager step's cost is
+mostly host work per layer whatever it carries (docs/PERFORMANCE.md, "Chunked prefill steps"); the split
+keeps that work to the prompts' part, for the price of reading the weights twice.
+
 Threads: one thread steps; any thread may :meth:`Executor.add_request` and
 :meth:`Executor.abort` (neither waits for a step: they go through a small inbox). An abort frees
 the request's pages at once between steps, or before the step running now returns. Out of pages is handled per request (preemption), never by failing the batch;
@@ -128,6 +133,11 @@ class Executor:
             prefill and mixed steps run eagerly. ``None`` (default): on when the device is CUDA
             and the cache runs the Triton kernels; a capture that fails warns and decodes
             eagerly. ``True`` on a CPU raises.
+        split_mixed_steps: run a step's decodes and its prompts as two model calls, decodes first (module
+            docstring). ``None`` (default): when ``use_cuda_graphs`` is on (asked or defaulted), so every
+            rank of a tensor-parallel run decides alike even where its capture failed. Outputs are the
+            unsplit step's (each request's computation is its own; the batched matmuls' rounding may differ
+            in the last bit).
         high_tokens_per_page, use_triton: page sizing and kernels (:class:`PagedDiffKVCache`).
         profile: synchronize around the timed regions so that :meth:`stats`'s
             ``bookkeeping_fraction`` measures device time (slower; benchmarks only).
@@ -147,7 +157,8 @@ class Executor:
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None, device=None,
                  use_cuda_graphs: bool | None = None, high_tokens_per_page: int = 32,
                  use_triton: bool | None = None, profile: bool = False, parallel=None,
-                 enable_chunked_prefill: bool = True, chunk_staging_bytes: int | None = None) -> None:
+                 enable_chunked_prefill: bool = True, chunk_staging_bytes: int | None = None,
+                 split_mixed_steps: bool | None = None) -> None:
         from ..kernels.cuda_decode import configured_backend
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
@@ -193,6 +204,9 @@ class Executor:
             raise ValueError(f"use_cuda_graphs=True needs a CUDA device, got {self.device}")
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda" and self.cache.use_triton
+        if split_mixed_steps is not None and not isinstance(split_mixed_steps, bool):
+            raise ValueError(f"split_mixed_steps={split_mixed_steps!r} must be True, False or None")
+        self.split_mixed_steps = bool(use_cuda_graphs) if split_mixed_steps is None else split_mixed_steps
         self.profile = profile
         self._graphs = self._capture_graphs() if use_cuda_graphs else None  # DecodeGraphRunner
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -411,6 +425,15 @@ class Executor:
 
     # ------------------------------------------------------------------ the step
     def _run(self, batch: ScheduledBatch, updates: list, t0: float) -> None:
+        """Steps 3-6 of the module docstring over ``batch``; with ``split_mixed_steps`` a batch with both prompts
+        and decodes as two of them, decodes first."""
+        if self.split_mixed_steps and batch.context_requests and batch.generation_requests:
+            self._run_batch(ScheduledBatch(generation_requests=batch.generation_requests), updates, t0)
+            self._run_batch(ScheduledBatch(context_requests=batch.context_requests), updates, t0)
+        else:
+            self._run_batch(batch, updates, t0)
+
+    def _run_batch(self, batch: ScheduledBatch, updates: list, t0: float) -> None:
         requests = batch.all_requests
         graphs = self._graph_runner(batch)
         pad_to = graphs.bucket_for(batch.batch_size) if graphs is not None else None
