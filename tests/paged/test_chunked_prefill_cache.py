@@ -95,3 +95,48 @@ def test_whole_prompts_beside_a_chunk_equal_an_unchunked_step(name):
         reads.append([cache.forward(layer, *x).clone() for layer, x in enumerate(step)])
     for a, b in zip(*reads):
         assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+
+
+@pytest.mark.parametrize("name", ["default", "pooled", "fp16"])
+def test_prompt_writes_in_layer_groups_equal_the_per_layer_writes(name, monkeypatch):
+    """A planned prompt step runs its tiers and writes for groups of layers (``prefill.WRITE_GROUP_BYTES``):
+    groups of 1 (the TensorRT plugin op's per-layer call), of 2 over 5 layers (the last group partial) and of
+    all 5 leave bit-identical pools, tables, tier counts and key offsets, also in a step where a prompt's final
+    chunk comes beside a whole one."""
+    from dataclasses import replace
+
+    from trtllm_diffkv.paged import prefill as paged_prefill
+
+    config = replace(kv_config("default"), score_pool_tokens=3) if name == "pooled" else kv_config(name)
+    shape = dict(num_layers=5, num_heads=4, num_kv_heads=2, head_dim=64)
+    g = torch.Generator().manual_seed(21)
+    lens = (70, 90)
+    qkv = [[(torch.randn(n, 4, 64, generator=g) * 0.6, torch.randn(n, 2, 64, generator=g) * 2,
+             torch.randn(n, 2, 64, generator=g)) for _ in range(5)] for n in lens]
+    layer_bytes = sum(lens) * 2 * (2 * 64 * 4 + 4)  # fp32 K, V and the score sum of every finishing token
+    states = []
+    for group in (1, 2, 5):
+        monkeypatch.setattr(paged_prefill, "WRITE_GROUP_BYTES", group * layer_bytes)
+        for chunked in (False, True):
+            cache = PagedDiffKVCache(config, **shape, num_pages=4096, max_slots=2, max_seq_len_tokens=128,
+                                     max_num_tokens=256, device="cpu", dtype=torch.float32, high_tokens_per_page=16,
+                                     use_triton=False, staging_limit_bytes=1 << 28)
+            if chunked:  # prompt 1's first 50 tokens in a step of their own, its last 40 beside prompt 0 whole
+                cache.plan([1], [50], [0], [True], prompt_lens=[90])
+                for layer in range(5):
+                    cache.forward(layer, *(x[:50] for x in qkv[1][layer]))
+                cache.plan([0, 1], [70, 90], [0, 50], [True, True], prompt_lens=list(lens))
+            else:
+                cache.plan([0, 1], [70, 90], [0, 0], [True, True])
+            assert cache.planned_step.prefill["write_group_layers"] == group
+            for layer in range(5):
+                parts = [qkv[0][layer], tuple(x[50:] for x in qkv[1][layer]) if chunked else qkv[1][layer]]
+                cache.forward(layer, *(torch.cat([a[j], b[j]]) for a, b in [parts] for j in range(3)))
+            states.append((chunked, cache.pool.buffer.clone(), cache.manager.page_table.clone(),
+                           cache.manager.tokens.clone(), cache.row_meta.key_offsets.clone()))
+    for chunked in (False, True):  # (the chunked step reserves prompt 1's pages first: other page ids)
+        same = [state[1:] for state in states if state[0] == chunked]
+        for state in same[1:]:
+            for got, want in zip(state, same[0]):
+                assert torch.equal(got, want)
+        assert int(same[0][2].sum()) > 0

@@ -24,11 +24,15 @@ def _cache(kv, L=2, H=4, Hkv=2, D=64):
 
 
 @pytest.mark.parametrize("preset", ["default", "llama3-8b"])
-def test_plugin_ops_compute_what_the_paged_cache_computes(preset):
+def test_plugin_ops_compute_what_the_paged_cache_computes(preset, monkeypatch):
     """ops.run_prefill / run_decode on the step's tensors (the plugin inputs) == PagedDiffKVCache.forward,
-    bit for bit (pool, key offsets, tier counts, outputs); inferred output shapes/dtypes == the real ones."""
+    bit for bit (pool, key offsets, tier counts, outputs); inferred output shapes/dtypes == the real ones.
+    The cache writes each layer in its call here, as the plugin does (groups of layers equal that:
+    tests/paged/test_chunked_prefill_cache.py)."""
+    from trtllm_diffkv.paged import prefill
     from trtllm_diffkv.trt.plugins import ops
 
+    monkeypatch.setattr(prefill, "WRITE_GROUP_BYTES", 0)
     kv = get_preset(preset)
     cache = _cache(kv)
     L, H, Hkv, D = 2, 4, 2, 64

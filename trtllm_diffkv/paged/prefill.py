@@ -12,6 +12,12 @@ token in reserved page ``j // P_high``, the j-th low token in reserved page
 right end of the row. The cache commits after the last layer, returning the
 surplus pages to the ring.
 
+The tiers and writes of a layer need only that layer's K/V and scores, and no later layer reads the
+pages (a prompt step attends over its own full-precision K/V), so a planned step
+(:func:`plan_prefill`) runs them for a group of layers at once (:data:`WRITE_GROUP_BYTES`): an eager
+step's cost is mostly its host work per layer (docs/PERFORMANCE.md, "Chunked prefill steps"). A
+caller without a plan (the TensorRT plugin op, one layer a call) writes each layer in its call.
+
 Chunked prefill (:mod:`.staging`): a prefill request of the step may bring the chunk
 ``[start, end)`` of a prompt of ``n`` tokens. Its first chunk reserves the whole prompt's pages;
 every chunk attends causally over the kept full-precision K/V of the earlier chunks plus itself
@@ -26,6 +32,12 @@ import torch
 from .. import policy
 from .gather import token_location
 from .staging import PromptStaging
+
+WRITE_GROUP_BYTES = 256 << 20
+"""Most bytes of the K/V (model dtype) and fp32 score sums that a prompt step keeps for layers whose tiers
+and writes are still to run; a step runs them for ``max(1, WRITE_GROUP_BYTES // one layer's bytes)`` layers
+at once (all 30 of the default model for prompts of up to ~40k tokens; 7 of Llama-3-8B's 32 at 8192
+tokens)."""
 
 
 def plan_prefill(cache, step) -> None:
@@ -75,11 +87,20 @@ def plan_prefill(cache, step) -> None:
         err_idx=slots[req].to(torch.int32).repeat_interleave(cache.num_kv_heads),
         chunked=any(a or b < n for a, b, n in zip(starts, ends, totals)), finishing=finishing,
         chunks=[(slots_host[i], starts[i], ends[i], totals[i], bounds[i], bounds[i + 1]) for i in range(n_pre)],
+        write_group_layers=write_group_layers(cache, sum(lens)), pending=None,
     )
     if step.prefill["chunked"]:
         _plan_whole_prompts(step.prefill, dev)
     for i in finishing:
         cache.prompt_len_device[slots_host[i]] = totals[i]
+
+
+def write_group_layers(cache, num_tokens: int) -> int:
+    """How many layers' tiers and writes a prompt step of ``num_tokens`` finishing tokens runs at once
+    (:data:`WRITE_GROUP_BYTES`), between 1 and the model's layers."""
+    item = torch.empty(0, dtype=cache.dtype).element_size()
+    layer_bytes = num_tokens * cache.num_kv_heads * (2 * cache.head_dim * item + 4)
+    return max(1, min(cache.num_layers, WRITE_GROUP_BYTES // max(1, layer_bytes)))
 
 
 def host_bounds(bounds: list[int], device: torch.device) -> torch.Tensor:
@@ -118,7 +139,27 @@ def prefill_layer(cache, step, layer, q, k, v, out) -> None:
                                            num_scoring_queries=cfg.prompt_score_window_tokens, out=out,
                                            score_sums=cache.score_sums[:q.shape[0]])
     if p["finishing"]:
-        _tier_and_write(cache, p, layer, k, v, sums)
+        _write_layer(cache, p, layer, k, v, sums)
+
+
+def _write_layer(cache, p, layer, k, v, sums) -> None:
+    """The tiers and writes of ``layer``: at once without a plan's ``write_group_layers``, else kept in the step's
+    group buffers and run when the group's last layer (or the model's) has come."""
+    group = p.get("write_group_layers", 1)
+    if group <= 1:
+        _tier_and_write(cache, p, layer, k[None], v[None], sums[None])
+        return
+    first = layer - layer % group
+    if layer == first:
+        n = min(group, cache.num_layers - first)
+        p["pending"] = (k.new_empty((n,) + tuple(k.shape)), v.new_empty((n,) + tuple(v.shape)),
+                        sums.new_empty((n,) + tuple(sums.shape)))
+    kb, vb, sb = p["pending"]
+    j = layer - first
+    kb[j].copy_(k), vb[j].copy_(v), sb[j].copy_(sums)
+    if j == kb.shape[0] - 1:
+        p["pending"] = None
+        _tier_and_write(cache, p, first, kb, vb, sb)
 
 
 def _chunk_attention(cache, p, layer, q, k, v, out):
@@ -183,35 +224,39 @@ def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     return o[0].transpose(0, 1)
 
 
-def _tier_and_write(cache, p, layer, k, v, sums) -> None:
-    """Tier every token of the prompts that end in this step and quantize it into its reserved page (section 5).
+def _tier_and_write(cache, p, first_layer, k, v, sums) -> None:
+    """Tier every token of the prompts that end in this step and quantize it into its reserved page (section 5),
+    for ``G`` consecutive layers from ``first_layer``.
 
-    ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` of those prompts, packed as ``p["cu_host"]``; ``sums``: fp32
-    ``[T, num_kv_heads]`` prompt score sums."""
+    ``k``, ``v``: ``[G, T, num_kv_heads, head_dim]`` of those prompts, packed as ``p["cu_host"]``; ``sums``: fp32
+    ``[G, T, num_kv_heads]`` prompt score sums."""
     cfg, fmt = cache.config, cache.page_format
-    H, D = cache.num_kv_heads, cache.head_dim
-    rows = p["row_base"][:, None] + layer * H + torch.arange(H, device=cache.device)  # [Tp, H]
+    G, H, D = k.shape[0], cache.num_kv_heads, cache.head_dim
+    dev = cache.device
+    layers = torch.arange(first_layer, first_layer + G, device=dev)
+    rows = p["row_base"][None, :, None] + (layers * H)[:, None, None] + torch.arange(H, device=dev)  # [G, Tp, H]
     if cfg.compress:
         if cfg.center_keys:
             for s, e in zip(p["cu_host"], p["cu_host"][1:]):  # host bounds: no sync
-                cache.row_meta.key_offsets[rows[s]] = k[s:e].transpose(0, 1).float().mean(1).to(torch.float16)
-        importance = sums / p["count"][:, None]  # [Tp, H]
+                cache.row_meta.key_offsets[rows[:, s]] = k[:, s:e].transpose(1, 2).float().mean(2).to(torch.float16)
+        importance = sums / p["count"][:, None]  # [G, Tp, H]
         if cfg.score_pool_tokens > 1:  # per request (host bounds: no sync), policy.pool_importance
-            importance = torch.cat([policy.pool_importance(importance[s:e].T, cfg.score_pool_tokens).T
-                                    for s, e in zip(p["cu_host"], p["cu_host"][1:])])
+            importance = torch.cat([policy.pool_importance(importance[:, s:e].transpose(1, 2).reshape(G * H, e - s),
+                                                           cfg.score_pool_tokens).reshape(G, H, e - s).transpose(1, 2)
+                                    for s, e in zip(p["cu_host"], p["cu_host"][1:])], 1)
         high = (importance > p["thr_h"][:, None]) | p["window"][:, None]
         low = ~high & (importance >= p["thr_l"][:, None])
     else:
-        high = torch.ones(rows.shape, dtype=torch.bool, device=cache.device)
+        high = torch.ones(rows.shape, dtype=torch.bool, device=dev)
         low = torch.zeros_like(high)
     for ti, (tier, sel) in enumerate((("high", high), ("low", low))):
-        p["counts"][:, layer, :, ti].index_add_(0, p["req"], sel.to(torch.int32))
+        p["counts"][:, first_layer:first_layer + G, :, ti].index_add_(0, p["req"], sel.transpose(0, 1).to(torch.int32))
         sel64 = sel.to(torch.int64)
         # Exclusive prefix count over the prompt tokens, scanned along the last dimension of a contiguous
-        # [H, Tp] copy: torch's CUDA scan over the outer dimension of [Tp, H] runs about one thread per
-        # column (about 260 us a call at Tp = 2146, H = 3 on the H200: 62 % of a prefill step's kernel time).
-        excl = torch.cumsum(sel64.T.contiguous(), 1).T - sel64
-        index = excl - excl[p["start"]]
+        # [G, H, Tp] copy: torch's CUDA scan over an outer dimension runs about one thread per column (about
+        # 260 us a call at Tp = 2146, H = 3 on the H200: 62 % of a prefill step's kernel time).
+        excl = torch.cumsum(sel64.transpose(1, 2).contiguous(), 2).transpose(1, 2) - sel64
+        index = excl - excl[:, p["start"]]
         per_page = fmt.tier(tier).tokens_per_page
         page, slot = token_location(cache.manager.page_table, rows, tier, index, per_page)
         if tier == "low":  # before commit the low pages are the last reserved ones
@@ -222,5 +267,5 @@ def _tier_and_write(cache, p, layer, k, v, sums) -> None:
             cache.pool.pages(), fmt, tier, page.reshape(-1), slot.reshape(-1), k.reshape(-1, D), v.reshape(-1, D),
             key_offsets=cache.row_meta.key_offsets if cfg.compress and cfg.center_keys else None,
             offset_rows=rows.reshape(-1) if cfg.compress and cfg.center_keys else None,
-            scores=sums.reshape(-1), positions=p["t"].repeat_interleave(H),
-            error_flags=cache.error_flags, error_index=p["err_idx"])
+            scores=sums.reshape(-1), positions=p["t"].repeat_interleave(H).repeat(G),
+            error_flags=cache.error_flags, error_index=p["err_idx"].repeat(G))
