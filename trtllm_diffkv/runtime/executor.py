@@ -58,9 +58,9 @@ DEFAULT_MAX_NUM_TOKENS = 8192
 """Default ``max_num_tokens`` with chunked prefill: a step carries the running decodes and at most this many
 tokens in all (TensorRT-LLM's ``max_num_tokens`` default). Prompts that a step can carry beside the decodes go
 whole (waiting a step when earlier prompts used the room); longer ones are chunked. Not vLLM's 2048: on the
-H200 a step carrying a chunk cost ~2.7x one with the whole prompt (docs/PERFORMANCE.md, "Chunked prefill
-steps"), and a 2048-token step halved the OpenAI server's throughput and raised its TTFT p99 3.7x on a
-workload with one ~2k-token prompt in eight (docs/SERVING.md, servers benchmark of 2026-12-02)."""
+H200 each prompt step is ~35 ms of host work at the default model's shape, and 2048-token steps ran the
+servers' workload (one ~2k-token prompt in eight) at about half the requests/s of 8192 on the executor alone
+(docs/PERFORMANCE.md, "Chunked prefill steps")."""
 
 
 def prefill_chunk_positions(batch: ScheduledBatch) -> list[tuple[int, int]]:
