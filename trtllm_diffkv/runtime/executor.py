@@ -130,7 +130,7 @@ class Executor:
         device: default the model's device.
         use_cuda_graphs: replay decode-only steps from CUDA graphs over bucketed batch sizes
             (:class:`~.cuda_graphs.DecodeGraphRunner`, its forward graphs captured here);
-            prefill and mixed steps run eagerly. ``None`` (default): on when the device is CUDA
+            prefill steps run eagerly, and so do mixed steps unless ``split_mixed_steps``. ``None`` (default): on when the device is CUDA
             and the cache runs the Triton kernels; a capture that fails warns and decodes
             eagerly. ``True`` on a CPU raises.
         split_mixed_steps: run a step's decodes and its prompts as two model calls, decodes first (module
