@@ -130,8 +130,8 @@ def test_prompt_writes_in_layer_groups_equal_the_per_layer_writes(name, monkeypa
                 cache.plan([0, 1], [70, 90], [0, 0], [True, True])
             assert cache.planned_step.prefill["write_group_layers"] == group
             for layer in range(5):
-                parts = [qkv[0][layer], tuple(x[50:] for x in qkv[1][layer]) if chunked else qkv[1][layer]]
-                cache.forward(layer, *(torch.cat([a[j], b[j]]) for a, b in [parts] for j in range(3)))
+                second = tuple(x[50:] for x in qkv[1][layer]) if chunked else qkv[1][layer]
+                cache.forward(layer, *(torch.cat([a, b]) for a, b in zip(qkv[0][layer], second)))
             states.append((chunked, cache.pool.buffer.clone(), cache.manager.page_table.clone(),
                            cache.manager.tokens.clone(), cache.row_meta.key_offsets.clone()))
     for chunked in (False, True):  # (the chunked step reserves prompt 1's pages first: other page ids)

@@ -98,8 +98,7 @@ def plan_prefill(cache, step) -> None:
 def write_group_layers(cache, num_tokens: int) -> int:
     """How many layers' tiers and writes a prompt step of ``num_tokens`` finishing tokens runs at once
     (:data:`WRITE_GROUP_BYTES`), between 1 and the model's layers."""
-    item = torch.empty(0, dtype=cache.dtype).element_size()
-    layer_bytes = num_tokens * cache.num_kv_heads * (2 * cache.head_dim * item + 4)
+    layer_bytes = num_tokens * cache.num_kv_heads * (2 * cache.head_dim * cache.dtype.itemsize + 4)
     return max(1, min(cache.num_layers, WRITE_GROUP_BYTES // max(1, layer_bytes)))
 
 

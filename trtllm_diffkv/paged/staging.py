@@ -32,10 +32,9 @@ def staging_bytes(num_layers: int, num_kv_heads: int, num_heads: int, head_dim: 
         scoring_tokens: ``prompt_score_window_tokens`` (0 when nothing is scored: the ``fp16`` preset).
         dtype: the model dtype the staging keeps.
     """
-    item = torch.empty((), dtype=dtype).element_size()
     kv = 2 * num_layers * prompt_tokens * num_kv_heads * head_dim
     q = num_layers * min(scoring_tokens, prompt_tokens) * num_heads * head_dim
-    return (kv + q) * item
+    return (kv + q) * dtype.itemsize
 
 
 class PromptStaging:
