@@ -123,12 +123,25 @@ def _host_profiled(ex, device, path: str, label: str):
     return result
 
 
+def _host_profiled_prompt(ex, device, path: str, label: str, ids: list[int] | None, params, steps_before: int = 0):
+    """Add a prompt of ``ids`` (none: profile the decodes alone), run ``steps_before`` steps, profile the next one
+    with :func:`_host_profiled`, then abort the prompt and step once (its pages back)."""
+    rid = ex.add_request(ids, params) if ids is not None else None
+    for _ in range(steps_before):
+        ex.step()
+    _host_profiled(ex, device, path, label)
+    if rid is not None:
+        ex.abort(rid)
+        ex.step()
+
+
 def isolated(model, config, device, *, batch, context, repeats, split, long_tokens=2146, short_tokens=150,
              profile_path: str | None = None) -> dict:
     """Median ms of each case (module docstring), ``batch - 1`` requests decoding at ``context`` tokens;
     ``profile_path``: the last round's ``long_whole`` and ``long_chunk2`` steps profiled into that file;
     ``split``: the executors' ``split_mixed_steps`` (the eager decode case never splits)."""
     vocab, out = config.vocab_size, {}
+    params = SamplingParams(max_tokens=8, temperature=0.0)
     background = SamplingParams(max_tokens=min(4096, config.max_position_embeddings - context - 64), temperature=0.0,
                                 ignore_eos=True)
     case_sets = (("whole", 8192, False, None), ("chunked", 2048, True, None), ("alone", 8192, False, None),
@@ -150,35 +163,27 @@ def isolated(model, config, device, *, batch, context, repeats, split, long_toke
             if case_set in ("alone", "eager"):
                 for case in cases:
                     n = dict(short_alone=short_tokens, long_alone=long_tokens).get(case)
-                    rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0)) \
-                        if n else None
+                    rid = ex.add_request(_ids(n, vocab, r), params) if n else None
                     ms, _ = _timed_step(ex, device)
                     times[case].append(ms)
-                    if prof is not None and case in ("long_alone", "decode_eager"):
-                        if rid is not None:
-                            ex.abort(rid)
-                            ex.step()
-                            rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
-                        _host_profiled(ex, device, prof, case)
                     if rid is not None:
                         ex.abort(rid)
                         ex.step()
+                    if prof is not None and case in ("long_alone", "decode_eager"):
+                        _host_profiled_prompt(ex, device, prof, case, _ids(n, vocab, r) if n else None, params)
             elif case_set == "whole":
                 ms, _ = _timed_step(ex, device)
                 times["decode"].append(ms)
                 for case, n in (("short", short_tokens), ("long_whole", long_tokens)):
-                    rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
+                    rid = ex.add_request(_ids(n, vocab, r), params)
                     ms, _ = _profiled(ex, device, prof if case == "long_whole" else None, case)
                     times[case].append(ms)
                     ex.abort(rid)
                     ex.step()
                     if prof is not None and case == "long_whole":
-                        rid = ex.add_request(_ids(n, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
-                        _host_profiled(ex, device, prof, case)
-                        ex.abort(rid)
-                        ex.step()
+                        _host_profiled_prompt(ex, device, prof, case, _ids(n, vocab, r), params)
             else:
-                rid = ex.add_request(_ids(long_tokens, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
+                rid = ex.add_request(_ids(long_tokens, vocab, r), params)
                 ms1, _ = _timed_step(ex, device)
                 ms2, _ = _profiled(ex, device, prof, "long_chunk2")
                 times["long_chunk1"].append(ms1)
@@ -186,15 +191,12 @@ def isolated(model, config, device, *, batch, context, repeats, split, long_toke
                 ex.abort(rid)
                 ex.step()
                 if prof is not None:
-                    rid = ex.add_request(_ids(long_tokens, vocab, r), SamplingParams(max_tokens=8, temperature=0.0))
-                    ex.step()
-                    _host_profiled(ex, device, prof, "long_chunk2")
-                    ex.abort(rid)
-                    ex.step()
+                    _host_profiled_prompt(ex, device, prof, "long_chunk2", _ids(long_tokens, vocab, r), params,
+                                          steps_before=1)
                 # a chunk (first of a long prompt) with two short prompts whole in the same step
-                ids = [ex.add_request(_ids(short_tokens, vocab, 50 + r), SamplingParams(max_tokens=8, temperature=0.0)),
-                       ex.add_request(_ids(short_tokens, vocab, 60 + r), SamplingParams(max_tokens=8, temperature=0.0)),
-                       ex.add_request(_ids(long_tokens, vocab, 70 + r), SamplingParams(max_tokens=8, temperature=0.0))]
+                ids = [ex.add_request(_ids(short_tokens, vocab, 50 + r), params),
+                       ex.add_request(_ids(short_tokens, vocab, 60 + r), params),
+                       ex.add_request(_ids(long_tokens, vocab, 70 + r), params)]
                 ms, _ = _timed_step(ex, device)
                 times["two_short_chunked"].append(ms)
                 for rid in ids:
