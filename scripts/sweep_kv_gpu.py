@@ -1,7 +1,7 @@
 """Issue 19's KV-part kernels on the GPU at one decode layer of Llama-3-8B 48 x 4096: variants side by side.
 
-1. The CUDA partial kernel (``kernels/cuda_decode.py``) over register cap (``MIN_BLOCKS``) and partitions per
-   row, at three tier mixes (all-high, all-low, 85 % high:
+1. The CUDA partial kernel (``kernels/cuda_decode.py``) over page ring (``STAGES``), register cap (``MIN_BLOCKS``),
+   the key-offset fold (``KEY_FOLD``) and partitions per row, at three tier mixes (all-high, all-low, 85 % high:
    what the ``llama3-8b`` preset keeps at this point in ``bench_step``); each variant's output checked
    against the Triton partial kernel's (relative error), its time the median of ``triton.testing.do_bench``,
    its bandwidth = the tokens' code and scale bytes plus the fp16 probabilities it writes, over the time,
@@ -58,7 +58,8 @@ def timed_row(kernel: str, ms: float, nbytes: int, bw: float, **fields) -> dict:
     return dict(kernel=kernel, **fields, us=ms * 1e3, bytes=nbytes, fraction_of_copy_bw=nbytes / (ms * 1e-3) / 1e9 / bw)
 
 
-def partial_sweep(bw: float, min_blocks: list[int], parts: list, log) -> list[dict]:
+def partial_sweep(bw: float, variants: list[tuple[int, int, int]], parts: list, log) -> list[dict]:
+    """``variants``: (stages, min_blocks, key_fold) of the CUDA partial kernel, timed at each tier mix."""
     import bench_attention as ba
     from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode, paged_decode_attention
     from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
@@ -79,19 +80,21 @@ def partial_sweep(bw: float, min_blocks: list[int], parts: list, log) -> list[di
                                update_scores=False, backend="triton")
         for nparts in parts:
             ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, r_max, "cuda", num_partitions=nparts)
-            for mb in min_blocks:
+            for st, mb, kf in variants:
+                cuda_decode.KEY_FOLD = kf
                 out = torch.full_like(q, float("nan"))
-                paged_decode_attention(q, pool.pages(), fmt, table, tokens, row_ids, out, sm_scale=head_dim**-0.5,
-                                       update_scores=False, workspace=ws, backend="cuda", cuda_min_blocks=mb)
+                cuda_decode.launch_partial(q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E,
+                                           False, mb, st)(out)
                 err = float((out.float() - ref.float()).norm() / ref.float().norm())
                 call = lambda: cuda_decode.launch_partial(  # noqa: E731
-                    q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True, mb)
+                    q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True, mb, st)
                 ms = median_ms(call)
                 row = timed_row("diffkv_decode_partial", ms, nbytes, bw, high_fraction=mix,
-                                num_partitions=ws.num_partitions, min_blocks=mb, rel_err_vs_triton=err,
+                                num_partitions=ws.num_partitions, min_blocks=mb, stages=st, key_fold=kf,
+                                rel_err_vs_triton=err,
                                 finite=bool(torch.isfinite(out).all()))
                 rows_out.append(row)
-                log(f"partial high {mix:4.0%} parts {ws.num_partitions:2d} min_blocks {mb}: "
+                log(f"partial high {mix:4.0%} parts {ws.num_partitions:2d} stages {st} min_blocks {mb} key_fold {kf}: "
                     f"{row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  err {err:.1e}")
         del pool
         torch.cuda.empty_cache()
@@ -202,12 +205,19 @@ def decision_sweep(bw: float, log) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--min-blocks", default="2,3")
     ap.add_argument("--parts", default="default,2,4", help="partitions per row ('default': the heuristic)")
+    ap.add_argument("--variants", default="0:3:0,0:3:1,2:4:0,2:4:1",
+                    help="stages:min_blocks:key_fold of the partial kernel, comma-separated (stages 0: the register path)")
+    ap.add_argument("--shape", default=None,
+                    help="num_seqs,seq_len[,num_heads,num_kv_heads,head_dim] (default 48,4096,32,8,128: Llama-3-8B)")
     ap.add_argument("--skip", default="", help="'partial', 'decide' and/or 'merge'")
     args = ap.parse_args()
     from trtllm_diffkv.evaluation.throughput import environment
 
+    if args.shape:
+        global SHAPE
+        num_seqs, seq_len, *heads = (int(x) for x in args.shape.split(","))
+        SHAPE = (SHAPE[0] if not heads else "custom", num_seqs, *(heads or SHAPE[2:5]), seq_len)
     bw = copy_gbps()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -219,7 +229,8 @@ def main():
         result["rows"] += decision_sweep(bw, log)
     if "partial" not in args.skip:
         parts = [None if p == "default" else int(p) for p in args.parts.split(",")]
-        result["rows"] += partial_sweep(bw, [int(x) for x in args.min_blocks.split(",")], parts, log)
+        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        result["rows"] += partial_sweep(bw, variants, parts, log)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -157,6 +157,60 @@ def test_cuda_and_triton_partial_kernels_agree(head_dim, heads):
         assert torch.allclose(a, b, rtol=2e-2, atol=2e-4), float((a - b).abs().max())
 
 
+@pytest.mark.parametrize("head_dim,heads,num_partitions", [(128, (32, 8), 1), (128, (28, 4), 3), (64, (9, 3), 2),
+                                                          (64, (8, 1), 5)])
+def test_staged_partial_kernel_equals_the_register_path(head_dim, heads, num_partitions):
+    """The page ring (``STAGES`` 2 and 3: ``cp.async`` into shared memory) runs the register path's arithmetic on the
+    same bytes: its partial states, stored probabilities, merged outputs and score updates equal ``STAGES=0``'s to
+    rounding (not bit for bit: ptxas contracts the two compilations' multiply-adds differently; seen on the H200,
+    2026-12-02: 1 fp16 ulp in outputs, 1.3e-4 of the largest accumulator), over rows of 0, 1 and many pages, tier
+    switches inside a warp's pages, and a padding sequence (outputs exactly 0). Slots neither path writes keep
+    their NaN fill in both."""
+    from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode
+    from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
+    from trtllm_diffkv.testing.attention import build_paged_rows, read_scores
+
+    num_heads, num_kv_heads = heads
+    fmt = PageFormat.for_config(DiffKVConfig(), head_dim)
+    counts = [(1, 0), (0, 1), (31, 0), (32, 52), (33, 53), (700, 0), (0, 900), (64, 2000), (0, 0), (1500, 47),
+              (97, 157), (5, 3)]
+    counts = (counts * num_kv_heads)[: 4 * num_kv_heads]
+    num_seqs = len(counts) // num_kv_heads + 1
+    row_ids = torch.tensor(list(range(len(counts))) + [-1] * num_kv_heads, dtype=torch.int32,
+                           device="cuda").view(num_seqs, num_kv_heads)
+    q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=torch.float16)
+    rows = build_paged_rows(fmt, counts, device="cuda", seed=5)
+    pages0 = rows.pool.pages().clone()
+    before = torch.cat([read_scores(rows, r) for r in range(len(counts))])
+    got = {}
+    for stages in (0, 2, 3):
+        ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, rows.page_table.shape[1], "cuda",
+                                      num_partitions=num_partitions)
+        for t in (ws.part_m, ws.part_l, ws.part_acc, ws.page_max):
+            t.fill_(float("nan"))
+        ws.page_probs.view(torch.int16).fill_(0x7E00)  # fp16 NaN bits: slots nobody writes stay equal, written ones must match
+        out = torch.full_like(q, float("nan"))
+        rows.pool.pages().copy_(pages0)
+        cuda_decode.launch_partial(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids, ws,
+                                   head_dim**-0.5 * LOG2E, True, None, stages)(out)
+        deltas = torch.cat([read_scores(rows, r) for r in range(len(counts))]) - before
+        assert deltas.abs().max() > 0  # the update ran
+        got[stages] = [out, ws.part_m, ws.part_l, ws.part_acc, ws.page_probs, ws.page_max, deltas]
+    for stages in (2, 3):
+        # page_probs / page_max are relative to a warp's running max, and a tier switch hands the pages to the
+        # warps differently in the two loops; their product, the score update, is compared instead
+        for name, a, b in zip(("out", "part_m", "part_l", "part_acc", "scores"),
+                              [got[0][i] for i in (0, 1, 2, 3, 6)], [got[stages][i] for i in (0, 1, 2, 3, 6)]):
+            assert torch.equal(a.isnan(), b.isnan()), (stages, name)
+            fa, fb = a.float().nan_to_num(), b.float().nan_to_num()
+            # fp16 values: 1 ulp; the running max and sum: fp32 rounding; the accumulated values and score updates
+            # take the fp16-rounded probabilities, whose roundings a last-bit logit change can flip
+            tol = {"out": 2e-3, "page_probs": 2e-3, "part_acc": 2e-3, "scores": 2e-3}.get(name, 1e-5)
+            err = float((fa - fb).abs().max() / fa.abs().max().clamp_min(1e-30))
+            assert err <= tol, (stages, name, err)
+    assert torch.equal(got[2][0][-1], torch.zeros_like(got[2][0][-1]))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_cuda_graph_replay_matches_eager(backend):
     """The call is graph-capturable with a preallocated workspace; replays give the eager result."""

@@ -196,8 +196,8 @@ class _Recorder:
     def __init__(self, log, name):
         self.log, self.name = log, name
 
-    def __call__(self, grid, block, args):
-        self.log.append((self.name, tuple(grid), tuple(block), tuple(args)))
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.log.append((self.name, tuple(grid), tuple(block), tuple(args), shared_mem))
 
 
 def test_defines_and_arguments_are_launch_partials(monkeypatch):
@@ -211,7 +211,7 @@ def test_defines_and_arguments_are_launch_partials(monkeypatch):
     shape = _shape()
     defines, sizes = cuda_aot.cuda_kernel_defines(shape)
     compiled, launches = [], []
-    monkeypatch.setattr(cd, "_kernel", lambda d, arch: (compiled.append(dict(d)),
+    monkeypatch.setattr(cd, "_kernel", lambda d, arch, shared_bytes=0: (compiled.append(dict(d)),
                                                          (_Recorder(launches, "diffkv_decode_partial"),
                                                           _Recorder(launches, "diffkv_decode_scores")))[1])
     monkeypatch.setattr(cd, "_stream", lambda ptr, device: contextlib.nullcontext())
@@ -228,17 +228,19 @@ def test_defines_and_arguments_are_launch_partials(monkeypatch):
                 row_ids=torch.zeros(num_seqs, H, dtype=torch.int32), part_m=ws.part_m, part_l=ws.part_l,
                 part_acc=ws.part_acc, page_probs=ws.page_probs, page_max=ws.page_max, lse=ws.lse)
     cd.launch_partial(bufs["q"], bufs["pool"], fmt, bufs["table"], bufs["tier_tokens"], bufs["row_ids"], ws,
-                      float(sizes["sm_scale"]) * LOG2E, True)  # its merge (the NVRTC path's scores) not launched
+                      float(sizes["sm_scale"]) * LOG2E, True, None, 0)  # its merge (the NVRTC path's scores) not launched
+    # (stages=0: the AOT build is the register path, whose shared memory is static: the manifest's shared_mem 0)
     cd._launch_scores(_Recorder(launches, "diffkv_decode_scores"), bufs["q"], bufs["pool"], bufs["table"],
                       bufs["tier_tokens"], bufs["row_ids"], ws, num_seqs, H, 0)
     assert compiled == [defines]
     entries = {e["source_kernel"]: e for e in cuda_aot.cuda_kernel_entries(shape)}
     source = SOURCE_PATH.read_text()
     assert [name for name, *_ in launches] == list(entries)
-    for kernel, grid, block, args in launches:
+    for kernel, grid, block, args, shared_mem in launches:
         entry = entries[kernel]
         got_grid, got_block, values = cuda_aot.launch_args(entry, bufs, num_seqs)
         assert (got_grid, got_block) == (grid, block)
+        assert shared_mem == entry["shared_mem"] == 0
         by_name = dict(zip([p.name for p in cuda_aot.kernel_parameters(source, kernel)], args))
         n_in, n_x = len(entry["inputs"]), len(entry["extras"])
         for name, value in zip(entry["inputs"], values[:n_in]):

@@ -3,7 +3,8 @@
 Why a second implementation: the Triton partial kernel stalls at 43 % of the copy bandwidth (Llama-3-8B
 shape, all-high) and 11-24 % on the low tier (docs/PERFORMANCE.md, issue 6), because Triton moves every
 dequantized tile through shared memory into the matrix-unit layout. The CUDA kernel loads the codes
-straight into the ``mma.sync`` fragment registers, keeps the probabilities in registers
+into the ``mma.sync`` fragment registers without a shared-memory transpose (by default from a per-warp ring of
+page buffers that ``cp.async`` fills ahead of the work, :data:`STAGES`), keeps the probabilities in registers
 (``movmatrix`` turns the first product's accumulator into the second product's operand) and has no
 barrier in its page loop; see the header of the ``.cu`` file for the design.
 
@@ -152,20 +153,62 @@ def choose_backend(backend: str | None, page_format: PageFormat, num_heads: int,
     return "triton"
 
 
+STAGES = 2
+"""Page buffers per warp of the partial kernel's shared-memory ring (``cp.async``; 0: the register path, which
+reads each page straight into registers; the TensorRT AOT build keeps 0, see :func:`partial_shared_bytes`)."""
+
+
+KEY_FOLD = 1
+"""1: the key products run on ``1024 + code`` and the offset is folded into the zero-point term (``decode_partial.cu``,
+``KEY_FOLD``); 0: a half2 subtraction per two key codes (the A/B baseline)."""
+
+MAX_STAGED_SHARED_BYTES = 160 * 1024
+"""Largest page ring :func:`compile_defines` picks by default (sm_80's opt-in limit is 163 KiB, sm_90's 227 KiB);
+a format with larger pages runs the register path."""
+
+
+def stage_copy_bytes(lay: TierLayout) -> int:
+    """Bytes of a page of this tier the staged kernel copies: ``[0, end of its last code or scale segment)``,
+    rounded up to 16 (the ``cp.async`` chunk); the scores and positions are not read by the partial kernel."""
+    end = max(s.offset_bytes + s.size_bytes for s in (lay.key_codes, lay.key_meta, lay.value_codes, lay.value_meta))
+    return -(-end // 16) * 16
+
+
+def partial_shared_bytes(page_format: PageFormat, stages: int) -> int:
+    """Dynamic shared memory of one partial-kernel CTA, bytes: ``WARPS * stages`` page buffers (page size rounded
+    up to 16), at least the warps' merge arrays that reuse them; 0 for the register path (``stages == 0``, whose
+    arrays are static)."""
+    if stages == 0:
+        return 0
+    merge = WARPS * 8 * 4 * 2 + WARPS * 8 * page_format.head_dim * 4
+    return max(WARPS * stages * (-(-page_format.page_size_bytes // 16) * 16), merge)
+
+
 def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, pmax: int,
-                    store_probs: bool, min_blocks: int | None = None) -> dict[str, int]:
+                    store_probs: bool, min_blocks: int | None = None, stages: int | None = None) -> dict[str, int]:
     """The ``-D`` macros of one configuration (also used by the CPU compile test with nvcc).
 
-    ``min_blocks``: ``__launch_bounds__`` blocks per multiprocessor (default 3 at head_dim 128, 4 at 64).
+    ``min_blocks``: ``__launch_bounds__`` blocks per multiprocessor (default, staged: 4 at head_dim 128, 6 at 64;
+    register path: 3 and 4).
+    ``stages``: page buffers per warp (default :data:`STAGES`, or 0 = the register path where that ring would
+    exceed :data:`MAX_STAGED_SHARED_BYTES`).
+
+    Raises:
+        ValueError: ``stages`` of 1 or below 0 (a ring needs two buffers).
     """
     head_dim = page_format.head_dim
-    if min_blocks is None:
-        min_blocks = 3 if head_dim == 128 else 4  # no spills at these register caps (ptxas, sm_90a)
+    if stages is None:
+        stages = STAGES if partial_shared_bytes(page_format, STAGES) <= MAX_STAGED_SHARED_BYTES else 0
+    if min_blocks is None:  # no spills at these register caps (ptxas, sm_90a); the ring frees the load registers
+        min_blocks = (4 if head_dim == 128 else 6) if stages else (3 if head_dim == 128 else 4)
+    if stages < 0 or stages == 1:
+        raise ValueError(f"stages={stages}: 0 (registers) or >= 2 page buffers a warp")
     d = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_D=block_d, PMAX=pmax,
              PAGE_BYTES=page_format.page_size_bytes, STORE_PROBS=int(store_probs), WARPS=WARPS,
-             MIN_BLOCKS=min_blocks, SCORE_WARPS=SCORE_WARPS)
+             MIN_BLOCKS=min_blocks, SCORE_WARPS=SCORE_WARPS, STAGES=stages, KEY_FOLD=KEY_FOLD)
     for prefix, lay in (("H", page_format.high), ("L", page_format.low)):
         t = lay.tier
+        d[f"{prefix}_COPY"] = stage_copy_bytes(lay)
         d.update({f"{prefix}_TOKENS": lay.tokens_per_page, f"{prefix}_KB": t.key_bits,
                   f"{prefix}_KG": t.key_groups, f"{prefix}_VB": t.value_bits, f"{prefix}_VG": t.value_groups,
                   f"{prefix}_KC": lay.key_codes.offset_bytes, f"{prefix}_KM": lay.key_meta.offset_bytes,
@@ -175,10 +218,14 @@ def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(defines: tuple[tuple[str, int], ...], arch: str):
-    """``(diffkv_decode_partial, diffkv_decode_scores)`` of ``decode_partial.cu`` at these macros."""
+def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int = 0):
+    """``(diffkv_decode_partial, diffkv_decode_scores)`` of ``decode_partial.cu`` at these macros; the partial
+    kernel allowed ``shared_bytes`` of dynamic shared memory (above the default 48 KiB needs the attribute)."""
     module = _module(SOURCE_PATH.read_text(), defines)
-    return module.get_function("diffkv_decode_partial"), module.get_function("diffkv_decode_scores")
+    partial = module.get_function("diffkv_decode_partial")
+    if shared_bytes > 48 * 1024:
+        partial.max_dynamic_shared_size_bytes = shared_bytes
+    return partial, module.get_function("diffkv_decode_scores")
 
 
 @functools.lru_cache(maxsize=64)
@@ -222,7 +269,7 @@ def _stream(ptr: int, device: int):
 
 def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageFormat,
                    page_table: torch.Tensor, tier_tokens: torch.Tensor, row_ids: torch.Tensor, workspace,
-                   qk_scale: float, update_scores: bool, min_blocks: int | None = None):
+                   qk_scale: float, update_scores: bool, min_blocks: int | None = None, stages: int | None = None):
     """Fill ``workspace``'s partial states (and probabilities) for ``q`` on the current stream.
 
     Returns a callable ``finish(out)`` that launches the merge (``diffkv_decode_merge``, ``cuda/decode_merge.cu``):
@@ -230,6 +277,7 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     ``workspace.lse``, and, when ``update_scores``, the score update in the same launch (it needs the final
     log-sum-exp the merge computes; it replaces the Triton merge and score kernels on this backend).
 
+    ``min_blocks`` / ``stages``: as :func:`compile_defines` (the register cap, the page ring's buffers a warp).
     Arguments as :func:`~.decode_attention.paged_decode_attention` (already checked there);
     ``q`` is fp16 ``[num_seqs, num_heads, head_dim]`` contiguous; ``qk_scale`` is the softmax scale
     times log2(e). Grid ``(num_seqs, num_kv_heads, 2 * workspace.num_partitions)``.
@@ -242,10 +290,11 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     group_pad = workspace.part_m.shape[-1]
     block_d = workspace.part_acc.shape[-1]
     pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
-    defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks)
+    defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks, stages)
+    shared_bytes = partial_shared_bytes(page_format, defines["STAGES"])
     major, minor = torch.cuda.get_device_capability(q.device)
     arch = f"sm_{major}{minor}"
-    fn = _kernel(tuple(sorted(defines.items())), arch)[0]
+    fn = _kernel(tuple(sorted(defines.items())), arch, shared_bytes)[0]
     num_slots = 2 * workspace.num_partitions
     ptr = _ptr
     args = (ptr(q), ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.part_m),
@@ -253,7 +302,7 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
             np.float32(qk_scale), np.int32(num_kv_heads), np.int32(num_slots), np.int32(page_table.shape[1]))
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, device):
-        fn((num_seqs, num_kv_heads, num_slots), (32 * WARPS, 1, 1), args)
+        fn((num_seqs, num_kv_heads, num_slots), (32 * WARPS, 1, 1), args, shared_mem=shared_bytes)
     return lambda out: _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace,
                                      group, update_scores, arch, device)
 
@@ -316,4 +365,5 @@ def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, wo
 
 
 __all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "choose_backend", "configured_backend", "launch_partial", "compile_defines",
+           "partial_shared_bytes", "stage_copy_bytes", "STAGES",
            "merge_defines", "merge_source", "SOURCE_PATH", "MERGE_SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]

@@ -256,7 +256,8 @@ def cuda_kernel_defines(shape: EngineShape) -> tuple[dict[str, int], dict]:
     group = shape.num_heads // H
     group_pad, block_d = ws.part_m.shape[-1], ws.part_acc.shape[-1]  # as launch_partial reads them
     pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
-    defines = compile_defines(fmt, group, group_pad, block_d, pmax, update_scores, None)
+    # the register path (stages=0): its shared memory is static, so the plugin's launch needs no attribute
+    defines = compile_defines(fmt, group, group_pad, block_d, pmax, update_scores, None, 0)
     sizes = dict(num_seqs=B, num_heads=shape.num_heads, num_kv_heads=H, head_dim=shape.head_dim,
                  num_partitions=ws.num_partitions, R=R, sm_scale=shape.head_dim ** -0.5)
     return defines, sizes

@@ -10,7 +10,9 @@
 //   in turn (page u goes to warp u % WARPS). Each warp keeps its own online-softmax state over the pages
 //   it reads (no barrier in the page loop); at the end the warps merge through shared memory and the
 //   CTA writes one workspace slot.
-//   One page per loop step, in tiles of 16 tokens. Per tile:
+//   Pages reach the warp through a ring of STAGES page buffers in shared memory (cp.async, filled STAGES - 1
+//   pages ahead; staged_loop below), or with STAGES = 0 straight from global memory into registers (the
+//   TensorRT AOT build). One page per loop step, in tiles of 16 tokens. Per tile:
 //     S^T[token, head] = K[token, :] . Q^T[:, head]: mma with A = key codes (16 tokens x 16 dims per
 //       k-step; codes loaded straight into the A fragment registers and made exact fp16 integers by
 //       the 0x64 exponent-byte trick, no shared memory) and B = the query (8 heads, the GQA group,
@@ -25,9 +27,14 @@
 //   g + 8 is that + 1).
 //
 // Compile-time configuration (-D): HEAD_DIM (64 | 128), GROUP (<= 8), GROUP_PAD, BLOCK_D, PMAX,
-// PAGE_BYTES, STORE_PROBS, WARPS, MIN_BLOCKS; per tier (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
-// VG, KC, KM, VC, VM (segment byte offsets inside a page). Supported combinations are checked by
+// PAGE_BYTES, STORE_PROBS, WARPS, MIN_BLOCKS, STAGES (0: registers; >= 2: the shared-memory page ring); per tier
+// (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
+// VG, KC, KM, VC, VM (segment byte offsets inside a page), COPY (bytes staged: the code and scale segments). Supported combinations are checked by
 // kernels/cuda_decode.py before compiling.
+
+#ifndef KEY_FOLD
+#define KEY_FOLD 1
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -232,7 +239,7 @@ __device__ __forceinline__ void value_tile(const u32 (&vw)[4][T::NVW], const u32
 }
 
 // One page of one tier: logits, the page's max, probabilities (stored for the score update), values.
-template <class T>
+template <class T, bool SMEM>
 __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page, int count, int g, int t,
                                           const u32 (&qf)[MT][2], const float (&qsum)[MAX_KG][2],
                                           float qk_scale, WarpState& st, u16* __restrict__ probs_page,
@@ -243,8 +250,7 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
     u32 vw[NT][4][T::NVW];
     u32 vm[NT][4];
     const int vgrp = (DPT * g) / T::GSV;
-#pragma unroll
-    for (int tau = 0; tau < NT; ++tau) {
+    auto load_keys = [&](int tau) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int slot = 16 * tau + g + 8 * r;
@@ -255,6 +261,8 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
                 km[tau][r][gk] = ok ? *(const u32*)(page + T::KM + (slot * T::KG + gk) * 4) : 0u;
             }
         }
+    };
+    auto load_values = [&](int tau) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int slot = 16 * tau + 2 * t + (r & 1) + 8 * (r >> 1);
@@ -262,12 +270,22 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
             load_words<T::VCB>(page + T::VC + slot * T::VROW + g * T::VCB, ok, vw[tau][r]);
             vm[tau][r] = ok ? *(const u32*)(page + T::VM + (slot * T::VG + vgrp) * 4) : 0u;
         }
+    };
+    // From global memory every load of the page is issued before any use (one latency a page); from the shared
+    // page ring each tile is read where it is used (short live ranges: fewer registers, more warps).
+    if constexpr (!SMEM) {
+#pragma unroll
+        for (int tau = 0; tau < NT; ++tau) { load_keys(tau); load_values(tau); }
     }
     // logits [tile][c0..c3]: c0 (token g, head 2t), c1 (g, 2t+1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1)
     float lg[NT][4];
-    const u32 K1024 = 0x64006400u;
+    // KEY_FOLD: the products run on 1024 + code (the codes under the fp16 exponent of 1024, no subtraction), so
+    // q.(1024 + c) = q.c + 1024 sum(q) and the logit is s q.(1024 + c) + (z - 1024 s) sum(q), the offset folded into
+    // the zero-point term (fp32; one fma a token and group instead of a half2 subtraction per two codes).
+    auto key_code = [](u32 h) { return KEY_FOLD ? h : hsub2(h, 0x64006400u); };
 #pragma unroll
     for (int tau = 0; tau < NT; ++tau) {
+        if constexpr (SMEM) load_keys(tau);
         float c[T::KG][4];
 #pragma unroll
         for (int gk = 0; gk < T::KG; ++gk) {
@@ -277,17 +295,17 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
                 u32 a0, a1, a2, a3;
                 if constexpr (T::KB == 8) {
                     const u32 w0 = kw[tau][0][gk][js], w1 = kw[tau][1][gk][js];
-                    a0 = hsub2(prmt(w0, 0x64646464u, 0x4140), K1024);
-                    a1 = hsub2(prmt(w1, 0x64646464u, 0x4140), K1024);
-                    a2 = hsub2(prmt(w0, 0x64646464u, 0x4342), K1024);
-                    a3 = hsub2(prmt(w1, 0x64646464u, 0x4342), K1024);
+                    a0 = key_code(prmt(w0, 0x64646464u, 0x4140));
+                    a1 = key_code(prmt(w1, 0x64646464u, 0x4140));
+                    a2 = key_code(prmt(w0, 0x64646464u, 0x4342));
+                    a3 = key_code(prmt(w1, 0x64646464u, 0x4342));
                 } else {
                     const int sh = 4 * (js & 1);
                     const u32 w0 = kw[tau][0][gk][js >> 1] >> sh, w1 = kw[tau][1][gk][js >> 1] >> sh;
-                    a0 = hsub2(magic(w0, 0x000F000Fu), K1024);
-                    a1 = hsub2(magic(w1, 0x000F000Fu), K1024);
-                    a2 = hsub2(magic(w0 >> 8, 0x000F000Fu), K1024);
-                    a3 = hsub2(magic(w1 >> 8, 0x000F000Fu), K1024);
+                    a0 = key_code(magic(w0, 0x000F000Fu));
+                    a1 = key_code(magic(w1, 0x000F000Fu));
+                    a2 = key_code(magic(w0 >> 8, 0x000F000Fu));
+                    a3 = key_code(magic(w1 >> 8, 0x000F000Fu));
                 }
                 const int j = gk * T::KSG + js;
                 mma16816(c[gk], a0, a1, a2, a3, qf[j][0], qf[j][1]);
@@ -300,7 +318,9 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
 #pragma unroll
             for (int gk = 0; gk < T::KG; ++gk) {
                 const u32 meta = km[tau][r][gk];
-                x += h2f(meta & 0xFFFFu) * c[gk][i] + h2f(meta >> 16) * qsum[gk][i & 1];
+                const float sk = h2f(meta & 0xFFFFu);
+                const float zk = KEY_FOLD ? fmaf(-1024.f, sk, h2f(meta >> 16)) : h2f(meta >> 16);
+                x += sk * c[gk][i] + zk * qsum[gk][i & 1];
             }
             const int slot = 16 * tau + g + 8 * r;
             lg[tau][i] = (slot < count) ? x * qk_scale : NEG_INF;
@@ -334,6 +354,7 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
     }
 #pragma unroll
     for (int tau = 0; tau < NT; ++tau) {
+        if constexpr (SMEM) load_values(tau);
         float p[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -368,20 +389,113 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
 }
 
 // A warp's pages of one tier, u = u_first, u_first + WARPS, ... < u_end (list index u; the tier's page j = u - u_base
-// sits at table column j, or R - 1 - j for the low tier). (An L2 prefetch of the warp's next page, one bulk
-// cp.async.bulk.prefetch.L2 per page, did not pay on the H200: 138.4 against 137.2 us a page-loop launch at
-// Llama-3-8B 48 x 4096 all-high, 153 us two pages ahead; scripts/sweep_kv_gpu.py, docs/PERFORMANCE.md.)
+// sits at table column j, or R - 1 - j for the low tier), read straight from global memory into registers
+// (STAGES == 0). (An L2 prefetch of the warp's next page, one bulk cp.async.bulk.prefetch.L2 per page, did not pay
+// on the H200: 138.4 against 137.2 us a page-loop launch at Llama-3-8B 48 x 4096 all-high, 153 us two pages ahead;
+// scripts/sweep_kv_gpu.py, docs/PERFORMANCE.md.)
 template <class T, bool LOW>
 __device__ __forceinline__ void tier_loop(const unsigned char* __restrict__ pool, const int* __restrict__ trow,
                                           int u_first, int u_end, int u_base, int n_tier, int R, int g, int t,
                                           const u32 (&qf)[MT][2], const float (&qsum)[MAX_KG][2], float qk_scale,
                                           WarpState& st, u16* __restrict__ probs_row, float* __restrict__ max_row) {
+    int next = u_first < u_end ? trow[LOW ? R - 1 - (u_first - u_base) : u_first - u_base] : 0;
     for (int u = u_first; u < u_end; u += WARPS) {
         const int pos = LOW ? R - 1 - (u - u_base) : u - u_base;
-        const int page = trow[pos];
+        const int page = next;  // the next page's id is read before this page's work
+        if (u + WARPS < u_end) next = trow[LOW ? R - 1 - (u + WARPS - u_base) : u + WARPS - u_base];
         const int count = min(n_tier - (u - u_base) * T::TOKENS, T::TOKENS);
-        page_step<T>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
+        page_step<T, false>(pool + (u64)page * PAGE_BYTES, count, g, t, qf, qsum, qk_scale, st,
                      probs_row + (long long)pos * GROUP * PMAX, max_row + (long long)pos * GROUP);
+    }
+}
+
+// STAGES >= 2: each warp streams its pages through a ring of STAGES page buffers in shared memory with
+// cp.async (16-byte chunks, L1 bypassed): while it computes page k, pages k + 1 .. k + STAGES - 1 are in
+// flight, so the bytes in flight no longer depend on the registers a warp holds (at the register path's
+// 3 CTAs a multiprocessor, 12 warps with one page each in flight, about 80 KB an SM: not enough to cover
+// the latency of a loaded H200). A tier's copy covers the page's code and scale segments ([0, H_COPY) or
+// [0, L_COPY)), not the scores. No barrier across warps: each warp waits for its own groups
+// (cp.async.wait_group) and syncs its lanes (__syncwarp) before reading a buffer and before refilling it.
+#ifndef STAGES
+#define STAGES 0
+#endif
+constexpr int STAGE_BYTES = (PAGE_BYTES + 15) / 16 * 16;
+
+__device__ __forceinline__ void cp_async16(unsigned char* dst, const unsigned char* src) {
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// The page list index, table column, tier and token count of list entry u of a row (high pages first).
+struct PageRef {
+    int pos, count;
+    bool low;
+};
+__device__ __forceinline__ PageRef page_ref(int u, int hp, int n_high, int n_low, int R) {
+    PageRef r;
+    r.low = u >= hp;
+    r.pos = r.low ? R - 1 - (u - hp) : u;
+    r.count = r.low ? min(n_low - (u - hp) * LowTier::TOKENS, LowTier::TOKENS)
+                    : min(n_high - u * HighTier::TOKENS, HighTier::TOKENS);
+    return r;
+}
+
+__device__ __forceinline__ void stage_page(unsigned char* __restrict__ buf, const unsigned char* __restrict__ pool,
+                                           int page, bool low, int lane) {
+    const unsigned char* src = pool + (u64)page * PAGE_BYTES;
+    const int nbytes = low ? L_COPY : H_COPY;
+    for (int c = 16 * lane; c < nbytes; c += 16 * 32) cp_async16(buf + c, src + c);
+}
+
+// The warp's pages u = u_first, u_first + WARPS, ... < u_end of both tiers, staged (see above).
+__device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, const unsigned char* __restrict__ pool,
+                                            const int* __restrict__ trow, int u_first, int u_end, int hp, int n_high,
+                                            int n_low, int R, int lane, int g, int t, const u16* __restrict__ qrow,
+                                            float qk_scale, WarpState& st, u16* __restrict__ probs_row,
+                                            float* __restrict__ max_row) {
+    const int n_mine = u_first < u_end ? (u_end - u_first + WARPS - 1) / WARPS : 0;
+    if (n_mine == 0) return;
+    // The page ids of the warp's pages k = 32 b + lane, one table load a lane per 32 pages, fetched a batch ahead
+    // (a table load per page, right before its copy, put a dependent global load on every page's critical path).
+    auto page_id = [&](int k) {
+        return k < n_mine ? trow[page_ref(u_first + k * WARPS, hp, n_high, n_low, R).pos] : 0;
+    };
+    int ids = page_id(lane), ids_next = page_id(32 + lane);
+    auto issue = [&](int k) {
+        if (k < n_mine) {
+            if (k > 0 && (k & 31) == 0) { ids = ids_next; ids_next = page_id(k + 32 + lane); }
+            const int page = __shfl_sync(0xffffffffu, ids, k & 31);
+            stage_page(ring + (k % STAGES) * STAGE_BYTES, pool, page, u_first + k * WARPS >= hp, lane);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+    // the query of the first page's tier, read while the first copies are in flight
+    u32 qf[MT][2];
+    float qsum[MAX_KG][2];
+    int loaded = u_first >= hp;  // tier of the query fragments held: 0 high, 1 low
+    if (loaded == 0) load_query<HighTier>(qrow, g, t, qf, qsum);
+    else load_query<LowTier>(qrow, g, t, qf, qsum);
+    for (int k = 0; k < n_mine; ++k) {
+        issue(k + STAGES - 1);
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const PageRef r = page_ref(u_first + k * WARPS, hp, n_high, n_low, R);
+        const unsigned char* buf = ring + (k % STAGES) * STAGE_BYTES;
+        u16* probs_page = probs_row + (long long)r.pos * GROUP * PMAX;
+        float* max_page = max_row + (long long)r.pos * GROUP;
+        if (!r.low) {
+            if (loaded != 0) { load_query<HighTier>(qrow, g, t, qf, qsum); loaded = 0; }
+            page_step<HighTier, true>(buf, r.count, g, t, qf, qsum, qk_scale, st, probs_page, max_page);
+        } else {
+            if (loaded != 1) { load_query<LowTier>(qrow, g, t, qf, qsum); loaded = 1; }
+            page_step<LowTier, true>(buf, r.count, g, t, qf, qsum, qk_scale, st, probs_page, max_page);
+        }
+        __syncwarp();
     }
 }
 
@@ -394,8 +508,16 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
                       const int* __restrict__ row_ids, float* __restrict__ part_m, float* __restrict__ part_l,
                       float* __restrict__ part_acc, u16* __restrict__ page_probs, float* __restrict__ page_max,
                       float qk_scale, int num_kv_heads, int num_slots, int R) {
+#if STAGES
+    // the page ring (WARPS x STAGES pages), reused for the warps' merge after a barrier
+    extern __shared__ __align__(16) unsigned char dyn_smem[];
+    float (*sm_m)[8] = reinterpret_cast<float (*)[8]>(dyn_smem);
+    float (*sm_l)[8] = sm_m + WARPS;
+    float (*sm_acc)[8][HEAD_DIM] = reinterpret_cast<float (*)[8][HEAD_DIM]>(sm_l + WARPS);
+#else
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
     __shared__ float sm_acc[WARPS][8][HEAD_DIM];
+#endif
     const int seq = blockIdx.x, kvh = blockIdx.y, cslot = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -422,6 +544,11 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
     st.l[0] = st.l[1] = 0.f;
 #pragma unroll
     for (int i = 0; i < MT; ++i) st.acc[i][0] = st.acc[i][1] = st.acc[i][2] = st.acc[i][3] = 0.f;
+#if STAGES
+    staged_loop(dyn_smem + warp * STAGES * STAGE_BYTES, pool, trow, u0 + warp, u1, hp, n_high, n_low, R, lane, g, t,
+                qrow, qk_scale, st, probs_row, max_row);
+    __syncthreads();  // every warp is done with the ring before the merge reuses it
+#else
     u32 qf[MT][2];
     float qsum[MAX_KG][2];
 
@@ -437,6 +564,7 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
         tier_loop<LowTier, true>(pool, trow, l_start, u1, hp, n_low, R, g, t, qf, qsum, qk_scale, st, probs_row,
                                  max_row);
     }
+#endif
     // finish the sums over the lanes of a head, then merge the warps
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
