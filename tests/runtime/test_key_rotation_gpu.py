@@ -40,3 +40,42 @@ def test_rotated_diffkv_executor_equals_the_rotated_reference_on_gpu(model):
     ex = make(half, cfg, use_triton=None)
     assert ex.model.model.layers[0].self_attn.key_rotation.dtype == torch.float32
     assert drive(ex, {0: [(0, prompt, _greedy(4))]})[0][1].finished
+
+
+def test_rotated_copy_runs_the_rope_kernel_and_equals_the_rotated_model():
+    """A rotated copy (separate q/k/v products: its v rows are its own) runs the fused RoPE kernel on CUDA, as the
+    model rotated in place does (its concatenated q/k/v buffer), and their logits agree to fp16 noise; the
+    forward of the copy with the fused kernels off (PyTorch's RoPE) agrees too."""
+    import copy
+
+    from trtllm_diffkv.model import fused
+    from trtllm_diffkv.model.rotation import rotate_model, rotate_model_
+    from oracle.attention import DenseBackend
+
+    base = peaked_tiny_llama().cuda().half()
+    in_place = rotate_model_(copy.deepcopy(base), seed=3)
+    assert in_place.model.layers[0].self_attn._qkv_weight is not None
+    rotated = rotate_model(base, seed=3)
+    assert rotated.model.layers[0].self_attn._qkv_weight is None
+    ids = torch.arange(40, device="cuda") % base.config.vocab_size
+    pos = torch.arange(40, device="cuda")
+    calls = []
+    real = fused.qkv_rope
+    with torch.inference_mode():
+        want = in_place(ids, pos, DenseBackend()).float()
+        fused_qkv_rope = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
+        import trtllm_diffkv.model.llama as llama
+        llama.qkv_rope, saved = fused_qkv_rope, llama.qkv_rope
+        try:
+            got = rotated(ids, pos, DenseBackend()).float()
+        finally:
+            llama.qkv_rope = saved
+        fused.use_fused_kernels, saved_use = (lambda x: False), fused.use_fused_kernels
+        try:
+            eager = rotated(ids, pos, DenseBackend()).float()
+        finally:
+            fused.use_fused_kernels = saved_use
+    assert len(calls) == base.config.num_layers
+    scale = want.abs().max()  # fp16 through 3 layers: one product vs three, and RoPE's roundings (H200: 0.8 %)
+    errs = float((got - want).abs().max() / scale), float((eager - want).abs().max() / scale)
+    assert max(errs) < 2e-2, errs

@@ -276,8 +276,10 @@ class Attention(nn.Module):
     """q/k/v projections, RoPE, backend attention, output projection.
 
     After :meth:`fuse_projections` (done at load), q/k/v are one matrix product over the concatenated
-    weight and one RoPE kernel on CUDA (:func:`~trtllm_diffkv.model.fused.qkv_rope`); the CPU keeps
-    the separate products (bit-identical to the transformers parity path).
+    weight and one RoPE kernel on CUDA (:func:`~trtllm_diffkv.model.fused.qkv_rope`); without the
+    concatenated weight (a rotated copy, :func:`~trtllm_diffkv.model.rotation.rotate_model`) CUDA runs
+    three products, their concatenation and the same RoPE kernel; the CPU keeps the separate products
+    and PyTorch's RoPE (bit-identical to the transformers parity path).
 
     ``key_rotation`` (a non-persistent fp32 buffer, ``None`` unless the model
     was made by :func:`~trtllm_diffkv.model.rotation.rotate_model`): ``float32
@@ -316,6 +318,9 @@ class Attention(nn.Module):
         if self._fused(x):
             q, k, v = qkv_rope(F.linear(x, self._qkv_weight, self._qkv_bias), cos, sin, self.num_heads,
                                self.num_kv_heads, self.head_dim)
+        elif _fused_ops.use_fused_kernels(x):  # separate products (a rotated copy's own v rows): one RoPE kernel
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=1)
+            q, k, v = qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
             q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
             k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
