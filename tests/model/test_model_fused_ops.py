@@ -131,3 +131,34 @@ def test_fused_forward_matches_unfused_forward(monkeypatch, dtype):
     rel = (out - ref).norm() / ref.norm()
     assert out.shape == ref.shape == (2, 64)
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (80, (4, 4)), (128, (28, 4)), (64, (32, 1))])
+def test_rotate_heads_kernel_matches_the_einsum(dtype, head_dim, heads):
+    """The key-rotation kernel (the group's queries and the key as rows of one fp32 product per token and KV head)
+    against the einsum it replaces: each head rotated by its own KV head's matrix (a head mapped to the wrong KV
+    head, or the key written into a query row, is off by O(1)); fp32 to summation order, bf16 to the
+    interpreter's roundings."""
+    from trtllm_diffkv.model.rotation import key_rotation_matrices
+
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(head_dim + num_heads)
+    q = torch.randn(5, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(5, num_kv_heads, head_dim, generator=g).to(dtype)
+    r = key_rotation_matrices(1, num_kv_heads, head_dim, seed=2)[0]
+    want_q, want_k = fused.rotate_heads(q, k, r, use_triton=False)
+    got_q, got_k = fused.rotate_heads(q, k, r, use_triton=True)
+    assert got_q.shape == q.shape and got_k.shape == k.shape and got_q.dtype == dtype
+    exact_q = torch.einsum("nhd,hde->nhe", q.double(), r.double().repeat_interleave(num_heads // num_kv_heads, 0))
+    exact_k = torch.einsum("nhd,hde->nhe", k.double(), r.double())
+    for got, want, exact in ((got_q, want_q, exact_q), (got_k, want_k, exact_k)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert _ulps_apart(got, want).max() <= BF16_INTERPRETER_ULPS + 1
+        assert float((got.double() - exact).abs().max()) < (1e-5 if dtype == torch.float32 else 5e-2)
+    empty = fused.rotate_heads(q[:0], k[:0], r, use_triton=True)
+    assert empty[0].shape == (0, num_heads, head_dim)
+    with pytest.raises(ValueError, match="rotate_heads"):
+        fused.rotate_heads(q, k[:, :1] if num_kv_heads > 1 else k[:, :, :8], r, use_triton=True)

@@ -1,5 +1,5 @@
 """Fused elementwise steps of the Llama decoder (issue 19): RMSNorm with the residual add, SiLU * up,
-and RoPE on the concatenated q/k/v projection, one Triton kernel each on CUDA.
+RoPE on the concatenated q/k/v projection and the key rotation of q and k, one Triton kernel each on CUDA.
 
 Each function has two paths that compute the same rounding sequence as the unfused PyTorch code of
 :mod:`.llama` (the transformers numerics):
@@ -227,4 +227,74 @@ def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
     return q, k, v
 
 
-__all__ = ["qkv_rope", "rms_norm", "rms_norm_reference", "silu_mul", "use_fused_kernels"]
+# --------------------------------------------------------------------------- key rotation of q/k
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads_kernel(q_ptr, k_ptr, r_ptr, q_out_ptr, k_out_ptr, num_heads, num_kv_heads,
+                             GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program per (token, KV head): rows 0 .. GROUP - 1 are the group's query heads, row GROUP the key
+        t = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        rows = tl.arange(0, ROWS)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        is_q = rows < GROUP
+        is_k = rows == GROUP
+        q_row = (t * num_heads + kvh * GROUP + rows)[:, None] * HEAD_DIM
+        k_row = (t * num_kv_heads + kvh) * HEAD_DIM + rows[:, None] * 0
+        x = tl.load(q_ptr + q_row + d[None, :], mask=is_q[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        x += tl.load(k_ptr + k_row + d[None, :], mask=is_k[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        r_base = r_ptr + kvh.to(tl.int64) * HEAD_DIM * HEAD_DIM
+        for j in tl.static_range(0, BLOCK_D, BLOCK_N):
+            n = j + tl.arange(0, BLOCK_N)
+            n_ok = n < HEAD_DIM
+            r = tl.load(r_base + d[:, None] * HEAD_DIM + n[None, :], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            y = tl.dot(x, r, input_precision="ieee")  # fp32 products and sums, as the einsum
+            tl.store(q_out_ptr + q_row + n[None, :], y.to(q_out_ptr.dtype.element_ty), mask=is_q[:, None] & n_ok[None, :])
+            tl.store(k_out_ptr + k_row + n[None, :], y.to(k_out_ptr.dtype.element_ty), mask=is_k[:, None] & n_ok[None, :])
+
+
+def rotate_heads(q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor, *,
+                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and queries in rotated coordinates: ``k @ R`` and ``q @ R`` of their KV head (``model/rotation.py``).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``; query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+        k: ``[num_tokens, num_kv_heads, head_dim]``, q's dtype.
+        rotation: float32 ``[num_kv_heads, head_dim, head_dim]`` (``Attention.key_rotation``).
+        use_triton: ``None``: Triton where :func:`use_fused_kernels` (CUDA), torch otherwise.
+
+    Returns:
+        contiguous ``(q @ R, k @ R)`` in q's dtype, computed in fp32 and rounded once. The torch path is the
+        einsum the model ran before this kernel (bit-identical on the CPU); the Triton path (one program per
+        token and KV head, the group's queries and the key as the rows of one fp32 product; one launch
+        instead of the einsums' casts and products) sums in another order: equal but for last-bit flips.
+
+    Raises:
+        ValueError: shapes that disagree.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if k.shape != (n, num_kv_heads, head_dim) or rotation.shape != (num_kv_heads, head_dim, head_dim) or \
+            num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"rotate_heads: q {tuple(q.shape)}, k {tuple(k.shape)} and rotation {tuple(rotation.shape)} "
+                         "must be [n, num_heads, d], [n, num_kv_heads, d] and [num_kv_heads, d, d]")
+    group = num_heads // num_kv_heads
+    if not _triton_for(q, use_triton):
+        k_rot = torch.einsum("nhd,hde->nhe", k.float(), rotation).to(k.dtype)
+        qg = q.float().view(n, num_kv_heads, group, head_dim)
+        return torch.einsum("nhgd,hde->nhge", qg, rotation).reshape(q.shape).to(q.dtype), k_rot
+    q, k, rotation = q.contiguous(), k.contiguous(), rotation.float().contiguous()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if n:
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        _rotate_heads_kernel[(n, num_kv_heads)](
+            q, k, rotation, q_out, k_out, num_heads, num_kv_heads, GROUP=group,
+            ROWS=max(16, triton.next_power_of_2(group + 1)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_N=min(64, block_d), num_warps=4)
+    return q_out, k_out
+
+
+__all__ = ["qkv_rope", "rms_norm", "rms_norm_reference", "rotate_heads", "silu_mul", "use_fused_kernels"]

@@ -46,7 +46,7 @@ from torch import nn
 
 from .attention_api import AttentionBackend
 from . import fused as _fused_ops
-from .fused import qkv_rope, rms_norm, rms_norm_reference, silu_mul
+from .fused import qkv_rope, rms_norm, rms_norm_reference, rotate_heads, silu_mul
 from .rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, normalize_rope_scaling, rope_inv_freq  # noqa: F401
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -326,10 +326,7 @@ class Attention(nn.Module):
             k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
             v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.key_rotation is not None:  # values are rotated through the folded v_proj / o_proj weights
-            r = self.key_rotation
-            k = torch.einsum("nhd,hde->nhe", k.float(), r).to(k.dtype)
-            qg = q.float().view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-            q = torch.einsum("nhgd,hde->nhge", qg, r).reshape(q.shape).to(q.dtype)
+            q, k = rotate_heads(q, k, self.key_rotation)
         out = backend.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
