@@ -72,6 +72,7 @@ DECODE_KERNELS = "trtllm_diffkv/kernels/attn_decode_kernels.py"
 PREFILL_KERNELS = "trtllm_diffkv/kernels/attn_prefill_kernels.py"
 DECISION_KERNEL = "trtllm_diffkv/kernels/decision_kernel.py"
 WRITE_KERNEL = "trtllm_diffkv/kernels/quant_write.py"
+FUSED = "trtllm_diffkv/model/fused.py"
 
 # Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure. A test is named
 # by its file name (found anywhere under tests/, so that moving tests into subfolders keeps the check working),
@@ -476,6 +477,13 @@ MUTATIONS = [
     m("kernels-decision-counts-unclamped", DECISION_KERNEL, "decision kernel: prompt counts not clamped to S",
       [("from_prompt = tl.where(p < prompt_len, tl.minimum(prompt_len - p, S), 0)",
         "from_prompt = tl.where(p < prompt_len, prompt_len - p, 0)")], DECISION_TESTS),
+    # ------------------------------------------------------------------ kernels: the model's key rotation
+    m("kernels-rotation-one-matrix", FUSED, "key rotation kernel: every KV head rotated by head 0's matrix",
+      [("r_base = r_ptr + kvh.to(tl.int64) * HEAD_DIM * HEAD_DIM", "r_base = r_ptr")],
+      ["test_model_fused_ops.py::test_rotate_heads_kernel_matches_the_einsum"]),
+    m("kernels-rotation-key-row", FUSED, "key rotation kernel: the key read into the first query row",
+      [("is_k = rows == GROUP", "is_k = rows == 0")],
+      ["test_model_fused_ops.py::test_rotate_heads_kernel_matches_the_einsum"]),
     # ------------------------------------------------------------------ kernels: write (quantize) and prompt scores
     m("kernels-write-no-clamp", WRITE_KERNEL, "write kernel: codes not clamped to [0, 2**bits - 1]",
       [("code = tl.minimum(tl.maximum(_round_half_even(y), 0.0), QMAX * 1.0).to(tl.int32)",
