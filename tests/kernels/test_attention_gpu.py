@@ -157,24 +157,27 @@ def test_cuda_and_triton_partial_kernels_agree(head_dim, heads):
         assert torch.allclose(a, b, rtol=2e-2, atol=2e-4), float((a - b).abs().max())
 
 
-@pytest.mark.parametrize("head_dim,heads,num_partitions", [(128, (32, 8), 1), (128, (28, 4), 3), (64, (9, 3), 2),
-                                                          (64, (8, 1), 5)])
-def test_staged_partial_kernel_equals_the_register_path(head_dim, heads, num_partitions):
+@pytest.mark.parametrize("head_dim,heads,num_partitions,high_tokens_per_page", [
+    (128, (32, 8), 1, 32), (128, (28, 4), 3, 32), (64, (9, 3), 2, 32), (64, (8, 1), 5, 32), (64, (8, 1), 1, 32),
+    (128, (32, 8), 1, 64), (64, (9, 3), 2, 64)])
+def test_staged_partial_kernel_equals_the_register_path(head_dim, heads, num_partitions, high_tokens_per_page):
     """The page ring (``STAGES`` 2 and 3: ``cp.async`` into shared memory) runs the register path's arithmetic on the
     same bytes: its partial states, stored probabilities, merged outputs and score updates equal ``STAGES=0``'s to
     rounding (not bit for bit: ptxas contracts the two compilations' multiply-adds differently; seen on the H200,
     2026-12-02: 1 fp16 ulp in outputs, 1.3e-4 of the largest accumulator), over rows of 0, 1 and many pages, tier
     switches inside a warp's pages, and a padding sequence (outputs exactly 0). Slots neither path writes keep
-    their NaN fill in both."""
-    from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode
+    their NaN fill in both. Rows of 10k-12k tokens in one partition give a warp 58-78 pages of a tier (its page
+    ids are read 32 at a time); 64-token high pages (105 / 92 low tokens a page) change every page constant,
+    and the register path's outputs there are checked against the Triton kernel's too."""
+    from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode, paged_decode_attention
     from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
     from trtllm_diffkv.testing.attention import build_paged_rows, read_scores
 
     num_heads, num_kv_heads = heads
-    fmt = PageFormat.for_config(DiffKVConfig(), head_dim)
-    counts = [(1, 0), (0, 1), (31, 0), (32, 52), (33, 53), (700, 0), (0, 900), (64, 2000), (0, 0), (1500, 47),
-              (97, 157), (5, 3)]
-    counts = (counts * num_kv_heads)[: 4 * num_kv_heads]
+    fmt = PageFormat.for_config(DiffKVConfig(), head_dim, high_tokens_per_page=high_tokens_per_page)
+    counts = [(10000, 0), (0, 12000), (1, 0), (0, 1), (31, 0), (32, 52), (33, 53), (700, 0), (0, 900), (64, 2000),
+              (0, 0), (1500, 47), (97, 157), (5, 3), (4200, 6100)]
+    counts = (counts * num_kv_heads)[: max(4 * num_kv_heads, len(counts))]
     num_seqs = len(counts) // num_kv_heads + 1
     row_ids = torch.tensor(list(range(len(counts))) + [-1] * num_kv_heads, dtype=torch.int32,
                            device="cuda").view(num_seqs, num_kv_heads)
@@ -209,6 +212,35 @@ def test_staged_partial_kernel_equals_the_register_path(head_dim, heads, num_par
             err = float((fa - fb).abs().max() / fa.abs().max().clamp_min(1e-30))
             assert err <= tol, (stages, name, err)
     assert torch.equal(got[2][0][-1], torch.zeros_like(got[2][0][-1]))
+    out_triton = torch.full_like(q, float("nan"))
+    rows.pool.pages().copy_(pages0)
+    ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, rows.page_table.shape[1], "cuda")
+    paged_decode_attention(q, rows.pool.pages(), fmt, rows.page_table, rows.tier_tokens, row_ids, out_triton,
+                           sm_scale=head_dim**-0.5, workspace=ws, backend="triton")
+    err = float((got[0][0].float() - out_triton.float()).abs().max())
+    assert torch.allclose(got[0][0].float(), out_triton.float(), rtol=1e-2, atol=2e-3), err
+
+
+@pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("default", 64, 3), ("llama3-8b", 128, 4)])
+def test_the_ring_runs_a_kernel_without_local_memory(preset, head_dim, group):
+    """CuPy's real function attributes drive the step-down (``_spill_free_kernel``): the kernel it returns uses no
+    local memory (spills), or sits at the register path's cap; the default model's and Llama's shapes keep their
+    preferred caps (6 and 4 CTAs a multiprocessor, no spills under nvcc 13.0)."""
+    from trtllm_diffkv.config import PRESETS
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    fmt = PageFormat.for_config(PRESETS[preset], head_dim)
+    device = torch.cuda.current_device()
+    defines = cd.compile_defines(fmt, group, 16, head_dim, max(fmt.high_tokens_per_page, fmt.low_tokens_per_page),
+                                 True, shared_limits=cd.device_shared_limits(device))
+    assert defines["STAGES"] == cd.STAGES
+    major, minor = torch.cuda.get_device_capability()
+    partial, _, mb = cd._spill_free_kernel(tuple(sorted(defines.items())), f"sm_{major}{minor}",
+                                           cd.partial_shared_bytes(fmt, defines["STAGES"]), device)
+    assert partial.local_size_bytes == 0 or mb == cd.register_min_blocks(head_dim), (mb, partial.local_size_bytes)
+    if preset != "default-k8v2":
+        assert mb == defines["MIN_BLOCKS"], mb
+    print(preset, head_dim, group, "min_blocks", mb, "local bytes", partial.local_size_bytes, "regs", partial.num_regs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

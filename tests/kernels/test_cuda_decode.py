@@ -184,3 +184,144 @@ def test_executor_reports_its_decode_backend_and_refuses_a_forced_cuda_one(monke
     assert Executor(model, model.config, DiffKVConfig(), use_triton=False, **kw).decode_backend == "torch"
     with pytest.raises(ValueError, match=f"{BACKEND_ENV}=cuda, but the CUDA decode kernel cannot run"):
         Executor(model, model.config, DiffKVConfig(), use_triton=True, **kw)
+
+
+class _FakeCupy:
+    """A stand-in for CuPy's NVRTC module API that records on which device each module is loaded and each
+    function attribute set (a loaded function and its attributes belong to one device, as CUDA's do)."""
+
+    def __init__(self, spill_above: int | None = None):
+        self.current, self.loads, self.attrs = 0, [], []
+        fake = self
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                self.prev, fake.current = fake.current, self.index
+
+            def __exit__(self, *exc):
+                fake.current = self.prev
+
+        class Function:
+            def __init__(self, name, device, min_blocks):
+                self.name, self.device = name, device
+                self.local_size_bytes = 12 if spill_above is not None and min_blocks > spill_above else 0
+
+            def __setattr__(self, key, value):
+                if key == "max_dynamic_shared_size_bytes":
+                    fake.attrs.append((self.name, self.device, fake.current, value))
+                object.__setattr__(self, key, value)
+
+        class RawModule:
+            def __init__(self, code, options):
+                self.device = fake.current
+                self.min_blocks = int(next((o.split("=")[1] for o in options if o.startswith("-DMIN_BLOCKS=")), 0))
+                fake.loads.append((self.device, self.min_blocks))
+
+            def get_function(self, name):
+                if fake.current != self.device:
+                    raise RuntimeError("a module's function fetched on another device")
+                return Function(name, self.device, self.min_blocks)
+
+        runtime = type("runtime", (), {"getDevice": staticmethod(lambda: fake.current)})
+        self.cuda = type("cuda", (), {"Device": Device, "runtime": runtime})
+        self.RawModule = RawModule
+
+
+def _staged_key(head_dim=128, group=4):
+    fmt = _fmt(DiffKVConfig(), head_dim)
+    return fmt, tuple(sorted(compile_defines(fmt, group, 16, head_dim, 64, True).items()))
+
+
+def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
+    """Review finding: the partial kernel's dynamic shared-memory attribute was set on the first device's function
+    only and the cache had no device in its key, so a second GPU launched a 54 KiB ring with the 48 KiB default.
+    Each device now gets its own module, loaded with that device current, and its own attribute."""
+    import sys
+
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for fn in (cd._kernel, cd._merge_kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+    fmt, key = _staged_key()
+    shared = cd.partial_shared_bytes(fmt, 2)
+    assert shared > 48 * 1024
+    first = cd._kernel(key, "sm_90", shared, 0)
+    second = cd._kernel(key, "sm_90", shared, 1)
+    assert first[0].device == 0 and second[0].device == 1 and cd._kernel(key, "sm_90", shared, 1) is second
+    assert fake.attrs == [("diffkv_decode_partial", 0, 0, shared), ("diffkv_decode_partial", 1, 1, shared)]
+    assert [cd._merge_kernel((("X", 1),), "sm_90", d).device for d in (1, 0)] == [1, 0]
+    assert fake.current == 0
+    for fn in (cd._kernel, cd._merge_kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+
+
+@pytest.mark.parametrize("spill_above,expect", [(None, 4), (3, 3), (0, 3)])
+def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_above, expect):
+    """The staged kernel's unpinned ``MIN_BLOCKS`` steps down while the compiled partial kernel uses local memory
+    (ptxas spills), to the register path's cap at the least (where the test above bounds the spills)."""
+    import sys
+
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    fake = _FakeCupy(spill_above)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for fn in (cd._kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+    fmt, key = _staged_key()
+    assert dict(key)["MIN_BLOCKS"] == 4
+    assert cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)[2] == expect
+    assert [mb for _, mb in fake.loads] == list(range(4, expect - 1, -1))
+    for fn in (cd._kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+
+
+@pytest.mark.parametrize("limits,head_dim,stages,min_blocks", [
+    (None, 128, 2, 4), (None, 64, 2, 6),  # sm_90: 227 KiB a block, 228 an SM
+    ((163 * 1024, 164 * 1024), 128, 2, 3), ((163 * 1024, 164 * 1024), 64, 2, 5),  # sm_80
+    ((99 * 1024, 100 * 1024), 128, 0, 3), ((99 * 1024, 100 * 1024), 64, 0, 4),  # sm_86/89/120
+])
+def test_ring_and_register_cap_follow_the_devices_shared_memory(limits, head_dim, stages, min_blocks):
+    """The ring (54 / 29 KiB a CTA at head_dim 128 / 64) and its ``__launch_bounds__`` follow the device: as many
+    CTAs as its multiprocessor's shared memory holds (1 KiB reserved each), the register path where that is fewer
+    than the register path's own CTAs."""
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    fmt = _fmt(DiffKVConfig(), head_dim)
+    d = compile_defines(fmt, 4, 16, head_dim, 64, True, shared_limits=limits)
+    assert (d["STAGES"], d["MIN_BLOCKS"]) == (stages, min_blocks)
+    if stages:
+        per_sm = (limits or cd.SM90_SHARED_LIMITS)[1]
+        assert min_blocks * (cd.partial_shared_bytes(fmt, stages) + cd.SHARED_RESERVED_BYTES) <= per_sm
+    with pytest.raises(ValueError, match="opt-in limit"):
+        compile_defines(fmt, 4, 16, head_dim, 64, True, stages=8, shared_limits=(64 * 1024, 64 * 1024))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("default", 64, 1), ("k8v4", 64, 8),
+                                                   ("default-k8v2", 128, 8), ("k8v4", 128, 8)])
+def test_the_rings_step_down_finds_a_spill_free_cap(preset, head_dim, group, tmp_path):
+    """Where the ring's preferred cap spills (nvcc 13.0, sm_90a: 60 / 12 / 16 B at 6 CTAs of head_dim 64, 44 / 8 B
+    at 4 of head_dim 128), a cap between it and the register path's (what ``_spill_free_kernel`` steps through at
+    run time) spills nothing."""
+    from trtllm_diffkv.kernels.cuda_decode import register_min_blocks
+
+    fmt = _fmt(PRESETS[preset], head_dim)
+    pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
+    first = compile_defines(fmt, group, 16, head_dim, pmax, True)
+    spills = {}
+    for mb in range(first["MIN_BLOCKS"], register_min_blocks(head_dim) - 1, -1):
+        defines = compile_defines(fmt, group, 16, head_dim, pmax, True, min_blocks=mb)
+        cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"), "-Xptxas", "-v",
+               *[f"-D{k}={v}" for k, v in defines.items()], str(SOURCE_PATH)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        text = re.split(r"Compiling entry function 'diffkv_decode_partial'", res.stdout + res.stderr)[1]
+        spills[mb] = int(re.search(r"(\d+) bytes spill stores", text).group(1))
+        if not spills[mb]:
+            break
+    assert 0 in spills.values(), spills

@@ -178,3 +178,34 @@ def test_refusals_before_launch():
     with pytest.raises(ValueError, match="score segment"):
         paged_decode_attention(q, rows16.pool.pages(), fp16, rows16.page_table, rows16.tier_tokens, ok_ids,
                                torch.empty_like(q), sm_scale=0.1, update_scores=True)
+
+
+def test_a_resolved_decode_attention_serves_every_batch_it_holds():
+    """:class:`DecodeAttention` resolves backend, tier arguments and grids once (the paged cache's per-layer call):
+    calls at the workspace's batch and below equal the float64 reference over the kept tokens, score updates
+    included, and a batch above its workspace is refused before any launch."""
+    from trtllm_diffkv.kernels import DecodeAttention
+
+    fmt = PageFormat.for_config(DiffKVConfig(), 64, high_tokens_per_page=8)
+    counts = [(3, 5), (9, 0), (0, 11), (20, 13), (1, 1), (17, 30), (6, 2), (0, 0)]
+    rows = build_paged_rows(fmt, counts, seed=3, device=DEVICE)
+    ws = DecodeWorkspace.allocate(4, 6, 2, fmt, rows.page_table.shape[1], DEVICE, num_partitions=2)
+    attention = DecodeAttention(fmt, 6, 2, ws, rows.page_table.shape[1], torch.float16, DEVICE, sm_scale=0.125)
+    for row_ids in (torch.arange(8, dtype=torch.int32).view(4, 2), torch.tensor([[6, 1], [3, 4]], dtype=torch.int32)):
+        q = torch.randn(row_ids.shape[0], 6, 64, generator=torch.Generator().manual_seed(int(row_ids.sum())))
+        q = q.to(torch.float16).to(DEVICE)
+        out = torch.full_like(q, float("nan"))
+        before = [read_scores(rows, r) for r in range(len(counts))]
+        attention(q, rows.pool.pages(), rows.page_table, rows.tier_tokens, row_ids.to(DEVICE), out)
+        ref, deltas = decode_reference(q.float().cpu(), rows, row_ids, 0.125)
+        assert rel_err(out, ref) < TOL[torch.float16], rel_err(out, ref)
+        for (s, kvh), expect in deltas.items():
+            r = int(row_ids[s, kvh])
+            got = read_scores(rows, r) - before[r]
+            assert torch.allclose(got, expect, rtol=1e-2, atol=2e-4), (r, float((got - expect).abs().max()))
+    q = torch.zeros(5, 6, 64, dtype=torch.float16, device=DEVICE)
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="5 sequences, the workspace holds 4"):
+        attention(q, rows.pool.pages(), rows.page_table, rows.tier_tokens,
+                  torch.zeros(5, 2, dtype=torch.int32, device=DEVICE), out)
+    assert torch.all(out == 7.0)

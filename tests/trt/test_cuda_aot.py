@@ -211,7 +211,8 @@ def test_defines_and_arguments_are_launch_partials(monkeypatch):
     shape = _shape()
     defines, sizes = cuda_aot.cuda_kernel_defines(shape)
     compiled, launches = [], []
-    monkeypatch.setattr(cd, "_kernel", lambda d, arch, shared_bytes=0: (compiled.append(dict(d)),
+    monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
+    monkeypatch.setattr(cd, "_kernel", lambda d, *rest: (compiled.append(dict(d)),
                                                          (_Recorder(launches, "diffkv_decode_partial"),
                                                           _Recorder(launches, "diffkv_decode_scores")))[1])
     monkeypatch.setattr(cd, "_stream", lambda ptr, device: contextlib.nullcontext())

@@ -123,8 +123,8 @@ def test_aot_entries_match_the_nvrtc_kernels_bit_for_bit(built, case, binary, mo
     # the reference: the NVRTC kernels (recording the partial kernel's macros), the merge with the scores
     compiled = []
     nvrtc_kernel = cd._kernel
-    monkeypatch.setattr(cd, "_kernel", lambda defines, arch, shared_bytes=0: (compiled.append(dict(defines)),
-                                                                              nvrtc_kernel(defines, arch, shared_bytes))[1])
+    monkeypatch.setattr(cd, "_kernel", lambda defines, *rest: (compiled.append(dict(defines)),
+                                                                nvrtc_kernel(defines, *rest))[1])
     monkeypatch.setattr(cd, "STAGES", 0)  # the AOT build is the register path (cuda_aot.cuda_kernel_defines)
     out_ref = torch.empty_like(q)
     paged_decode_attention(q, pool_ref, fmt, rows.page_table, rows.tier_tokens, row_ids, out_ref,

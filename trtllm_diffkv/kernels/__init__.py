@@ -10,8 +10,8 @@ Read path (this package's attention kernels):
 Importing this package needs Triton; with ``TRITON_INTERPRET=1`` set before
 the import, the kernels run on the CPU (tests).
 """
-from .decode_attention import DecodeWorkspace, decode_bytes, default_num_partitions, paged_decode_attention
+from .decode_attention import DecodeAttention, DecodeWorkspace, decode_bytes, default_num_partitions, paged_decode_attention
 from .prefill_attention import scored_prefill_attention
 
-__all__ = ["DecodeWorkspace", "decode_bytes", "default_num_partitions", "paged_decode_attention",
+__all__ = ["DecodeAttention", "DecodeWorkspace", "decode_bytes", "default_num_partitions", "paged_decode_attention",
            "scored_prefill_attention"]

@@ -162,9 +162,42 @@ KEY_FOLD = 1
 """1: the key products run on ``1024 + code`` and the offset is folded into the zero-point term (``decode_partial.cu``,
 ``KEY_FOLD``); 0: a half2 subtraction per two key codes (the A/B baseline)."""
 
-MAX_STAGED_SHARED_BYTES = 160 * 1024
-"""Largest page ring :func:`compile_defines` picks by default (sm_80's opt-in limit is 163 KiB, sm_90's 227 KiB);
-a format with larger pages runs the register path."""
+SHARED_RESERVED_BYTES = 1024
+"""Shared memory the runtime reserves per CTA on sm_80 and later (CUDA C++ Programming Guide, "Shared Memory"
+of compute capabilities 8.x/9.x): a CTA of ``n`` dynamic bytes takes ``n + 1024`` of its multiprocessor's."""
+
+SM90_SHARED_LIMITS = (227 * 1024, 228 * 1024)
+"""``(opt-in bytes per block, bytes per multiprocessor)`` of sm_90 (H100/H200): the limits
+:func:`compile_defines` assumes when not given a device's (the CPU compile tests). sm_80 has 163/164 KiB,
+sm_86/89/120 99/100 KiB (:func:`device_shared_limits` reads them)."""
+
+
+@functools.lru_cache(maxsize=16)
+def device_shared_limits(device: int) -> tuple[int, int]:
+    """``(opt-in shared bytes per block, shared bytes per multiprocessor)`` of CUDA device ``device`` (torch's
+    device properties, else CuPy's ``MaxSharedMemoryPerBlockOptin`` / ``MaxSharedMemoryPerMultiprocessor``)."""
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
+    if not optin or not per_sm:
+        import cupy
+
+        attrs = cupy.cuda.Device(device).attributes
+        optin, per_sm = attrs["MaxSharedMemoryPerBlockOptin"], attrs["MaxSharedMemoryPerMultiprocessor"]
+    return int(optin), int(per_sm)
+
+
+def register_min_blocks(head_dim: int) -> int:
+    """``__launch_bounds__`` blocks per multiprocessor of the register path (168 / 128 registers at head_dim
+    128 / 64: the caps whose small spills ``tests/kernels/test_cuda_decode.py`` bounds), also the floor of the
+    staged path's step-down (:func:`launch_partial`)."""
+    return 3 if head_dim == 128 else 4
+
+
+def staged_min_blocks(head_dim: int) -> int:
+    """Preferred blocks per multiprocessor of the staged path (128 / 80 registers at head_dim 128 / 64; the ring
+    frees the registers the register path holds pages in; H200 sweep, ``benchmarks/results/sweep_partial*.json``)."""
+    return 4 if head_dim == 128 else 6
 
 
 def stage_copy_bytes(lay: TierLayout) -> int:
@@ -185,24 +218,37 @@ def partial_shared_bytes(page_format: PageFormat, stages: int) -> int:
 
 
 def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, pmax: int,
-                    store_probs: bool, min_blocks: int | None = None, stages: int | None = None) -> dict[str, int]:
+                    store_probs: bool, min_blocks: int | None = None, stages: int | None = None,
+                    shared_limits: tuple[int, int] | None = None) -> dict[str, int]:
     """The ``-D`` macros of one configuration (also used by the CPU compile test with nvcc).
 
-    ``min_blocks``: ``__launch_bounds__`` blocks per multiprocessor (default, staged: 4 at head_dim 128, 6 at 64;
-    register path: 3 and 4).
-    ``stages``: page buffers per warp (default :data:`STAGES`, or 0 = the register path where that ring would
-    exceed :data:`MAX_STAGED_SHARED_BYTES`).
+    ``shared_limits``: the device's ``(opt-in bytes per block, bytes per multiprocessor)``
+    (:func:`device_shared_limits`; default :data:`SM90_SHARED_LIMITS`).
+    ``stages``: page buffers per warp (default :data:`STAGES`, or 0 = the register path where that ring is
+    above the per-block opt-in limit or leaves room for fewer CTAs a multiprocessor than the register path runs:
+    sm_86/89/120's 100 KiB hold one head_dim-128 ring of 54 KiB, three at head_dim 64).
+    ``min_blocks``: ``__launch_bounds__`` blocks per multiprocessor (default: staged,
+    :func:`staged_min_blocks` or as many CTAs as the multiprocessor's shared memory holds
+    (``bytes + SHARED_RESERVED_BYTES`` each), whichever is fewer; register path, :func:`register_min_blocks`).
 
     Raises:
-        ValueError: ``stages`` of 1 or below 0 (a ring needs two buffers).
+        ValueError: ``stages`` of 1 or below 0 (a ring needs two buffers), or a ring above the opt-in limit.
     """
     head_dim = page_format.head_dim
-    if stages is None:
-        stages = STAGES if partial_shared_bytes(page_format, STAGES) <= MAX_STAGED_SHARED_BYTES else 0
-    if min_blocks is None:  # no spills at these register caps (ptxas, sm_90a); the ring frees the load registers
-        min_blocks = (4 if head_dim == 128 else 6) if stages else (3 if head_dim == 128 else 4)
+    optin, per_sm = SM90_SHARED_LIMITS if shared_limits is None else shared_limits
+    if stages is None:  # the ring where it fits and holds at least the register path's CTAs a multiprocessor
+        ring = partial_shared_bytes(page_format, STAGES)
+        stages = STAGES if ring <= optin and per_sm // (ring + SHARED_RESERVED_BYTES) >= \
+            register_min_blocks(head_dim) else 0
     if stages < 0 or stages == 1:
         raise ValueError(f"stages={stages}: 0 (registers) or >= 2 page buffers a warp")
+    shared_bytes = partial_shared_bytes(page_format, stages)
+    if shared_bytes > optin:
+        raise ValueError(f"stages={stages}: a ring of {shared_bytes} shared bytes a CTA exceeds the device's "
+                         f"{optin}-byte opt-in limit")
+    if min_blocks is None:
+        min_blocks = max(1, min(staged_min_blocks(head_dim), per_sm // (shared_bytes + SHARED_RESERVED_BYTES))) \
+            if stages else register_min_blocks(head_dim)
     d = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_D=block_d, PMAX=pmax,
              PAGE_BYTES=page_format.page_size_bytes, STORE_PROBS=int(store_probs), WARPS=WARPS,
              MIN_BLOCKS=min_blocks, SCORE_WARPS=SCORE_WARPS, STAGES=stages, KEY_FOLD=KEY_FOLD)
@@ -218,20 +264,45 @@ def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int = 0):
-    """``(diffkv_decode_partial, diffkv_decode_scores)`` of ``decode_partial.cu`` at these macros; the partial
-    kernel allowed ``shared_bytes`` of dynamic shared memory (above the default 48 KiB needs the attribute)."""
-    module = _module(SOURCE_PATH.read_text(), defines)
-    partial = module.get_function("diffkv_decode_partial")
-    if shared_bytes > 48 * 1024:
-        partial.max_dynamic_shared_size_bytes = shared_bytes
-    return partial, module.get_function("diffkv_decode_scores")
+def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int = 0, device: int | None = None):
+    """``(diffkv_decode_partial, diffkv_decode_scores)`` of ``decode_partial.cu`` at these macros, loaded on CUDA
+    device ``device`` (``None``: the current one), the partial kernel allowed ``shared_bytes`` of dynamic shared
+    memory (above the default 48 KiB needs the attribute, which belongs to one device's function: the module is
+    compiled, loaded and given it with that device current, and cached per device)."""
+    import cupy
+
+    with cupy.cuda.Device(cupy.cuda.runtime.getDevice() if device is None else device):
+        module = _module(SOURCE_PATH.read_text(), defines)
+        partial = module.get_function("diffkv_decode_partial")
+        if shared_bytes > 48 * 1024:
+            partial.max_dynamic_shared_size_bytes = shared_bytes
+        return partial, module.get_function("diffkv_decode_scores")
 
 
 @functools.lru_cache(maxsize=64)
-def _merge_kernel(defines: tuple[tuple[str, int], ...], arch: str):
-    """``diffkv_decode_merge`` of :func:`merge_source` at these macros."""
-    return _module(merge_source(), defines).get_function("diffkv_decode_merge")
+def _spill_free_kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int, device: int):
+    """:func:`_kernel` of the staged path at the most blocks per multiprocessor (from ``defines``' ``MIN_BLOCKS``
+    down to :func:`register_min_blocks`) whose partial kernel uses no local memory (register spills: ptxas
+    spills 4-60 bytes at 6 CTAs of head_dim 64 for group 1 and for 2-bit low tiers, at 4 CTAs of head_dim 128
+    for ``default-k8v2`` / ``k8v4`` at group 8, nvcc 13.0, sm_90a). Returns ``(partial, scores, min_blocks)``."""
+    d = dict(defines)
+    floor = min(d["MIN_BLOCKS"], register_min_blocks(d["HEAD_DIM"]))
+    for mb in range(d["MIN_BLOCKS"], floor - 1, -1):
+        d["MIN_BLOCKS"] = mb
+        partial, scores = _kernel(tuple(sorted(d.items())), arch, shared_bytes, device)
+        if mb == floor or not partial.local_size_bytes:
+            return partial, scores, mb
+    raise AssertionError("unreachable")
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_kernel(defines: tuple[tuple[str, int], ...], arch: str, device: int | None = None):
+    """``diffkv_decode_merge`` of :func:`merge_source` at these macros, loaded on CUDA device ``device`` (``None``:
+    the current one; a loaded function belongs to one device, as in :func:`_kernel`)."""
+    import cupy
+
+    with cupy.cuda.Device(cupy.cuda.runtime.getDevice() if device is None else device):
+        return _module(merge_source(), defines).get_function("diffkv_decode_merge")
 
 
 HELPERS_END = "// (end of the helpers cuda/decode_merge.cu is compiled after"
@@ -267,51 +338,118 @@ def _stream(ptr: int, device: int):
         return cupy.cuda.ExternalStream(ptr)
 
 
+MERGE_WARPS = 4
+"""Warps of the merge kernel; each CTA also updates the scores of ``MERGE_PAGES_PER_WARP * MERGE_WARPS`` page-table
+positions."""
+MERGE_PAGES_PER_WARP = 4
+"""Pages whose scores one warp of the merge kernel updates (their loads all issued before the merge)."""
+
+
 def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageFormat,
                    page_table: torch.Tensor, tier_tokens: torch.Tensor, row_ids: torch.Tensor, workspace,
                    qk_scale: float, update_scores: bool, min_blocks: int | None = None, stages: int | None = None):
-    """Fill ``workspace``'s partial states (and probabilities) for ``q`` on the current stream.
+    """Fill ``workspace``'s partial states (and probabilities) for ``q`` on the current stream (the kernels
+    resolved for this one call; :class:`CudaDecodeKernels` resolves them once for many).
 
     Returns a callable ``finish(out)`` that launches the merge (``diffkv_decode_merge``, ``cuda/decode_merge.cu``):
     the row's partial states into ``out`` (fp16 or bf16, ``[num_seqs, num_heads, head_dim]`` contiguous) and
     ``workspace.lse``, and, when ``update_scores``, the score update in the same launch (it needs the final
     log-sum-exp the merge computes; it replaces the Triton merge and score kernels on this backend).
 
-    ``min_blocks`` / ``stages``: as :func:`compile_defines` (the register cap, the page ring's buffers a warp).
-    Arguments as :func:`~.decode_attention.paged_decode_attention` (already checked there);
+    ``min_blocks`` / ``stages``: as :func:`compile_defines` (the register cap, the page ring's buffers a warp;
+    for the ring, an unpinned ``min_blocks`` steps down until ptxas spills nothing, :func:`_spill_free_kernel`),
+    with ``q``'s device's shared-memory limits (:func:`device_shared_limits`). Arguments as
+    :func:`~.decode_attention.paged_decode_attention` (already checked there);
     ``q`` is fp16 ``[num_seqs, num_heads, head_dim]`` contiguous; ``qk_scale`` is the softmax scale
     times log2(e). Grid ``(num_seqs, num_kv_heads, 2 * workspace.num_partitions)``.
     """
+    num_seqs, num_heads, head_dim = q.shape
+    group = num_heads // row_ids.shape[1]
+    device = _device_index(q.device)
+    fn, shared_bytes = _resolve_partial(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1],
+                                        update_scores, device, min_blocks, stages)
+    _run_partial(fn, shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace, qk_scale, device)
+    return lambda out: _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace,
+                                     group, update_scores, None, device)
+
+
+class CudaDecodeKernels:
+    """The CUDA partial and merge kernels of one decode configuration, compiled and resolved once (macros,
+    register cap, shared memory, grids), so each call only launches (:class:`~.decode_attention.DecodeAttention`).
+
+    Args:
+        partial, merge: the loaded functions; shared_bytes: the partial kernel's dynamic shared memory;
+        merge_scores: the merge updates the scores; merge_pages: page-table positions a merge CTA scores;
+        device: the CUDA device index they are loaded on.
+    """
+
+    __slots__ = ("partial", "merge", "shared_bytes", "merge_scores", "merge_pages", "device")
+
+    def __init__(self, partial, merge, shared_bytes: int, merge_scores: bool, merge_pages: int, device: int):
+        self.partial, self.merge, self.shared_bytes = partial, merge, shared_bytes
+        self.merge_scores, self.merge_pages, self.device = merge_scores, merge_pages, device
+
+    @classmethod
+    def resolve(cls, page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
+                out_dtype: torch.dtype, update_scores: bool, device: torch.device | int,
+                min_blocks: int | None = None, stages: int | None = None,
+                pages_per_warp: int = MERGE_PAGES_PER_WARP) -> "CudaDecodeKernels":
+        """Compile (cached per process) and resolve the kernels for workspaces of ``num_slots`` partition slots
+        a row (``2 * num_partitions``), outputs of ``out_dtype`` (fp16/bf16); other arguments as
+        :func:`launch_partial` and :func:`merge_defines`.
+
+        Raises:
+            ValueError: an output dtype other than fp16/bf16, or a ring beyond the device's shared memory.
+        """
+        device = _device_index(torch.device("cuda", device) if isinstance(device, int) else device)
+        partial, shared_bytes = _resolve_partial(page_format, group, group_pad, block_d, update_scores, device,
+                                                 min_blocks, stages)
+        merge, merge_pages = _resolve_merge(page_format, group, group_pad, block_d, num_slots, out_dtype,
+                                            update_scores, device, pages_per_warp)
+        return cls(partial, merge, shared_bytes, update_scores, merge_pages, device)
+
+    def launch(self, q: torch.Tensor, pool_pages: torch.Tensor, page_table: torch.Tensor,
+               tier_tokens: torch.Tensor, row_ids: torch.Tensor, workspace, qk_scale: float,
+               out: torch.Tensor) -> None:
+        """The partial kernel, then the merge (with the score update) into ``out``, on the current stream;
+        arguments as :func:`launch_partial` (``q`` fp16, the workspace of the resolved ``num_slots``)."""
+        _run_partial(self.partial, self.shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
+                     qk_scale, self.device)
+        _run_merge(self.merge, self.merge_pages, out, pool_pages, page_table, tier_tokens, row_ids, workspace,
+                   self.device)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _resolve_partial(page_format: PageFormat, group: int, group_pad: int, block_d: int, update_scores: bool,
+                     device: int, min_blocks: int | None, stages: int | None):
+    """``(diffkv_decode_partial, its dynamic shared bytes)`` for this configuration on ``device``."""
+    pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+    defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks, stages,
+                              device_shared_limits(device))
+    shared_bytes = partial_shared_bytes(page_format, defines["STAGES"])
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm_{major}{minor}"
+    key = tuple(sorted(defines.items()))
+    if defines["STAGES"] and min_blocks is None:
+        return _spill_free_kernel(key, arch, shared_bytes, device)[0], shared_bytes
+    return _kernel(key, arch, shared_bytes, device)[0], shared_bytes
+
+
+def _run_partial(fn, shared_bytes: int, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
+                 qk_scale: float, device: int) -> None:
     import numpy as np
 
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = row_ids.shape[1]
-    group = num_heads // num_kv_heads
-    group_pad = workspace.part_m.shape[-1]
-    block_d = workspace.part_acc.shape[-1]
-    pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
-    defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks, stages)
-    shared_bytes = partial_shared_bytes(page_format, defines["STAGES"])
-    major, minor = torch.cuda.get_device_capability(q.device)
-    arch = f"sm_{major}{minor}"
-    fn = _kernel(tuple(sorted(defines.items())), arch, shared_bytes)[0]
+    num_seqs, num_kv_heads = row_ids.shape
     num_slots = 2 * workspace.num_partitions
     ptr = _ptr
     args = (ptr(q), ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.part_m),
             ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.page_probs), ptr(workspace.page_max),
             np.float32(qk_scale), np.int32(num_kv_heads), np.int32(num_slots), np.int32(page_table.shape[1]))
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, device):
         fn((num_seqs, num_kv_heads, num_slots), (32 * WARPS, 1, 1), args, shared_mem=shared_bytes)
-    return lambda out: _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace,
-                                     group, update_scores, arch, device)
-
-
-MERGE_WARPS = 4
-"""Warps of the merge kernel; each CTA also updates the scores of ``MERGE_PAGES_PER_WARP * MERGE_WARPS`` page-table
-positions."""
-MERGE_PAGES_PER_WARP = 4
-"""Pages whose scores one warp of the merge kernel updates (their loads all issued before the merge)."""
 
 
 def merge_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
@@ -325,25 +463,39 @@ def merge_defines(page_format: PageFormat, group: int, group_pad: int, block_d: 
                 H_SC=hi.score.offset_bytes, L_SC=lo.score.offset_bytes)
 
 
-def _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace, group, scores, arch,
-                  device, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> None:
+def _resolve_merge(page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
+                   out_dtype: torch.dtype, scores: bool, device: int, pages_per_warp: int = MERGE_PAGES_PER_WARP):
+    """``(diffkv_decode_merge, page-table positions a CTA scores, 0 without scores)`` on ``device``."""
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the CUDA merge writes fp16/bf16 outputs, got {out_dtype}")
+    defines = merge_defines(page_format, group, group_pad, block_d, num_slots, out_dtype, scores, pages_per_warp)
+    major, minor = torch.cuda.get_device_capability(device)
+    fn = _merge_kernel(tuple(sorted(defines.items())), f"sm_{major}{minor}", device)
+    return fn, (pages_per_warp * MERGE_WARPS if scores else 0)
+
+
+def _run_merge(fn, merge_pages: int, out, pool_pages, page_table, tier_tokens, row_ids, workspace,
+               device: int) -> None:
     import numpy as np
 
-    if out.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the CUDA merge writes fp16/bf16 outputs, got {out.dtype}")
     num_seqs, num_kv_heads = row_ids.shape
     num_slots = 2 * workspace.num_partitions
     max_pages = page_table.shape[1]
-    defines = merge_defines(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1], num_slots,
-                            out.dtype, scores, pages_per_warp)
-    fn = _merge_kernel(tuple(sorted(defines.items())), arch)
     ptr = _ptr
     args = (ptr(out), ptr(workspace.part_m), ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.lse),
             ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.page_probs),
             ptr(workspace.page_max), np.int32(num_kv_heads), np.int32(num_slots), np.int32(max_pages))
-    z = -(-max_pages // (pages_per_warp * MERGE_WARPS)) if scores else 1
+    z = -(-max_pages // merge_pages) if merge_pages else 1
     with _stream(torch.cuda.current_stream(out.device).cuda_stream, device):
         fn((num_seqs, num_kv_heads, z), (32 * MERGE_WARPS, 1, 1), args)
+
+
+def _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace, group, scores, arch,
+                  device, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> None:
+    """The merge of one call (resolved for it; ``arch`` is unused, kept for the sweep script's calls)."""
+    fn, merge_pages = _resolve_merge(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1],
+                                     2 * workspace.num_partitions, out.dtype, scores, device, pages_per_warp)
+    _run_merge(fn, merge_pages, out, pool_pages, page_table, tier_tokens, row_ids, workspace, device)
 
 
 SCORE_WARPS = 4
@@ -365,5 +517,7 @@ def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, wo
 
 
 __all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "choose_backend", "configured_backend", "launch_partial", "compile_defines",
-           "partial_shared_bytes", "stage_copy_bytes", "STAGES",
+           "CudaDecodeKernels",
+           "partial_shared_bytes", "stage_copy_bytes", "STAGES", "device_shared_limits",
+           "register_min_blocks", "staged_min_blocks", "SM90_SHARED_LIMITS", "SHARED_RESERVED_BYTES",
            "merge_defines", "merge_source", "SOURCE_PATH", "MERGE_SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]

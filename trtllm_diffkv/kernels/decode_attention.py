@@ -24,7 +24,7 @@ import triton
 
 from ..memory.page_format import PageFormat, TierLayout
 from .attn_decode_kernels import LOG2E, _decode_merge_kernel, _decode_partial_kernel, _decode_score_kernel
-from .cuda_decode import launch_partial, resolve_backend
+from .cuda_decode import CudaDecodeKernels, choose_backend
 from .sizes import next_pow2
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -211,7 +211,7 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
             fp16/bf16, 8/4-bit keys, 8/4/2-bit values), ``"triton"``, or ``None``/``"auto"``: the
             environment variable ``TRTLLM_DIFFKV_DECODE_BACKEND``, default CUDA where it can run.
         cuda_min_blocks: the CUDA kernel's ``__launch_bounds__`` blocks per multiprocessor (register
-            cap; default 3 at head_dim 128, 4 at 64).
+            cap; default :func:`~.cuda_decode.compile_defines`'s for the device).
 
     Precision: codes enter the products as exact fp16 integers (dequantization
     is folded out: per token and group, ``q.k = s (q.c) + z sum(q)`` in fp32,
@@ -233,68 +233,130 @@ def paged_decode_attention(q: torch.Tensor, pool_pages: torch.Tensor, page_forma
             the CUDA kernel cannot run (the message says why), before any launch.
     """
     _check_inputs(q, pool_pages, page_format, page_table, tier_tokens, row_ids, out, update_scores)
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs, num_heads, _ = q.shape
     num_kv_heads = row_ids.shape[1]
-    group = num_heads // num_kv_heads
     max_pages = page_table.shape[1]
-    high = _tier_args(page_format.high, head_dim, tokens_per_step)
-    low = _tier_args(page_format.low, head_dim, tokens_per_step)
     if workspace is None:
+        _tier_args(page_format.high, page_format.head_dim, tokens_per_step)  # a tier without a kernel: before allocating
+        _tier_args(page_format.low, page_format.head_dim, tokens_per_step)
         workspace = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, page_format, max_pages,
                                              q.device, update_scores=update_scores)
-    _check_workspace(workspace, num_seqs, num_kv_heads, group, max_pages, page_format, update_scores)
-    use_cuda = resolve_backend(backend, page_format, num_heads, num_kv_heads, q) == "cuda"
-    if num_seqs == 0:
-        return
-    q = q.contiguous()
-    nparts = workspace.num_partitions
-    gp, bd = max(16, next_pow2(group)), next_pow2(head_dim)
-    pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
-    # The products stack (quantization group, query head) rows: NG groups x GP2 heads, 16 <= rows <= 32
-    # (32 keeps every product on the mma.sync path, registers in check); larger query groups are split
-    # into chunks of GP2 heads, one program each.
-    groups = [max(a["KG"] if a["KB"] < 16 else 1, a["VG"] if a["VB"] < 16 else 1) for a in (high, low)]
-    gp2 = min(next_pow2(group), max(1, MAX_STACK_ROWS // max(groups)))
-    nchunk = -(-group // gp2)
-    for args, g in zip((high, low), groups):
-        args["NG"] = max(g, max(1, 16 // gp2))
-        # 32 stacked rows spill registers in the folded loop: such a tier dequantizes in registers
-        # instead (whole group in one program, so only without head chunks)
-        args["FOLD"] = args["NG"] * gp2 <= 16 or nchunk > 1 or not FOLD_WIDE_FALLBACK
-    common = dict(R=max_pages, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, GROUP=group, GROUP_PAD=gp,
-                  GP2=gp2, NCHUNK=nchunk, HEAD_DIM=head_dim, BLOCK_D=bd)
-    dt = _tl_dtype("fp32" if q.dtype == torch.float32 else "fp16")  # dot operands (a bf16 q is cast to fp16)
-    per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM", "NG", "FOLD")
-    if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16:
-        max_registers = DEFAULT_MAX_REGISTERS  # 32 stacked rows need more registers than the cap (spills)
-    if use_cuda:
-        finish = launch_partial(q if q.dtype == torch.float16 else q.to(torch.float16), pool_pages, page_format,
-                                page_table, tier_tokens, row_ids, workspace, float(sm_scale) * LOG2E, update_scores,
-                                cuda_min_blocks)
-        finish(out)  # the merge, with the score update in the same launch
-        return
-    _decode_partial_kernel[(num_seqs, num_kv_heads, nparts * nchunk)](
-        q, pool_pages, page_table, tier_tokens, row_ids,
-        workspace.part_m, workspace.part_l, workspace.part_acc, workspace.page_probs, workspace.page_max,
-        float(sm_scale) * LOG2E, num_kv_heads, nparts, **common,
-        **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
-        DT=dt, IEEE=q.dtype == torch.float32, STORE_PROBS=update_scores,
-        FAST=FAST_CONVERT and q.is_cuda and dt == _tl_dtype("fp16"),
-        num_warps=num_warps or 4, num_stages=num_stages or 2,
-        **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
-    _decode_merge_kernel[(num_seqs, num_kv_heads)](
-        out, workspace.part_m, workspace.part_l, workspace.part_acc, workspace.lse, num_kv_heads, nparts,
-        GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=next_pow2(2 * nparts), num_warps=4)
-    if not update_scores:
-        return
-    block_p = next_pow2(pmax)
-    gps = next_pow2(group)
-    pos_per_prog = max(1, min(16, 4096 // (block_p * gps)))
-    _decode_score_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_pages, pos_per_prog))](
-        pool_pages, page_table, tier_tokens, row_ids, workspace.page_probs, workspace.page_max, workspace.lse,
-        num_kv_heads, R=max_pages, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, BLOCK_P=block_p,
-        GROUP=group, HEADS_PAD=gps, LSE_STRIDE=gp, POS_PER_PROG=pos_per_prog,
-        H_TOKENS=high["TOKENS"], H_SC=high["SC"], L_TOKENS=low["TOKENS"], L_SC=low["SC"], num_warps=4)
+    _check_workspace(workspace, num_seqs, num_kv_heads, num_heads // num_kv_heads, max_pages, page_format,
+                     update_scores)
+    attention = DecodeAttention(page_format, num_heads, num_kv_heads, workspace, max_pages, q.dtype, q.device,
+                                sm_scale=sm_scale, update_scores=update_scores, num_warps=num_warps,
+                                num_stages=num_stages, tokens_per_step=tokens_per_step, max_registers=max_registers,
+                                backend=backend, cuda_min_blocks=cuda_min_blocks)
+    attention(q, pool_pages, page_table, tier_tokens, row_ids, out)
+
+
+class DecodeAttention:
+    """Paged decode attention resolved once for a fixed shape: backend, tier arguments, grids, register caps and
+    (CUDA) the compiled kernels, so a call only launches (FlashInfer's plan/run split; the paged cache builds one
+    per cache, :func:`~trtllm_diffkv.paged.decode.decode_runner`). :func:`paged_decode_attention` builds one per
+    call and documents the arguments, precision and kernels.
+
+    Args:
+        page_format, num_heads, num_kv_heads: the pool's format and the model's heads.
+        workspace: :meth:`DecodeWorkspace.allocate` scratch for up to its batch of sequences (kept; graph-safe).
+        max_pages_per_row: the page table's width (``page_table.shape[1]`` of every call).
+        q_dtype, device: the queries' dtype and device of every call.
+        sm_scale, update_scores, num_warps, num_stages, tokens_per_step, max_registers, backend, cuda_min_blocks:
+            as :func:`paged_decode_attention`.
+
+    Raises:
+        ValueError: as :func:`paged_decode_attention`, at construction: heads, a tier format without a kernel, a
+            workspace of another shape, or ``backend="cuda"`` where the CUDA kernel cannot run.
+    """
+
+    def __init__(self, page_format: PageFormat, num_heads: int, num_kv_heads: int, workspace: DecodeWorkspace,
+                 max_pages_per_row: int, q_dtype: torch.dtype, device: torch.device | str, *, sm_scale: float,
+                 update_scores: bool = True, num_warps: int | None = None, num_stages: int | None = None,
+                 tokens_per_step: int = 64, max_registers: int | None = None, backend: str | None = None,
+                 cuda_min_blocks: int | None = None) -> None:
+        _check_heads(num_heads, num_kv_heads)
+        head_dim = page_format.head_dim
+        device = torch.device(device)
+        group = num_heads // num_kv_heads
+        high = _tier_args(page_format.high, head_dim, tokens_per_step)
+        low = _tier_args(page_format.low, head_dim, tokens_per_step)
+        _check_workspace(workspace, 0, num_kv_heads, group, max_pages_per_row, page_format, update_scores)
+        self.page_format, self.workspace, self.update_scores = page_format, workspace, update_scores
+        self.num_kv_heads, self.max_seqs = num_kv_heads, workspace.part_acc.shape[0]
+        self.qk_scale = float(sm_scale) * LOG2E
+        self.use_cuda = choose_backend(backend, page_format, num_heads, num_kv_heads, q_dtype,
+                                       device.type == "cuda") == "cuda"
+        nparts = workspace.num_partitions
+        gp, bd = max(16, next_pow2(group)), next_pow2(head_dim)
+        pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+        if self.use_cuda:
+            self.cuda = CudaDecodeKernels.resolve(page_format, group, gp, bd, 2 * nparts, q_dtype, update_scores,
+                                                  device, cuda_min_blocks)
+            return
+        # The products stack (quantization group, query head) rows: NG groups x GP2 heads, 16 <= rows <= 32
+        # (32 keeps every product on the mma.sync path, registers in check); larger query groups are split
+        # into chunks of GP2 heads, one program each.
+        groups = [max(a["KG"] if a["KB"] < 16 else 1, a["VG"] if a["VB"] < 16 else 1) for a in (high, low)]
+        gp2 = min(next_pow2(group), max(1, MAX_STACK_ROWS // max(groups)))
+        nchunk = -(-group // gp2)
+        for args, g in zip((high, low), groups):
+            args["NG"] = max(g, max(1, 16 // gp2))
+            # 32 stacked rows spill registers in the folded loop: such a tier dequantizes in registers
+            # instead (whole group in one program, so only without head chunks)
+            args["FOLD"] = args["NG"] * gp2 <= 16 or nchunk > 1 or not FOLD_WIDE_FALLBACK
+        dt = _tl_dtype("fp32" if q_dtype == torch.float32 else "fp16")  # dot operands (a bf16 q is cast to fp16)
+        per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM", "NG", "FOLD")
+        if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16:
+            max_registers = DEFAULT_MAX_REGISTERS  # 32 stacked rows need more registers than the cap (spills)
+        self.partial_parts = nparts * nchunk
+        self.partial_constexprs = dict(
+            R=max_pages_per_row, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, GROUP=group, GROUP_PAD=gp,
+            GP2=gp2, NCHUNK=nchunk, HEAD_DIM=head_dim, BLOCK_D=bd,
+            **{f"H_{k}": high[k] for k in per_tier}, **{f"L_{k}": low[k] for k in per_tier},
+            DT=dt, IEEE=q_dtype == torch.float32, STORE_PROBS=update_scores,
+            FAST=FAST_CONVERT and device.type == "cuda" and dt == _tl_dtype("fp16"),
+            num_warps=num_warps or 4, num_stages=num_stages or 2,
+            **({"maxnreg": max_registers} if max_registers and device.type == "cuda" else {}))
+        self.merge_constexprs = dict(GROUP=group, GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd,
+                                     BLOCK_PARTS=next_pow2(2 * nparts), num_warps=4)
+        block_p, gps = next_pow2(pmax), next_pow2(group)
+        pos_per_prog = max(1, min(16, 4096 // (block_p * gps)))
+        self.score_programs = triton.cdiv(max_pages_per_row, pos_per_prog)
+        self.score_constexprs = dict(
+            R=max_pages_per_row, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, BLOCK_P=block_p, GROUP=group,
+            HEADS_PAD=gps, LSE_STRIDE=gp, POS_PER_PROG=pos_per_prog, H_TOKENS=high["TOKENS"], H_SC=high["SC"],
+            L_TOKENS=low["TOKENS"], L_SC=low["SC"], num_warps=4)
+
+    def __call__(self, q: torch.Tensor, pool_pages: torch.Tensor, page_table: torch.Tensor,
+                 tier_tokens: torch.Tensor, row_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Launch the decode attention for ``q`` ``[num_seqs <= workspace batch, num_heads, head_dim]`` (the
+        construction's dtype and device) into ``out``; the other tensors as :func:`paged_decode_attention`.
+        No checks beyond the batch bound (the caller's tensors: the cache's own, or checked by
+        :func:`paged_decode_attention`), no host synchronization, no allocation (a bf16 query's fp16 copy aside).
+
+        Raises:
+            ValueError: more sequences than the workspace holds.
+        """
+        num_seqs = q.shape[0]
+        if num_seqs > self.max_seqs:
+            raise ValueError(f"{num_seqs} sequences, the workspace holds {self.max_seqs}")
+        if num_seqs == 0:
+            return
+        q = q.contiguous()
+        ws, nkv = self.workspace, self.num_kv_heads
+        if self.use_cuda:
+            self.cuda.launch(q if q.dtype == torch.float16 else q.to(torch.float16), pool_pages, page_table,
+                             tier_tokens, row_ids, ws, self.qk_scale, out)
+            return
+        _decode_partial_kernel[(num_seqs, nkv, self.partial_parts)](
+            q, pool_pages, page_table, tier_tokens, row_ids, ws.part_m, ws.part_l, ws.part_acc, ws.page_probs,
+            ws.page_max, self.qk_scale, nkv, ws.num_partitions, **self.partial_constexprs)
+        _decode_merge_kernel[(num_seqs, nkv)](out, ws.part_m, ws.part_l, ws.part_acc, ws.lse, nkv,
+                                              ws.num_partitions, **self.merge_constexprs)
+        if self.update_scores:
+            _decode_score_kernel[(num_seqs, nkv, self.score_programs)](
+                pool_pages, page_table, tier_tokens, row_ids, ws.page_probs, ws.page_max, ws.lse, nkv,
+                **self.score_constexprs)
 
 
 def _tl_dtype(name: str):
@@ -335,4 +397,4 @@ def decode_bytes(page_format: PageFormat, high_tokens: int, low_tokens: int, upd
     return total
 
 
-__all__ = ["DecodeWorkspace", "paged_decode_attention", "default_num_partitions", "decode_bytes", "MAX_GROUP"]
+__all__ = ["DecodeWorkspace", "DecodeAttention", "paged_decode_attention", "default_num_partitions", "decode_bytes", "MAX_GROUP"]
