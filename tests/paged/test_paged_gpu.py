@@ -119,6 +119,7 @@ def test_decode_step_does_not_synchronize():
         cache.plan([0, 1], [60, 45], [0, 0], [True, True])
         model(torch.tensor(prompts[0] + prompts[1], device="cuda"),
               torch.cat([torch.arange(60), torch.arange(45)]).cuda(), cache)
+        cache.end_step()
         for step in range(3):
             lens = [60 + step, 45 + step]
             cache.plan([0, 1], [n + 1 for n in lens], lens, [False, False])
@@ -126,6 +127,7 @@ def test_decode_step_does_not_synchronize():
             torch.cuda.set_sync_debug_mode("error")
             try:
                 model(ids, pos, cache)
+                cache.end_step()  # a decode step's end is host bookkeeping only
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert cache.step_errors() == {}
@@ -192,6 +194,7 @@ def test_decode_step_timing_at_default_model_shape():
         cache.plan(list(range(n)), [prompt] * n, [0] * n, [True] * n)
         for layer in range(L):
             cache.forward(layer, rnd(n * prompt, Hq, D), rnd(n * prompt, H, D), rnd(n * prompt, H, D))
+        cache.end_step()
         q, k, v = rnd(n, Hq, D), rnd(n, H, D), rnd(n, H, D)
         plan_s, fwd_s = [], []
         for step in range(12):
@@ -203,6 +206,7 @@ def test_decode_step_timing_at_default_model_shape():
             t1 = time.perf_counter()
             for layer in range(L):
                 cache.forward(layer, q, k, v)
+            cache.end_step()
             torch.cuda.synchronize()
             plan_s.append(t1 - t0)
             fwd_s.append(time.perf_counter() - t1)
