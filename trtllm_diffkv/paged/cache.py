@@ -49,6 +49,7 @@ from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
 from ..memory import CpuPageManager, KVCachePool, PageFormat
 from . import decode, prefill, torch_ops
+from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes
 from .step_plan import StepPlan
@@ -146,6 +147,8 @@ class PagedDiffKVCache:
             else ``None``.
         decode_workspace, decode_buffers, plan_inputs, plan_graphs, decision_scratch: the decode step's
             persistent buffers and captured plan graphs (:mod:`.decode`), allocated on first use.
+        step_inputs: the :class:`~.host_inputs.StepInputs` every plan copies its host integers through
+            (pinned buffers in rotation on CUDA).
     """
 
     def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -212,6 +215,7 @@ class PagedDiffKVCache:
         self.seq_len = [0] * max_slots  # tokens stored
         self.prompt_len_device = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self.planned_step = None
+        self.step_inputs = StepInputs(self.device)  # the step's host integers: one (pinned) copy per plan
         self.decode_workspace = None
         self.decode_buffers = {}  # bucket size -> persistent decode step tensors (decode.step_buffers)
         self.plan_graphs = {}  # (decode requests, bucket) -> CUDA graph of decode.plan_device
@@ -258,6 +262,8 @@ class PagedDiffKVCache:
 
         The step's packed tokens are each prefill request's ``seq_len - position`` tokens,
         then one token per decode request (``cu_seqlens`` built here), then the padding.
+        The step's host integers (slots, positions, prompt lengths, reserved pages) reach the device in one
+        copy (:attr:`step_inputs`: non-blocking from pinned buffers on CUDA).
 
         Raises:
             ValueError: inconsistent arguments (order, lengths, slot states, an
@@ -304,10 +310,13 @@ class PagedDiffKVCache:
         if need > free:
             raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
         step = StepPlan(slots, seq_lens, positions, n_pre, num_tokens, prompt_lens)
+        decoding = bool(n - n_pre) or pad_to is not None
+        parts = (prefill.host_inputs(self, step) if n_pre else []) + ([decode.host_inputs(step)] if decoding else [])
+        inputs = self.step_inputs.to_device(parts)  # ONE host-to-device copy of the step's integers
         if n_pre:
-            prefill.plan_prefill(self, step)
-        if n - n_pre or pad_to is not None:
-            decode.plan_decode(self, step, pad_to=pad_to)
+            prefill.plan_prefill(self, step, inputs[:-1] if decoding else inputs)
+        if decoding:
+            decode.plan_decode(self, step, inputs[-1], pad_to=pad_to)
         self.planned_step = step
 
     def check_request(self, i: int, slot: int, total: int, first: int, prefill: bool,

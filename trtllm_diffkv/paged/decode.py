@@ -29,40 +29,47 @@ from .gather import token_location
 from .step_plan import DecodeBuffers
 
 
-def plan_decode(cache, step, pad_to: int | None = None) -> None:
+def host_inputs(step) -> list[int]:
+    """The decode requests' slots then positions (``[2 * n]``), what :func:`plan_decode` needs on the device
+    (copied in the step's one copy, :class:`~.host_inputs.StepInputs`)."""
+    return step.slots[step.n_pre:] + step.positions[step.n_pre:]
+
+
+def plan_decode(cache, step, inputs: torch.Tensor, pad_to: int | None = None) -> None:
     """Decisions of every layer, ONE ``append_decode``, the moves to the low tier, the new tokens' slots.
 
     Fills ``step.decode``, a :class:`~.step_plan.DecodeBuffers` for ``B = pad_to``
     sequences (``None``: the ``n`` real ones). Sequences ``b >= n`` are padding (row id
     and page -1: the write and attention kernels skip them). With ``pad_to`` the
     tensors are the cache's persistent buffers for that bucket (same addresses
-    every step: CUDA-graph inputs). Host syncs: none (the one H2D copy of the
-    slots and positions is non-blocking: a blocking ``.to(device)`` synchronizes
-    the stream, i.e. waits for the previous step's forward).
+    every step: CUDA-graph inputs). ``inputs``: int64 ``[2 * n]`` on the cache device,
+    :func:`host_inputs` (the step's one host-to-device copy, non-blocking from a pinned
+    buffer on CUDA: a blocking copy would wait for the stream, i.e. for the previous
+    step's forward). Host syncs: none.
     """
     n = len(step.slots) - step.n_pre
     B = n if pad_to is None else pad_to
-    host = torch.tensor([step.slots[step.n_pre:], step.positions[step.n_pre:]], dtype=torch.int64)
+    seq = inputs.view(2, n)
     bufs = step_buffers(cache, B, persistent=pad_to is not None)
     if not cache.use_triton:
-        _plan_torch(cache, step, host[0].to(cache.device), bufs)
+        _plan_torch(cache, step, seq[0], seq[1], bufs)
     elif pad_to is None:
-        seq = host.to(cache.device, non_blocking=True)  # a blocking copy would wait for the device (stream sync)
         plan_device(cache, seq[0], seq[1], bufs)
     else:
-        _plan_padded(cache, host, n, B, bufs)
+        _plan_padded(cache, seq, n, B, bufs)
     step.decode = bufs
 
 
-def _plan_padded(cache, host: torch.Tensor, n: int, B: int, bufs: DecodeBuffers) -> None:
-    """Padded Triton path: slots and positions in the cache's fixed input buffer, then the plan graph of
+def _plan_padded(cache, seq: torch.Tensor, n: int, B: int, bufs: DecodeBuffers) -> None:
+    """Padded Triton path: slots and positions (``seq``: int64 ``[2, n]`` on the device) copied into the cache's
+    fixed input buffer (one device copy), then the plan graph of
     ``(n, B)`` replayed; without one, the launches run eagerly and, when ``cache.capture_plan_graphs``
     (set by ``DecodeGraphRunner``), the same launches are captured for the next steps of ``n`` requests
     (capturing records, it runs nothing: the eager run compiled exactly these specializations)."""
     if cache.plan_inputs is None:
         cache.plan_inputs = torch.zeros(2, cache.max_slots, dtype=torch.int64, device=cache.device)
     inputs = cache.plan_inputs
-    inputs[:, :n].copy_(host, non_blocking=True)
+    inputs[:, :n].copy_(seq)
     args = (cache, inputs[0, :n], inputs[1, :n], bufs)
     graph = cache.plan_graphs.get((n, B))
     if graph is not None:
@@ -147,8 +154,9 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: DecodeB
         cache.ops.write_tokens(pages, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
 
 
-def _plan_torch(cache, step, slots, bufs: DecodeBuffers) -> None:
-    """Torch path (the reference): :func:`.decisions.decide`, ``append_decode``, moves, token locations."""
+def _plan_torch(cache, step, slots, pos_seq, bufs: DecodeBuffers) -> None:
+    """Torch path (the reference): :func:`.decisions.decide`, ``append_decode``, moves, token locations.
+    ``slots``, ``pos_seq``: int64 ``[n]`` on the device."""
     cfg, dev, fmt = cache.config, cache.device, cache.page_format
     L, H, G = cache.num_layers, cache.num_kv_heads, cache.rows_per_slot
     pos_host = step.positions[step.n_pre:]
@@ -158,7 +166,7 @@ def _plan_torch(cache, step, slots, bufs: DecodeBuffers) -> None:
             t.fill_(pad)
         return
     rows = (slots[:, None] * G + torch.arange(G, device=dev)).reshape(-1)
-    pos = torch.tensor(pos_host, dtype=torch.int64, device=dev).repeat_interleave(G)
+    pos = pos_seq.repeat_interleave(G)
     table, tokens = cache.manager.page_table, cache.manager.tokens
     if cfg.compress:
         act = decisions.decide(cache.pool, table, tokens, rows, pos, cache.prompt_len_device[slots].repeat_interleave(G),
@@ -178,7 +186,7 @@ def _plan_torch(cache, step, slots, bufs: DecodeBuffers) -> None:
         buf[:, :n] = layer_major(value)
         buf[:, n:] = pad
     bufs.positions.zero_()
-    bufs.positions[:n * H] = torch.tensor(pos_host, dtype=torch.int32, device=dev).repeat_interleave(H)
+    bufs.positions[:n * H] = pos_seq.to(torch.int32).repeat_interleave(H)
     bufs.err_idx.zero_()
     bufs.err_idx[:n * H] = slots.to(torch.int32).repeat_interleave(H)
 

@@ -41,35 +41,50 @@ at once (all 30 of the default model for prompts of up to ~40k tokens; 7 of Llam
 tokens)."""
 
 
-def plan_prefill(cache, step) -> None:
+def _prompt_sets(step) -> tuple[list[int], list[int]]:
+    """(the prefill requests at their prompt's first chunk, those whose prompt ends in the step), as indices."""
+    n_pre, starts, ends, totals = step.n_pre, step.positions, step.seq_lens, step.prompt_lens
+    return [i for i in range(n_pre) if starts[i] == 0], [i for i in range(n_pre) if ends[i] == totals[i]]
+
+
+def host_inputs(cache, step) -> list[list[int]]:
+    """The host integers :func:`plan_prefill` needs on the device, as five lists (copied in the step's one copy,
+    :class:`~.host_inputs.StepInputs`): the first chunks' slots and whole prompt tokens (``reserve_prompt``), the
+    ending prompts' slots and tokens, and their reserved pages per row (``prompt_reserve_pages``)."""
+    first, finishing = _prompt_sets(step)
+    slots, totals = step.slots, step.prompt_lens
+    return [[slots[i] for i in first], [totals[i] for i in first], [slots[i] for i in finishing],
+            [totals[i] for i in finishing], [cache.page_format.prompt_reserve_pages(totals[i]) for i in finishing]]
+
+
+def plan_prefill(cache, step, inputs: list[torch.Tensor]) -> None:
     """Reserve the prompt pages at each prompt's first chunk (all tokens counted high), start the staging of
     prompts that continue in later steps, and build the per-token tensors of the prompts that end in this step.
 
     ``step.positions[i]`` / ``step.seq_lens[i]`` / ``step.prompt_lens[i]`` of prefill request ``i``: its chunk
-    ``[start, end)`` and its whole prompt's tokens ``n`` (``start == 0 and end == n``: an unchunked prompt)."""
+    ``[start, end)`` and its whole prompt's tokens ``n`` (``start == 0 and end == n``: an unchunked prompt).
+    ``inputs``: :func:`host_inputs` as int64 tensors on the cache device (no host synchronization here: the
+    per-token tensors are built on the device from them and from host sizes)."""
     cfg, dev = cache.config, cache.device
     n_pre = step.n_pre
     slots_host, starts, ends, totals = step.slots[:n_pre], step.positions[:n_pre], step.seq_lens[:n_pre], \
         step.prompt_lens[:n_pre]
-    first = [i for i in range(n_pre) if starts[i] == 0]
+    first, finishing = _prompt_sets(step)
+    first_slots, first_totals, slots, lens_t, reserved_pages = inputs
     if first:
-        cache.manager.reserve_prompt(torch.tensor([slots_host[i] for i in first], dtype=torch.int64, device=dev),
-                                     torch.tensor([totals[i] for i in first], dtype=torch.int64, device=dev))
+        cache.manager.reserve_prompt(first_slots, first_totals)
     scoring = cfg.prompt_score_window_tokens if cfg.compress else 0
     for i in first:
         if ends[i] < totals[i]:
             cache.staging[slots_host[i]] = PromptStaging(cache.num_layers, cache.num_kv_heads, cache.num_heads,
                                                          cache.head_dim, totals[i], scoring, cache.dtype, dev)
-    finishing = [i for i in range(n_pre) if ends[i] == totals[i]]
     bounds = [0]
     for a, b in zip(starts, ends):
         bounds.append(bounds[-1] + b - a)
     lens = [totals[i] for i in finishing]
-    slots = torch.tensor([slots_host[i] for i in finishing], dtype=torch.int64, device=dev)
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=dev)
     cu[1:] = torch.cumsum(lens_t, 0)
-    req = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t)
+    req = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t, output_size=sum(lens))  # no sync
     t = torch.arange(int(sum(lens)), device=dev) - cu[req]
     n_tok = lens_t[req]
     S, W = cfg.prompt_score_window_tokens, cfg.recent_window_tokens
@@ -82,8 +97,7 @@ def plan_prefill(cache, step) -> None:
         slots=slots, cu=host_bounds(cu_host, dev), cu_host=cu_host, req=req,
         t=t.to(torch.int32), count=torch.minimum(n_tok - t, torch.full_like(t, S)).float(), thr_h=thr_h, thr_l=thr_l,
         window=t >= n_tok - W, start=cu[req], row_base=slots[req] * cache.rows_per_slot,
-        reserved=torch.tensor([cache.page_format.prompt_reserve_pages(x) for x in lens], dtype=torch.int64,
-                              device=dev)[req],
+        reserved=reserved_pages[req],
         counts=torch.zeros(len(lens), cache.num_layers, cache.num_kv_heads, 2, dtype=torch.int32, device=dev),
         err_idx=slots[req].to(torch.int32).repeat_interleave(cache.num_kv_heads), finishing=finishing,
         chunked=any(a or b < n for a, b, n in zip(starts, ends, totals)),
@@ -93,8 +107,8 @@ def plan_prefill(cache, step) -> None:
     )
     if step.prefill.chunked:
         step.prefill.whole = _whole_prompts(step.prefill.chunks, dev)
-    for i in finishing:
-        cache.prompt_len_device[slots_host[i]] = totals[i]
+    if finishing:
+        cache.prompt_len_device[slots] = lens_t
 
 
 def write_group_layers(cache, num_tokens: int) -> int:
