@@ -95,6 +95,7 @@ class Batch:
                 cache.plan(slots, [context] * len(slots), [0] * len(slots), [True] * len(slots))
                 last = torch.arange(1, len(slots) + 1, device=model.device) * context - 1
                 logits = model(ids, positions, cache, logits_indices=last)
+                cache.end_step()
                 for i, s in enumerate(slots):
                     self.toks[s] = int(logits[i].argmax())
 
@@ -141,6 +142,7 @@ def _time_mode(batch: Batch, mode: str, runner, steps: int, warmup: int) -> dict
                 logits = runner.run(ids, positions)
             else:
                 logits = model(ids, positions, cache)
+                cache.end_step()
             sync()
             t3 = time.perf_counter()
             batch.advance(logits)

@@ -228,6 +228,8 @@ def check_padded_plan(page_manager: str = "cpu", read_path: str = "auto") -> Non
         positions = torch.cat([torch.arange(len(prompts[s])) for s in slots])
         last = torch.tensor([len(prompts[s]) for s in slots]).cumsum(0) - 1
         logits = model(ids, positions, _PadTee(plain, padded, 0, where), logits_indices=last)
+        for cache in caches:
+            cache.end_step()
         for i, s in enumerate(slots):
             lens[s], toks[s] = len(prompts[s]), int(logits[i].argmax())
 
@@ -246,12 +248,14 @@ def check_padded_plan(page_manager: str = "cpu", read_path: str = "auto") -> Non
             padded.plan(*args, pad_to=4)
             tee = _PadTee(plain, padded, 4 - n, f"decode step {step}")
             logits = model(torch.tensor([toks[s] for s in slots]), torch.tensor([lens[s] for s in slots]), tee)
+            for cache in caches:
+                cache.end_step()
             for i, s in enumerate(slots):
                 lens[s], toks[s] = lens[s] + 1, int(logits[i].argmax())
             assert torch.equal(plain.pool.buffer, padded.pool.buffer), f"step {step}: pool bytes differ"
             assert plain.manager.snapshot().diff(padded.manager.snapshot()) == [], f"step {step}: page state differs"
             bufs = padded.decode_buffers[4]
-            assert (bufs["row_ids"][:, n:] == -1).all() and (bufs["page"][:, n:] == -1).all()
+            assert (bufs.row_ids[:, n:] == -1).all() and (bufs.page[:, n:] == -1).all()
     assert sum(plain.request_stats(s).low_tokens for s in lens) > 0  # the steps moved tokens to the low tier
     # first plan of n requests eager (and "captured"), then replays: 2 requests in steps 0-1, 3 in steps 2-5
     assert {k: g.replays for k, g in padded.plan_graphs.items()} == {(2, 4): 1, (3, 4): 3}

@@ -71,6 +71,7 @@ def prefill(cache, qkv, chunk_tokens=None, slot=0):
             atol, rtol = TOLERANCE[o.dtype]
             torch.testing.assert_close(o.float(), want, atol=atol, rtol=rtol)
             outs[layer].append(o)
+        cache.end_step()
         if end < n:  # nothing of the prompt is in the pool yet: its pages are reserved, its K/V staged
             assert cache.staging[slot].filled_tokens == end and int(cache.manager.tokens.sum()) == 0
     assert slot not in cache.staging and cache.prompt_len[slot] == n
@@ -105,6 +106,7 @@ def check_chunked_equals_unchunked(name, prompt_tokens, chunk_tokens, *, device,
     for cache in (whole, chunked):
         cache.plan([0], [prompt_tokens + 1], [prompt_tokens], [False])
         outs.append([cache.forward(layer, *x).clone() for layer, x in enumerate(step)])
+        cache.end_step()
     for a, b in zip(*outs):
         assert torch.equal(a, b) and bool(torch.isfinite(a).all())
     assert_same_cache(whole, chunked)

@@ -36,6 +36,7 @@ def test_staging_is_counted_refused_beyond_its_limit_and_freed():
     cache.plan([0], [40], [0], [True], prompt_lens=[100])
     for layer, (q, k, v) in enumerate(qkv):
         cache.forward(layer, q[:40], k[:40], v[:40])
+    cache.end_step()
     assert cache.staging_bytes_used() == need
     assert free - cache.manager.free_pages() == cache.manager.reserve_pages_needed([100])  # the whole reserve
     assert cache.active_slots == [0]
@@ -76,13 +77,14 @@ def test_whole_prompts_beside_a_chunk_equal_an_unchunked_step(name):
                                use_triton=False, staging_limit_bytes=1 << 28) for _ in range(2)]
     caches[0].plan([0, 1], [70, 100], [0, 0], [True, True])
     caches[1].plan([0, 1, 2], [70, 100, 40], [0, 0, 0], [True] * 3, prompt_lens=list(lens))
-    assert caches[1].planned_step.prefill["whole"] is not None
+    assert caches[1].planned_step.prefill.whole is not None
     outs = []
     for cache, parts in zip(caches, ([0, 1], [0, 1, 2])):
         layers = []
         for layer in range(SHAPE["num_layers"]):
             q, k, v = (torch.cat([qkvs[i][layer][j][:40 if i == 2 else None] for i in parts]) for j in range(3))
             layers.append(cache.forward(layer, q, k, v)[:170].clone())
+        cache.end_step()
         outs.append(layers)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
@@ -93,6 +95,7 @@ def test_whole_prompts_beside_a_chunk_equal_an_unchunked_step(name):
     for cache in caches:
         cache.plan([0, 1], [71, 101], [70, 100], [False, False])
         reads.append([cache.forward(layer, *x).clone() for layer, x in enumerate(step)])
+        cache.end_step()
     for a, b in zip(*reads):
         assert torch.equal(a, b) and bool(torch.isfinite(a).all())
 
@@ -125,13 +128,15 @@ def test_prompt_writes_in_layer_groups_equal_the_per_layer_writes(name, monkeypa
                 cache.plan([1], [50], [0], [True], prompt_lens=[90])
                 for layer in range(5):
                     cache.forward(layer, *(x[:50] for x in qkv[1][layer]))
+                cache.end_step()
                 cache.plan([0, 1], [70, 90], [0, 50], [True, True], prompt_lens=list(lens))
             else:
                 cache.plan([0, 1], [70, 90], [0, 0], [True, True])
-            assert cache.planned_step.prefill["write_group_layers"] == group
+            assert cache.planned_step.prefill.write_group_layers == group
             for layer in range(5):
                 second = tuple(x[50:] for x in qkv[1][layer]) if chunked else qkv[1][layer]
                 cache.forward(layer, *(torch.cat([a, b]) for a, b in zip(qkv[0][layer], second)))
+            cache.end_step()
             states.append((chunked, cache.pool.buffer.clone(), cache.manager.page_table.clone(),
                            cache.manager.tokens.clone(), cache.row_meta.key_offsets.clone()))
     for chunked in (False, True):  # (the chunked step reserves prompt 1's pages first: other page ids)

@@ -100,6 +100,7 @@ def test_fp16_preset_equals_dense_attention():
     with torch.inference_mode():
         cache.plan([0], [len(ids)], [0], [True])
         logits = model(torch.tensor(ids), torch.arange(len(ids)), cache)
+        cache.end_step()
         dense = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention())
         torch.testing.assert_close(logits, dense, atol=1e-4, rtol=0)
         for step in range(4):
@@ -107,6 +108,7 @@ def test_fp16_preset_equals_dense_attention():
             n = len(ids)
             cache.plan([0], [n], [n - 1], [False])
             logits = model(torch.tensor(ids[-1:]), torch.tensor([n - 1]), cache)
+            cache.end_step()
             dense = model(torch.tensor(ids), torch.arange(n), DenseCausalAttention())[-1:]
             torch.testing.assert_close(logits, dense, atol=1e-3, rtol=0)  # K/V stored as fp16
     rows = gather_request(cache, 0)
@@ -147,14 +149,17 @@ def test_mixed_prefill_and_decode_step(peaked_model):
     with torch.inference_mode():
         cache.plan([0], [9], [0], [True])
         tok_a = int(peaked_model(torch.tensor(a), torch.arange(9), cache)[-1].argmax())
+        cache.end_step()
         cache.plan([1, 0], [12, 10], [0, 9], [True, False])
         ids = torch.tensor(b + [tok_a])
         pos = torch.cat([torch.arange(12), torch.tensor([9])])
         mixed = peaked_model(ids, pos, cache, logits_indices=torch.tensor([11, 12]))
+        cache.end_step()
         solo = PagedDiffKVCache(CFG, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=120,
                                 max_slots=1, max_seq_len_tokens=24, high_tokens_per_page=4)
         solo.plan([0], [9], [0], [True])
         peaked_model(torch.tensor(a), torch.arange(9), solo)
+        solo.end_step()
         solo.plan([0], [10], [9], [False])
         alone = peaked_model(torch.tensor([tok_a]), torch.tensor([9]), solo)
     torch.testing.assert_close(mixed[1], alone[0], atol=1e-4, rtol=0)
@@ -188,10 +193,12 @@ def test_non_finite_keys_fail_their_request_only():
     k[6, 1, 3] = 1e6  # token 1 of request 1
     cache.plan([0, 1], [5, 4], [0, 0], [True, True])
     cache.forward(0, q, k, v)
+    cache.end_step()
     assert cache.step_errors() == {1: "a key or value is NaN/Inf or beyond the fp16 range"}
     cache.release([1])
     cache.plan([0], [6], [5], [False])
     out = cache.forward(0, q[:1], k[:1], v[:1])
+    cache.end_step()
     assert bool(torch.isfinite(out).all())
     cache.release([0])
     assert cache.manager.free_pages() == 40

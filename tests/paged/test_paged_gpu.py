@@ -119,6 +119,7 @@ def test_decode_step_does_not_synchronize():
         cache.plan([0, 1], [60, 45], [0, 0], [True, True])
         model(torch.tensor(prompts[0] + prompts[1], device="cuda"),
               torch.cat([torch.arange(60), torch.arange(45)]).cuda(), cache)
+        cache.end_step()
         for step in range(3):
             lens = [60 + step, 45 + step]
             cache.plan([0, 1], [n + 1 for n in lens], lens, [False, False])
@@ -126,6 +127,7 @@ def test_decode_step_does_not_synchronize():
             torch.cuda.set_sync_debug_mode("error")
             try:
                 model(ids, pos, cache)
+                cache.end_step()  # a decode step's end is host bookkeeping only
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert cache.step_errors() == {}
@@ -192,6 +194,7 @@ def test_decode_step_timing_at_default_model_shape():
         cache.plan(list(range(n)), [prompt] * n, [0] * n, [True] * n)
         for layer in range(L):
             cache.forward(layer, rnd(n * prompt, Hq, D), rnd(n * prompt, H, D), rnd(n * prompt, H, D))
+        cache.end_step()
         q, k, v = rnd(n, Hq, D), rnd(n, H, D), rnd(n, H, D)
         plan_s, fwd_s = [], []
         for step in range(12):
@@ -203,6 +206,7 @@ def test_decode_step_timing_at_default_model_shape():
             t1 = time.perf_counter()
             for layer in range(L):
                 cache.forward(layer, q, k, v)
+            cache.end_step()
             torch.cuda.synchronize()
             plan_s.append(t1 - t0)
             fwd_s.append(time.perf_counter() - t1)
@@ -212,3 +216,61 @@ def test_decode_step_timing_at_default_model_shape():
     print(f"request 0: {stats.high_tokens} high / {stats.low_tokens} low / {stats.pruned_tokens} pruned, "
           f"{stats.pool_used_bytes} pool bytes, {stats.kv_cache_bytes} accounted, fraction {stats.kv_memory_fraction:.3f}")
     assert cache.step_errors() == {}
+
+
+def test_pinned_step_inputs_equal_the_pageable_ones():
+    """Plans whose host integers go through the pinned buffers in rotation (``paged/host_inputs.py``, one
+    non-blocking copy per step) build the same step tensors, outputs, pool bytes and page state as plans copying
+    them from pageable memory (``StepInputs(pinned=False)``), over prefill, mixed, decode and padded steps."""
+    from trtllm_diffkv.paged.host_inputs import StepInputs
+
+    L, Hq, H, D = 3, 4, 2, 64
+    pinned, pageable = caches = [PagedDiffKVCache(CFG, L, Hq, H, D, num_pages=2000, max_slots=4,
+                                                  max_seq_len_tokens=256, device="cuda") for _ in range(2)]
+    pageable.step_inputs = StepInputs(torch.device("cuda"), pinned=False)
+    assert pinned.step_inputs.pinned
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lens = {0: 70, 1: 33}
+    steps = [(([0, 1], [70, 33], [0, 0], [True, True]), {}, 103)]
+    steps.append((([2, 0, 1], [41, 71, 34], [0, 70, 33], [True, False, False]), {}, 43))
+    for i in range(8):
+        n0 = 71 + i
+        steps.append((([0, 1, 2], [n0 + 1, n0 - 36, n0 - 29], [n0, n0 - 37, n0 - 30], [False] * 3),
+                      {"pad_to": 4} if i % 2 else {}, 4 if i % 2 else 3))
+    with torch.inference_mode():
+        for args, kwargs, num_tokens in steps:
+            for cache in caches:
+                cache.plan(*args, **kwargs)
+            a, b = (c.planned_step for c in caches)
+            for part in ("prefill", "decode"):
+                pa, pb = getattr(a, part), getattr(b, part)
+                assert (pa is None) == (pb is None)
+                for name in (() if pa is None else pa.__slots__):
+                    va, vb = getattr(pa, name), getattr(pb, name)
+                    if isinstance(va, torch.Tensor):
+                        assert torch.equal(va.cpu(), vb.cpu()), f"{args}: {part}.{name} differs"
+            qkv = [tuple(torch.randn(num_tokens, h, D, generator=g, device="cuda") for h in (Hq, H, H))
+                   for _ in range(L)]
+            outs = [[c.forward(layer, *x).clone() for layer, x in enumerate(qkv)] for c in caches]
+            for cache in caches:
+                cache.end_step()
+            for oa, ob in zip(*outs):
+                assert torch.equal(oa, ob)
+            assert torch.equal(pinned.pool.buffer, pageable.pool.buffer)
+            assert pinned.manager.snapshot().diff(pageable.manager.snapshot()) == []
+            assert pinned.seq_len == pageable.seq_len
+    assert pinned.step_inputs.copies == len(steps)
+    assert pinned.step_errors() == {} and pageable.step_errors() == {}
+
+
+def test_pinned_buffers_are_not_rewritten_before_their_copy_ran():
+    """With the stream busy (a long sleep queued), three copies through two pinned buffers: the third waits for
+    the first copy's event before rewriting its buffer, so every copy delivers its own values."""
+    from trtllm_diffkv.paged.host_inputs import StepInputs
+
+    inputs = StepInputs(torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the copies
+    got = [inputs.to_device([[10 * i + j for j in range(5)]])[0] for i in range(3)]
+    torch.cuda.synchronize()
+    assert [t.tolist() for t in got] == [[10 * i + j for j in range(5)] for i in range(3)]

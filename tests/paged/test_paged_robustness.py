@@ -39,6 +39,7 @@ def test_keys_beyond_fp16_once_centered_flag_their_request(use_triton):
                              use_triton=use_triton)
     cache.plan([0], [3], [0], [True])
     cache.forward(0, q, k, v)  # never raises: the request is flagged, no NaN is stored as a success
+    cache.end_step()
     assert cache.step_errors() == {0: "a key or value is NaN/Inf or beyond the fp16 range"}
     cache.release([0])
     assert cache.manager.free_pages() == 40
@@ -73,6 +74,7 @@ def test_overflow_after_centering_fails_only_its_request_in_a_batch():
     cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, num_pages=40, max_slots=2, max_seq_len_tokens=16)
     cache.plan([0, 1], [5, 3], [0, 0], [True, True])
     cache.forward(0, torch.cat([q0, q1]), torch.cat([k0, k1]), torch.cat([v0, v1]))
+    cache.end_step()
     assert set(cache.step_errors()) == {1}
     cache.release([1])
     cache.plan([0], [6], [5], [False])  # the other request decodes on
@@ -105,7 +107,10 @@ def test_step_protocol_is_enforced():
     with pytest.raises(ValueError, match="layer 0 out of order"):
         cache.forward(0, q, k, v)
     cache.forward(1, q, k, v)
-    cache.plan([0], [4], [3], [False])  # the step is complete: the next one plans
+    with pytest.raises(ValueError, match="already planned"):  # every layer ran; the step is not ended yet
+        cache.plan([0], [4], [3], [False])
+    cache.end_step()
+    cache.plan([0], [4], [3], [False])  # the step is ended: the next one plans
     assert cache.active_slots == [0]
 
 

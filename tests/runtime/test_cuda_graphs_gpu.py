@@ -53,6 +53,7 @@ def test_graph_replay_equals_eager_decode(preset):
         for cache in (eager, graphed):
             cache.plan(slots, [len(prompts[s]) for s in slots], [0] * len(slots), [True] * len(slots))
             outs.append(model(ids, positions, cache, logits_indices=last))
+            cache.end_step()
         assert torch.equal(outs[0], outs[1])
         for i, s in enumerate(slots):
             lens[s], toks[s] = len(prompts[s]), int(outs[0][i].argmax())
@@ -85,6 +86,7 @@ def test_graph_replay_equals_eager_decode(preset):
             eager.plan(*args, pad_to=B)
             pad = torch.zeros(B - n, dtype=torch.int64, device="cuda")
             want = model(torch.cat([ids, pad]), torch.cat([positions, pad]), eager)[:n]
+            eager.end_step()
             graphed.plan(*args, pad_to=B)
             got = runner.run(ids, positions).clone()
             assert torch.equal(got, want), f"step {step} (bucket {B}): replayed logits differ by " \
@@ -114,10 +116,12 @@ def test_runner_refuses_unpadded_or_mismatched_steps():
     with torch.inference_mode():
         cache.plan([0], [4], [0], [True])
         model(torch.arange(4, device="cuda"), torch.arange(4, device="cuda"), cache)
+        cache.end_step()
         cache.plan([0], [5], [4], [False])  # not padded to a bucket
         with pytest.raises(ValueError, match="pad_to"):
             runner.run([1], [4])
         model(torch.tensor([1], device="cuda"), torch.tensor([4], device="cuda"), cache)
+        cache.end_step()
         cache.plan([0], [6], [5], [False], pad_to=2)
         with pytest.raises(ValueError, match="1 decode requests"):
             runner.run([1, 2], [5, 5])

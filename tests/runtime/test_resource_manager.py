@@ -71,7 +71,8 @@ def _request(rid, prompt, max_tokens=8):
 
 
 def _forward(model, rm, batch):
-    """The model over the batch's packed tokens (what the executor does between prepare and update)."""
+    """The model over the batch's packed tokens, then the step's end (what the executor does between prepare
+    and update)."""
     ids, pos = [], []
     for r in batch.context_requests:
         ids += r.prefill_token_ids
@@ -81,6 +82,7 @@ def _forward(model, rm, batch):
         pos.append(r.num_cached_tokens)
     with torch.inference_mode():
         model(torch.tensor(ids), torch.tensor(pos), rm.cache)
+    rm.cache.end_step()
 
 
 def test_trtllm_contract_round_trip(model):
@@ -150,6 +152,7 @@ def test_update_resources_names_the_request_with_non_finite_keys(model):
         v = torch.randn(11, cache.num_kv_heads, cache.head_dim, generator=g)
         k[7, 1, 3] = float("inf")  # a token of request b
         cache.forward(layer, q, k, v)
+    cache.end_step()
     assert rm.update_resources(batch) == {"b": "a key or value is NaN/Inf or beyond the fp16 range"}
     assert rm.update_resources(ScheduledBatch()) == {}  # flags were cleared
 

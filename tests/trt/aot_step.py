@@ -69,6 +69,7 @@ def run_decode_step(kv, device: str, manifest: dict, launch, target: str = "sm_9
         cache.forward(layer, *(x.to(device) for x in (torch.randn(T, H, D, generator=g) * 2,
                                                         torch.randn(T, HKV, D, generator=g) * 2,
                                                         torch.randn(T, HKV, D, generator=g))))
+    cache.end_step()
     n, B, P = 2, 3, PAGES  # two sequences and one padding token
     feeds = decode_feeds(cache, [0, 2], lens)
     feeds["positions"] = torch.tensor(lens + [0], dtype=torch.int64).numpy()

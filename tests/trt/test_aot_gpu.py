@@ -336,9 +336,8 @@ def _plan_run(shape, state):
                              recent_window_tokens=cfg.recent_window_tokens,
                              prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=tuple(bufs[:5]),
                              compress=cfg.compress)
-        steps = dict(zip(("rows", "row_ids", "page", "slot", "positions", "err_idx"), bufs[5:11]))
-        dk.locate_rows(table, fmt, slots, pos, act, steps, tuple(bufs[11:15]), num_kv_heads=shape.num_kv_heads,
-                       rows_per_slot=G)
+        dk.locate_rows(table, fmt, slots, pos, act, tuple(bufs[5:11]), tuple(bufs[11:15]),
+                       num_kv_heads=shape.num_kv_heads, rows_per_slot=G)
     return run
 
 

@@ -46,10 +46,10 @@ def test_plugin_ops_compute_what_the_paged_cache_computes(preset, monkeypatch):
             torch.randn(T, Hkv, D, generator=g)) for _ in range(L)]
     p = cache.planned_step.prefill
     state = [cache.pool.pages(), cache.manager.page_table, cache.manager.tokens, cache.row_meta.key_offsets,
-             p["counts"], cache.error_flags]
+             p.counts, cache.error_flags]
     clones = [t.clone() for t in state]
-    inputs = [*qkv[0], p["cu"], p["req"], p["t"], p["count"], p["thr_h"], p["thr_l"], p["window"], p["start"],
-              p["row_base"], p["reserved"], p["err_idx"], *clones[:3], clones[3], clones[4], clones[5]]
+    inputs = [*qkv[0], p.cu, p.req, p.t, p.count, p.thr_h, p.thr_l, p.window, p.start,
+              p.row_base, p.reserved, p.err_idx, *clones[:3], clones[3], clones[4], clones[5]]
     inferred = specs.infer(specs.PREFILL, [tuple(t.shape) for t in inputs], [_dt(t) for t in inputs])
     out = torch.empty_like(qkv[0][0])
     ops.run_prefill(inputs, out, kv, attrs, use_triton=False)
@@ -58,6 +58,7 @@ def test_plugin_ops_compute_what_the_paged_cache_computes(preset, monkeypatch):
     for a, b in zip(state, clones):
         assert torch.equal(a, b)
     cache.forward(1, *qkv[1])
+    cache.end_step()
     # one decode step: the plan's tensors for layer 0 are the decode plugin's inputs
     cache.plan([0, 2], [n + 1 for n in lens], lens, [False, False])
     d = cache.planned_step.decode
@@ -65,8 +66,8 @@ def test_plugin_ops_compute_what_the_paged_cache_computes(preset, monkeypatch):
     state = [cache.pool.pages(), cache.manager.page_table, cache.manager.tokens, cache.row_meta.key_offsets,
              cache.error_flags]
     clones = [t.clone() for t in state]
-    inputs = [q, k, v, d["row_ids"][0], d["page"][0].reshape(-1), d["slot"][0].reshape(-1), d["positions"],
-              d["err_idx"], *clones]
+    inputs = [q, k, v, d.row_ids[0], d.page[0].reshape(-1), d.slot[0].reshape(-1), d.positions,
+              d.err_idx, *clones]
     inferred = specs.infer(specs.DECODE, [tuple(t.shape) for t in inputs], [_dt(t) for t in inputs])
     out = torch.empty_like(q)
     ops.run_decode(inputs, out, kv, attrs, use_triton=False)
@@ -218,6 +219,7 @@ def prompted_cache(preset: str):
         T = sum(lens)
         cache.forward(layer, torch.randn(T, H, D, generator=g) * 2, torch.randn(T, Hkv, D, generator=g) * 2,
                       torch.randn(T, Hkv, D, generator=g))
+    cache.end_step()
     return kv, cache, lens
 
 
@@ -259,9 +261,9 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
                       ("slot_state", man.slot_state), ("ring", man.ring)):
         assert torch.equal(state[name], ref), name
     assert state["ring_state"].tolist() == list(man.snapshot_counters())
-    assert torch.equal(located[1], d["row_ids"]) and torch.equal(located[2], d["page"].reshape(L, -1))
-    assert torch.equal(located[3], d["slot"].reshape(L, -1))
-    assert torch.equal(located[4], d["positions"]) and torch.equal(located[5], d["err_idx"])
+    assert torch.equal(located[1], d.row_ids) and torch.equal(located[2], d.page.reshape(L, -1))
+    assert torch.equal(located[3], d.slot.reshape(L, -1))
+    assert torch.equal(located[4], d.positions) and torch.equal(located[5], d.err_idx)
     if preset == "demote":
         assert int((decided[3] >= 0).sum()) > 0  # moves to the low tier in this step
 

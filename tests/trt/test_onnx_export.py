@@ -151,6 +151,7 @@ def _run_both(model, kv, prompts, decode_steps, pages=96, max_len=64):
             ref.plan(*plan)
             with torch.no_grad():
                 logits = model(torch.tensor(ids), torch.tensor(pos), ref, logits_indices=torch.tensor(last)).numpy()
+            ref.end_step()
             outs = ort_ops.run_step(session, mine, handle, ids, pos, last, *plan)
             torch_iters.append(IterationResult({"logits": logits}, runner_name="pytorch"))
             ort_iters.append(IterationResult({"logits": outs[0]}, runner_name="onnxruntime"))
@@ -322,6 +323,7 @@ def _run_both_per_op(model, kv, prompts, decode_steps, pages=96, max_len=64, pad
         ids_, pos_ = ids + [0] * pad, pos + [0] * pad
         with torch.no_grad():
             logits = model(torch.tensor(ids_), torch.tensor(pos_), ref, logits_indices=torch.tensor(last)).numpy()
+        ref.end_step()
         got = ort_ops.run_per_op_step(sessions, mine, ids_, pos_, last, *plan)
         torch_iters.append(IterationResult({"logits": logits}, runner_name="pytorch"))
         ort_iters.append(IterationResult({"logits": got}, runner_name="onnxruntime"))

@@ -144,7 +144,9 @@ class PagedGenerator(ReferenceGenerator):
             ids = torch.tensor([t for i in admitted for t in prompts[i]], device=dev)
             pos = torch.cat([torch.arange(len(prompts[i]), device=dev) for i in admitted])
             last = torch.tensor([len(prompts[i]) for i in admitted], device=dev).cumsum(0) - 1
-            tokens = self.model(ids, pos, cache, logits_indices=last).argmax(-1).tolist()
+            logits = self.model(ids, pos, cache, logits_indices=last)
+            cache.end_step()
+            tokens = logits.argmax(-1).tolist()
             sync_device(dev)
             t1 = time.perf_counter()
             for i, tok in zip(admitted, tokens):
@@ -162,7 +164,9 @@ class PagedGenerator(ReferenceGenerator):
                     live.remove(victim)
                     continue
                 ids = torch.tensor([out[i][-1] for i in live], device=dev)
-                tokens = self.model(ids, torch.tensor(lens, device=dev), cache).argmax(-1).tolist()
+                logits = self.model(ids, torch.tensor(lens, device=dev), cache)
+                cache.end_step()
+                tokens = logits.argmax(-1).tolist()
                 for i, tok in zip(live, tokens):
                     out[i].append(tok)
                 sync_device(dev)

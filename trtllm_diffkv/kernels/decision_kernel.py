@@ -304,8 +304,8 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
 
 
 def locate_rows(page_table: torch.Tensor, page_format: PageFormat, slots: torch.Tensor, pos: torch.Tensor,
-                actions: tuple[torch.Tensor, ...], step_buffers: dict, moves: tuple[torch.Tensor, ...] | None, *,
-                num_kv_heads: int, rows_per_slot: int) -> None:
+                actions: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...],
+                moves: tuple[torch.Tensor, ...] | None, *, num_kv_heads: int, rows_per_slot: int) -> None:
     """Page ids and slots of the step's new tokens and moves, after ``append_decode``; one launch.
 
     Args:
@@ -314,27 +314,26 @@ def locate_rows(page_table: torch.Tensor, page_format: PageFormat, slots: torch.
         slots, pos: int64 ``[n]`` the real sequences' slots and positions.
         actions: ``(high_delta, low_delta, new_index, move_from, move_to)`` of
             :func:`decide_rows`.
-        step_buffers: the step's layer-major buffers for a bucket of ``B >= n``
-            sequences, filled in full: ``rows`` int64 / ``row_ids`` int32 /
-            ``page`` int32 / ``slot`` int32 ``[L, B, H]``, ``positions`` and
-            ``err_idx`` int32 ``[B * H]``; padding sequences get row 0 / row id -1 /
-            page -1 / slot 0 / position 0 / error index 0.
+        out: the step's layer-major buffers for a bucket of ``B >= n`` sequences,
+            filled in full: ``(rows, row_ids, page, slot, positions, err_idx)``,
+            ``rows`` int64 / ``row_ids`` int32 / ``page`` int32 / ``slot`` int32
+            ``[L, B, H]``, ``positions`` and ``err_idx`` int32 ``[B * H]``
+            (``paged.step_plan.DecodeBuffers.located``); padding sequences get row 0 /
+            row id -1 / page -1 / slot 0 / position 0 / error index 0.
         moves: (src_page, src_slot, dst_page, dst_slot) int32 ``[>= n * G]`` for
             the moves to the low tier (page -1 where the row moves nothing);
             ``None``: no moves (fp16 preset).
         num_kv_heads, rows_per_slot: H and G.
     """
-    B = step_buffers["row_ids"].shape[1]
+    B = out[1].shape[1]
     n = slots.numel()
     total = B * rows_per_slot
     if total == 0:
         return
     new, mf, mt = actions[2:]
     mv = moves if moves is not None else (slots,) * 4
-    d = step_buffers
     _locate_kernel[(triton.cdiv(total, LOCATE_BLOCK),)](
-        page_table, slots, pos, new, mf, mt,
-        d["rows"], d["row_ids"], d["page"], d["slot"], d["positions"], d["err_idx"], *mv,
+        page_table, slots, pos, new, mf, mt, *out, *mv,
         n, B, rows_per_slot, num_kv_heads, page_table.shape[1],
         P_HIGH=page_format.high_tokens_per_page, P_LOW=page_format.low_tokens_per_page, MOVES=moves is not None,
         BLOCK=LOCATE_BLOCK)

@@ -21,12 +21,16 @@ Step protocol (host-side planning apart from launch-only layers, as FlashInfer's
    order: prefill requests run the scored prefill attention, get their tiers,
    and their tokens are quantized straight into the reserved pages at the
    places ``commit_prompt`` keeps (high pages on the left, the last reserved
-   pages become the low pages); after the last layer one ``commit_prompt``
-   returns the surplus pages to the ring. Decode requests write the new token
+   pages become the low pages). Decode requests write the new token
    at high precision into the slot its row's decision chose, then run paged
    decode attention, which adds each token's probability to its score. No
    host synchronization inside ``forward``.
-3. :meth:`PagedDiffKVCache.step_errors` after the step (one small device read):
+3. :meth:`PagedDiffKVCache.end_step` once after the layers (the caller's, never
+   a side effect of the last layer): one ``commit_prompt`` returns the prompts'
+   surplus pages to the ring, the slots' lengths advance, the plan is cleared.
+   A CUDA-graph replay (no ``forward`` calls) marks the step ``replayed`` first.
+   A step whose layers failed is dropped with :meth:`discard_step` instead.
+4. :meth:`PagedDiffKVCache.step_errors` after the step (one small device read):
    slots whose keys/values were not finite; :meth:`release` when a request
    ends or fails (every page goes back).
 
@@ -45,8 +49,10 @@ from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
 from ..memory import CpuPageManager, KVCachePool, PageFormat
 from . import decode, prefill, torch_ops
+from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes
+from .step_plan import StepPlan
 
 
 class OutOfPagesError(RuntimeError):
@@ -137,9 +143,12 @@ class PagedDiffKVCache:
         staging: ``{slot: PromptStaging}`` of the prompts whose later chunks are still to come (:mod:`.staging`).
         score_sums: fp32 ``[max_num_tokens, num_kv_heads]`` scratch of the scored prefill.
         prompt_len_device: int64 ``[max_slots]`` prompt length per slot on the device (0: free).
-        planned_step: the step :meth:`plan` made whose layers have not all run, else ``None``.
+        planned_step: the :class:`~.step_plan.StepPlan` :meth:`plan` made that :meth:`end_step` has not ended yet,
+            else ``None``.
         decode_workspace, decode_buffers, plan_inputs, plan_graphs, decision_scratch: the decode step's
             persistent buffers and captured plan graphs (:mod:`.decode`), allocated on first use.
+        step_inputs: the :class:`~.host_inputs.StepInputs` every plan copies its host integers through
+            (pinned buffers in rotation on CUDA).
     """
 
     def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -206,6 +215,7 @@ class PagedDiffKVCache:
         self.seq_len = [0] * max_slots  # tokens stored
         self.prompt_len_device = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self.planned_step = None
+        self.step_inputs = StepInputs(self.device)  # the step's host integers: one (pinned) copy per plan
         self.decode_workspace = None
         self.decode_buffers = {}  # bucket size -> persistent decode step tensors (decode.step_buffers)
         self.plan_graphs = {}  # (decode requests, bucket) -> CUDA graph of decode.plan_device
@@ -252,18 +262,19 @@ class PagedDiffKVCache:
 
         The step's packed tokens are each prefill request's ``seq_len - position`` tokens,
         then one token per decode request (``cu_seqlens`` built here), then the padding.
+        The step's host integers (slots, positions, prompt lengths, reserved pages) reach the device in one
+        copy (:attr:`step_inputs`: non-blocking from pinned buffers on CUDA).
 
         Raises:
             ValueError: inconsistent arguments (order, lengths, slot states, an
                 empty prompt, a request beyond ``max_seq_len_tokens``, a chunk that does not
                 continue its slot's staged prompt), naming the request;
-                or a step already planned whose layers have not all run.
+                or a step already planned and not ended (:meth:`end_step`).
             OutOfPagesError: too few free pages, or too few staging bytes; nothing changed.
         """
         if self.planned_step is not None:
-            raise ValueError(f"a step is already planned and its layers have run up to layer "
-                             f"{self.planned_step.next_layer - 1}: run layers {self.planned_step.next_layer}..{self.num_layers - 1} "
-                             "before planning the next step")
+            raise ValueError(f"a step is already planned ({self._step_progress(self.planned_step)}): run its layers "
+                             "and call end_step() (or discard_step()) before planning the next step")
         n = len(slots)
         if not (len(seq_lens) == len(positions) == len(is_prefill) == n):
             raise ValueError("slots, seq_lens, positions and is_prefill must have the same length")
@@ -298,11 +309,14 @@ class PagedDiffKVCache:
         free = self.manager.free_pages() if known_free_pages is None or need > known_free_pages else known_free_pages
         if need > free:
             raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
-        step = _Step(slots, seq_lens, positions, n_pre, num_tokens, prompt_lens)
+        step = StepPlan(slots, seq_lens, positions, n_pre, num_tokens, prompt_lens)
+        decoding = bool(n - n_pre) or pad_to is not None
+        parts = (prefill.host_inputs(self, step) if n_pre else []) + ([decode.host_inputs(step)] if decoding else [])
+        inputs = self.step_inputs.to_device(parts)  # ONE host-to-device copy of the step's integers
         if n_pre:
-            prefill.plan_prefill(self, step)
-        if n - n_pre or pad_to is not None:
-            decode.plan_decode(self, step, pad_to=pad_to)
+            prefill.plan_prefill(self, step, inputs[:-1] if decoding else inputs)
+        if decoding:
+            decode.plan_decode(self, step, inputs[-1], pad_to=pad_to)
         self.planned_step = step
 
     def check_request(self, i: int, slot: int, total: int, first: int, prefill: bool,
@@ -360,13 +374,17 @@ class PagedDiffKVCache:
             ``[num_tokens, num_heads, head_dim]`` in the cache dtype: a view of
             the preallocated output buffer, valid until the next layer.
 
+        The step stays planned after its last layer: the caller ends it (:meth:`end_step`).
+
         Raises:
             ValueError: no step planned, a layer out of order (each step runs
-                layers 0..L-1 once each, in order), or shapes that disagree with the plan.
+                layers 0..L-1 once each, in order), a step marked replayed, or shapes that disagree with the plan.
         """
         step = self.planned_step
         if step is None:
             raise ValueError("plan() the step before running the layers")
+        if step.replayed:
+            raise ValueError("the planned step is marked replayed (its layers ran as a CUDA graph): end_step() it")
         T, H, D = step.num_tokens, self.num_kv_heads, self.head_dim
         if q.shape != (T, self.num_heads, D) or k.shape != (T, H, D) or v.shape != (T, H, D):
             raise ValueError(f"layer {layer_idx}: q/k/v shapes {tuple(q.shape)}/{tuple(k.shape)}/{tuple(v.shape)} "
@@ -383,32 +401,37 @@ class PagedDiffKVCache:
         if step.decode is not None:
             decode.decode_layer(self, step, layer_idx, q[tp:], k[tp:], v[tp:], out[tp:])
         step.next_layer += 1
-        if layer_idx == self.num_layers - 1:
-            self.finish_step(step)
         return out
 
-    def finish_replayed_step(self) -> None:
-        """Close a planned step whose layers ran as a CUDA-graph replay (no ``forward`` calls).
+    # ------------------------------------------------------------------ end of step
+    def end_step(self) -> None:
+        """End the planned step: commit its prompts' tier counts to the page manager (``commit_prompt``: the
+        surplus reserved pages go back to the ring), advance its slots' lengths (:attr:`seq_len`, and the prompt
+        lengths or staging of its prefill requests), clear :attr:`planned_step`.
 
-        Does the host-side effects ``forward`` would have done: all layers marked run and
-        the step's bookkeeping (:meth:`finish_step`).
+        The one end of every step, called by whoever ran its layers, once they all ran: the executor after the
+        model, the CUDA-graph runner after a replay (it marks the step ``replayed`` first: a decode-only step
+        none of whose layers ran eagerly), the TensorRT layer after its graph or its last layer's op. The slots'
+        lengths and the page manager's prompt commit change here only, never inside ``forward``.
 
         Raises:
-            ValueError: no step planned, a step with prefill requests (never replayed), or
-                layers already run eagerly.
+            ValueError: no step planned; a step not marked replayed whose layers have not all run (it stays
+                planned: run the rest, or :meth:`discard_step`); a step marked replayed that has prefill
+                requests or layers run eagerly.
         """
         step = self.planned_step
-        if step is None or step.n_pre or step.next_layer:
-            raise ValueError("finish_replayed_step needs a planned decode-only step none of whose layers ran")
-        step.next_layer = self.num_layers
-        self.finish_step(step)
-
-    def finish_step(self, step) -> None:
-        """End ``step``: commit its prompts' tier counts to the page manager, advance the slots' lengths,
-        clear :attr:`planned_step` (called after the last layer, or by :meth:`finish_replayed_step`)."""
-        if step.prefill is not None and step.prefill["finishing"]:
-            counts = step.prefill["counts"]
-            self.manager.commit_prompt(step.prefill["slots"], counts[..., 0], counts[..., 1])
+        if step is None:
+            raise ValueError("end_step: no step is planned")
+        if step.replayed:
+            if step.n_pre or step.next_layer:
+                raise ValueError("end_step: a replayed step must be decode-only with none of its layers run eagerly "
+                                 f"({step.n_pre} prefill requests, {step.next_layer} layers run)")
+        elif step.next_layer != self.num_layers:
+            raise ValueError(f"end_step: the planned step {self._step_progress(step)}; run layers "
+                             f"{step.next_layer}..{self.num_layers - 1} first (or discard_step())")
+        if step.prefill is not None and step.prefill.finishing:
+            counts = step.prefill.counts
+            self.manager.commit_prompt(step.prefill.slots, counts[..., 0], counts[..., 1])
         for i, slot in enumerate(step.slots):
             if i < step.n_pre:
                 if step.seq_lens[i] == step.prompt_lens[i]:  # the prompt is compacted: its staging goes
@@ -419,17 +442,30 @@ class PagedDiffKVCache:
             self.seq_len[slot] = step.seq_lens[i]
         self.planned_step = None
 
+    def _step_progress(self, step: StepPlan) -> str:
+        """How far ``step``'s layers ran, for messages."""
+        if step.replayed:
+            return "marked replayed"
+        return f"has run {step.next_layer} of its {self.num_layers} layers"
+
     def finish_graph_step(self, slots: Sequence[int], seq_lens: Sequence[int], positions: Sequence[int],
                           num_tokens: int) -> None:
         """End a decode-only step that a graph planned and ran on this cache's tensors (the TensorRT layer's
-        per-operation decode graph): the slots' lengths advance as :meth:`finish_step` does.
+        per-operation decode graph: no :meth:`plan`): the step is recorded as replayed and ended
+        (:meth:`end_step`), so the slots' lengths advance as after any step.
 
         Args:
             slots, seq_lens, positions: ``[n]`` the step's requests, their tokens after the step and the
                 positions they wrote; num_tokens: tokens the step carried (padding included).
+
+        Raises:
+            ValueError: a step is planned on the cache.
         """
-        self.finish_step(_Step([int(x) for x in slots], [int(x) for x in seq_lens], [int(x) for x in positions], 0,
-                               num_tokens))
+        if self.planned_step is not None:
+            raise ValueError("finish_graph_step: a step is planned on the cache; end or discard it first")
+        self.planned_step = StepPlan([int(x) for x in slots], [int(x) for x in seq_lens],
+                                     [int(x) for x in positions], 0, num_tokens, replayed=True)
+        self.end_step()
 
     # ------------------------------------------------------------------ lifecycle and reports
     def step_errors(self) -> dict[int, str]:
@@ -450,9 +486,9 @@ class PagedDiffKVCache:
         return flags
 
     def discard_step(self) -> None:
-        """Forget a planned step whose layers did not all run (the model raised).
+        """Forget a planned step that will not be ended (the model raised before :meth:`end_step`).
 
-        The caller must :meth:`release` the step's slots: their pages and rows are in an
+        Nothing of :meth:`end_step` happens (no prompt commit, no lengths advanced). The caller must :meth:`release` the step's slots: their pages and rows are in an
         unknown state. A no-op when no step is planned.
         """
         if self.planned_step is not None:
@@ -508,15 +544,3 @@ class PagedDiffKVCache:
             used = fp16_bytes
         return PagedCacheStats(n, tokens[0], tokens[1], total - tokens[0] - tokens[1], used, fp16_bytes,
                                pages, pages * self.page_format.page_size_bytes + meta)
-
-
-class _Step:
-    """Host description of the planned step plus the device tensors its layers use."""
-
-    def __init__(self, slots, seq_lens, positions, n_pre, num_tokens, prompt_lens=None) -> None:
-        self.slots, self.seq_lens, self.positions, self.n_pre, self.num_tokens = slots, seq_lens, positions, n_pre, num_tokens
-        self.prompt_lens = list(seq_lens) if prompt_lens is None else prompt_lens
-        self.prefill_tokens = sum(b - a for a, b in zip(positions[:n_pre], seq_lens[:n_pre]))
-        self.next_layer = 0  # layers run in order, once each
-        self.prefill = None
-        self.decode = None

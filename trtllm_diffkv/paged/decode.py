@@ -26,44 +26,50 @@ import torch
 
 from . import decisions, torch_ops
 from .gather import token_location
+from .step_plan import DecodeBuffers
 
 
-def plan_decode(cache, step, pad_to: int | None = None) -> None:
+def host_inputs(step) -> list[int]:
+    """The decode requests' slots then positions (``[2 * n]``), what :func:`plan_decode` needs on the device
+    (copied in the step's one copy, :class:`~.host_inputs.StepInputs`)."""
+    return step.slots[step.n_pre:] + step.positions[step.n_pre:]
+
+
+def plan_decode(cache, step, inputs: torch.Tensor, pad_to: int | None = None) -> None:
     """Decisions of every layer, ONE ``append_decode``, the moves to the low tier, the new tokens' slots.
 
-    Fills ``step.decode``: ``rows`` int64 / ``row_ids`` int32 / ``page`` int32 /
-    ``slot`` int32 ``[L, B, H]`` (layer-major), ``positions`` int32, ``scores``
-    fp32 (zeros) and ``err_idx`` int32 ``[B * H]``, for ``B = pad_to`` sequences
-    (``None``: the ``n`` real ones). Sequences ``b >= n`` are padding (row id and
-    page -1: the write and attention kernels skip them). With ``pad_to`` the
+    Fills ``step.decode``, a :class:`~.step_plan.DecodeBuffers` for ``B = pad_to``
+    sequences (``None``: the ``n`` real ones). Sequences ``b >= n`` are padding (row id
+    and page -1: the write and attention kernels skip them). With ``pad_to`` the
     tensors are the cache's persistent buffers for that bucket (same addresses
-    every step: CUDA-graph inputs). Host syncs: none (the one H2D copy of the
-    slots and positions is non-blocking: a blocking ``.to(device)`` synchronizes
-    the stream, i.e. waits for the previous step's forward).
+    every step: CUDA-graph inputs). ``inputs``: int64 ``[2 * n]`` on the cache device,
+    :func:`host_inputs` (the step's one host-to-device copy, non-blocking from a pinned
+    buffer on CUDA: a blocking copy would wait for the stream, i.e. for the previous
+    step's forward). Host syncs: none.
     """
     n = len(step.slots) - step.n_pre
     B = n if pad_to is None else pad_to
-    host = torch.tensor([step.slots[step.n_pre:], step.positions[step.n_pre:]], dtype=torch.int64)
+    seq = inputs.view(2, n)
     bufs = step_buffers(cache, B, persistent=pad_to is not None)
     if not cache.use_triton:
-        _plan_torch(cache, step, host[0].to(cache.device), bufs)
+        _plan_torch(cache, step, seq[0], seq[1], bufs)
     elif pad_to is None:
-        seq = host.to(cache.device, non_blocking=True)  # a blocking copy would wait for the device (stream sync)
         plan_device(cache, seq[0], seq[1], bufs)
     else:
-        _plan_padded(cache, host, n, B, bufs)
+        _plan_padded(cache, seq, n, B, bufs)
     step.decode = bufs
 
 
-def _plan_padded(cache, host: torch.Tensor, n: int, B: int, bufs: dict) -> None:
-    """Padded Triton path: slots and positions in the cache's fixed input buffer, then the plan graph of
+def _plan_padded(cache, seq: torch.Tensor, n: int, B: int, bufs: DecodeBuffers) -> None:
+    """Padded Triton path: slots and positions (``seq``: int64 ``[2, n]`` on the device) copied into the cache's
+    fixed input buffer (one device copy), then the plan graph of
     ``(n, B)`` replayed; without one, the launches run eagerly and, when ``cache.capture_plan_graphs``
     (set by ``DecodeGraphRunner``), the same launches are captured for the next steps of ``n`` requests
     (capturing records, it runs nothing: the eager run compiled exactly these specializations)."""
     if cache.plan_inputs is None:
         cache.plan_inputs = torch.zeros(2, cache.max_slots, dtype=torch.int64, device=cache.device)
     inputs = cache.plan_inputs
-    inputs[:, :n].copy_(host, non_blocking=True)
+    inputs[:, :n].copy_(seq)
     args = (cache, inputs[0, :n], inputs[1, :n], bufs)
     graph = cache.plan_graphs.get((n, B))
     if graph is not None:
@@ -90,19 +96,14 @@ def capture_plan_graph(cache, args: tuple):
     return graph
 
 
-def step_buffers(cache, B: int, persistent: bool) -> dict:
+def step_buffers(cache, B: int, persistent: bool) -> DecodeBuffers:
     """The step tensors the layers read for a bucket of ``B`` sequences (module :func:`plan_decode`).
 
     ``persistent``: the cache keeps one set per ``B`` (graph-safe addresses); otherwise fresh tensors.
     """
     if persistent and B in cache.decode_buffers:
         return cache.decode_buffers[B]
-    L, H, dev = cache.num_layers, cache.num_kv_heads, cache.device
-    i32 = dict(dtype=torch.int32, device=dev)
-    bufs = dict(rows=torch.zeros(L, B, H, dtype=torch.int64, device=dev), row_ids=torch.full((L, B, H), -1, **i32),
-                page=torch.full((L, B, H), -1, **i32), slot=torch.zeros(L, B, H, **i32),
-                positions=torch.zeros(B * H, **i32), scores=torch.zeros(B * H, dtype=torch.float32, device=dev),
-                err_idx=torch.zeros(B * H, **i32))
+    bufs = DecodeBuffers.allocate(cache.num_layers, B, cache.num_kv_heads, cache.device)
     if persistent:
         cache.decode_buffers[B] = bufs
     return bufs
@@ -124,7 +125,7 @@ def _scratch(cache) -> dict:
     return s
 
 
-def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: dict) -> None:
+def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: DecodeBuffers) -> None:
     """Triton path: decide (one launch), append_decode (two), locate (one), moves (read + write).
 
     Device work only (no host synchronization, no allocation after the first call), so a
@@ -143,7 +144,7 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: dict) -
         prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.compress)
     man.append_decode(slots, act[0].view(shape), act[1].view(shape))
     moves = tuple(t[:m] for t in s["moves"]) if cfg.compress else None
-    decision_kernel.locate_rows(man.page_table, fmt, slots, pos_seq, act, bufs, moves,
+    decision_kernel.locate_rows(man.page_table, fmt, slots, pos_seq, act, bufs.located(), moves,
                                 num_kv_heads=cache.num_kv_heads, rows_per_slot=G)
     if moves is not None and m:
         src_page, src_slot, dst_page, dst_slot = moves
@@ -153,18 +154,19 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: dict) -
         cache.ops.write_tokens(pages, fmt, "low", dst_page, dst_slot, k, v, scores=score, positions=pos)
 
 
-def _plan_torch(cache, step, slots, bufs) -> None:
-    """Torch path (the reference): :func:`.decisions.decide`, ``append_decode``, moves, token locations."""
+def _plan_torch(cache, step, slots, pos_seq, bufs: DecodeBuffers) -> None:
+    """Torch path (the reference): :func:`.decisions.decide`, ``append_decode``, moves, token locations.
+    ``slots``, ``pos_seq``: int64 ``[n]`` on the device."""
     cfg, dev, fmt = cache.config, cache.device, cache.page_format
     L, H, G = cache.num_layers, cache.num_kv_heads, cache.rows_per_slot
     pos_host = step.positions[step.n_pre:]
     n = len(pos_host)
     if n == 0:  # a step of padding only (graph capture)
-        for name, pad in (("rows", 0), ("row_ids", -1), ("page", -1), ("slot", 0), ("positions", 0), ("err_idx", 0)):
-            bufs[name].fill_(pad)
+        for t, pad in zip(bufs.located(), (0, -1, -1, 0, 0, 0)):
+            t.fill_(pad)
         return
     rows = (slots[:, None] * G + torch.arange(G, device=dev)).reshape(-1)
-    pos = torch.tensor(pos_host, dtype=torch.int64, device=dev).repeat_interleave(G)
+    pos = pos_seq.repeat_interleave(G)
     table, tokens = cache.manager.page_table, cache.manager.tokens
     if cfg.compress:
         act = decisions.decide(cache.pool, table, tokens, rows, pos, cache.prompt_len_device[slots].repeat_interleave(G),
@@ -179,13 +181,14 @@ def _plan_torch(cache, step, slots, bufs) -> None:
         move_to_low(cache, rows, act)
     page, slot = token_location(table, rows, "high", act.new_index, fmt.high_tokens_per_page)
     layer_major = lambda t: t.reshape(shape).transpose(0, 1)  # noqa: E731 - [L, n, H]
-    for name, value, pad in (("rows", rows, 0), ("row_ids", rows, -1), ("page", page, -1), ("slot", slot, 0)):
-        bufs[name][:, :n] = layer_major(value)
-        bufs[name][:, n:] = pad
-    bufs["positions"].zero_()
-    bufs["positions"][:n * H] = torch.tensor(pos_host, dtype=torch.int32, device=dev).repeat_interleave(H)
-    bufs["err_idx"].zero_()
-    bufs["err_idx"][:n * H] = slots.to(torch.int32).repeat_interleave(H)
+    for buf, value, pad in ((bufs.rows, rows, 0), (bufs.row_ids, rows, -1), (bufs.page, page, -1),
+                            (bufs.slot, slot, 0)):
+        buf[:, :n] = layer_major(value)
+        buf[:, n:] = pad
+    bufs.positions.zero_()
+    bufs.positions[:n * H] = pos_seq.to(torch.int32).repeat_interleave(H)
+    bufs.err_idx.zero_()
+    bufs.err_idx[:n * H] = slots.to(torch.int32).repeat_interleave(H)
 
 
 def move_to_low(cache, rows: torch.Tensor, act: "decisions.StepActions") -> None:
@@ -212,15 +215,15 @@ def decode_layer(cache, step, layer, q, k, v, out) -> None:
     D = cache.head_dim
     centered = cfg.compress and cfg.center_keys
     cache.ops.write_tokens(
-        cache.pool.pages(), cache.page_format, "high", d["page"][layer].reshape(-1), d["slot"][layer].reshape(-1),
+        cache.pool.pages(), cache.page_format, "high", d.page[layer].reshape(-1), d.slot[layer].reshape(-1),
         k.reshape(-1, D), v.reshape(-1, D), key_offsets=cache.row_meta.key_offsets if centered else None,
-        offset_rows=d["rows"][layer].reshape(-1) if centered else None, scores=d["scores"],
-        positions=d["positions"], error_flags=cache.error_flags, error_index=d["err_idx"])
+        offset_rows=d.rows[layer].reshape(-1) if centered else None, scores=d.scores,
+        positions=d.positions, error_flags=cache.error_flags, error_index=d.err_idx)
     kwargs = {}
     if cache.decode_attention is not torch_ops.paged_decode_attention:
         kwargs["workspace"] = decode_workspace(cache)
     cache.decode_attention(q, cache.pool.pages(), cache.page_format, cache.manager.page_table, cache.manager.tokens,
-                            d["row_ids"][layer], out, sm_scale=cache.sm_scale, update_scores=cfg.compress, **kwargs)
+                            d.row_ids[layer], out, sm_scale=cache.sm_scale, update_scores=cfg.compress, **kwargs)
 
 
 def decode_workspace(cache):

@@ -30,9 +30,9 @@ fixed input buffer and replays the graph of ``(n, B)``; the first padded plan
 of each ``n`` runs eagerly (compiling its kernels) and captures it.
 
 What the replay does not do is done by :meth:`DecodeGraphRunner.run`: the
-cache's host-side step bookkeeping (layers marked run, ``seq_len`` advanced:
-:meth:`~trtllm_diffkv.paged.cache.PagedDiffKVCache.finish_replayed_step`).
-Prefill and mixed steps run eagerly.
+step is marked replayed and ended (``seq_len`` advanced:
+:meth:`~trtllm_diffkv.paged.cache.PagedDiffKVCache.end_step`).
+Prefill and mixed steps run eagerly (their caller ends them).
 
 Usage (one decode step of ``n`` requests)::
 
@@ -138,6 +138,7 @@ class DecodeGraphRunner:
                 for _ in range(2):  # compile the Triton kernels, initialize cuBLAS outside the capture
                     self.cache.plan([], [], [], [], pad_to=bucket)
                     self.model(ids, positions, self.cache)
+                    self.cache.end_step()
             torch.cuda.current_stream(dev).wait_stream(stream)
             self.cache.plan([], [], [], [], pad_to=bucket)
             graph = torch.cuda.CUDAGraph()
@@ -145,14 +146,17 @@ class DecodeGraphRunner:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self.model(ids, positions, self.cache)
+            self.cache.end_step()  # host bookkeeping only (an all-padding step: no slot changes)
         self._graphs[bucket], self._ids[bucket], self._positions[bucket], self._logits[bucket] = \
             graph, ids, positions, logits
 
     def run(self, input_ids, positions) -> torch.Tensor:
-        """Replay the planned decode step: ``[n]`` token ids and positions of the real requests.
+        """Replay the planned decode step: ``[n]`` token ids and positions of the real requests, then end it.
 
         The cache must hold a planned decode-only step with ``pad_to`` equal to a
         bucket (:meth:`bucket_for`) and ``n`` real requests, in the planned order.
+        After the replay the step is marked ``replayed`` and ended
+        (:meth:`~trtllm_diffkv.paged.cache.PagedDiffKVCache.end_step`: the slots' lengths advance).
 
         Args:
             input_ids, positions: int ``[n]`` tensors (any device) or lists.
@@ -183,7 +187,8 @@ class DecodeGraphRunner:
         self._ids[bucket][:n].copy_(ids, non_blocking=True)
         self._positions[bucket][:n].copy_(pos, non_blocking=True)
         self._graphs[bucket].replay()
-        self.cache.finish_replayed_step()
+        step.replayed = True
+        self.cache.end_step()
         return self._logits[bucket][:n]
 
 

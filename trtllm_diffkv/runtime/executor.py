@@ -16,7 +16,8 @@
 3. ``prepare_resources``: ONE :meth:`PagedDiffKVCache.plan` (prefill requests first, then decode);
 4. ONE model call over the packed tokens (decode-only steps: one CUDA-graph replay with
    ``use_cuda_graphs``; the logits of the last token of each request, and of every prompt position
-   of a prompt chunk asking ``prompt_logprobs``); one :class:`~.sampling.Sampler` call (with
+   of a prompt chunk asking ``prompt_logprobs``), then :meth:`PagedDiffKVCache.end_step` (a replay
+   ends its step itself); one :class:`~.sampling.Sampler` call (with
    the log-probabilities of the rows asking ``logprobs``: then a second device-to-host copy);
 5. ONE device-to-host copy (into a pinned buffer, ``non_blocking`` + an event on CUDA) of the
    sampled tokens, the per-slot non-finite K/V flags and the ring counters;
@@ -538,10 +539,11 @@ class Executor:
         else:
             echo = None
         if graphs is not None:
-            logits = graphs.run(ids, positions)
+            logits = graphs.run(ids, positions)  # replays the step and ends it
         else:
             logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
                                 logits_indices=rows)
+            self.cache.end_step()
         if echo is not None:
             for request, logit_rows, start in echo[2]:
                 entries = prompt_logprobs(logits[torch.tensor(logit_rows, device=dev)], request.prompt_token_ids,

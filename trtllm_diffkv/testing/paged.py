@@ -162,6 +162,7 @@ def run_lockstep(model, kv_config, prompts: list[list[int]], decode_steps: int, 
         logits = model(torch.tensor([t for p in prompts for t in p], device=device),
                        torch.cat([torch.arange(n, device=device) for n in lens]), _Tee(cache, refs, bounds, report, "prefill"),
                        logits_indices=torch.tensor([e - 1 for _, e in bounds], device=device))
+        cache.end_step()
         _compare_all(cache, refs, report, kv_atol, "prefill")
         before = [gather_request(cache, s) for s in slots] if stable_check else None
         for step in range(1, decode_steps + 1):
@@ -169,6 +170,7 @@ def run_lockstep(model, kv_config, prompts: list[list[int]], decode_steps: int, 
             cache.plan(slots, [n + 1 for n in lens], lens, [False] * len(prompts))
             bounds = [(i, i + 1) for i in range(len(prompts))]
             logits = model(tokens, torch.tensor(lens, device=device), _Tee(cache, refs, bounds, report, f"decode step {step}"))
+            cache.end_step()
             lens = [n + 1 for n in lens]
             if step % compare_every == 0 or step == decode_steps:
                 _compare_all(cache, refs, report, kv_atol, f"decode step {step}")
@@ -210,12 +212,14 @@ def teacher_forced_agreement(model, kv_config, prompts: list[list[int]], decode_
         last = torch.tensor(lens, device=device).cumsum(0) - 1
         logits = model(torch.tensor([t for p in prompts for t in p], device=device),
                        torch.cat([torch.arange(n, device=device) for n in lens]), cache, logits_indices=last)
+        cache.end_step()
         tokens = [pair(logits[i], model(torch.tensor(p, device=device), torch.arange(len(p), device=device), refs[i],
                                         logits_indices=torch.tensor([len(p) - 1], device=device))[0])
                   for i, p in enumerate(prompts)]
         for _ in range(decode_steps):
             cache.plan(slots, [n + 1 for n in lens], lens, [False] * len(prompts))
             logits = model(torch.tensor(tokens, device=device), torch.tensor(lens, device=device), cache)
+            cache.end_step()
             tokens = [pair(logits[i], model(torch.tensor([tokens[i]], device=device),
                                             torch.tensor([lens[i]], device=device), refs[i])[0])
                       for i in range(len(prompts))]

@@ -533,8 +533,8 @@ def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
     slots, pos = _meta((n,), i64), _meta((n,), i64)
     m = n * G
     actions = (_meta((m,), i32), _meta((m,), i32), _meta((m,), i64), _meta((m,), i64), _meta((m,), i64))
-    bufs = dict(rows=_meta((L, B, H), i64), row_ids=_meta((L, B, H), i32), page=_meta((L, B, H), i32),
-                slot=_meta((L, B, H), i32), positions=_meta((B * H,), i32), err_idx=_meta((B * H,), i32))
+    located = (_meta((L, B, H), i64), _meta((L, B, H), i32), _meta((L, B, H), i32), _meta((L, B, H), i32),
+               _meta((B * H,), i32), _meta((B * H,), i32))  # rows, row_ids, page, slot, positions, err_idx
     moves = tuple(_meta((m,), i32) for _ in range(4)) if cfg.compress else None
     with _Recorder([(dk, "_decide_kernel"), (dk, "_locate_kernel")]) as rec:
         act = dk.decide_rows(_meta((7, fmt.page_size_bytes), torch.uint8), fmt, table, tokens, slots, pos,
@@ -542,7 +542,7 @@ def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
                              recent_window_tokens=cfg.recent_window_tokens,
                              prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=actions,
                              compress=cfg.compress)
-        dk.locate_rows(table, fmt, slots, pos, act, bufs, moves, num_kv_heads=H, rows_per_slot=G)
+        dk.locate_rows(table, fmt, slots, pos, act, located, moves, num_kv_heads=H, rows_per_slot=G)
     sizes = dict(num_seqs=n, bucket=B, rows_per_slot=G)
     return [_spec(launch, "decode_plan", sizes) for launch in rec.launches]
 

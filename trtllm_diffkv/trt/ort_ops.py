@@ -256,7 +256,7 @@ def _check_decode_step(cache, num_tokens: int, slots, seq_lens, step_positions) 
     from ..paged.cache import OutOfPagesError
 
     if cache.planned_step is not None:
-        raise ValueError("a step is already planned on the cache; run or discard it first")
+        raise ValueError("a step is already planned on the cache; run it and end_step(), or discard it, first")
     n = len(slots)
     if not n or len(seq_lens) != n or len(step_positions) != n:
         raise ValueError("slots, seq_lens and positions must have the same nonzero length")
@@ -363,11 +363,11 @@ def plan_feeds(cache, phase: str) -> dict[str, np.ndarray]:
     if part is None or step.next_layer:
         raise ValueError(f"no planned {phase} step whose layers have not run")
     np_ = lambda t: t.detach().cpu().numpy().copy()  # noqa: E731
-    plan = [part[k] for k in ("cu", "req", "t", "count", "thr_h", "thr_l", "window", "start", "row_base",
-                              "reserved", "err_idx")]
+    plan = [part.cu, part.req, part.t, part.count, part.thr_h, part.thr_l, part.window, part.start, part.row_base,
+            part.reserved, part.err_idx]
     state = {"kv_pool": cache.pool.pages(), "page_table": cache.manager.page_table,
              "tier_tokens": cache.manager.tokens, "key_offsets": cache.row_meta.key_offsets,
-             "error_flags": cache.error_flags, "tier_counts": part["counts"]}
+             "error_flags": cache.error_flags, "tier_counts": part.counts}
     feeds = {}
     for (name, (dtype, _)), t in zip(PLAN_INPUTS[phase].items(), plan):
         feeds[name] = np_(t).astype(dtype, copy=False)
@@ -382,8 +382,9 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
     ``[num_logits, vocab_size]`` float32. ``cache`` (a ``PagedDiffKVCache``) holds the state of record.
 
     Prefill (``sessions["prefill"]``): ``cache.plan`` (prompt reservation), the graph on :func:`plan_feeds`, its
-    ``*_out`` outputs copied back into the cache, then the cache's own step end (``_finish_step``: the prompts'
-    ``commit_prompt`` with the graph's tier counts).
+    ``*_out`` outputs copied back into the cache, the step's layers marked run (the graph ran them), then the
+    cache's own step end (``PagedDiffKVCache.end_step``: the prompts' ``commit_prompt`` with the graph's tier
+    counts).
 
     Decode (``sessions["decode"]``): no host plan. The host checks the step as ``cache.plan`` would (active slots,
     positions, free pages), feeds the slots, positions and the cache's state (:func:`decode_feeds`); the graph's
@@ -418,12 +419,12 @@ def run_per_op_step(sessions: dict, cache, input_ids, positions, logits_indices,
         outs = _run_graph(sessions[phase], feeds)
         step = cache.planned_step
         targets = {"kv_pool": cache.pool.pages(), "key_offsets": cache.row_meta.key_offsets,
-                   "error_flags": cache.error_flags, "tier_counts": step.prefill["counts"]}
+                   "error_flags": cache.error_flags, "tier_counts": step.prefill.counts}
         for name, t in targets.items():
             if f"{name}_out" in outs:
                 t.copy_(torch.from_numpy(outs[f"{name}_out"]))
-        step.next_layer = cache.num_layers
-        cache.finish_step(step)
+        step.next_layer = cache.num_layers  # the graph ran every layer
+        cache.end_step()
     except BaseException:
         cache.discard_step()
         raise

@@ -92,7 +92,9 @@ def run_step_page_update(inputs: list, step_token: torch.Tensor) -> None:
 
 def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
     """``diffkv::DiffKVAttention``: ``PagedDiffKVCache.forward`` of layer ``attrs["layer_idx"]`` on the registered
-    cache (the step planned by ``DiffKVPageUpdate``).
+    cache (the step planned by ``DiffKVPageUpdate``). The last layer's call also ends the step
+    (``PagedDiffKVCache.end_step``: the prompts' commit, the slots' lengths): an engine runs no node of ours after
+    its last layer, so this op is the one place that knows the step's layers have all run.
 
     Args:
         inputs: the tensors of :data:`.specs.LAYER_ATTENTION`, in order; kv_pool, page_table and tier_tokens
@@ -109,7 +111,10 @@ def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
     cache = cache_for(handle)
     _check_state(cache, pool, table, tokens)
     as_cache = lambda t: t.to(cache.device, cache.dtype)  # noqa: E731
-    out.copy_(cache.forward(int(attrs["layer_idx"]), as_cache(q), as_cache(k), as_cache(v)))
+    layer = int(attrs["layer_idx"])
+    out.copy_(cache.forward(layer, as_cache(q), as_cache(k), as_cache(v)))
+    if layer == cache.num_layers - 1:
+        cache.end_step()  # before the copies: the prompts' commit moves pages in the table
     pool.copy_(cache.pool.pages())
     table.copy_(cache.manager.page_table)
     tokens.copy_(cache.manager.tokens)
@@ -141,14 +146,15 @@ def run_prefill(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: b
         cfg: the :class:`~trtllm_diffkv.config.DiffKVConfig`; attrs: the plugin fields (``layer_idx``, shape, ``sm_scale``).
     """
     from trtllm_diffkv.paged import prefill
+    from trtllm_diffkv.paged.step_plan import PrefillPlan
 
     (q, k, v, cu, req, t, count, thr_h, thr_l, window, start, row_base, reserved, err_idx,
      pool, table, tokens, key_offsets, tier_counts, flags) = inputs
     cache = _cache_view(cfg, attrs, pool, table, tokens, key_offsets, flags, q.shape[0], use_triton)
-    step = SimpleNamespace(prefill=dict(cu=cu, cu_host=cu.tolist(), req=req, t=t, count=count, thr_h=thr_h,
-                                        thr_l=thr_l, window=window, start=start, row_base=row_base, reserved=reserved,
-                                        counts=tier_counts, err_idx=err_idx,
-                                        chunked=False, finishing=list(range(len(cu) - 1))))  # whole prompts only
+    plan = PrefillPlan(slots=torch.empty(0, dtype=torch.int64, device=q.device), cu=cu, cu_host=cu.tolist(), req=req, t=t, count=count,
+                       thr_h=thr_h, thr_l=thr_l, window=window, start=start, row_base=row_base, reserved=reserved,
+                       counts=tier_counts, err_idx=err_idx, finishing=list(range(len(cu) - 1)))  # whole prompts only
+    step = SimpleNamespace(prefill=plan)
     prefill.prefill_layer(cache, step, int(attrs["layer_idx"]), q, k, v, out)
 
 
@@ -164,6 +170,7 @@ def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bo
             ``scores`` fp32 ``[B * Hkv]`` zeros (the new tokens' scores), ``workspace`` (a ``DecodeWorkspace``).
     """
     from trtllm_diffkv.paged import decode
+    from trtllm_diffkv.paged.step_plan import DecodeBuffers
 
     scratch = scratch or {}
     q, k, v, row_ids, page, slot, positions, err_idx, pool, table, tokens, key_offsets, flags = inputs
@@ -171,10 +178,11 @@ def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bo
     cache.decode_workspace = scratch.get("workspace")
     rows = scratch.get("rows")
     scores = scratch.get("scores")
-    step = SimpleNamespace(decode=dict(rows=(row_ids.long() if rows is None else rows)[None], row_ids=row_ids[None],
-                                       page=page[None], slot=slot[None], positions=positions,
-                                       scores=torch.zeros(positions.numel(), dtype=torch.float32, device=q.device)
-                                       if scores is None else scores, err_idx=err_idx))
+    if scores is None:
+        scores = torch.zeros(positions.numel(), dtype=torch.float32, device=q.device)
+    step = SimpleNamespace(decode=DecodeBuffers(rows=(row_ids.long() if rows is None else rows)[None],
+                                                row_ids=row_ids[None], page=page[None], slot=slot[None],
+                                                positions=positions, scores=scores, err_idx=err_idx))
     decode.decode_layer(cache, step, 0, q, k, v, out)
 
 
@@ -272,13 +280,13 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
     scratch = scratch or {}
     row_ids, page, slot, dpos, err_idx = outputs[1:]
     rows = scratch.get("rows")
-    bufs = dict(rows=torch.empty(L, B, H, dtype=torch.int64, device=pool.device) if rows is None else rows,
-                row_ids=row_ids, page=page.view(L, B, H), slot=slot.view(L, B, H), positions=dpos, err_idx=err_idx)
+    located = (torch.empty(L, B, H, dtype=torch.int64, device=pool.device) if rows is None else rows,
+               row_ids, page.view(L, B, H), slot.view(L, B, H), dpos, err_idx)  # DecodeBuffers.located's order
     m = n * G
     moves = None
     if cfg.compress:
         moves = scratch.get("moves") or tuple(torch.empty(m, dtype=torch.int32, device=pool.device) for _ in range(4))
-    decision_kernel.locate_rows(table, fmt, slots, positions, (None, None, new, move_from, move_to), bufs, moves,
+    decision_kernel.locate_rows(table, fmt, slots, positions, (None, None, new, move_from, move_to), located, moves,
                                 num_kv_heads=H, rows_per_slot=G)
     if moves is not None and m:
         ops = kernel_functions(use_triton)[0]

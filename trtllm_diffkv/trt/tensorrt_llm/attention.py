@@ -5,7 +5,9 @@ RoPE itself when the backend does not fuse it (``support_fused_rope() == False``
 ``backend.forward(q, k, v, metadata)`` once per layer per step. This backend hands those tensors to
 :meth:`PagedDiffKVCache.forward` (our kernels: the scored prefill that writes the prompt tiered, and
 the mixed-precision paged decode attention), for the step that
-:class:`~.manager.DiffKVCompressionManager` planned in ``prepare_resources``.
+:class:`~.manager.DiffKVCompressionManager` planned in ``prepare_resources``. The last layer's call also
+ends that step (:meth:`PagedDiffKVCache.end_step`): TensorRT-LLM's next hook after the forward,
+``on_context_step_end``, already checks that the prompts are committed.
 
 Selected by ``attn_backend="DIFFKV"``: :func:`~.registration.register` (run when ``config.py`` is
 imported) adds the name to TensorRT-LLM's ``get_attention_backend``, a hard-coded if-chain with no
@@ -93,6 +95,8 @@ class DiffKVAttention(AttentionBackend[DiffKVAttentionMetadata]):
         With ``key_rotation`` q, k and v are rotated per KV head before the cache sees them and the output
         is rotated back (:meth:`~.manager.DiffKVCompressionManager.key_rotation`).
 
+        The last layer's call ends the step (``PagedDiffKVCache.end_step``).
+
         Returns:
             ``[num_tokens, num_heads * head_dim]`` in the cache dtype: a view of the cache's output
             buffer, valid until the next layer's call (a new tensor with ``key_rotation``).
@@ -116,7 +120,10 @@ class DiffKVAttention(AttentionBackend[DiffKVAttentionMetadata]):
             k = torch.einsum("nhd,hde->nhe", k.float(), r).to(k.dtype)
             v = torch.einsum("nhd,hde->nhe", v.float(), r).to(v.dtype)
             q = torch.einsum("nhgd,hde->nhge", q.float().view(n, hkv, -1, d), r).reshape(q.shape).to(q.dtype)
-        out = manager.rm.cache.forward(self.layer_idx, q, k, v)
+        cache = manager.rm.cache
+        out = cache.forward(self.layer_idx, q, k, v)
+        if self.layer_idx == cache.num_layers - 1:
+            cache.end_step()  # the output buffer is untouched: end_step is host bookkeeping and the prompts' commit
         if r is not None:  # back to the model's coordinates (the folded o_proj's R^T)
             out = torch.einsum("nhge,hde->nhgd", out.float().view(n, hkv, -1, d), r).reshape(out.shape).to(out.dtype)
         return out.reshape(n, self.num_heads * self.head_dim)

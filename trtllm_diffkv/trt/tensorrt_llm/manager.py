@@ -10,8 +10,8 @@ PyExecutor call (base class)           hook                               here (
 ``prepare_resources``, first chunk     ``on_request_init(request)``       admission checks; our ``Request``
 ``prepare_resources``, every step      ``on_generation_step_begin(b)``    ``DiffKVResourceManager.prepare_resources``:
                                                                           slots + ONE ``PagedDiffKVCache.plan``
-(forward: ``DiffKVAttention`` per layer serves ``PagedDiffKVCache.forward``; the last layer commits the
-prompts, compacted by the scored prefill)
+(forward: ``DiffKVAttention`` per layer serves ``PagedDiffKVCache.forward``; the last layer's call ends the
+step, ``PagedDiffKVCache.end_step``: it commits the prompts, compacted by the scored prefill)
 ``update_resources``, final chunks     ``on_context_step_end(requests)``  check each prompt was compacted
 ``update_resources``, every step       ``on_generation_step_end(b)``      ``DiffKVResourceManager.update_resources``
 ``free_resources`` (finish, abort)     ``on_request_finish(request)``     ``DiffKVResourceManager.free_resources``

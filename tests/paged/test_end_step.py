@@ -1,0 +1,115 @@
+"""The end of a step is explicit (``PagedDiffKVCache.end_step``): never a side effect of the last layer.
+
+A step whose layers all ran stays planned until ``end_step``; only ``end_step`` commits the prompts' tier counts to
+the page manager (the surplus reserved pages back to the ring) and advances the slots' lengths. It refuses a step
+whose layers have not all run (the step stays planned) and an empty cache; a step marked ``replayed`` (a CUDA-graph
+replay: no ``forward`` calls) ends without layers, when it is decode-only and no layer ran eagerly.
+"""
+import pytest
+import torch
+
+from trtllm_diffkv.config import DiffKVConfig
+from trtllm_diffkv.paged import PagedDiffKVCache
+from trtllm_diffkv.paged.step_plan import DecodeBuffers, PrefillPlan, StepPlan
+
+CFG = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
+L, HQ, H, D = 3, 4, 2, 64
+
+
+def _cache():
+    return PagedDiffKVCache(CFG, L, HQ, H, D, num_pages=200, max_slots=2, max_seq_len_tokens=64,
+                            high_tokens_per_page=4)
+
+
+def _run_layers(cache, num_tokens, layers=range(L), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for layer in layers:
+        cache.forward(layer, torch.randn(num_tokens, HQ, D, generator=g), torch.randn(num_tokens, H, D, generator=g),
+                      torch.randn(num_tokens, H, D, generator=g))
+
+
+def _prefilled(lens=(20, 9)):
+    """A cache with ``lens`` prompts prefilled in slots 0, 1 and the step ended."""
+    cache = _cache()
+    cache.plan([0, 1], list(lens), [0, 0], [True, True])
+    _run_layers(cache, sum(lens))
+    cache.end_step()
+    return cache
+
+
+def test_a_prefill_step_commits_and_advances_only_at_end_step():
+    cache = _cache()
+    free = cache.manager.free_pages()
+    cache.plan([0, 1], [20, 9], [0, 0], [True, True])
+    reserved = cache.manager.free_pages()
+    assert isinstance(cache.planned_step, StepPlan) and isinstance(cache.planned_step.prefill, PrefillPlan)
+    _run_layers(cache, 29)
+    step = cache.planned_step
+    assert step is not None and step.next_layer == L  # every layer ran: still planned
+    assert cache.seq_len == [0, 0] and cache.prompt_len == [0, 0]
+    assert cache.manager.free_pages() == reserved and int(cache.manager.tokens.sum()) == 0  # nothing committed
+    with pytest.raises(ValueError, match="end_step"):
+        cache.plan([0, 1], [21, 10], [20, 9], [False, False])
+    cache.end_step()
+    assert cache.planned_step is None
+    assert cache.seq_len == [20, 9] and cache.prompt_len == [20, 9]
+    assert int(cache.manager.tokens.sum()) > 0 and free > cache.manager.free_pages() > reserved  # surplus back
+    cache.plan([0, 1], [21, 10], [20, 9], [False, False])  # plan after end_step works
+    assert isinstance(cache.planned_step.decode, DecodeBuffers)
+
+
+def test_end_step_before_the_last_layer_raises_and_keeps_the_step():
+    cache = _prefilled()
+    cache.plan([0, 1], [21, 10], [20, 9], [False, False])
+    _run_layers(cache, 2, layers=range(L - 1))
+    before = (list(cache.seq_len), cache.manager.tokens.clone())
+    with pytest.raises(ValueError, match=f"has run {L - 1} of its {L} layers; run layers {L - 1}..{L - 1} first"):
+        cache.end_step()
+    assert cache.planned_step is not None and cache.planned_step.next_layer == L - 1
+    assert cache.seq_len == before[0] and torch.equal(cache.manager.tokens, before[1])
+    _run_layers(cache, 2, layers=[L - 1])
+    cache.end_step()
+    assert cache.seq_len == [21, 10] and cache.planned_step is None
+
+
+def test_end_step_with_nothing_planned_raises():
+    cache = _cache()
+    with pytest.raises(ValueError, match="no step is planned"):
+        cache.end_step()
+    done = _prefilled()
+    with pytest.raises(ValueError, match="no step is planned"):  # ending twice
+        done.end_step()
+
+
+def test_a_replayed_step_ends_without_layers():
+    cache = _prefilled()
+    cache.plan([0, 1], [21, 10], [20, 9], [False, False])
+    cache.planned_step.replayed = True  # what DecodeGraphRunner.run does after its graph replay
+    with pytest.raises(ValueError, match="replayed"):
+        _run_layers(cache, 2, layers=[0])
+    assert cache.seq_len == [20, 9]
+    cache.end_step()
+    assert cache.seq_len == [21, 10] and cache.planned_step is None
+
+
+def test_replayed_is_refused_for_prefill_or_layers_run_eagerly():
+    cache = _prefilled()
+    cache.plan([0, 1], [21, 10], [20, 9], [False, False])
+    _run_layers(cache, 2, layers=[0])
+    cache.planned_step.replayed = True
+    with pytest.raises(ValueError, match="1 layers run"):
+        cache.end_step()
+    fresh = _cache()
+    fresh.plan([0], [5], [0], [True])
+    fresh.planned_step.replayed = True
+    with pytest.raises(ValueError, match="1 prefill requests"):
+        fresh.end_step()
+    assert fresh.seq_len == [0, 0] and fresh.planned_step is not None
+
+
+def test_discard_step_drops_a_step_whose_layers_all_ran():
+    cache = _prefilled()
+    cache.plan([0, 1], [21, 10], [20, 9], [False, False])
+    _run_layers(cache, 2)
+    cache.discard_step()
+    assert cache.planned_step is None and cache.seq_len == [20, 9]
