@@ -73,6 +73,7 @@ PREFILL_KERNELS = "trtllm_diffkv/kernels/attn_prefill_kernels.py"
 DECISION_KERNEL = "trtllm_diffkv/kernels/decision_kernel.py"
 WRITE_KERNEL = "trtllm_diffkv/kernels/quant_write.py"
 FUSED = "trtllm_diffkv/model/fused.py"
+CUSTOM_OPS = "trtllm_diffkv/kernels/custom_ops.py"
 
 # Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure. A test is named
 # by its file name (found anywhere under tests/, so that moving tests into subfolders keeps the check working),
@@ -484,6 +485,20 @@ MUTATIONS = [
     m("kernels-rotation-key-row", FUSED, "key rotation kernel: the key read into the first query row",
       [("is_k = rows == GROUP", "is_k = rows == 0")],
       ["test_model_fused_ops.py::test_rotate_heads_kernel_matches_the_einsum"]),
+    # ------------------------------------------------------------------ kernels: the torch custom ops
+    m("kernels-op-fake-silu-shape", CUSTOM_OPS, "custom op: silu_mul's fake returns the input's width",
+      [("return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)",
+        "return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1])")],
+      ["test_custom_ops.py::test_fused_ops"]),
+    m("kernels-op-fake-v-dtype", CUSTOM_OPS, "custom op: qkv_rope's fake gives v in fp16",
+      [("qkv.new_empty(n, num_kv_heads, head_dim))", "qkv.new_empty(n, num_kv_heads, head_dim, dtype=torch.float16))")],
+      ["test_custom_ops.py::test_fused_ops"]),
+    m("kernels-op-decode-pool-not-mutated", CUSTOM_OPS, "custom op: decode attention's pool not declared mutated",
+      [('mutates_args=("pool_pages", "out", "workspace")', 'mutates_args=("out", "workspace")')],
+      ["test_custom_ops.py::test_decode_attention_op"]),
+    m("kernels-op-write-flags-not-mutated", CUSTOM_OPS, "custom op: write_tokens' error flags not declared mutated",
+      [('mutates_args=("pages", "error_flags")', 'mutates_args=("pages",)')],
+      ["test_custom_ops.py::test_write_tokens_op"]),
     # ------------------------------------------------------------------ kernels: write (quantize) and prompt scores
     m("kernels-write-no-clamp", WRITE_KERNEL, "write kernel: codes not clamped to [0, 2**bits - 1]",
       [("code = tl.minimum(tl.maximum(_round_half_even(y), 0.0), QMAX * 1.0).to(tl.int32)",
