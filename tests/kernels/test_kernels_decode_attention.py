@@ -128,15 +128,15 @@ def test_empty_rows_tiers_and_partitions():
     """Edge cases 6b and 6c: zero-token rows give zeros; an empty tier or partition contributes nothing."""
     counts = [(0, 0), (5, 0), (0, 5), (1, 1), (0, 0), (40, 0)]
     rows, out = run_decode(DiffKVConfig(), 64, 6, 2, counts, num_partitions=7)  # most partitions are empty
-    assert torch.equal(out[0, :3], torch.zeros(3, 64, dtype=out.dtype))
-    assert torch.equal(out[2, :3], torch.zeros(3, 64, dtype=out.dtype))
+    assert torch.equal(out[0, :3], torch.zeros(3, 64, dtype=out.dtype, device=out.device))
+    assert torch.equal(out[2, :3], torch.zeros(3, 64, dtype=out.dtype, device=out.device))
 
 
 def test_padding_sequences_write_zeros_and_touch_nothing():
     counts = [(7, 9), (3, 30), (12, 0), (4, 4)]
     row_ids = torch.tensor([[0, 1], [-1, -1], [2, 3]], dtype=torch.int32)
     rows, out = run_decode(DiffKVConfig(), 64, 4, 2, counts, row_ids=row_ids, num_partitions=2)
-    assert torch.equal(out[1], torch.zeros(4, 64))
+    assert torch.equal(out[1], torch.zeros(4, 64, dtype=out.dtype, device=out.device))
 
 
 def test_unread_rows_untouched_and_no_score_update():

@@ -20,12 +20,18 @@ def main() -> None:
     from trtllm_diffkv.testing.paged import patch_interpreter_for_numpy_2_4, run_lockstep
 
     patch_interpreter_for_numpy_2_4()
+    from trtllm_diffkv.kernels import decode_attention as da
+
+    built = []  # the cache resolves its decode kernels once, not per layer and step
+    resolve = da.DecodeAttention.__init__
+    da.DecodeAttention.__init__ = lambda self, *a, **kw: (built.append(a[:3]), resolve(self, *a, **kw))[1]
     model = random_llama(0, vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=64, max_position_embeddings=256)
     kv = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
     prompts = [list(range(5, 16)), list(range(30, 36))]
     report = run_lockstep(model, kv, prompts, 6, num_pages=80, kv_atol=1e-4, out_atol=1e-3, use_triton=True,
                           high_tokens_per_page=4, page_manager="triton", compare_every=3)
+    assert len(built) == 1, built
     stats = report.final_stats
     assert sum(s.low_tokens + s.pruned_tokens for s in stats) > 0, stats
     run_lockstep(model, get_preset("fp16"), prompts, 2, num_pages=80, kv_atol=1e-2, out_atol=1e-2,

@@ -147,6 +147,7 @@ class PagedDiffKVCache:
             else ``None``.
         decode_workspace, decode_buffers, plan_inputs, plan_graphs, decision_scratch: the decode step's
             persistent buffers and captured plan graphs (:mod:`.decode`), allocated on first use.
+        decode_runners: ``{q dtype: DecodeAttention}``, the decode kernels resolved once (:func:`.decode.decode_runner`).
         step_inputs: the :class:`~.host_inputs.StepInputs` every plan copies its host integers through
             (pinned buffers in rotation on CUDA).
     """
@@ -217,6 +218,7 @@ class PagedDiffKVCache:
         self.planned_step = None
         self.step_inputs = StepInputs(self.device)  # the step's host integers: one (pinned) copy per plan
         self.decode_workspace = None
+        self.decode_runners: dict = {}  # q dtype -> DecodeAttention (decode.decode_runner)
         self.decode_buffers = {}  # bucket size -> persistent decode step tensors (decode.step_buffers)
         self.plan_graphs = {}  # (decode requests, bucket) -> CUDA graph of decode.plan_device
         self.plan_inputs = None  # int64 [2, max_slots] (slots, positions) of padded plans: the graphs' inputs

@@ -219,11 +219,34 @@ def decode_layer(cache, step, layer, q, k, v, out) -> None:
         k.reshape(-1, D), v.reshape(-1, D), key_offsets=cache.row_meta.key_offsets if centered else None,
         offset_rows=d.rows[layer].reshape(-1) if centered else None, scores=d.scores,
         positions=d.positions, error_flags=cache.error_flags, error_index=d.err_idx)
+    pages, table, tokens = cache.pool.pages(), cache.manager.page_table, cache.manager.tokens
+    runner = decode_runner(cache, q.dtype)
+    if runner is not None:
+        runner(q, pages, table, tokens, d.row_ids[layer], out)
+        return
     kwargs = {}
     if cache.decode_attention is not torch_ops.paged_decode_attention:
         kwargs["workspace"] = decode_workspace(cache)
-    cache.decode_attention(q, cache.pool.pages(), cache.page_format, cache.manager.page_table, cache.manager.tokens,
-                            d.row_ids[layer], out, sm_scale=cache.sm_scale, update_scores=cfg.compress, **kwargs)
+    cache.decode_attention(q, pages, cache.page_format, table, tokens, d.row_ids[layer], out,
+                           sm_scale=cache.sm_scale, update_scores=cfg.compress, **kwargs)
+
+
+def decode_runner(cache, q_dtype: torch.dtype):
+    """The cache's :class:`~trtllm_diffkv.kernels.decode_attention.DecodeAttention` for queries of ``q_dtype``,
+    resolved on first use (backend, tier arguments, grids, CUDA kernels) and reused by every layer and step, or
+    ``None`` where the cache's decode function is not the kernels' ``paged_decode_attention`` (the torch read
+    path, or a caller's stand-in), which then runs per call."""
+    from ..kernels import decode_attention as da
+
+    if cache.decode_attention is not da.paged_decode_attention:
+        return None
+    runner = cache.decode_runners.get(q_dtype)
+    if runner is None:
+        runner = cache.decode_runners[q_dtype] = da.DecodeAttention(
+            cache.page_format, cache.num_heads, cache.num_kv_heads, decode_workspace(cache),
+            cache.manager.max_pages_per_row, q_dtype, cache.device, sm_scale=cache.sm_scale,
+            update_scores=cache.config.compress)
+    return runner
 
 
 def decode_workspace(cache):
