@@ -223,9 +223,10 @@ def test_staged_partial_kernel_equals_the_register_path(head_dim, heads, num_par
 
 @pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("default", 64, 3), ("llama3-8b", 128, 4)])
 def test_the_ring_runs_a_kernel_without_local_memory(preset, head_dim, group):
-    """CuPy's real function attributes drive the step-down (``_spill_free_kernel``): the kernel it returns uses no
-    local memory (spills), or sits at the register path's cap; the default model's and Llama's shapes keep their
-    preferred caps (6 and 4 CTAs a multiprocessor, no spills under nvcc 13.0)."""
+    """CuPy's real function attributes drive the step-down (``_spill_free_kernel``): the kernel it returns uses at
+    most ``LOCAL_BYTES_TOLERATED`` bytes of local memory (spills), or sits at the register path's cap; the default
+    model's and Llama's shapes keep their preferred caps (6 and 4 CTAs a multiprocessor; NVRTC on the H200: no
+    local memory at head_dim 64 group 3, 8 bytes for Llama's)."""
     from trtllm_diffkv.config import PRESETS
     from trtllm_diffkv.kernels import cuda_decode as cd
 
@@ -237,7 +238,8 @@ def test_the_ring_runs_a_kernel_without_local_memory(preset, head_dim, group):
     major, minor = torch.cuda.get_device_capability()
     partial, _, mb = cd._spill_free_kernel(tuple(sorted(defines.items())), f"sm_{major}{minor}",
                                            cd.partial_shared_bytes(fmt, defines["STAGES"]), device)
-    assert partial.local_size_bytes == 0 or mb == cd.register_min_blocks(head_dim), (mb, partial.local_size_bytes)
+    assert partial.local_size_bytes <= cd.LOCAL_BYTES_TOLERATED or mb == cd.register_min_blocks(head_dim), (
+        mb, partial.local_size_bytes)
     if preset != "default-k8v2":
         assert mb == defines["MIN_BLOCKS"], mb
     print(preset, head_dim, group, "min_blocks", mb, "local bytes", partial.local_size_bytes, "regs", partial.num_regs)

@@ -190,7 +190,7 @@ class _FakeCupy:
     """A stand-in for CuPy's NVRTC module API that records on which device each module is loaded and each
     function attribute set (a loaded function and its attributes belong to one device, as CUDA's do)."""
 
-    def __init__(self, spill_above: int | None = None):
+    def __init__(self, spill_above: int | None = None, spill_bytes: int = 12):
         self.current, self.loads, self.attrs = 0, [], []
         fake = self
 
@@ -207,7 +207,7 @@ class _FakeCupy:
         class Function:
             def __init__(self, name, device, min_blocks):
                 self.name, self.device = name, device
-                self.local_size_bytes = 12 if spill_above is not None and min_blocks > spill_above else 0
+                self.local_size_bytes = spill_bytes if spill_above is not None and min_blocks > spill_above else 0
 
             def __setattr__(self, key, value):
                 if key == "max_dynamic_shared_size_bytes":
@@ -260,15 +260,17 @@ def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
         fn.cache_clear()
 
 
-@pytest.mark.parametrize("spill_above,expect", [(None, 4), (3, 3), (0, 3)])
-def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_above, expect):
-    """The staged kernel's unpinned ``MIN_BLOCKS`` steps down while the compiled partial kernel uses local memory
-    (ptxas spills), to the register path's cap at the least (where the test above bounds the spills)."""
+@pytest.mark.parametrize("spill_above,spill_bytes,expect", [(None, 12, 4), (3, 12, 3), (0, 12, 3), (3, 8, 4),
+                                                             (3, 9, 3)])
+def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_above, spill_bytes, expect):
+    """The staged kernel's unpinned ``MIN_BLOCKS`` steps down while the compiled partial kernel uses more local
+    memory (ptxas spills) than ``LOCAL_BYTES_TOLERATED`` (8 bytes: NVRTC's head_dim-128 kernel at 4 CTAs, the
+    faster one), to the register path's cap at the least (where the test above bounds the spills)."""
     import sys
 
     from trtllm_diffkv.kernels import cuda_decode as cd
 
-    fake = _FakeCupy(spill_above)
+    fake = _FakeCupy(spill_above, spill_bytes)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     for fn in (cd._kernel, cd._spill_free_kernel):
         fn.cache_clear()

@@ -1,7 +1,7 @@
 """The ``diffkv`` custom ops (``kernels/custom_ops.py``): ``torch.library.opcheck`` on each (schema and declared
 mutations, fake against real, AOT dispatch with dynamic shapes), the op's outputs bit-equal to the direct
 function's, a page format through ``int[]`` and back, and a ``fullgraph`` compile of a small step through the ops
-equal to eager. CPU, tiny shapes; the Triton paths run under the interpreter.
+equal to eager. Tiny shapes; the Triton paths run under the interpreter on the CPU, on the GPU where there is one.
 
 ``opcheck`` runs with its default sub-tests; ``test_autograd_registration`` needs inputs that require grad and
 is vacuous otherwise, so it runs once more on its own with such inputs (the ops register no backward: inference
@@ -33,6 +33,12 @@ from trtllm_diffkv.model import fused  # noqa: E402
 from trtllm_diffkv.testing.attention import build_paged_rows  # noqa: E402
 
 D = torch.ops.diffkv
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton paths: the GPU, else the interpreter
+
+
+def _on(*tensors):
+    """The tensors (made on the CPU from seeded generators) on the test device."""
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -48,6 +54,7 @@ def _fused_cases(use_triton):
     cos, sin = torch.randn(1, 16, generator=g), torch.randn(1, 16, generator=g)
     q, k = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 16, generator=g)
     rot = torch.randn(2, 16, 16, generator=g)
+    x, res, w, gate_up, qkv, cos, sin, q, k, rot = _on(x, res, w, gate_up, qkv, cos, sin, q, k, rot)
     t = dict(use_triton=use_triton)
     return {
         "rms_norm": (D.rms_norm, (x, w, 1e-5, use_triton), lambda: fused.rms_norm(x, w, 1e-5, **t)[0]),
@@ -94,10 +101,9 @@ def test_page_format_through_ints(preset, head_dim):
 # --------------------------------------------------------------------------- decode attention
 def _decode_inputs(update_scores=True):
     fmt = PageFormat.for_config(DiffKVConfig(), 64, high_tokens_per_page=8)
-    rows = build_paged_rows(fmt, [(5, 9), (3, 0)], seed=3)
-    row_ids = torch.arange(2, dtype=torch.int32).view(2, 1)
-    q = torch.randn(2, 2, 64, generator=_gen(4))
-    ws = DecodeWorkspace.allocate(2, 2, 1, fmt, rows.page_table.shape[1], "cpu", num_partitions=1,
+    rows = build_paged_rows(fmt, [(5, 9), (3, 0)], seed=3, device=DEVICE)
+    row_ids, q = _on(torch.arange(2, dtype=torch.int32).view(2, 1), torch.randn(2, 2, 64, generator=_gen(4)))
+    ws = DecodeWorkspace.allocate(2, 2, 1, fmt, rows.page_table.shape[1], DEVICE, num_partitions=1,
                                   update_scores=update_scores)
     for name in ops._WORKSPACE_FIELDS:
         getattr(ws, name).zero_()  # opcheck compares the mutated workspace: no uninitialized NaNs
@@ -127,7 +133,7 @@ def test_decode_attention_op(update_scores):
 # --------------------------------------------------------------------------- KV write
 def test_write_tokens_op():
     fmt = PageFormat.for_config(DiffKVConfig(), 64, high_tokens_per_page=4)
-    pool = KVCachePool(fmt, 3, device="cpu")
+    pool = KVCachePool(fmt, 3, device=DEVICE)
     pool.buffer.zero_()
     g = _gen(5)
     keys, values = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
@@ -136,6 +142,8 @@ def test_write_tokens_op():
     slot = torch.tensor([1, 0, 3, 0, 2], dtype=torch.int32)
     scores, positions = torch.rand(5, generator=g), torch.arange(5, dtype=torch.int32)
     flags, index = torch.zeros(5, dtype=torch.int32), torch.arange(5, dtype=torch.int32)
+    keys, values, page, slot, scores, positions, flags, index = _on(keys, values, page, slot, scores, positions,
+                                                                    flags, index)
     args = (pool.pages(), ops.page_format_ints(fmt), "low", page, slot, keys, values, None, None, scores, positions,
             flags, index)
     torch.library.opcheck(D.write_tokens, args)
@@ -151,7 +159,7 @@ def test_write_tokens_op():
 def test_scored_prefill_attention_op():
     g = _gen(6)
     q, k, v = (torch.randn(13, h, 64, generator=g) for h in (4, 2, 2))
-    cu = torch.tensor([0, 5, 13], dtype=torch.int32)
+    q, k, v, cu = _on(q, k, v, torch.tensor([0, 5, 13], dtype=torch.int32))
     args = (q, k, v, cu, 0.125, 4)
     torch.library.opcheck(D.scored_prefill_attention, args)
     got = D.scored_prefill_attention(*args)
@@ -174,6 +182,7 @@ def test_compiled_step_without_graph_breaks_equals_eager(backend):
     g = _gen(7)
     x, res, w, gate_up = (torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g),
                           torch.randn(64, generator=g), torch.randn(2, 48, generator=g))
+    x, res, w, gate_up = _on(x, res, w, gate_up)
     pages = rows.pool.pages().clone()
     want = _step(fused.rms_norm, fused.silu_mul, paged_decode_attention, x, res, w, gate_up, q, pages, fmt,
                  rows.page_table, rows.tier_tokens, row_ids, torch.zeros_like(q), ws)
@@ -200,7 +209,7 @@ def _prefill_step(qkv_rope, rotate_heads, prefill, write, qkv, cos, sin, rot, cu
     q, k = rotate_heads(q, k, rot)
     out, sums = prefill(q, k, v, cu, sm_scale=0.125, num_scoring_queries=4)
     write(pages, fmt, "high", page, slot, k.reshape(-1, 64), v.reshape(-1, 64), scores=sums.reshape(-1) + scores,
-          positions=torch.arange(page.numel(), dtype=torch.int32))
+          positions=torch.arange(page.numel(), dtype=torch.int32, device=page.device))
     return out
 
 
@@ -211,11 +220,12 @@ def test_compiled_prefill_step_through_the_other_ops_equals_eager():
     rot = torch.linalg.qr(torch.randn(2, 64, 64, generator=g))[0]
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     fmt = PageFormat.for_config(DiffKVConfig(), 64, high_tokens_per_page=8)
-    pool = KVCachePool(fmt, 3, device="cpu")
+    pool = KVCachePool(fmt, 3, device=DEVICE)
     pool.buffer.zero_()
     want_pages = pool.pages().clone()
     page, slot = torch.arange(12, dtype=torch.int32) % 3, torch.arange(12, dtype=torch.int32) // 3
     scores = torch.rand(12, generator=g)
+    qkv, cos, sin, rot, cu, page, slot, scores = _on(qkv, cos, sin, rot, cu, page, slot, scores)
     args = (qkv, cos, sin, rot, cu)
     want = _prefill_step(fused.qkv_rope, fused.rotate_heads, scored_prefill_attention, quant_write.write_tokens, *args,
                          want_pages, fmt, page, slot, scores)
