@@ -191,7 +191,7 @@ class _FakeCupy:
     function attribute set (a loaded function and its attributes belong to one device, as CUDA's do)."""
 
     def __init__(self, spill_above: int | None = None, spill_bytes: int = 12):
-        self.current, self.loads, self.attrs = 0, [], []
+        self.current, self.loads, self.attrs, self.options = 0, [], [], []
         fake = self
 
         class Device:
@@ -219,6 +219,7 @@ class _FakeCupy:
                 self.device = fake.current
                 self.min_blocks = int(next((o.split("=")[1] for o in options if o.startswith("-DMIN_BLOCKS=")), 0))
                 fake.loads.append((self.device, self.min_blocks))
+                fake.options.append(options)
 
             def get_function(self, name):
                 if fake.current != self.device:
@@ -278,6 +279,30 @@ def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_abo
     assert dict(key)["MIN_BLOCKS"] == 4
     assert cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)[2] == expect
     assert [mb for _, mb in fake.loads] == list(range(4, expect - 1, -1))
+    for fn in (cd._kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+
+
+def test_a_bf16_query_is_read_by_the_kernel_itself(monkeypatch):
+    """A bf16 query compiles the partial kernel with ``Q_BF16`` (rounded to fp16 as it is loaded: no conversion
+    kernel a layer, ~2.8 us each at SmolLM2's 64 x 1024 on the H200); fp16 without it; other dtypes are refused."""
+    import sys
+
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cd.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
+    for fn in (cd._kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+    fmt = _fmt(DiffKVConfig(), 128)
+    for dtype, flag in ((torch.bfloat16, True), (torch.float16, False)):
+        fake.options.clear()
+        cd._resolve_partial(fmt, 4, 16, 128, True, 0, None, None, dtype)
+        assert fake.options and all(("-DQ_BF16=1" in o) == flag for o in fake.options), fake.options
+    with pytest.raises(ValueError, match="fp16 or bf16 queries"):
+        cd._resolve_partial(fmt, 4, 16, 128, True, 0, None, None, torch.float32)
     for fn in (cd._kernel, cd._spill_free_kernel):
         fn.cache_clear()
 

@@ -43,8 +43,8 @@ def test_rotated_diffkv_executor_equals_the_rotated_reference_on_gpu(model):
 
 
 def test_rotated_copy_runs_the_rope_kernel_and_equals_the_rotated_model():
-    """A rotated copy (separate q/k/v products: its v rows are its own) runs the fused RoPE kernel on CUDA, as the
-    model rotated in place does (its concatenated q/k/v buffer), and their logits agree to fp16 noise; the
+    """A rotated copy (its own concatenated q/k/v buffer on CUDA: its v rows are its own) runs one product and the
+    fused RoPE kernel, as the model rotated in place does, and their logits agree to fp16 noise; the
     forward of the copy with the fused kernels off (PyTorch's RoPE) agrees too."""
     import copy
 
@@ -56,7 +56,10 @@ def test_rotated_copy_runs_the_rope_kernel_and_equals_the_rotated_model():
     in_place = rotate_model_(copy.deepcopy(base), seed=3)
     assert in_place.model.layers[0].self_attn._qkv_weight is not None
     rotated = rotate_model(base, seed=3)
-    assert rotated.model.layers[0].self_attn._qkv_weight is None
+    attn, src = rotated.model.layers[0].self_attn, base.model.layers[0].self_attn
+    assert attn._qkv_weight is not None and attn._qkv_weight.data_ptr() != src._qkv_weight.data_ptr()
+    assert torch.equal(attn._qkv_weight[:-attn.v_proj.weight.shape[0]], src._qkv_weight[:-src.v_proj.weight.shape[0]])
+    assert attn.q_proj.weight.data_ptr() == attn._qkv_weight.data_ptr()  # the copy's own one q/k/v product
     ids = torch.arange(40, device="cuda") % base.config.vocab_size
     pos = torch.arange(40, device="cuda")
     calls = []
@@ -76,6 +79,6 @@ def test_rotated_copy_runs_the_rope_kernel_and_equals_the_rotated_model():
         finally:
             fused.use_fused_kernels = saved_use
     assert len(calls) == base.config.num_layers
-    scale = want.abs().max()  # fp16 through 3 layers: one product vs three, and RoPE's roundings (H200: 0.8 %)
+    scale = want.abs().max()  # fp16 through 3 layers: the rotation's roundings (H200: 0.8 % with three products)
     errs = float((got - want).abs().max() / scale), float((eager - want).abs().max() / scale)
     assert max(errs) < 2e-2, errs

@@ -370,14 +370,15 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     for the ring, an unpinned ``min_blocks`` steps down until ptxas spills nothing, :func:`_spill_free_kernel`),
     with ``q``'s device's shared-memory limits (:func:`device_shared_limits`). Arguments as
     :func:`~.decode_attention.paged_decode_attention` (already checked there);
-    ``q`` is fp16 ``[num_seqs, num_heads, head_dim]`` contiguous; ``qk_scale`` is the softmax scale
+    ``q`` is fp16 or bf16 ``[num_seqs, num_heads, head_dim]`` contiguous (a bf16 query is rounded to fp16 as the
+    kernel loads it, ``Q_BF16``); ``qk_scale`` is the softmax scale
     times log2(e). Grid ``(num_seqs, num_kv_heads, 2 * workspace.num_partitions)``.
     """
     num_seqs, num_heads, head_dim = q.shape
     group = num_heads // row_ids.shape[1]
     device = _device_index(q.device)
     fn, shared_bytes = _resolve_partial(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1],
-                                        update_scores, device, min_blocks, stages)
+                                        update_scores, device, min_blocks, stages, q.dtype)
     _run_partial(fn, shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace, qk_scale, device)
     return lambda out: _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace,
                                      group, update_scores, None, device)
@@ -403,9 +404,10 @@ class CudaDecodeKernels:
     def resolve(cls, page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
                 out_dtype: torch.dtype, update_scores: bool, device: torch.device | int,
                 min_blocks: int | None = None, stages: int | None = None,
-                pages_per_warp: int = MERGE_PAGES_PER_WARP) -> "CudaDecodeKernels":
+                pages_per_warp: int = MERGE_PAGES_PER_WARP, q_dtype: torch.dtype | None = None) -> "CudaDecodeKernels":
         """Compile (cached per process) and resolve the kernels for workspaces of ``num_slots`` partition slots
-        a row (``2 * num_partitions``), outputs of ``out_dtype`` (fp16/bf16); other arguments as
+        a row (``2 * num_partitions``), outputs of ``out_dtype`` (fp16/bf16) and queries of ``q_dtype`` (fp16/bf16;
+        default ``out_dtype``: a bf16 query is read as it is, no conversion kernel); other arguments as
         :func:`launch_partial` and :func:`merge_defines`.
 
         Raises:
@@ -413,7 +415,7 @@ class CudaDecodeKernels:
         """
         device = _device_index(torch.device("cuda", device) if isinstance(device, int) else device)
         partial, shared_bytes = _resolve_partial(page_format, group, group_pad, block_d, update_scores, device,
-                                                 min_blocks, stages)
+                                                 min_blocks, stages, q_dtype or out_dtype)
         merge, merge_pages = _resolve_merge(page_format, group, group_pad, block_d, num_slots, out_dtype,
                                             update_scores, device, pages_per_warp)
         return cls(partial, merge, shared_bytes, update_scores, merge_pages, device)
@@ -422,7 +424,8 @@ class CudaDecodeKernels:
                tier_tokens: torch.Tensor, row_ids: torch.Tensor, workspace, qk_scale: float,
                out: torch.Tensor) -> None:
         """The partial kernel, then the merge (with the score update) into ``out``, on the current stream;
-        arguments as :func:`launch_partial` (``q`` fp16, the workspace of the resolved ``num_slots``)."""
+        arguments as :func:`launch_partial` (``q`` of the resolved ``q_dtype``, the workspace of the resolved
+        ``num_slots``)."""
         _run_partial(self.partial, self.shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
                      qk_scale, self.device)
         _run_merge(self.merge, self.merge_pages, out, pool_pages, page_table, tier_tokens, row_ids, workspace,
@@ -434,11 +437,16 @@ def _device_index(device: torch.device) -> int:
 
 
 def _resolve_partial(page_format: PageFormat, group: int, group_pad: int, block_d: int, update_scores: bool,
-                     device: int, min_blocks: int | None, stages: int | None):
+                     device: int, min_blocks: int | None, stages: int | None,
+                     q_dtype: torch.dtype = torch.float16):
     """``(diffkv_decode_partial, its dynamic shared bytes)`` for this configuration on ``device``."""
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the CUDA decode kernel reads fp16 or bf16 queries, not {q_dtype}")
     pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
     defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks, stages,
                               device_shared_limits(device))
+    if q_dtype == torch.bfloat16:
+        defines["Q_BF16"] = 1
     shared_bytes = partial_shared_bytes(page_format, defines["STAGES"])
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}"

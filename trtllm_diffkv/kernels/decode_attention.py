@@ -332,7 +332,7 @@ class DecodeAttention:
         """Launch the decode attention for ``q`` ``[num_seqs <= workspace batch, num_heads, head_dim]`` (the
         construction's dtype and device) into ``out``; the other tensors as :func:`paged_decode_attention`.
         No checks beyond the batch bound (the caller's tensors: the cache's own, or checked by
-        :func:`paged_decode_attention`), no host synchronization, no allocation (a bf16 query's fp16 copy aside).
+        :func:`paged_decode_attention`), no host synchronization, no allocation (a bf16 query is read as it is).
 
         Raises:
             ValueError: more sequences than the workspace holds.
@@ -345,8 +345,7 @@ class DecodeAttention:
         q = q.contiguous()
         ws, nkv = self.workspace, self.num_kv_heads
         if self.use_cuda:
-            self.cuda.launch(q if q.dtype == torch.float16 else q.to(torch.float16), pool_pages, page_table,
-                             tier_tokens, row_ids, ws, self.qk_scale, out)
+            self.cuda.launch(q, pool_pages, page_table, tier_tokens, row_ids, ws, self.qk_scale, out)
             return
         _decode_partial_kernel[(num_seqs, nkv, self.partial_parts)](
             q, pool_pages, page_table, tier_tokens, row_ids, ws.part_m, ws.part_l, ws.part_acc, ws.page_probs,

@@ -277,8 +277,9 @@ class Attention(nn.Module):
 
     After :meth:`fuse_projections` (done at load), q/k/v are one matrix product over the concatenated
     weight and one RoPE kernel on CUDA (:func:`~trtllm_diffkv.model.fused.qkv_rope`); without the
-    concatenated weight (a rotated copy, :func:`~trtllm_diffkv.model.rotation.rotate_model`) CUDA runs
-    three products, their concatenation and the same RoPE kernel; the CPU keeps the separate products
+    concatenated weight (a model never fused, or a rotated copy made off CUDA,
+    :func:`~trtllm_diffkv.model.rotation.rotate_model`) CUDA runs three products, their concatenation and the
+    same RoPE kernel; the CPU keeps the separate products
     and PyTorch's RoPE (bit-identical to the transformers parity path).
 
     ``key_rotation`` (a non-persistent fp32 buffer, ``None`` unless the model

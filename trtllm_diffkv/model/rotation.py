@@ -185,11 +185,15 @@ def rotate_model_(model, seed: int = 0, first_kv_head: int | None = None):
 def rotate_model(model, seed: int = 0, first_kv_head: int | None = None):
     """A copy of ``model`` that attends in rotated coordinates (see the module docstring): for a caller's model.
 
-    Every tensor but ``v_proj`` and ``o_proj`` is shared with ``model`` (no copy: the q/k/v and gate/up
-    buffers too; the copy's attention runs its q/k/v products separately, its v rows differing). So while both
-    models live, ``v_proj`` and ``o_proj`` exist twice: ``num_layers * (num_kv_heads + num_heads) * head_dim *
-    hidden_size`` extra elements of the model's dtype (and the bias), plus the fp32 rotations
-    (``num_layers * num_kv_heads * head_dim**2 * 4`` bytes). Each layer's ``self_attn.key_rotation`` holds its
+    Every tensor but ``v_proj`` and ``o_proj`` is shared with ``model`` (no copy: the gate/up buffers too). So
+    while both models live, ``v_proj`` and ``o_proj`` exist twice: ``num_layers * (num_kv_heads + num_heads) *
+    head_dim * hidden_size`` extra elements of the model's dtype (and the bias), plus the fp32 rotations
+    (``num_layers * num_kv_heads * head_dim**2 * 4`` bytes). On CUDA (where the fused kernels run) a source with
+    concatenated q/k/v weights gives the copy its own concatenated buffer of q, k and its rotated v rows, so
+    its attention runs one q/k/v product as the source's does (three products and their concatenation cost
+    SmolLM2's decode step ~0.3 ms on the H200): ``q_proj`` / ``k_proj`` exist twice too, another
+    ``num_layers * (num_heads + num_kv_heads) * head_dim * hidden_size`` elements (1.3 GB at Llama-3-8B in
+    bf16). The product's own models rotate in place instead (:func:`rotate_model_`, no copy at all). Each layer's ``self_attn.key_rotation`` holds its
     ``float32 [num_kv_heads, head_dim, head_dim]`` matrices.
 
     Args:
@@ -215,9 +219,11 @@ def rotate_model(model, seed: int = 0, first_kv_head: int | None = None):
         for t in list(module._buffers.values()) + list(module.__dict__.values()):
             if isinstance(t, torch.Tensor):
                 memo[id(t)] = t
+    from .fused import use_fused_kernels
+
     rotated = copy.deepcopy(model, memo)
     rotated.__dict__.pop("_rotated_copies", None)
-    for layer, (r, wv, bv, wo) in zip(rotated.model.layers, folded):
+    for source, layer, (r, wv, bv, wo) in zip(model.model.layers, rotated.model.layers, folded):
         attn = layer.self_attn
         attn._qkv_weight = attn._qkv_bias = None  # the shared buffer holds the unrotated v rows
         attn.v_proj.weight = nn.Parameter(wv, requires_grad=False)
@@ -225,6 +231,8 @@ def rotate_model(model, seed: int = 0, first_kv_head: int | None = None):
             attn.v_proj.bias = nn.Parameter(bv, requires_grad=False)
         attn.o_proj.weight = nn.Parameter(wo, requires_grad=False)
         attn.key_rotation = r
+        if source.self_attn._qkv_weight is not None and use_fused_kernels(wv):
+            attn.fuse_projections()  # one q/k/v product where the fused kernels run: q and k rows copied
     rotated._key_rotation_seed = seed
     return rotated
 

@@ -27,13 +27,16 @@
 //   g + 8 is that + 1).
 //
 // Compile-time configuration (-D): HEAD_DIM (64 | 128), GROUP (<= 8), GROUP_PAD, BLOCK_D, PMAX,
-// PAGE_BYTES, STORE_PROBS, WARPS, MIN_BLOCKS, STAGES (0: registers; >= 2: the shared-memory page ring); per tier
+// PAGE_BYTES, STORE_PROBS, WARPS, MIN_BLOCKS, STAGES (0: registers; >= 2: the shared-memory page ring), Q_BF16; per tier
 // (H_ high, L_ low): TOKENS, KB (8 | 4), KG, VB (8 | 4 | 2),
 // VG, KC, KM, VC, VM (segment byte offsets inside a page), COPY (bytes staged: the code and scale segments). Supported combinations are checked by
 // kernels/cuda_decode.py before compiling.
 
 #ifndef KEY_FOLD
 #define KEY_FOLD 1
+#endif
+#ifndef Q_BF16
+#define Q_BF16 0  // 1: q is bf16, rounded to fp16 as it is loaded (as torch's .to(float16) rounds it)
 #endif
 
 typedef unsigned int u32;
@@ -78,6 +81,13 @@ __device__ __forceinline__ float h2f(u32 h) {
     u16 x = (u16)h;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
     return f;
+}
+
+// bf16 bits -> fp16 bits, round to nearest even (bf16 -> fp32 is exact)
+__device__ __forceinline__ u32 bf2h(u32 b) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(__uint_as_float(b << 16)));
+    return r;
 }
 
 __device__ __forceinline__ float ex2(float x) {
@@ -187,7 +197,10 @@ __device__ __forceinline__ void load_query(const u16* __restrict__ qrow, int g, 
     for (int j = 0; j < MT; ++j) {
         u32 h[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) h[e] = (g < GROUP) ? (u32)qrow[g * HEAD_DIM + T::key_dim(j, t, e)] : 0u;
+        for (int e = 0; e < 4; ++e) {
+            const u32 x = (g < GROUP) ? (u32)qrow[g * HEAD_DIM + T::key_dim(j, t, e)] : 0u;
+            h[e] = Q_BF16 ? bf2h(x) : x;
+        }
         qf[j][0] = h[0] | (h[1] << 16);
         qf[j][1] = h[2] | (h[3] << 16);
         part[j / T::KSG] += (h2f(h[0]) + h2f(h[1])) + (h2f(h[2]) + h2f(h[3]));
