@@ -113,3 +113,51 @@ def test_discard_step_drops_a_step_whose_layers_all_ran():
     _run_layers(cache, 2)
     cache.discard_step()
     assert cache.planned_step is None and cache.seq_len == [20, 9]
+
+
+def test_a_slot_of_the_planned_step_is_not_released_until_the_step_ends():
+    """Review finding: releasing a slot between its step's last layer and ``end_step`` left ``end_step`` failing
+    in the prompt commit (the slot FREE) with the step planned for good. The release is refused, nothing freed."""
+    cache = _cache()
+    cache.plan([0, 1], [20, 9], [0, 0], [True, True])
+    _run_layers(cache, 29)
+    free = cache.manager.free_pages()
+    with pytest.raises(ValueError, match=r"slots \[0\] belong to the planned step"):
+        cache.release([0])
+    assert cache.manager.free_pages() == free and cache.planned_step is not None
+    cache.end_step()
+    cache.release([0])
+    assert cache.seq_len[0] == 0 and cache.seq_len[1] == 9 and cache.manager.free_pages() > free
+
+
+def test_a_failed_composite_layer_op_discards_its_step():
+    """Review finding: when ``DiffKVAttention`` (the TensorRT / ORT composite op) raised for a bad input, the step
+    stayed planned and every later ``DiffKVPageUpdate`` was refused: a stalled engine. The failed op now discards
+    the step; after the caller releases the request, the next step plans and runs."""
+    from trtllm_diffkv.trt.plugins import ops
+
+    cache = _cache()
+    handle = torch.tensor([ops.register_cache(cache)])
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+
+    def page_update(slots, lens, pos, pre):
+        token = torch.zeros(1, dtype=torch.int64)
+        ops.run_step_page_update([handle, i64(slots), i64(lens), i64(pos), torch.tensor(pre),
+                                  cache.manager.page_table.clone(), cache.manager.tokens.clone()], token)
+        return token
+
+    def layer(i, num_tokens, token):
+        q = torch.randn(num_tokens, HQ, D)
+        ops.run_layer_attention([q, torch.randn(num_tokens, H, D), torch.randn(num_tokens, H, D),
+                                 cache.pool.pages().clone(), cache.manager.page_table.clone(),
+                                 cache.manager.tokens.clone(), handle, token], torch.empty_like(q), {"layer_idx": i})
+
+    token = page_update([0], [10], [0], [True])
+    with pytest.raises(ValueError, match="disagree"):
+        layer(0, 11, token)  # one token too many for the planned step
+    assert cache.planned_step is None
+    cache.release([0])
+    token = page_update([1], [5], [0], [True])
+    for i in range(L):
+        layer(i, 5, token)
+    assert cache.planned_step is None and cache.seq_len[1] == 5 and cache.seq_len[0] == 0

@@ -28,6 +28,28 @@ def _far_keys():
     return q, k, v
 
 
+def test_a_decode_query_of_another_dtype_than_the_cache_is_refused():
+    """Review finding: the decode attention a cache resolves once (``paged.decode.decode_runner``) skips the
+    per-call checks, so a query of another dtype than the cache's output buffer was launched into it (on CUDA,
+    bf16 bits into an fp16 buffer). Such a call takes the checked path and is refused."""
+    from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4
+
+    patch_interpreter_for_numpy_2_4()
+    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, num_pages=60, max_slots=1, max_seq_len_tokens=32,
+                             high_tokens_per_page=4, use_triton=True, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    cache.plan([0], [6], [0], [True])
+    cache.forward(0, *(torch.randn(6, h, 64, generator=g) for h in (4, 2, 2)))
+    cache.end_step()
+    cache.plan([0], [7], [6], [False])
+    q = torch.randn(1, 4, 64, generator=g).half()
+    with pytest.raises(ValueError, match="float16"):
+        cache.forward(0, q, torch.randn(1, 2, 64, generator=g), torch.randn(1, 2, 64, generator=g))
+    cache.discard_step()
+    cache.release([0])
+    assert cache.manager.free_pages() == 60
+
+
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton-interpreter"])
 def test_keys_beyond_fp16_once_centered_flag_their_request(use_triton):
     if use_triton:

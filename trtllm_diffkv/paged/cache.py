@@ -499,11 +499,21 @@ class PagedDiffKVCache:
         self.planned_step = None
 
     def release(self, slots: Sequence[int]) -> None:
-        """Return every page of ``slots`` to the ring (finish or abort; a free slot is a no-op)."""
+        """Return every page of ``slots`` to the ring (finish or abort; a free slot is a no-op).
+
+        Raises:
+            ValueError: a slot outside ``[0, max_slots)``, or a slot of the planned step (its :meth:`end_step` would
+                commit or advance the freed slot: end or discard the step first); nothing is released then.
+        """
         slots = [int(s) for s in slots]
         for s in slots:
             if not 0 <= s < self.max_slots:
                 raise ValueError(f"slot {s} is outside [0, {self.max_slots})")
+        planned = set(self.planned_step.slots) if self.planned_step is not None else set()
+        busy = sorted(planned.intersection(slots))
+        if busy:
+            raise ValueError(f"slots {busy} belong to the planned step: end_step() or discard_step() before "
+                             "releasing them")
         self.manager.release(torch.tensor(slots, dtype=torch.int64, device=self.device))
         for s in slots:
             self.prompt_len[s] = self.seq_len[s] = 0

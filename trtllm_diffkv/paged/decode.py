@@ -221,7 +221,7 @@ def decode_layer(cache, step, layer, q, k, v, out) -> None:
         positions=d.positions, error_flags=cache.error_flags, error_index=d.err_idx)
     pages, table, tokens = cache.pool.pages(), cache.manager.page_table, cache.manager.tokens
     runner = decode_runner(cache, q.dtype)
-    if runner is not None:
+    if runner is not None and out.dtype == q.dtype and q.device == out.device:  # else the checked per-call path
         runner(q, pages, table, tokens, d.row_ids[layer], out)
         return
     kwargs = {}
@@ -238,9 +238,10 @@ def decode_runner(cache, q_dtype: torch.dtype):
     path, or a caller's stand-in), which then runs per call."""
     from ..kernels import decode_attention as da
 
-    if cache.decode_attention is not da.paged_decode_attention:
+    runners = getattr(cache, "decode_runners", None)  # None: a stand-in view (trt/plugins/ops.py): checked per call
+    if runners is None or cache.decode_attention is not da.paged_decode_attention:
         return None
-    runner = cache.decode_runners.get(q_dtype)
+    runner = runners.get(q_dtype)
     if runner is None:
         runner = cache.decode_runners[q_dtype] = da.DecodeAttention(
             cache.page_format, cache.num_heads, cache.num_kv_heads, decode_workspace(cache),

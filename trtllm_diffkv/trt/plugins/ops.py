@@ -103,7 +103,8 @@ def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
 
     Raises:
         ValueError: the step's page update failed (step token != 1), an unknown handle, state tensors that do
-            not fit the cache, or an input the cache refuses.
+            not fit the cache, or an input the cache refuses (the planned step is then discarded,
+            ``PagedDiffKVCache.discard_step``: the caller releases its requests, the next page update plans anew).
     """
     q, k, v, pool, table, tokens, handle, step_token = inputs
     if int(step_token.reshape(-1)[0]) != 1:
@@ -112,9 +113,13 @@ def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
     _check_state(cache, pool, table, tokens)
     as_cache = lambda t: t.to(cache.device, cache.dtype)  # noqa: E731
     layer = int(attrs["layer_idx"])
-    out.copy_(cache.forward(layer, as_cache(q), as_cache(k), as_cache(v)))
-    if layer == cache.num_layers - 1:
-        cache.end_step()  # before the copies: the prompts' commit moves pages in the table
+    try:
+        out.copy_(cache.forward(layer, as_cache(q), as_cache(k), as_cache(v)))
+        if layer == cache.num_layers - 1:
+            cache.end_step()  # before the copies: the prompts' commit moves pages in the table
+    except BaseException:
+        cache.discard_step()  # else every later DiffKVPageUpdate finds the step still planned (a stalled engine)
+        raise
     pool.copy_(cache.pool.pages())
     table.copy_(cache.manager.page_table)
     tokens.copy_(cache.manager.tokens)
