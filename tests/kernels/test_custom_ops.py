@@ -153,6 +153,16 @@ def test_write_tokens_op():
     D.write_tokens(*args)
     assert torch.equal(pool.pages(), want_pages) and torch.equal(flags, want_flags)
     assert want_flags.tolist() == [0, 0, 0, 1, 0] and want_pages.any()
+    # without flags: the other op (no mutated argument is None: torch 2.11's Dynamo failed on one)
+    keys[3, 7] = 0.5
+    args = (pool.pages(), ops.page_format_ints(fmt), "high", page, slot, keys, values, None, None, scores, positions)
+    torch.library.opcheck(D.write_tokens_unflagged, args)
+    quant_write.write_tokens(want_pages, fmt, "high", page, slot, keys, values, scores=scores, positions=positions)
+    D.write_tokens_unflagged(*args)
+    assert torch.equal(pool.pages(), want_pages)
+    with pytest.raises(ValueError, match="go together"):  # the compiled-path wrapper, run directly
+        ops.write_tokens.__wrapped__(pool.pages(), fmt, "low", page, slot, keys, values, scores=scores,
+                                     positions=positions, error_flags=flags)
 
 
 # --------------------------------------------------------------------------- prefill attention

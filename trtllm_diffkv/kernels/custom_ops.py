@@ -20,6 +20,7 @@ op                                        direct function                       
                                                                                                 six workspace tensors
 ``diffkv::write_tokens``                  :func:`.quant_write.write_tokens`                     ``pages``,
                                                                                                 ``error_flags``
+``diffkv::write_tokens_unflagged``        ``quant_write.write_tokens`` without error flags      ``pages``
 ``diffkv::scored_prefill_attention``      :func:`.prefill_attention.scored_prefill_attention`   -- (returns fresh
                                                                                                 ``(out, score_sums)``)
 ========================================  ====================================================  ========================
@@ -211,20 +212,35 @@ def _(q, pool_pages, page_format, page_table, tier_tokens, row_ids, out, workspa
 
 
 # --------------------------------------------------------------------------- the KV write
+# Two ops, so that no mutated argument is ever None: torch 2.11's functionalization of a mutable Optional[Tensor]
+# passed as None failed under Dynamo's fake tensors (IndexError, seen on the H200 with torch 2.11.0+cu130).
 @torch.library.custom_op("diffkv::write_tokens", mutates_args=("pages", "error_flags"))
 def _write_tokens_op(pages: Tensor, page_format: list[int], tier: str, dest_page: Tensor, dest_slot: Tensor,
-                     keys: Tensor, values: Tensor, key_offsets: Optional[Tensor] = None,
-                     offset_rows: Optional[Tensor] = None, scores: Optional[Tensor] = None,
-                     positions: Optional[Tensor] = None, error_flags: Optional[Tensor] = None,
-                     error_index: Optional[Tensor] = None) -> None:
+                     keys: Tensor, values: Tensor, key_offsets: Optional[Tensor], offset_rows: Optional[Tensor],
+                     scores: Optional[Tensor], positions: Optional[Tensor], error_flags: Tensor,
+                     error_index: Tensor) -> None:
     _write.write_tokens(pages, _format_of(tuple(page_format)), tier, dest_page, dest_slot, keys, values,
                         key_offsets=key_offsets, offset_rows=offset_rows, scores=scores, positions=positions,
                         error_flags=error_flags, error_index=error_index)
 
 
 @_write_tokens_op.register_fake
-def _(pages, page_format, tier, dest_page, dest_slot, keys, values, key_offsets=None, offset_rows=None,
-      scores=None, positions=None, error_flags=None, error_index=None):
+def _(pages, page_format, tier, dest_page, dest_slot, keys, values, key_offsets, offset_rows, scores, positions,
+      error_flags, error_index):
+    return None
+
+
+@torch.library.custom_op("diffkv::write_tokens_unflagged", mutates_args=("pages",))
+def _write_tokens_unflagged_op(pages: Tensor, page_format: list[int], tier: str, dest_page: Tensor,
+                               dest_slot: Tensor, keys: Tensor, values: Tensor, key_offsets: Optional[Tensor],
+                               offset_rows: Optional[Tensor], scores: Optional[Tensor],
+                               positions: Optional[Tensor]) -> None:
+    _write.write_tokens(pages, _format_of(tuple(page_format)), tier, dest_page, dest_slot, keys, values,
+                        key_offsets=key_offsets, offset_rows=offset_rows, scores=scores, positions=positions)
+
+
+@_write_tokens_unflagged_op.register_fake
+def _(pages, page_format, tier, dest_page, dest_slot, keys, values, key_offsets, offset_rows, scores, positions):
     return None
 
 
@@ -302,9 +318,22 @@ def write_tokens(pages: Tensor, page_format: PageFormat, tier: str, dest_page: T
                  offset_rows: Optional[Tensor] = None, scores: Optional[Tensor] = None,
                  positions: Optional[Tensor] = None, error_flags: Optional[Tensor] = None,
                  error_index: Optional[Tensor] = None) -> None:
-    """:func:`~.quant_write.write_tokens`; traced as ``diffkv::write_tokens`` (writes ``pages``, ``error_flags``)."""
-    torch.ops.diffkv.write_tokens(pages, page_format_ints(page_format), tier, dest_page, dest_slot, keys, values,
-                                  key_offsets, offset_rows, scores, positions, error_flags, error_index)
+    """:func:`~.quant_write.write_tokens`; traced as ``diffkv::write_tokens`` (writes ``pages``, ``error_flags``)
+    or, without ``error_flags``, ``diffkv::write_tokens_unflagged`` (writes ``pages``).
+
+    Raises:
+        ValueError: as :func:`~.quant_write.write_tokens`, and ``error_flags`` without ``error_index`` or the
+            reverse.
+    """
+    if (error_flags is None) != (error_index is None):
+        raise ValueError("write_tokens: error_flags and error_index go together")
+    ints = page_format_ints(page_format)
+    if error_flags is None:
+        torch.ops.diffkv.write_tokens_unflagged(pages, ints, tier, dest_page, dest_slot, keys, values, key_offsets,
+                                                offset_rows, scores, positions)
+        return
+    torch.ops.diffkv.write_tokens(pages, ints, tier, dest_page, dest_slot, keys, values, key_offsets, offset_rows,
+                                  scores, positions, error_flags, error_index)
 
 
 @_compiled_through(_prefill.scored_prefill_attention)
