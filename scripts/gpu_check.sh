@@ -17,6 +17,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
     2>&1 | tee -a "$OUT/gpu_info.txt"
 rc=0
 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+# device-agnostic files (the CPU runs them under the Triton interpreter; here they run on the GPU), not marked gpu
+python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_decode_attention.py tests/kernels/test_cuda_decode.py \
+    tests/kernels/test_custom_ops.py 2>&1 | tee -a "$OUT/gpu_tests.log" || rc=1
 python3 benchmarks/bench_page_manager.py --out "$OUT/page_manager.json" 2>&1 | tee "$OUT/bench.log" || rc=1
 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
 echo "results in $OUT (exit $rc)"

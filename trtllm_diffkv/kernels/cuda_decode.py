@@ -367,7 +367,8 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     log-sum-exp the merge computes; it replaces the Triton merge and score kernels on this backend).
 
     ``min_blocks`` / ``stages``: as :func:`compile_defines` (the register cap, the page ring's buffers a warp;
-    for the ring, an unpinned ``min_blocks`` steps down until ptxas spills nothing, :func:`_spill_free_kernel`),
+    for the ring, an unpinned ``min_blocks`` steps down while the kernel uses more than
+    :data:`LOCAL_BYTES_TOLERATED` bytes of local memory, :func:`_spill_free_kernel`),
     with ``q``'s device's shared-memory limits (:func:`device_shared_limits`). Arguments as
     :func:`~.decode_attention.paged_decode_attention` (already checked there);
     ``q`` is fp16 or bf16 ``[num_seqs, num_heads, head_dim]`` contiguous (a bf16 query is rounded to fp16 as the

@@ -43,7 +43,7 @@ call                                                   direct  op (grad mode)   
 A mutating op pays most: torch's Python ``ADInplaceOrView`` kernel of a custom op walks the schema once per
 argument (``inference_mode`` skips it), hence the workspace as one ``Tensor[]`` (17 arguments cost 100 us). An
 eager prefill step makes about eight such calls per layer. ``tests/kernels/test_custom_ops.py`` prints the
-``silu_mul`` row.
+``silu_mul`` row (visible with ``pytest -s``).
 
 Arguments that cannot cross a schema:
 

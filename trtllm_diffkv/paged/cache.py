@@ -142,7 +142,8 @@ class PagedDiffKVCache:
             prompt_scores: :func:`prompt_scores_function`.
         staging: ``{slot: PromptStaging}`` of the prompts whose later chunks are still to come (:mod:`.staging`).
         score_sums: fp32 ``[max_num_tokens, num_kv_heads]`` scratch of the scored prefill.
-        prompt_len_device: int64 ``[max_slots]`` prompt length per slot on the device (0: free).
+        prompt_len_device: int64 ``[max_slots]`` prompt length per slot on the device (written by each prompt's
+            prefill; a released slot keeps its last value, read by no step).
         planned_step: the :class:`~.step_plan.StepPlan` :meth:`plan` made that :meth:`end_step` has not ended yet,
             else ``None``.
         decode_workspace, decode_buffers, plan_inputs, plan_graphs, decision_scratch: the decode step's
