@@ -16,9 +16,9 @@ CFG = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_h
 L, HQ, H, D = 3, 4, 2, 64
 
 
-def _cache():
+def _cache(**kwargs):
     return PagedDiffKVCache(CFG, L, HQ, H, D, num_pages=200, max_slots=2, max_seq_len_tokens=64,
-                            high_tokens_per_page=4)
+                            high_tokens_per_page=4, **kwargs)
 
 
 def _run_layers(cache, num_tokens, layers=range(L), seed=0):
@@ -161,3 +161,26 @@ def test_a_failed_composite_layer_op_discards_its_step():
     for i in range(L):
         layer(i, 5, token)
     assert cache.planned_step is None and cache.seq_len[1] == 5 and cache.seq_len[0] == 0
+
+
+def test_a_plan_failing_after_its_reservation_gives_the_new_prompts_back(monkeypatch):
+    """Breaker finding: an allocation failing after ``reserve_prompt`` (a chunked prompt's staging out of device
+    memory) left the slot RESERVED and its pages taken for good: every later request in that slot failed. The
+    failed plan now undoes the new prompts' reservations and staging; the slot plans again."""
+    from trtllm_diffkv.paged import prefill
+
+    cache = _cache(staging_limit_bytes=1 << 22)
+    free = cache.manager.free_pages()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: the staging allocation failed")
+
+    monkeypatch.setattr(prefill, "PromptStaging", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.plan([0, 1], [8, 9], [0, 0], [True, True], prompt_lens=[40, 9])  # slot 0 chunked: staged
+    assert cache.planned_step is None and cache.manager.free_pages() == free and not cache.staging
+    monkeypatch.undo()
+    cache.plan([0, 1], [20, 9], [0, 0], [True, True])
+    _run_layers(cache, 29)
+    cache.end_step()
+    assert cache.seq_len[:2] == [20, 9]

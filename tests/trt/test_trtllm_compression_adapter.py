@@ -103,10 +103,13 @@ def test_hook_order_per_iteration(trt, model):
     ex.run_until_done()
     decode = [("prepare_resources", [rid]), ("on_generation_step_begin", [rid]), ("forward", [rid]),
               ("update_resources", [rid]), ("on_generation_step_end", [rid])]
+    last = [("prepare_resources", [rid]), ("on_generation_step_begin", [rid]), ("forward", [rid]),
+            ("free_resources", rid), ("on_request_finish", rid), ("update_resources", [rid]),
+            ("on_generation_step_end", [rid])]  # PyExecutor frees a finished request before update_resources
     assert ex.calls == [
         ("prepare_resources", [rid]), ("on_request_init", rid), ("on_generation_step_begin", [rid]),
         ("forward", [rid]), ("update_resources", [rid]), ("on_context_step_end", [rid]),
-        ("on_generation_step_end", [rid]), *decode, *decode, ("free_resources", rid), ("on_request_finish", rid)]
+        ("on_generation_step_end", [rid]), *decode, *last]
 
 
 def test_prompt_is_compacted_by_the_context_step(trt, model):
@@ -119,6 +122,24 @@ def test_prompt_is_compacted_by_the_context_step(trt, model):
     assert stats.high_tokens + stats.low_tokens + stats.pruned_tokens == rows * n
     assert stats.low_tokens + stats.pruned_tokens > 0  # tiered: llama3-8b thresholds on a peaked model
     ex.run_until_done()
+    assert_all_pages_back(ex)
+
+
+@pytest.mark.parametrize("max_tokens", [(3, 8), (1, 8)])
+def test_a_request_finishing_before_update_resources_leaves_the_others_decoding(trt, model, max_tokens):
+    """Breaker finding: PyExecutor answers and frees finished requests before ``update_resources``; the adapter
+    took a step still being tracked for a failed forward and discarded it, so the request left running kept a
+    stale length and failed its next step, and one finishing at its context step (``max_tokens=1``) raised "reached
+    DiffKV without on_request_init" from ``update_resources``. The finished request is now left out of the step's
+    bookkeeping."""
+    prompts = prompts_of([20, 30])
+    ex = executor(trt, model)
+    ids = [ex.add_request(p, n) for p, n in zip(prompts, max_tokens)]
+    done = ex.run_until_done()
+    assert not ex.errors, ex.errors
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        assert done[ids[i]].finish_reason == "length"
+        assert done[ids[i]].output_token_ids == llm_tokens(model, [p], n, "llama3-8b")[0]
     assert_all_pages_back(ex)
 
 

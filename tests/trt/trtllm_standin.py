@@ -563,12 +563,17 @@ class StandInPyExecutor:
             logits = self._forward(batch)
             tokens = logits.argmax(-1).tolist()
             self._update_requests(batch, tokens)
-            self.calls.append(("update_resources", [r.py_request_id for r in batch.all_requests()]))
-            self.resource_manager.update_resources(batch, self.metadata, 2)
         except Exception as exc:  # noqa: BLE001 - PyExecutor's _handle_errors: every active request fails
             self._handle_errors(f"{type(exc).__name__}: {exc}")
-            return
+        # PyExecutor's order: cancellations and finished requests answered (and freed) first, then
+        # update_resources over the scheduled batch as it was, the freed requests still in it
+        self._handle_canceled_requests()
         self._handle_responses()
+        try:
+            self.calls.append(("update_resources", [r.py_request_id for r in batch.all_requests()]))
+            self.resource_manager.update_resources(batch, self.metadata, 2)
+        except Exception as exc:  # noqa: BLE001
+            self._handle_errors(f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ the iteration's parts
     def _handle_canceled_requests(self) -> None:

@@ -274,6 +274,8 @@ class PagedDiffKVCache:
                 continue its slot's staged prompt), naming the request;
                 or a step already planned and not ended (:meth:`end_step`).
             OutOfPagesError: too few free pages, or too few staging bytes; nothing changed.
+            Anything the planning itself raises (a staging allocation out of memory, a kernel error): the new
+            prompts' reservations and staging are undone, the decoding slots are left to their callers.
         """
         if self.planned_step is not None:
             raise ValueError(f"a step is already planned ({self._step_progress(self.planned_step)}): run its layers "
@@ -316,10 +318,17 @@ class PagedDiffKVCache:
         decoding = bool(n - n_pre) or pad_to is not None
         parts = (prefill.host_inputs(self, step) if n_pre else []) + ([decode.host_inputs(step)] if decoding else [])
         inputs = self.step_inputs.to_device(parts)  # ONE host-to-device copy of the step's integers
-        if n_pre:
-            prefill.plan_prefill(self, step, inputs[:-1] if decoding else inputs)
-        if decoding:
-            decode.plan_decode(self, step, inputs[-1], pad_to=pad_to)
+        try:
+            if n_pre:
+                prefill.plan_prefill(self, step, inputs[:-1] if decoding else inputs)
+            if decoding:
+                decode.plan_decode(self, step, inputs[-1], pad_to=pad_to)
+        except BaseException:
+            # the new prompts' reservations and staging go back (an allocation or kernel failing after
+            # reserve_prompt left their slots RESERVED and their pages taken for good); the decoding slots'
+            # state is their callers' to release
+            self.release([slots[i] for i in first_chunks])
+            raise
         self.planned_step = step
 
     def check_request(self, i: int, slot: int, total: int, first: int, prefill: bool,

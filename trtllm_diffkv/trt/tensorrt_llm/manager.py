@@ -27,7 +27,9 @@ Where TensorRT-LLM's order differs from our executor's, this adapter adapts (the
 * TensorRT-LLM's overlap scheduler plans step n+1 before step n's ``update_resources``; our plan needs
   the previous step's end, so a second ``on_generation_step_begin`` without an end is refused with a
   message (``disable_overlap_scheduler=True``);
-* a step whose forward failed leaves our plan open; ``on_request_finish`` discards it before it frees.
+* a step whose forward failed leaves our plan open; ``on_request_finish`` discards it before it frees; a request
+  freed after its step ended and before ``update_resources`` (PyExecutor's order: responses and cancellations
+  first) is left out of that step's ``update_resources``.
 
 Not expressible in the framework (written down in docs/RUNTIME.md): the scheduler admits by
 TensorRT-LLM's own KV cache manager, not by DiffKV's free pages (the base class's resource counts are
@@ -211,7 +213,9 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         """
         cache = self._bound().cache
         for request in requests:
-            ours = self._ours(request)
+            ours = self._requests.get(request.py_request_id)
+            if ours is None:  # finished or cancelled in this iteration: PyExecutor frees before update_resources
+                continue
             if ours.slot is None or cache.prompt_len[ours.slot] != len(ours.prompt_token_ids):
                 raise RuntimeError(f"request {request.py_request_id}: its prompt is not in DiffKV's cache after its "
                                    "prefill; serve the layers with attn_backend='DIFFKV' (DiffKVAttention)")
@@ -227,7 +231,12 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        ids = [r.py_request_id for r in (*scheduled_batch.context_requests, *scheduled_batch.generation_requests)]
+        # requests that finished or were cancelled in this iteration are freed (and left out of ``batch``) before
+        # PyExecutor's update_resources, which still passes them in its scheduled batch
+        ids = [r.py_request_id for r in (*scheduled_batch.context_requests, *scheduled_batch.generation_requests)
+               if r.py_request_id in self._requests]
+        if not batch.batch_size:
+            return
         if ids != [r.request_id for r in batch.all_requests]:
             raise RuntimeError(f"the step ended with requests {ids}, it was planned with "
                                f"{[r.request_id for r in batch.all_requests]}")
@@ -236,15 +245,21 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
     def on_request_finish(self, request, **kwargs) -> None:
         """Completion or abort: every DiffKV page of the request back to the ring, its slot freed.
 
-        A step still open (its forward failed) is discarded first: its slots' pages are then freed as
-        each of its requests finishes.
+        A step still open (its forward failed, or never ran) is discarded first: its slots' pages are then freed
+        as each of its requests finishes. A request that finishes after its step ended (its last layer ends it)
+        and before ``update_resources`` (PyExecutor answers and frees finished and cancelled requests first) is
+        only left out of the step's bookkeeping: the other requests' step stands.
         """
         ours = self._requests.pop(request.py_request_id, None)
         if ours is None or self.rm is None:
             return
         if self._batch is not None:
-            self.rm.cache.discard_step()
-            self._batch = None
+            if self.rm.cache.planned_step is not None:
+                self.rm.cache.discard_step()
+                self._batch = None
+            else:
+                self._batch = ScheduledBatch([r for r in self._batch.context_requests if r is not ours],
+                                             [r for r in self._batch.generation_requests if r is not ours])
         self.rm.free_resources(ours)
 
     # ------------------------------------------------------------------ for the attention backend
