@@ -118,6 +118,31 @@ def test_static_batch_the_pool_cannot_take_at_once_runs_in_waves():
     assert gen.last_cache.manager.free_pages() == 60
 
 
+def test_a_wave_that_raises_fails_only_its_own_requests():
+    """Breaker finding: a model error in one wave of a static batch failed every pending request, the deferred
+    ones that never ran too. They now run in the next wave (30 pages: one of these prompts a wave)."""
+    model = tiny_llama()
+    gen = PagedGenerator(model, None, model.config, get_preset("default"), num_pages=30)
+    alone = gen.generate_ids([8, 9], 4).token_ids
+    model = gen.model  # the rotated copy the generator runs
+    real, calls = model.forward, []
+
+    def first_call_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("planted: the first wave's forward fails")
+        return real(*args, **kwargs)
+
+    model.forward = first_call_fails
+    try:
+        results = gen.generate_batch([[5, 6, 7], [8, 9]], 4)
+    finally:
+        del model.forward
+    assert results[0].finish_reason == "error" and "planted" in results[0].error
+    assert results[1].finish_reason != "error" and results[1].token_ids == alone
+    assert gen.last_cache.manager.free_pages() == 30
+
+
 def test_step_protocol_is_enforced():
     cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, num_pages=40, max_slots=2, max_seq_len_tokens=16)
     q, k, v = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)

@@ -100,7 +100,12 @@ class PagedGenerator(ReferenceGenerator):
         """Run the requests of ``pending`` the pool can take together; return those left for a later wave."""
         admitted, deferred = self._fit(prompts, pending, max_new_tokens, results)
         if admitted:
-            self._run_wave(prompts, admitted, max_new_tokens, results)
+            try:
+                self._run_wave(prompts, admitted, max_new_tokens, results)
+            except Exception as exc:  # noqa: BLE001 - the wave's requests fail; the deferred ones still run
+                for i in admitted:
+                    if results[i] is None:
+                        results[i] = _error(prompts[i], exc)
         return deferred
 
     def _fit(self, prompts, pending, max_new_tokens, results) -> tuple[list[int], list[int]]:
