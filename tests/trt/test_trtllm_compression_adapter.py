@@ -143,6 +143,50 @@ def test_a_request_finishing_before_update_resources_leaves_the_others_decoding(
     assert_all_pages_back(ex)
 
 
+def test_a_freed_slots_non_finite_flag_never_reaches_its_next_request(trt):
+    """Review finding: a request finishing at its context step (freed before ``update_resources``, which reads and
+    clears the step's error flags) left its non-finite-K/V flag on the slot, and the next request there was failed
+    as NaN/Inf. ``PagedDiffKVCache.release`` clears the slot's flag."""
+    from conftest import tiny_llama
+
+    poisoned, poison = tiny_llama(), 7
+    with torch.no_grad():
+        poisoned.model.embed_tokens.weight[poison] = float("nan")
+    clean = [p for p in prompts_of([12], seed=9) if poison not in p]
+    ex = executor(trt, poisoned)
+    ex.add_request([1, 2, poison], 1)  # alone; its one token comes from the context step
+    ex.run_until_done()
+    good = ex.add_request(clean[0], 3)
+    ex.run_until_done()
+    assert good not in ex.compression_manager.request_errors, ex.compression_manager.request_errors
+    assert_all_pages_back(ex)
+
+
+def test_a_failed_update_resources_before_ours_leaves_no_step_behind(trt, model):
+    """Review finding: when another manager's ``update_resources`` raised before ours, the step's last request was
+    freed by ``_handle_errors`` and an empty batch stayed planned: the next iteration was refused as an overlap
+    scheduler's. The adapter forgets a step whose every request is freed."""
+    ex = executor(trt, model)
+    real, calls = ex.kv_cache_manager.update_resources, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("planted: the KV cache manager's update failed")
+        return real(*args, **kwargs)
+
+    ex.kv_cache_manager.update_resources = fails_once
+    first = ex.add_request(prompts_of([20])[0], 4)
+    ex.run_until_done()
+    assert "planted" in ex.errors[first]
+    prompt = prompts_of([25], seed=3)[0]
+    second = ex.add_request(prompt, 4)
+    done = ex.run_until_done()
+    assert second not in ex.errors, ex.errors[second]
+    assert done[second].output_token_ids == llm_tokens(model, [prompt], 4, "llama3-8b")[0]
+    assert_all_pages_back(ex)
+
+
 def test_abort_while_waiting_after_prefill_and_mid_decode(trt, model):
     prompts = prompts_of([30, 45, 33, 64], seed=1)
     ex = executor(trt, model, max_batch_size=3)

@@ -509,7 +509,8 @@ class PagedDiffKVCache:
         self.planned_step = None
 
     def release(self, slots: Sequence[int]) -> None:
-        """Return every page of ``slots`` to the ring (finish or abort; a free slot is a no-op).
+        """Return every page of ``slots`` to the ring and clear their error flags (finish or abort; a free slot is
+        a no-op).
 
         Raises:
             ValueError: a slot outside ``[0, max_slots)``, or a slot of the planned step (its :meth:`end_step` would
@@ -524,7 +525,9 @@ class PagedDiffKVCache:
         if busy:
             raise ValueError(f"slots {busy} belong to the planned step: end_step() or discard_step() before "
                              "releasing them")
-        self.manager.release(torch.tensor(slots, dtype=torch.int64, device=self.device))
+        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self.manager.release(index)
+        self.error_flags[index] = 0  # a step's flag of a freed slot must not reach its next request
         for s in slots:
             self.prompt_len[s] = self.seq_len[s] = 0
             self.staging.pop(s, None)

@@ -110,10 +110,10 @@ def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
     if int(step_token.reshape(-1)[0]) != 1:
         raise ValueError("the step's page update failed")
     cache = cache_for(handle)
-    _check_state(cache, pool, table, tokens)
     as_cache = lambda t: t.to(cache.device, cache.dtype)  # noqa: E731
     layer = int(attrs["layer_idx"])
     try:
+        _check_state(cache, pool, table, tokens)
         out.copy_(cache.forward(layer, as_cache(q), as_cache(k), as_cache(v)))
         if layer == cache.num_layers - 1:
             cache.end_step()  # before the copies: the prompts' commit moves pages in the table

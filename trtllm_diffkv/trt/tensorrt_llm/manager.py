@@ -260,6 +260,8 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
             else:
                 self._batch = ScheduledBatch([r for r in self._batch.context_requests if r is not ours],
                                              [r for r in self._batch.generation_requests if r is not ours])
+                if not self._batch.batch_size:  # the step's last request: nothing left for update_resources
+                    self._batch = None
         self.rm.free_resources(ours)
 
     # ------------------------------------------------------------------ for the attention backend
