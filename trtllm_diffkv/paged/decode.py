@@ -220,8 +220,9 @@ def decode_layer(cache, step, layer, q, k, v, out) -> None:
         offset_rows=d.rows[layer].reshape(-1) if centered else None, scores=d.scores,
         positions=d.positions, error_flags=cache.error_flags, error_index=d.err_idx)
     pages, table, tokens = cache.pool.pages(), cache.manager.page_table, cache.manager.tokens
-    runner = decode_runner(cache, q.dtype)
-    if runner is not None and out.dtype == q.dtype and q.device == out.device:  # else the checked per-call path
+    # a query of another dtype or device than out takes the checked per-call path (no runner built for it)
+    runner = decode_runner(cache, q.dtype) if out.dtype == q.dtype and q.device == out.device else None
+    if runner is not None:
         runner(q, pages, table, tokens, d.row_ids[layer], out)
         return
     kwargs = {}

@@ -235,8 +235,6 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         # PyExecutor's update_resources, which still passes them in its scheduled batch
         ids = [r.py_request_id for r in (*scheduled_batch.context_requests, *scheduled_batch.generation_requests)
                if r.py_request_id in self._requests]
-        if not batch.batch_size:
-            return
         if ids != [r.request_id for r in batch.all_requests]:
             raise RuntimeError(f"the step ended with requests {ids}, it was planned with "
                                f"{[r.request_id for r in batch.all_requests]}")
