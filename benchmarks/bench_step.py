@@ -55,8 +55,9 @@ from trtllm_diffkv.evaluation.throughput import (LLAMA3_8B_SHAPE, TINY_SHAPE, en
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_OUTPUT = os.path.join(RESULTS, "step.json")
 ROW_FIELDS = ("shape", "batch", "context_tokens", "preset", "step_ms", "model_no_attention_ms", "kv_bytes_read",
-              "kv_floor_ms", "weight_floor_ms")
-"""Keys of one ``rows`` entry of ``step.json``, in order (the issue's schema)."""
+              "kv_floor_ms", "weight_floor_ms", "overlap")
+"""Keys of one ``rows`` entry of ``step.json``, in order (the issue's schema, then ``overlap``: whether the
+executor ran with its overlap scheduler, ``disable_overlap_scheduler=False``)."""
 
 SMOLLM2_135M_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                           num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -166,12 +167,14 @@ def kv_budget_bytes(config: ModelConfig, batch: int, max_seq_len: int) -> int:
 
 
 def executor_steps(model, preset: str, batch: int, context_tokens: int, *, timed_steps: int, warm_steps: int,
-                   profile_steps: int = 0) -> dict:
+                   profile_steps: int = 0, overlap: bool = True) -> dict:
     """Steady-state decode steps of ``batch`` requests of ``context_tokens``-token prompts.
 
     Every request is added at once; the executor prefills them (``max_num_tokens`` per step, decoding the
     admitted ones meanwhile); once every request is decoding, ``warm_steps`` steps run, then ``timed_steps``
-    timed ones (each step returns after its one host read, so wall time is device time plus host work).
+    timed ones (each step returns after its one host read, so wall time is device time plus the host work not
+    overlapped with it). ``overlap``: the executor's overlap scheduler (a step launches the next decode step
+    before it reads the last one), else every step is read before it returns.
 
     Returns:
         dict: ``step_ms`` (median), ``step_ms_all`` (each timed step), ``kv_bytes_read`` (pool bytes used
@@ -191,7 +194,8 @@ def executor_steps(model, preset: str, batch: int, context_tokens: int, *, timed
     max_seq_len = context_tokens + max_tokens
     executor = Executor(model, config, get_preset(preset), max_batch_size=batch, max_num_tokens=max_num_tokens,
                         max_seq_len=max_seq_len, kv_memory_bytes=kv_budget_bytes(config, batch, max_seq_len),
-                        use_triton=None if cuda else False, use_cuda_graphs=cuda)
+                        use_triton=None if cuda else False, use_cuda_graphs=cuda,
+                        disable_overlap_scheduler=not overlap)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size, (batch, context_tokens), generator=g).tolist()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -285,8 +289,9 @@ def profile_host(step, steps: int, top: int = 30) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- the run
 def run(shapes: list[StepShape], device: torch.device, *, timed_steps: int, warm_steps: int, repeats: int,
-        profile_steps: int, copy_bytes: int, log=print) -> tuple[dict, dict]:
-    """Measure every point of ``shapes`` (``fp16`` then the shape's preset); ``(step, profile)`` JSON dicts."""
+        profile_steps: int, copy_bytes: int, overlaps: tuple[bool, ...] = (True,), log=print) -> tuple[dict, dict]:
+    """Measure every point of ``shapes`` (per ``overlaps`` entry, ``fp16`` then the shape's preset; the profile
+    with the first entry); ``(step, profile)`` JSON dicts."""
     env = environment()
     bandwidth = copy_bandwidth_gbps(device, copy_bytes)
     log(f"copy bandwidth {bandwidth:.0f} GB/s on {env['gpu']}")
@@ -298,23 +303,24 @@ def run(shapes: list[StepShape], device: torch.device, *, timed_steps: int, warm
         largest = max(shape.points, key=lambda p: p[0] * p[1])
         for batch, context in shape.points:
             model_ms = model_no_attention_ms(model, batch, context, repeats)
-            for preset in ("fp16", shape.preset):
-                profiled = profile_steps if (batch, context) == largest else 0
+            for overlap, preset in [(o, p) for o in overlaps for p in ("fp16", shape.preset)]:
+                profiled = profile_steps if (batch, context) == largest and overlap == overlaps[0] else 0
                 measured = executor_steps(model, preset, batch, context, timed_steps=timed_steps,
-                                          warm_steps=warm_steps, profile_steps=profiled)
+                                          warm_steps=warm_steps, profile_steps=profiled, overlap=overlap)
                 row = dict(shape=shape.name, batch=batch, context_tokens=context, preset=preset,
                            step_ms=measured["step_ms"], model_no_attention_ms=model_ms,
                            kv_bytes_read=measured["kv_bytes_read"],
                            kv_floor_ms=measured["kv_bytes_read"] / (bandwidth * 1e9) * 1e3,
-                           weight_floor_ms=weight_floor_ms)
+                           weight_floor_ms=weight_floor_ms, overlap=overlap)
                 rows.append(row)
-                log(f"{shape.name:13s} {batch:3d} x {context:5d} {preset:10s} step {row['step_ms']:8.3f} ms  "
+                log(f"{shape.name:13s} {batch:3d} x {context:5d} {preset:10s} overlap {overlap:d} "
+                    f"step {row['step_ms']:8.3f} ms  "
                     f"model alone {model_ms:7.3f}  KV part {row['step_ms'] - model_ms:7.3f} (floor "
                     f"{row['kv_floor_ms']:.3f})  weights floor {weight_floor_ms:.3f}  graphs "
                     f"{measured['use_cuda_graphs']}")
                 if profiled:
                     profiles.append(dict(shape=shape.name, batch=batch, context_tokens=context, preset=preset,
-                                         steps=profiled, use_cuda_graphs=measured["use_cuda_graphs"],
+                                         overlap=overlap, steps=profiled, use_cuda_graphs=measured["use_cuda_graphs"],
                                          kernels=measured["profile"], host=measured["host"]))
         del model
         gc.collect()
@@ -326,17 +332,18 @@ def run(shapes: list[StepShape], device: torch.device, *, timed_steps: int, warm
 
 def summary(step: dict) -> str:
     """A text table of ``step.json``: each point's FP16 roofline, model alone, both steps and their ratio."""
-    lines = [f"{'shape':13s} {'point':>11s} {'roofline fp16':>13s} {'model alone':>11s} {'fp16 step':>9s} "
-             f"{'DiffKV step':>11s} {'ratio':>6s} {'KV part/floor fp16':>18s} {'DiffKV':>7s}"]
+    lines = [f"{'shape':13s} {'point':>11s} {'overlap':>7s} {'roofline fp16':>13s} {'model alone':>11s} "
+             f"{'fp16 step':>9s} {'DiffKV step':>11s} {'ratio':>6s} {'KV part/floor fp16':>18s} {'DiffKV':>7s}"]
     by_point: dict[tuple, dict] = {}
     for row in step["rows"]:
-        by_point.setdefault((row["shape"], row["batch"], row["context_tokens"]), {})[row["preset"]] = row
-    for (shape, batch, context), rows in by_point.items():
+        key = (row["shape"], row["batch"], row["context_tokens"], row.get("overlap", False))
+        by_point.setdefault(key, {})[row["preset"]] = row
+    for (shape, batch, context, overlap), rows in by_point.items():
         fp16 = rows.pop("fp16")
         diffkv = next(iter(rows.values()))
         roof = fp16["weight_floor_ms"] + fp16["kv_floor_ms"]
         part = lambda r: (r["step_ms"] - r["model_no_attention_ms"]) / r["kv_floor_ms"]  # noqa: E731
-        lines.append(f"{shape:13s} {batch:4d}x{context:<6d} {roof:13.2f} {fp16['model_no_attention_ms']:11.2f} "
+        lines.append(f"{shape:13s} {batch:4d}x{context:<6d} {'on' if overlap else 'off':>7s} {roof:13.2f} {fp16['model_no_attention_ms']:11.2f} "
                      f"{fp16['step_ms']:9.2f} {diffkv['step_ms']:11.2f} {diffkv['step_ms'] / fp16['step_ms']:6.2f} "
                      f"{part(fp16):18.2f} {part(diffkv):7.2f}")
     return "\n".join(lines)
@@ -351,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
     ap.add_argument("--timed-steps", type=int, default=None, help="timed executor steps per row (default 20; 3)")
     ap.add_argument("--profile-steps", type=int, default=None, help="profiled steps at each shape's largest point")
+    ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                    help="the executor's overlap scheduler: on (its GPU default), off, or both side by side "
+                         "(profiled: the first, on)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     shapes = default_shapes(args.smoke)
@@ -364,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     profile_steps = args.profile_steps if args.profile_steps is not None else (1 if args.smoke else 3)
     step, prof = run(shapes, device, timed_steps=timed, warm_steps=1 if args.smoke else 5,
                      repeats=3 if args.smoke else 50, profile_steps=profile_steps,
-                     copy_bytes=(8 << 20) if args.smoke else (2 << 30))
+                     copy_bytes=(8 << 20) if args.smoke else (2 << 30),
+                     overlaps={"on": (True,), "off": (False,), "both": (True, False)}[args.overlap])
     step["command"] = prof["command"] = "python benchmarks/bench_step.py " + shlex.join(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:

@@ -30,6 +30,7 @@ def test_schema_and_points(smoke):
     for row in step["rows"]:
         assert tuple(row) == bench_step.ROW_FIELDS
         assert row["step_ms"] > 0 and row["model_no_attention_ms"] > 0 and isinstance(row["kv_bytes_read"], int)
+        assert row["overlap"] is True  # the default: the executor's overlap scheduler
 
 
 def test_floors_follow_from_bytes(smoke):

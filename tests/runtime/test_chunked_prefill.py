@@ -264,10 +264,10 @@ def test_a_failing_prompt_call_of_a_split_step_fails_only_its_prompts(model):
     ex = make(model, get_preset("default"), max_batch_size=4, max_num_tokens=64, split_mixed_steps=True)
     forward = ex._forward
 
-    def failing(batch, graphs=None):
+    def failing(batch, graphs=None, input_ids=None):
         if batch.context_requests and batch.context_requests[0].request_id == bad:
             raise RuntimeError("planted")
-        return forward(batch, graphs)
+        return forward(batch, graphs, input_ids)
 
     ex._forward = failing
     short, other = _prompts((9, 20), seed=12)

@@ -381,8 +381,8 @@ def test_requests_added_and_aborted_from_another_thread(model):
 def test_stats_report_pool_fraction_and_bookkeeping(model):
     prompts = _prompts((24, 17), seed=12)
     ex = make(model)
-    reads, read = [], ex._read
-    ex._read = lambda values: reads.append(values.numel()) or read(values)  # the step's device-to-host read
+    reads, read = [], ex._start_read
+    ex._start_read = lambda values: reads.append(values.numel()) or read(values)  # the step's device-to-host read
     ex.cache.step_errors = None  # the error flags must come with that one read, not from a separate one
     for p in prompts:
         ex.add_request(p, _greedy(6))

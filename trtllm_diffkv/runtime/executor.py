@@ -25,6 +25,20 @@
    ``max_tokens`` (:class:`~.sampling.StopChecker`); finished and failed requests free every
    page in this same step (``free_resources``).
 
+Overlap (``disable_overlap_scheduler``; TensorRT-LLM's overlap scheduler): a decode-only step whose requests'
+draws do not read their host history (no ``logprobs``, no repetition/presence/frequency penalty) is left in
+flight: its sampled tokens stay on the device and the host copy is read by the NEXT :meth:`Executor.step`,
+which first plans and launches the next decode step of the same requests (its input ids are the in-flight
+step's sampled tokens, on the device), then reads and settles the in-flight step (step 6) while the GPU runs
+the new one. So the host's planning, bookkeeping and stop checks run beside the kernels instead of between
+them. A step's updates therefore come back one :meth:`~Executor.step` call later. The next step is launched
+before the in-flight one is read only when the scheduler would run exactly those requests again: no request
+waiting that might be admitted, no half-prefilled prompt, the decode worst case within the free-page bound
+less the in-flight step's worst case; a request that reaches ``max_tokens`` in the in-flight step is left out
+of it. Otherwise the in-flight step is settled first and the step runs as above. A request that stops on a
+stop id or string in the in-flight step also ran the launched step (one token more in its cache at its end,
+counted by its result's pool figures); that step's token is dropped, and its pages go back when it is read.
+
 A step with both prompts and decodes runs 3-6 twice with ``split_mixed_steps`` (default with CUDA graphs):
 the decodes first, as a decode-only step (a graph replay), then the prompts eagerly. An eager step's cost is
 mostly host work per layer whatever it carries (docs/PERFORMANCE.md, "Chunked prefill steps"); the split
@@ -41,6 +55,7 @@ import itertools
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -84,6 +99,31 @@ def sampling_rows(batch: ScheduledBatch) -> list[int]:
         if r.completes_prefill:
             rows.append(at - 1)
     return rows + list(range(at, at + len(batch.generation_requests)))
+
+
+@dataclass(eq=False, slots=True)
+class LaunchedStep:
+    """A step whose forward and sampler ran (launched on the GPU) and whose host copy is not read yet.
+
+    Attributes:
+        batch: its :class:`ScheduledBatch` (after ``prepare_resources``).
+        sampled: its requests that sample a token (batch order): the first ``len(sampled)`` values of the read.
+        tokens: int64 ``[len(sampled)]`` sampled token ids on the device (the next decode step's input ids).
+        logprobs: the sampler's :class:`~.sampling.StepLogprobs` on the device, or ``None``.
+        host: the pinned int64 buffer the status is copied into (a CPU run: the values already read).
+        event: the CUDA event recorded after the copy, or ``None`` on the CPU.
+        t0: ``time.perf_counter()`` at the start of the :meth:`Executor.step` that launched it.
+        worst_case_pages: pages its decode may have taken (``decode_pages_needed``); 0 once read.
+    """
+
+    batch: ScheduledBatch
+    sampled: list
+    tokens: torch.Tensor
+    logprobs: object
+    host: object
+    event: object
+    t0: float
+    worst_case_pages: int = 0
 
 
 class SingleProcess:
@@ -139,6 +179,10 @@ class Executor:
             rank of a tensor-parallel run decides alike even where its capture failed. Outputs are the
             unsplit step's (each request's computation is its own; the batched matmuls' rounding may differ
             in the last bit).
+        disable_overlap_scheduler: ``True``: every step reads its own host copy before it returns. ``False``:
+            overlap decode-only steps (module docstring), also eagerly and on the CPU (where it gains nothing).
+            ``None`` (default): overlap when decode steps replay CUDA graphs in one process (TensorRT-LLM's
+            name; its default is the overlap scheduler on). Tensor parallelism never overlaps.
         high_tokens_per_page, use_triton: page sizing and kernels (:class:`PagedDiffKVCache`).
         profile: synchronize around the timed regions so that :meth:`stats`'s
             ``bookkeeping_fraction`` measures device time (slower; benchmarks only).
@@ -148,7 +192,7 @@ class Executor:
 
     Raises:
         ValueError: a bad size or budget (also ``max_num_tokens < max_batch_size``), ``kv_config`` cannot run
-            this model, or a value of
+            this model, ``disable_overlap_scheduler=False`` with tensor parallelism, or a value of
             ``TRTLLM_DIFFKV_DECODE_BACKEND`` that is not ``auto``/``cuda``/``triton``.
     """
 
@@ -159,7 +203,7 @@ class Executor:
                  use_cuda_graphs: bool | None = None, high_tokens_per_page: int = 32,
                  use_triton: bool | None = None, profile: bool = False, parallel=None,
                  enable_chunked_prefill: bool = True, chunk_staging_bytes: int | None = None,
-                 split_mixed_steps: bool | None = None) -> None:
+                 split_mixed_steps: bool | None = None, disable_overlap_scheduler: bool | None = None) -> None:
         from ..kernels.cuda_decode import configured_backend
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
@@ -208,6 +252,14 @@ class Executor:
         if split_mixed_steps is not None and not isinstance(split_mixed_steps, bool):
             raise ValueError(f"split_mixed_steps={split_mixed_steps!r} must be True, False or None")
         self.split_mixed_steps = bool(use_cuda_graphs) if split_mixed_steps is None else split_mixed_steps
+        if disable_overlap_scheduler is not None and not isinstance(disable_overlap_scheduler, bool):
+            raise ValueError(f"disable_overlap_scheduler={disable_overlap_scheduler!r} must be True, False or None")
+        single = isinstance(self.parallel, SingleProcess)
+        if disable_overlap_scheduler is False and not single:
+            raise ValueError("disable_overlap_scheduler=False: a tensor-parallel run does not overlap steps (every "
+                             "rank reads each step's status before the next)")
+        self.overlap_steps = single and (bool(use_cuda_graphs) if disable_overlap_scheduler is None
+                                         else not disable_overlap_scheduler)
         self.profile = profile
         self._graphs = self._capture_graphs() if use_cuda_graphs else None  # DecodeGraphRunner
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -225,10 +277,13 @@ class Executor:
         self._abort_ids: list = []
         n = 2 * self.max_batch_size + 2
         cuda = self.device.type == "cuda"
-        self._host = torch.empty(n, dtype=torch.int64, pin_memory=cuda)
-        self._event = torch.cuda.Event() if cuda else None
+        # two pinned buffers and events in turn: a step in flight keeps its own while the next one copies
+        self._hosts = [torch.empty(n, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._turn = 0
+        self._inflight: LaunchedStep | None = None  # the decode step launched and not read (overlap)
         self._totals = dict(steps=0, batch_requests=0, output_tokens=0, step_s=0.0, bookkeeping_s=0.0,
-                            finished=0, failed=0, aborted=0)
+                            finished=0, failed=0, aborted=0, overlapped_steps=0)
 
     @property
     def waiting(self):
@@ -300,8 +355,9 @@ class Executor:
                 self._totals["aborted"] += 1
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running (or an abort is still to be reported)."""
-        return bool(self.requests or self._pending)
+        """Whether any request is waiting or running, an abort is still to be reported, or a launched step is
+        still to be read (overlap)."""
+        return bool(self.requests or self._pending or self._inflight is not None)
 
     def run_until_done(self) -> dict:
         """Step until every request ended; returns ``{request_id: Request}`` of the requests live at the call
@@ -312,7 +368,8 @@ class Executor:
         return requests
 
     def step(self) -> list[RequestUpdate]:
-        """One in-flight batching iteration (module docstring); returns the updates of the requests it changed."""
+        """One in-flight batching iteration (module docstring); returns the updates of the requests it changed
+        (with the overlap, a decode step's tokens come back from the next call)."""
         self._lock.acquire()
         try:
             updates, self._pending = self._pending, []
@@ -320,18 +377,23 @@ class Executor:
             self._sync()
             t0 = time.perf_counter()
             self._check_new(updates)
-            batch, rejected = self.scheduler.schedule()
-            for request, exc in rejected:
-                self._fail(request, exc, updates)
-            if batch.batch_size:
-                self._run(batch, updates, t0)
-                self._totals["steps"] += 1
-                self._totals["batch_requests"] += batch.batch_size
-                self._totals["step_s"] += time.perf_counter() - t0
+            if self._inflight is None or not self._continue(updates, t0):
+                self._settle_inflight(updates)
+                batch, rejected = self.scheduler.schedule()
+                for request, exc in rejected:
+                    self._fail(request, exc, updates)
+                if batch.batch_size:
+                    self._run(batch, updates, t0)
+                    self._count_step(batch, t0)
             self._drain(updates)  # aborts that came during the step: their pages back before it returns
             return updates
         finally:
             self._unlock()
+
+    def _count_step(self, batch: ScheduledBatch, t0: float) -> None:
+        self._totals["steps"] += 1
+        self._totals["batch_requests"] += batch.batch_size
+        self._totals["step_s"] += time.perf_counter() - t0
 
     def stats(self) -> dict:
         """Executor and pool statistics now (device reads on the GPU).
@@ -343,7 +405,8 @@ class Executor:
             ``output_tokens``, ``output_tokens_per_s`` (over the time spent in steps),
             ``mean_batch_size`` (requests per step), ``bookkeeping_fraction`` (time in
             ``prepare_resources`` + ``update_resources`` / step time; device time only with
-            ``profile=True``), ``preemptions``, ``finished``, ``failed``, ``aborted``.
+            ``profile=True``), ``preemptions``, ``finished``, ``failed``, ``aborted``, ``overlapped_steps``
+            (steps launched before the previous one was read: the overlap).
         """
         self._lock.acquire()
         try:
@@ -354,7 +417,7 @@ class Executor:
                        mean_batch_size=t["batch_requests"] / t["steps"] if t["steps"] else None,
                        bookkeeping_fraction=t["bookkeeping_s"] / t["step_s"] if t["step_s"] else None,
                        preemptions=self.scheduler.preemptions, finished=t["finished"], failed=t["failed"],
-                       aborted=t["aborted"])
+                       aborted=t["aborted"], overlapped_steps=t["overlapped_steps"])
             return out
         finally:
             self._unlock()
@@ -427,14 +490,81 @@ class Executor:
     # ------------------------------------------------------------------ the step
     def _run(self, batch: ScheduledBatch, updates: list, t0: float) -> None:
         """Steps 3-6 of the module docstring over ``batch``; with ``split_mixed_steps`` a batch with both prompts
-        and decodes as two of them, decodes first."""
+        and decodes as two of them, decodes first. A decode-only batch the overlap may leave in flight is left
+        in flight (:meth:`_defer`)."""
         if self.split_mixed_steps and batch.context_requests and batch.generation_requests:
             self._run_batch(ScheduledBatch(generation_requests=batch.generation_requests), updates, t0)
             self._run_batch(ScheduledBatch(context_requests=batch.context_requests), updates, t0)
+            return
+        launched = self._launch(batch, updates, t0)
+        if launched is None:
+            return
+        if self._may_defer(batch):
+            self._defer(launched)
         else:
-            self._run_batch(batch, updates, t0)
+            self._settle(launched, updates)
 
     def _run_batch(self, batch: ScheduledBatch, updates: list, t0: float) -> None:
+        """Steps 3-6 over ``batch``, read before returning."""
+        launched = self._launch(batch, updates, t0)
+        if launched is not None:
+            self._settle(launched, updates)
+
+    # ------------------------------------------------------------------ overlap
+    def _may_defer(self, batch: ScheduledBatch) -> bool:
+        """Whether the launched ``batch`` may stay in flight: overlap on, decode-only, and no request whose
+        next draw reads its host history (:meth:`Sampler.reads_history`) or that asks ``logprobs`` (a second copy)."""
+        return (self.overlap_steps and not batch.context_requests and bool(batch.generation_requests)
+                and not any(r.sampling_params.logprobs is not None or Sampler.reads_history(r.sampling_params)
+                            for r in batch.generation_requests))
+
+    def _defer(self, launched: LaunchedStep) -> None:
+        """Leave ``launched`` in flight: its requests' lengths from the cache now, and its decode worst case off
+        the free-page bound until it is read."""
+        launched.worst_case_pages = self.rm.decode_pages_needed(len(launched.batch.generation_requests))
+        self.scheduler.reserve(launched.worst_case_pages)
+        self.rm.note_lengths(launched.batch)
+        self._inflight = launched
+
+    def _continue(self, updates: list, t0: float) -> bool:
+        """The overlap: launch the next decode step of the in-flight step's requests (input ids: its sampled
+        tokens, on the device), then settle the in-flight step while the GPU runs the new one. ``False``, with
+        nothing done, when the scheduler might run another batch (:meth:`Scheduler.runs_unchanged`)."""
+        inflight = self._inflight
+        sampled = inflight.sampled
+        live = [r for r in sampled if r.state is RequestState.RUNNING]
+        if not live or len(live) != len(self.scheduler.running):
+            return False
+        rows = [i for i, r in enumerate(sampled) if r.state is RequestState.RUNNING
+                and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens]  # else it ends in the in-flight step
+        if not rows or not self.scheduler.runs_unchanged(len(rows), shrinking=len(rows) < len(live)):
+            return False
+        batch = ScheduledBatch(generation_requests=[sampled[i] for i in rows])
+        ids = inflight.tokens if len(rows) == len(sampled) else \
+            inflight.tokens[torch.tensor(rows, dtype=torch.long, device=inflight.tokens.device)]
+        self._inflight = None
+        launched = self._launch(batch, updates, t0, input_ids=ids)
+        if launched is not None:
+            self._defer(launched)  # the new step in flight
+            self._count_step(batch, t0)
+            self._totals["overlapped_steps"] += 1
+        self._settle(inflight, updates, deferred=True,
+                     later_pages=0 if launched is None else launched.worst_case_pages)
+        if launched is not None and not any(r.state is RequestState.RUNNING for r in launched.sampled):
+            self._settle_inflight(updates)  # every request of the launched step ended in the one just read
+        return True
+
+    def _settle_inflight(self, updates: list) -> None:
+        """Read and settle the step left in flight, if any."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._settle(inflight, updates, deferred=True)
+
+    # ------------------------------------------------------------------ launch and settle
+    def _launch(self, batch: ScheduledBatch, updates: list, t0: float, input_ids=None) -> LaunchedStep | None:
+        """Steps 3-5 up to the launch: plan, forward, sampler, the host copy enqueued. ``None`` when the plan
+        was refused (pages: retried next step) or the step failed (its requests failed). ``input_ids``: a
+        decode-only batch's input ids on the device (the overlap), else its last tokens from the host."""
         requests = batch.all_requests
         graphs = self._graph_runner(batch)
         pad_to = graphs.bucket_for(batch.batch_size) if graphs is not None else None
@@ -445,39 +575,59 @@ class Executor:
         except OutOfPagesError:  # the estimate was stale: retry next step, nothing changed
             self.scheduler.unschedule(batch)
             self.scheduler.observe_free(self.rm.free_pages())
-            return
+            return None
         except Exception as exc:  # noqa: BLE001 - the cache refused the step (nothing changed): its requests fail
             for request in requests:
                 self._fail(request, exc, updates)
-            return
+            return None
+        self._totals["bookkeeping_s"] += t2 - t1
         for request in batch.context_requests:
             if request.prefill_start_time is None:
                 request.prefill_start_time = t0
         sampled = [r for r in requests if r.completes_prefill]  # half-prefilled prompts sample nothing yet
         try:
             with torch.inference_mode():
-                tokens, step_logprobs = self._forward(batch, graphs)
-                host = self._read(self.parallel.step_status(torch.cat([tokens, self.rm.device_status()]),
-                                                            len(sampled)))
-                logprobs = {} if step_logprobs is None else step_logprobs.to_host(  # a second copy, only when asked
-                    host[:len(sampled)], [sampled[b].sampling_params.logprobs for b in step_logprobs.rows])
+                tokens, step_logprobs = self._forward(batch, graphs, input_ids)
+                host, event = self._start_read(self.parallel.step_status(
+                    torch.cat([tokens, self.rm.device_status()]), len(sampled)))
         except Exception as exc:  # noqa: BLE001 - the step failed: its requests fail, the executor goes on
             self.cache.discard_step()
             for request in requests:
                 self._fail(request, RuntimeError(f"the step failed: {type(exc).__name__}: {exc}"), updates)
+            return None
+        return LaunchedStep(batch, sampled, tokens, step_logprobs, host, event, t0)
+
+    def _settle(self, launched: LaunchedStep, updates: list, *, deferred: bool = False, later_pages: int = 0) -> None:
+        """Steps 5-6 of a launched step: wait for its host copy, ``update_resources``, the stop checks.
+
+        Requests that ended since its launch (aborted, or stopped in the step read before it: overlap) are
+        skipped. ``deferred``: read in a later :meth:`step` than its launch (releases may have come in between:
+        the free bound stays stale); ``later_pages``: the worst case of a step launched after it and not read."""
+        batch, sampled = launched.batch, launched.sampled
+        try:
+            host = self._finish_read(launched)
+            logprobs = {} if launched.logprobs is None else launched.logprobs.to_host(  # a second copy, when asked
+                host[:len(sampled)], [sampled[b].sampling_params.logprobs for b in launched.logprobs.rows])
+        except Exception as exc:  # noqa: BLE001 - the step failed: its requests fail, the executor goes on
+            for request in batch.all_requests:
+                if not request.finished:
+                    self._fail(request, RuntimeError(f"the step failed: {type(exc).__name__}: {exc}"), updates)
             return
         t3 = self._sync()
-        errors = self.rm.update_resources(batch, host[len(sampled):])
-        self.scheduler.observe_free(self.rm.free_pages_after_step)
+        live = ScheduledBatch(context_requests=[r for r in batch.context_requests if not r.finished],
+                              generation_requests=[r for r in batch.generation_requests if not r.finished])
+        errors = self.rm.update_resources(live, host[len(sampled):])
+        self.scheduler.observe_free(self.rm.free_pages_after_step - later_pages, keep_stale=deferred)
         t4 = self._sync()
-        self._totals["bookkeeping_s"] += (t2 - t1) + (t4 - t3)
+        self._totals["bookkeeping_s"] += t4 - t3
         tokens_of = dict(zip(map(id, sampled), host[:len(sampled)]))
         logprobs_of = {id(sampled[row]): entry for row, entry in logprobs.items()}
-        for request in requests:
+        for request in live.all_requests:
             if request.request_id in errors:
                 self._fail(request, ValueError(errors[request.request_id]), updates)
             elif id(request) in tokens_of:
-                self._advance(request, int(tokens_of[id(request)]), t0, t4, updates, logprobs_of.get(id(request)))
+                self._advance(request, int(tokens_of[id(request)]), launched.t0, t4, updates,
+                              logprobs_of.get(id(request)))
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -517,18 +667,24 @@ class Executor:
             return None
         return self._graphs
 
-    def _forward(self, batch: ScheduledBatch, graphs=None):
+    def _forward(self, batch: ScheduledBatch, graphs=None, input_ids=None):
         """One model call (or one decode graph replay) over the packed tokens and one sampler call;
         ``(int64 tokens on the device, one per request that completes its prefill or decodes (batch order),
         StepLogprobs or None)``. A prompt chunk asking for ``prompt_logprobs`` gets the logits of each of
-        its prompt positions (:meth:`_prompt_logprob_rows`)."""
+        its prompt positions (:meth:`_prompt_logprob_rows`). ``input_ids``: a decode-only batch's input ids
+        on the device (the in-flight step's sampled tokens), else each request's last token from the host."""
         ids, positions = [], []
         for r, (start, end) in zip(batch.context_requests, prefill_chunk_positions(batch)):
             ids += r.prefill_token_ids[start:end]
             positions += range(start, end)
         for r in batch.generation_requests:
-            ids.append(r.output_token_ids[-1])
+            if input_ids is None:
+                ids.append(r.output_token_ids[-1])
             positions.append(r.num_cached_tokens)
+        if input_ids is not None:
+            if batch.context_requests:
+                raise ValueError("device input ids are for a decode-only step")
+            ids = input_ids
         dev = self.device
         rows = None
         if batch.context_requests:
@@ -541,7 +697,7 @@ class Executor:
         if graphs is not None:
             logits = graphs.run(ids, positions)  # replays the step and ends it
         else:
-            logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
+            logits = self.model(torch.as_tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
                                 logits_indices=rows)
             self.cache.end_step()
         if echo is not None:
@@ -581,15 +737,27 @@ class Executor:
         return select, [where[row] for row in rows], [
             (request, [where[first + j] for j in range(end - start)], start) for request, first, start, end in asks]
 
-    def _read(self, values: torch.Tensor) -> list[int]:
-        """The step's one device-to-host copy: into the pinned buffer, ``non_blocking``, then wait on an event."""
-        if self._event is None:
-            return values.tolist()
-        host = self._host[:values.numel()]
+    def _start_read(self, values: torch.Tensor):
+        """The step's one device-to-host copy, enqueued: into a pinned buffer, ``non_blocking``, an event after it
+        (two buffers in turn: a step left in flight keeps its own). ``(host values or buffer, event or None)``;
+        on the CPU the values are read here."""
+        if self._events is None:
+            return values.tolist(), None
+        turn, self._turn = self._turn, self._turn ^ 1
+        event = self._events[turn]
+        event.synchronize()  # the step that used this buffer was read already: returns at once
+        host = self._hosts[turn][:values.numel()]
         host.copy_(values, non_blocking=True)
-        self._event.record()
-        self._event.synchronize()
-        return host.tolist()
+        event.record()
+        return host, event
+
+    @staticmethod
+    def _finish_read(launched: LaunchedStep) -> list[int]:
+        """Wait for a launched step's host copy; its values."""
+        if launched.event is None:
+            return launched.host
+        launched.event.synchronize()
+        return launched.host.tolist()
 
     def _sync(self) -> float:
         if self.profile and self.device.type == "cuda":

@@ -217,10 +217,16 @@ class DiffKVResourceManager:
             status = self.device_status().tolist()
         flags, (start, end) = status[:self.max_batch_size], status[self.max_batch_size:]
         self.free_pages_after_step = int(end - start)
-        seq_len = self.cache.seq_len  # the cache owns each request's length; the request keeps a copy of it
+        self.note_lengths(batch)
+        return {r.request_id: NONFINITE_KV_ERROR for r in batch.all_requests if flags[r.slot]}
+
+    def note_lengths(self, batch: ScheduledBatch) -> None:
+        """Copy each request's length from the cache (``cache.seq_len[slot]``, the one owner, advanced by the
+        step's ``end_step``) into ``num_cached_tokens`` and clear its chunk (host only). Called by
+        :meth:`update_resources`, and by the executor right after launching a step it reads later."""
+        seq_len = self.cache.seq_len
         for request in batch.all_requests:
             request.num_cached_tokens, request.prefill_chunk_tokens = seq_len[request.slot], 0
-        return {r.request_id: NONFINITE_KV_ERROR for r in batch.all_requests if flags[r.slot]}
 
     def free_resources(self, request: Request) -> None:
         """Every page of the request back to the ring and its slot freed (TensorRT-LLM ``free_resources``);

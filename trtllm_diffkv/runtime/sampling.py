@@ -603,6 +603,13 @@ class Sampler:
         if missing:
             raise ValueError(f"requests not registered with the sampler: {missing[:5]}")
 
+    @staticmethod
+    def reads_history(params: SamplingParams) -> bool:
+        """Whether a row's draw reads its host history (the repetition, presence or frequency penalty: the
+        tokens generated so far must all be on the host); without them a step can be sampled before the last
+        step's token is read (the executor's overlap)."""
+        return params.repetition_penalty != 1.0 or params.penalizes_counts
+
     def _penalized(self, logits, params, request_ids, histories) -> torch.Tensor:
         """[B, V] float32 logits with the repetition penalty, then the presence and frequency penalties,
         applied (may alias float32 ``logits``)."""

@@ -81,9 +81,39 @@ class Scheduler:
             self.rm.free_resources(request)
             self._stale = True
 
-    def observe_free(self, free_pages: int) -> None:
-        """The true free page count (read after a step, or after a refused plan)."""
-        self.free_estimate, self._stale = free_pages, False
+    def observe_free(self, free_pages: int, *, keep_stale: bool = False) -> None:
+        """The true free page count (read after a step, or after a refused plan), or a lower bound on it.
+
+        ``keep_stale``: pages may have come back since the count was taken (a step read one
+        :meth:`Executor.step` after its launch, releases in between): a refusal still re-reads it."""
+        self.free_estimate, self._stale = free_pages, self._stale and keep_stale
+
+    def reserve(self, pages: int) -> None:
+        """A step launched and not read yet may take ``pages`` (its decode worst case): the bound drops by them."""
+        self.free_estimate -= pages
+
+    def runs_unchanged(self, num_decodes: int, *, shrinking: bool) -> bool:
+        """Whether :meth:`schedule` would now run only the running requests' decodes, judged on the host alone
+        (no free-count read): nothing half-prefilled, ``decode_pages_needed(num_decodes)`` within
+        :attr:`free_estimate` (no preemption), and no waiting request that could be admitted (the batch full,
+        or the queue head's prefill reserve beyond the bound while no pages came back). The executor's overlap
+        launches the next step before reading the last one only then.
+
+        Args:
+            num_decodes: requests the next step decodes.
+            shrinking: a running request ends in the step not read yet (its pages come back: a waiting
+                request may then fit, so the answer is ``False`` when one waits).
+        """
+        if any(r.prefill_in_progress for r in self.running):
+            return False
+        need = self.rm.decode_pages_needed(num_decodes)
+        if need > self.free_estimate:
+            return False
+        if not self.waiting or (len(self.running) >= self.max_batch_size and not shrinking):
+            return True
+        if shrinking or self._stale:
+            return False
+        return need + self.rm.prefill_pages_needed(len(self.waiting[0].prefill_token_ids)) > self.free_estimate
 
     def schedule(self) -> tuple[ScheduledBatch, list[tuple[Request, Exception]]]:
         """The next step's batch, and the requests that can never fit (already removed; the caller fails them).
