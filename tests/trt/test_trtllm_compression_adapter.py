@@ -162,6 +162,25 @@ def test_a_freed_slots_non_finite_flag_never_reaches_its_next_request(trt):
     assert_all_pages_back(ex)
 
 
+def test_a_request_finishing_before_update_resources_keeps_its_non_finite_error(trt):
+    """A request whose one step (its context step, ``max_tokens=1``) stored a NaN key is answered and freed before
+    ``update_resources`` (PyExecutor's order); the release clears the slot's flag, so the adapter reads it at the
+    finish: the error is reported, not lost."""
+    from conftest import tiny_llama
+
+    poisoned, poison = tiny_llama(), 7
+    with torch.no_grad():
+        poisoned.model.embed_tokens.weight[poison] = float("nan")
+    ex = executor(trt, poisoned)
+    bad = ex.add_request([1, 2, poison], 1)
+    clean = ex.add_request([p for p in prompts_of([12], seed=9) if poison not in p][0], 1)
+    ex.run_until_done()
+    errors = ex.compression_manager.request_errors
+    assert list(errors) == [bad] and "NaN/Inf" in errors[bad], errors
+    assert_all_pages_back(ex)
+    assert clean not in errors
+
+
 def test_a_failed_update_resources_before_ours_leaves_no_step_behind(trt, model):
     """Review finding: when another manager's ``update_resources`` raised before ours, the step's last request was
     freed by ``_handle_errors`` and an empty batch stayed planned: the next iteration was refused as an overlap

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 import torch
 
 from ...model import ModelConfig
+from ...paged.cache import NONFINITE_KV_ERROR
 from ...runtime.request import Request
 from ...runtime.resource_manager import DiffKVResourceManager, ScheduledBatch
 from ...runtime.sampling import SamplingParams
@@ -246,7 +247,9 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         A step still open (its forward failed, or never ran) is discarded first: its slots' pages are then freed
         as each of its requests finishes. A request that finishes after its step ended (its last layer ends it)
         and before ``update_resources`` (PyExecutor answers and frees finished and cancelled requests first) is
-        only left out of the step's bookkeeping: the other requests' step stands.
+        only left out of the step's bookkeeping: the other requests' step stands; if that step stored a non-finite
+        key or value of it, the error goes to :attr:`request_errors` here (one device read of its flag), since
+        the release clears the flag ``update_resources`` would have reported.
         """
         ours = self._requests.pop(request.py_request_id, None)
         if ours is None or self.rm is None:
@@ -256,6 +259,8 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
                 self.rm.cache.discard_step()
                 self._batch = None
             else:
+                if ours.slot is not None and int(self.rm.cache.error_flags[ours.slot]):
+                    self.request_errors[ours.request_id] = NONFINITE_KV_ERROR
                 self._batch = ScheduledBatch([r for r in self._batch.context_requests if r is not ours],
                                              [r for r in self._batch.generation_requests if r is not ours])
                 if not self._batch.batch_size:  # the step's last request: nothing left for update_resources
