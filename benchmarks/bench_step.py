@@ -31,6 +31,7 @@ shape's largest point.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -358,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
     ap.add_argument("--timed-steps", type=int, default=None, help="timed executor steps per row (default 20; 3)")
     ap.add_argument("--profile-steps", type=int, default=None, help="profiled steps at each shape's largest point")
+    ap.add_argument("--points", default=None, help="comma-separated BATCHxCONTEXT points to run, e.g. 48x4096 "
+                    "(default: every point of each shape)")
     ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
                     help="the executor's overlap scheduler: on (its GPU default), off, or both side by side "
                          "(profiled: the first, on)")
@@ -370,6 +373,15 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"--shapes: unknown {unknown}; known: {[s.name for s in shapes]}")
         shapes = [s for s in shapes if s.name in wanted]
+    if args.points:
+        try:
+            wanted = {tuple(int(x) for x in point.split("x")) for point in args.points.split(",")}
+        except ValueError:
+            ap.error(f"--points: {args.points!r} is not BATCHxCONTEXT[,BATCHxCONTEXT...]")
+        shapes = [dataclasses.replace(s, points=tuple(p for p in s.points if p in wanted)) for s in shapes]
+        shapes = [s for s in shapes if s.points]
+        if not shapes:
+            ap.error(f"--points: none of {sorted(wanted)} is a point of the shapes run")
     timed = args.timed_steps or (3 if args.smoke else 20)
     profile_steps = args.profile_steps if args.profile_steps is not None else (1 if args.smoke else 3)
     step, prof = run(shapes, device, timed_steps=timed, warm_steps=1 if args.smoke else 5,
