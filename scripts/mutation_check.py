@@ -525,7 +525,7 @@ MUTATIONS = [
       [("        self.scheduler.reserve(launched.worst_case_pages)\n", "")],
       ["test_overlap.py::test_overlapped_steps_equal_unoverlapped_ones"]),
     m("overlap-admission-starved", SCHEDULER, "overlap: a waiting request that fits never ends the overlap",
-      [("        return need + self.rm.prefill_pages_needed(len(self.waiting[0].prefill_token_ids)) > self.free_estimate",
+      [("        return head > self.free_estimate + in_flight_pages",
         "        return True")],
       ["test_overlap.py::test_a_request_arriving_during_the_overlap_is_admitted_at_once"]),
     # ------------------------------------------------------------------ kernels: write (quantize) and prompt scores

@@ -217,3 +217,110 @@ def test_the_option_is_checked(model):
     assert not Executor(model, model.config, CFG, max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 24,
                         use_triton=False, parallel=TwoRanks()).overlap_steps
     assert not make(model).overlap_steps and make(model, **OVERLAP).overlap_steps
+
+
+def _failing_at(ex, request_id, position):
+    """``ex._forward`` raising for the decode step of ``request_id`` at cache length ``position``."""
+    forward = ex._forward
+
+    def failing(batch, graphs=None, input_ids=None):
+        if any(r.request_id == request_id and r.num_cached_tokens == position for r in batch.generation_requests):
+            raise RuntimeError("planted")
+        return forward(batch, graphs, input_ids)
+
+    ex._forward = failing
+
+
+def test_a_failed_launch_fails_its_requests_after_the_step_in_flight_is_read(model):
+    """Breaker finding: the launch of the next step failed before the in-flight step was read, and its requests
+    were failed at once: A, which had sampled its stop id in the in-flight step, ended "error" instead of "stop",
+    and B's good token of that step was never streamed. Now the in-flight step is read first."""
+    pa, pb = _prompts((11, 11), seed=10)
+    base = solo(model, CFG, pa, _greedy(12))[0]
+    k = next(i for i in range(2, 12) if base[i] not in base[:i])
+    params = {"A": SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[base[k]]), "B": _greedy(12)}
+    runs = {}
+    for overlap in (False, True):
+        ex = make(model, disable_overlap_scheduler=not overlap)
+        _failing_at(ex, "B", len(pb) + k)  # B's step after the one where A samples its stop id
+        ex.add_request(pa, params["A"], request_id="A")
+        ex.add_request(pb, params["B"], request_id="B")
+        out, final = {"A": [], "B": []}, {}
+        while ex.has_unfinished():
+            for u in ex.step():
+                out[u.request_id] += u.new_token_ids
+                if u.finished:
+                    final[u.request_id] = u.finish_reason
+            check_pool(ex)
+        runs[overlap] = out, final
+        assert ex.cache.manager.free_pages() == ex.cache.manager.num_pages
+    assert runs[True] == runs[False]
+    assert runs[True][1] == {"A": "stop", "B": "error"} and runs[True][0]["A"] == base[:k + 1]
+    assert len(runs[True][0]["B"]) == k + 1
+
+
+def test_a_waiting_request_within_the_in_flight_worst_case_is_admitted_at_once(model):
+    """Breaker finding: the overlap's admission test compared the queue head with the free bound less the
+    in-flight step's worst case, so a head that fits the true count waited until a running request ended. Pool:
+    B's prefill reserve + the decode worst case equals the free count exactly."""
+    long_prompt, late = _prompts((8, 20), seed=3)
+    firsts = {}
+    for overlap in (False, True):
+        ex = make(model, FP16, num_pages=66, max_batch_size=4, disable_overlap_scheduler=not overlap)
+        ex.add_request(long_prompt, _greedy(30), request_id="A")
+        step = 0
+        while ex.has_unfinished() or step <= 4:
+            if step == 4:
+                ex.add_request(late, _greedy(3), request_id="B")
+            for u in ex.step():
+                if u.request_id == "B" and u.new_token_ids:
+                    firsts.setdefault(overlap, step)
+            check_pool(ex)
+            step += 1
+    assert firsts == {False: 4, True: 4}
+
+
+def test_the_last_final_update_leaves_nothing_unfinished(model):
+    """Breaker finding: an abort during the step that returns the last final update left the (now empty) step in
+    flight, and ``has_unfinished()`` stayed true for one more empty step."""
+    ex = make(model, **OVERLAP)
+    rid = ex.add_request(_prompts((9,), seed=2)[0], _greedy(20))
+    for _ in range(4):
+        ex.step()
+    assert ex._inflight is not None
+    forward = ex._forward
+
+    def aborting(*args, **kwargs):  # stands for ex.abort(rid) from another thread while the step runs
+        ex.abort(rid)
+        return forward(*args, **kwargs)
+
+    ex._forward = aborting
+    updates = ex.step()
+    ex._forward = forward
+    assert [u.finish_reason for u in updates if u.finished] == ["abort"]
+    assert not ex.has_unfinished() and ex._inflight is None
+    assert ex.cache.manager.free_pages() == ex.cache.manager.num_pages
+
+
+def test_step_time_includes_the_settle_of_the_step_in_flight(model):
+    """Breaker finding: an overlapped step's time stopped before the in-flight step was read and settled, so
+    ``output_tokens_per_s`` over-counted; ``step_s`` now holds every call's whole time."""
+    import time
+
+    ex = make(model, **OVERLAP)
+    slow = ex.rm.update_resources
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.02)
+        return slow(*args, **kwargs)
+
+    ex.rm.update_resources = slowed
+    ex.add_request(_prompts((9,), seed=2)[0], _greedy(12))
+    t0 = time.perf_counter()
+    while ex.has_unfinished():
+        ex.step()
+    wall = time.perf_counter() - t0
+    stats = ex.stats()
+    assert stats["overlapped_steps"] > 5
+    assert stats["output_tokens_per_s"] <= 12 / (wall * 0.8)  # within the step() calls' own time
+    assert ex._totals["step_s"] >= 12 * 0.02 * 0.9

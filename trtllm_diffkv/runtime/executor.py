@@ -36,8 +36,10 @@ before the in-flight one is read only when the scheduler would run exactly those
 waiting that might be admitted, no half-prefilled prompt, the decode worst case within the free-page bound
 less the in-flight step's worst case; a request that reaches ``max_tokens`` in the in-flight step is left out
 of it. Otherwise the in-flight step is settled first and the step runs as above. A request that stops on a
-stop id or string in the in-flight step also ran the launched step (one token more in its cache at its end,
-counted by its result's pool figures); that step's token is dropped, and its pages go back when it is read.
+stop id or string in the in-flight step also ran the launched step: that step's token is dropped (never
+streamed) and its pages go back at once, but the step stored one token more, which its result's cache figures
+count (``kv_cache_bytes``, ``fp16_kv_cache_bytes``, ``kv_memory_fraction``, the tier fractions, ``pool_pages``,
+``pool_used_bytes``). A launch that fails fails its requests after the in-flight step is read.
 
 A step with both prompts and decodes runs 3-6 twice with ``split_mixed_steps`` (default with CUDA graphs):
 the decodes first, as a decode-only step (a graph replay), then the prompts eagerly. An eager step's cost is
@@ -386,6 +388,8 @@ class Executor:
                     self._run(batch, updates, t0)
                     self._count_step(batch, t0)
             self._drain(updates)  # aborts that came during the step: their pages back before it returns
+            if self._inflight is not None and not any(r.state is RequestState.RUNNING for r in self._inflight.sampled):
+                self._settle_inflight(updates)  # nobody left in the step in flight (stopped, aborted): read it now
             return updates
         finally:
             self._unlock()
@@ -537,21 +541,24 @@ class Executor:
             return False
         rows = [i for i, r in enumerate(sampled) if r.state is RequestState.RUNNING
                 and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens]  # else it ends in the in-flight step
-        if not rows or not self.scheduler.runs_unchanged(len(rows), shrinking=len(rows) < len(live)):
+        if not rows or not self.scheduler.runs_unchanged(len(rows), shrinking=len(rows) < len(live),
+                                                         in_flight_pages=inflight.worst_case_pages):
             return False
         batch = ScheduledBatch(generation_requests=[sampled[i] for i in rows])
         ids = inflight.tokens if len(rows) == len(sampled) else \
             inflight.tokens[torch.tensor(rows, dtype=torch.long, device=inflight.tokens.device)]
-        self._inflight = None
-        launched = self._launch(batch, updates, t0, input_ids=ids)
+        self._inflight, failed = None, []
+        launched = self._launch(batch, updates, t0, input_ids=ids, failed=failed)
         if launched is not None:
             self._defer(launched)  # the new step in flight
-            self._count_step(batch, t0)
             self._totals["overlapped_steps"] += 1
         self._settle(inflight, updates, deferred=True,
                      later_pages=0 if launched is None else launched.worst_case_pages)
-        if launched is not None and not any(r.state is RequestState.RUNNING for r in launched.sampled):
-            self._settle_inflight(updates)  # every request of the launched step ended in the one just read
+        for request, exc in failed:  # the launch failed: its requests fail once the step before it is read
+            if not request.finished:
+                self._fail(request, exc, updates)
+        if launched is not None:
+            self._count_step(batch, t0)
         return True
 
     def _settle_inflight(self, updates: list) -> None:
@@ -561,10 +568,19 @@ class Executor:
             self._settle(inflight, updates, deferred=True)
 
     # ------------------------------------------------------------------ launch and settle
-    def _launch(self, batch: ScheduledBatch, updates: list, t0: float, input_ids=None) -> LaunchedStep | None:
+    def _launch(self, batch: ScheduledBatch, updates: list, t0: float, input_ids=None,
+                failed: list | None = None) -> LaunchedStep | None:
         """Steps 3-5 up to the launch: plan, forward, sampler, the host copy enqueued. ``None`` when the plan
-        was refused (pages: retried next step) or the step failed (its requests failed). ``input_ids``: a
-        decode-only batch's input ids on the device (the overlap), else its last tokens from the host."""
+        was refused (pages: retried next step) or the step failed (its requests failed; with ``failed``, a list,
+        ``(request, exception)`` pairs appended there instead, for the caller to fail after reading the step in
+        flight). ``input_ids``: a decode-only batch's input ids on the device (the overlap), else its last tokens
+        from the host."""
+        def fail(request, exc):
+            if failed is None:
+                self._fail(request, exc, updates)
+            else:
+                failed.append((request, exc))
+
         requests = batch.all_requests
         graphs = self._graph_runner(batch)
         pad_to = graphs.bucket_for(batch.batch_size) if graphs is not None else None
@@ -578,7 +594,7 @@ class Executor:
             return None
         except Exception as exc:  # noqa: BLE001 - the cache refused the step (nothing changed): its requests fail
             for request in requests:
-                self._fail(request, exc, updates)
+                fail(request, exc)
             return None
         self._totals["bookkeeping_s"] += t2 - t1
         for request in batch.context_requests:
@@ -593,7 +609,7 @@ class Executor:
         except Exception as exc:  # noqa: BLE001 - the step failed: its requests fail, the executor goes on
             self.cache.discard_step()
             for request in requests:
-                self._fail(request, RuntimeError(f"the step failed: {type(exc).__name__}: {exc}"), updates)
+                fail(request, RuntimeError(f"the step failed: {type(exc).__name__}: {exc}"))
             return None
         return LaunchedStep(batch, sampled, tokens, step_logprobs, host, event, t0)
 

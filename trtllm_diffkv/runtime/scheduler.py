@@ -92,17 +92,19 @@ class Scheduler:
         """A step launched and not read yet may take ``pages`` (its decode worst case): the bound drops by them."""
         self.free_estimate -= pages
 
-    def runs_unchanged(self, num_decodes: int, *, shrinking: bool) -> bool:
+    def runs_unchanged(self, num_decodes: int, *, shrinking: bool, in_flight_pages: int = 0) -> bool:
         """Whether :meth:`schedule` would now run only the running requests' decodes, judged on the host alone
         (no free-count read): nothing half-prefilled, ``decode_pages_needed(num_decodes)`` within
         :attr:`free_estimate` (no preemption), and no waiting request that could be admitted (the batch full,
-        or the queue head's prefill reserve beyond the bound while no pages came back). The executor's overlap
-        launches the next step before reading the last one only then.
+        or the queue head's prefill reserve beyond the bound plus ``in_flight_pages`` while no pages came back:
+        the step not read yet may take fewer pages than its worst case). The executor's overlap launches the next
+        step before reading the last one only then.
 
         Args:
             num_decodes: requests the next step decodes.
             shrinking: a running request ends in the step not read yet (its pages come back: a waiting
                 request may then fit, so the answer is ``False`` when one waits).
+            in_flight_pages: the worst case of the step not read yet, reserved in :attr:`free_estimate`.
         """
         if any(r.prefill_in_progress for r in self.running):
             return False
@@ -113,7 +115,8 @@ class Scheduler:
             return True
         if shrinking or self._stale:
             return False
-        return need + self.rm.prefill_pages_needed(len(self.waiting[0].prefill_token_ids)) > self.free_estimate
+        head = need + self.rm.prefill_pages_needed(len(self.waiting[0].prefill_token_ids))
+        return head > self.free_estimate + in_flight_pages
 
     def schedule(self) -> tuple[ScheduledBatch, list[tuple[Request, Exception]]]:
         """The next step's batch, and the requests that can never fit (already removed; the caller fails them).
