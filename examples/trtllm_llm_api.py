@@ -21,7 +21,7 @@ def main(model_dir: str) -> None:
     print(f"loading {model_dir} into TensorRT-LLM with DiffKV attention ...", flush=True)
     llm = LLM(model_dir,
               attn_backend="DIFFKV",                  # DiffKVAttention: the layers read DiffKV's paged cache
-              disable_overlap_scheduler=True,         # DiffKV plans each step after the previous one ended
+              disable_overlap_scheduler=True,         # this TensorRT-LLM adapter plans each step after the previous one ended
               enable_chunked_prefill=False,           # the whole prompt is scored at once (last 64 queries)
               kv_cache_config=KvCacheConfig(enable_block_reuse=False, free_gpu_memory_fraction=0.1),
               kv_cache_compression_config=DiffKVCompressionConfig(preset="llama3-8b", kv_memory_fraction=0.8))

@@ -516,7 +516,8 @@ MUTATIONS = [
       ["test_end_step.py::test_a_failed_composite_layer_op_discards_its_step"]),
     # ------------------------------------------------------------------ the executor's overlap
     m("overlap-stale-input-ids", EXECUTOR, "overlap: the next step's input ids from the host (one token stale)",
-      [("launched = self._launch(batch, updates, t0, input_ids=ids)", "launched = self._launch(batch, updates, t0)")],
+      [("launched = self._launch(batch, updates, t0, input_ids=ids, failed=failed)",
+        "launched = self._launch(batch, updates, t0, failed=failed)")],
       ["test_overlap.py::test_overlapped_steps_equal_unoverlapped_ones"]),
     m("overlap-lengths-not-noted", EXECUTOR, "overlap: a deferred step leaves its requests' lengths one step behind",
       [("        self.rm.note_lengths(launched.batch)\n", "")],

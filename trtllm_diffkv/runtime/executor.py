@@ -115,7 +115,8 @@ class LaunchedStep:
         host: the pinned int64 buffer the status is copied into (a CPU run: the values already read).
         event: the CUDA event recorded after the copy, or ``None`` on the CPU.
         t0: ``time.perf_counter()`` at the start of the :meth:`Executor.step` that launched it.
-        worst_case_pages: pages its decode may have taken (``decode_pages_needed``); 0 once read.
+        worst_case_pages: pages its decode may take (``decode_pages_needed``), set when it is left in flight
+            (reserved in the scheduler's free bound until it is read); 0 for a step read at once.
     """
 
     batch: ScheduledBatch
@@ -183,7 +184,8 @@ class Executor:
             in the last bit).
         disable_overlap_scheduler: ``True``: every step reads its own host copy before it returns. ``False``:
             overlap decode-only steps (module docstring), also eagerly and on the CPU (where it gains nothing).
-            ``None`` (default): overlap when decode steps replay CUDA graphs in one process (TensorRT-LLM's
+            ``None`` (default): overlap when CUDA graphs are asked for (or defaulted) in one process (also if
+            their capture failed and decode runs eagerly) (TensorRT-LLM's
             name; its default is the overlap scheduler on). Tensor parallelism never overlaps.
         high_tokens_per_page, use_triton: page sizing and kernels (:class:`PagedDiffKVCache`).
         profile: synchronize around the timed regions so that :meth:`stats`'s

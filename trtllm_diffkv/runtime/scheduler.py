@@ -96,7 +96,8 @@ class Scheduler:
         """Whether :meth:`schedule` would now run only the running requests' decodes, judged on the host alone
         (no free-count read): nothing half-prefilled, ``decode_pages_needed(num_decodes)`` within
         :attr:`free_estimate` (no preemption), and no waiting request that could be admitted (the batch full,
-        or the queue head's prefill reserve beyond the bound plus ``in_flight_pages`` while no pages came back:
+        or the queue head's prefill reserve plus the decode worst case beyond the bound plus ``in_flight_pages``
+        while no pages came back:
         the step not read yet may take fewer pages than its worst case). The executor's overlap launches the next
         step before reading the last one only then.
 
