@@ -157,3 +157,27 @@ def test_flags_override_the_defaults():
     assert (a.name, a.kv_memory_bytes, a.output_tokens, a.prompt_tokens) == ("a", 1000000, 1024, 512)
     b = bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "b"]))[0]
     assert (b.model, b.presets, b.output_tokens) == ("llama3-8b-random", ("llama3-8b", "fp16"), 512)
+
+
+@pytest.mark.parametrize("disable, launched_early", [(False, True), (True, False)])
+def test_the_overlap_setting_reaches_the_measured_executor(disable, launched_early):
+    """``--disable-overlap-scheduler`` (``disable_overlap_scheduler``) reaches the executor a run measures; the
+    details record whether it overlapped. ``False`` forces the overlap on the CPU, where it is otherwise off.
+    (``default``: the smoke budget leaves its last decodes room for two worst-case steps; ``fp16``'s does not.)"""
+    from trtllm_diffkv.evaluation.throughput import load_bench_model, make_prompts, measure
+
+    workload = default_workloads(smoke=True)["a"]
+    model, tokenizer = load_bench_model(workload.model, torch.device("cpu"))
+    prompts, _ = make_prompts(workload, tokenizer, model.config.vocab_size)
+    result = measure(model, tokenizer, workload, "default", prompts, profile=False, cuda_graphs=False,
+                     disable_overlap_scheduler=disable)
+    assert result.details["overlap"] is launched_early
+    assert (result.details["overlapped_steps"] > 0) is launched_early
+    assert result.details["output_tokens"] == workload.num_requests * workload.output_tokens
+
+
+def test_the_overlap_flag_is_off_by_default_and_disables():
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["bench"]).disable_overlap_scheduler is False
+    assert parser.parse_args(["bench", "--disable-overlap-scheduler"]).disable_overlap_scheduler is True

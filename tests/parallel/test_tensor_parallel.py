@@ -195,6 +195,19 @@ def test_num_kv_heads_not_divisible_is_refused_by_name(tmp_path):
         LLM(str(one_kv_head), tensor_parallel_size=2)  # refused before any rank starts
 
 
+def test_forced_overlap_is_refused_before_any_rank_starts(checkpoint, monkeypatch):
+    from trtllm_diffkv import LLM
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a rank was spawned before the refusal")
+
+    monkeypatch.setattr(torch.multiprocessing, "get_context", no_spawn)
+    with pytest.raises(ValueError, match="disable_overlap_scheduler=False: a tensor-parallel run does not overlap"):
+        LLM(checkpoint, tensor_parallel_size=2, disable_overlap_scheduler=False)
+    with pytest.raises(ValueError, match="disable_overlap_scheduler='no' must be True, False or None"):
+        LLM(checkpoint, tensor_parallel_size=2, disable_overlap_scheduler="no")
+
+
 def test_other_refusals_name_the_field():
     config = tiny_llama().config  # 8 heads, 2 KV heads, intermediate 512
     check_tensor_parallel(config, 2)

@@ -292,3 +292,21 @@ def test_shutdown_leaves_no_process(checkpoint, tmp_path):
     assert ended[-1] == "data: [DONE]" and 'shutting down' in ended[-2]  # ended by the drain, with an error event
     log = server.log_tail(20000)  # the drain aborted it after --shutdown-timeout-s (5 s); uvicorn cancelled nothing
     assert "aborting 1 request(s) still in flight after 5.0 s" in log and "graceful shutdown exceeded" not in log
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--disable-overlap-scheduler"], True)])
+def test_serve_passes_the_overlap_flag_to_the_llm(monkeypatch, capsys, flags, expected):
+    from trtllm_diffkv.commands.serve import main
+    from trtllm_diffkv.llmapi import llm
+    from trtllm_diffkv.serve.process import free_port
+
+    seen = {}
+
+    def recording_llm(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stand-in LLM: stop before serving")
+
+    monkeypatch.setattr(llm, "LLM", recording_llm)
+    assert main(["--device", "cpu", "--port", str(free_port()), *flags]) == 2
+    assert "stand-in LLM" in capsys.readouterr().err
+    assert seen["disable_overlap_scheduler"] is expected

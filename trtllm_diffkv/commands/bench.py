@@ -75,7 +75,12 @@ def add_parser(subparsers) -> None:
                    help="run decode steps eagerly instead of replaying them from CUDA graphs (default: CUDA graphs "
                         "on a GPU; the CPU is always eager)")
     p.add_argument("--no-profile", action="store_true", help="skip the synchronizations that make "
-                                                             "bookkeeping_fraction device time (default: profile)")
+                                                             "bookkeeping_fraction device time (default: profile; "
+                                                             "they also leave the overlap scheduler nothing to "
+                                                             "overlap)")
+    p.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="read every decode step's tokens before launching the next (default: the next step is "
+                        "launched first whenever CUDA graphs are on; TensorRT-LLM's disable_overlap_scheduler)")
     client = p.add_argument_group("client mode (a running server)")
     client.add_argument("--server-url", help="load the server at this URL (http://host:port) instead of running the "
                                              "workloads")
@@ -267,6 +272,7 @@ def run(args) -> int:
     try:
         rows, details = run_workloads(workloads, device, seed=args.seed, profile=not args.no_profile,
                                       cuda_graphs=not args.eager,
+                                      disable_overlap_scheduler=True if args.disable_overlap_scheduler else None,
                                       log=lambda line: print(line, flush=True), progress_bar=_tqdm, on_run=save,
                                       time_limit_s=args.time_limit_s)
     except RuntimeError as exc:

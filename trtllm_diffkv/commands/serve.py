@@ -41,6 +41,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over steps so decodes keep running (default: on; DiffKV compacts a "
                    "prompt after its final chunk)")
+    p.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="read every decode step's tokens before launching the next (default: on a GPU the next "
+                        "decode step is launched before the last one's tokens are read; TensorRT-LLM's name)")
     p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: 0.9 of free GPU memory; 256 MiB on CPU)")
     p.add_argument("--max-seq-len", type=int, help="prompt + new tokens per request at most (default: the model's)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
@@ -144,7 +147,8 @@ def run(args) -> int:
                   dtype=getattr(torch, args.dtype) if args.dtype else None, max_batch_size=args.max_batch_size,
                   kv_memory_bytes=args.kv_memory_bytes, max_seq_len=args.max_seq_len, num_threads=threads,
                   tensor_parallel_size=args.tp, max_num_tokens=args.max_num_tokens,
-                  enable_chunked_prefill=args.enable_chunked_prefill)
+                  enable_chunked_prefill=args.enable_chunked_prefill,
+                  disable_overlap_scheduler=True if args.disable_overlap_scheduler else None)
     except (ImportError, OSError, ValueError) as exc:
         sock.close()
         print(f"trtllm-diffkv serve: {exc}", file=sys.stderr)

@@ -223,14 +223,16 @@ class RunResult:
     details: dict
 
 
-def _executor(model, workload: Workload, preset: str, budget: int, tokenizer, profile: bool, cuda_graphs: bool):
+def _executor(model, workload: Workload, preset: str, budget: int, tokenizer, profile: bool, cuda_graphs: bool,
+              disable_overlap_scheduler: bool | None = None):
     from ..runtime.executor import Executor
 
     cpu = next(model.parameters()).device.type == "cpu"
     return Executor(model, model.config, resolve_kv_config(preset), tokenizer=tokenizer,
                     max_batch_size=workload.max_batch_size, kv_memory_bytes=budget,
                     max_seq_len=workload.prompt_tokens + workload.output_tokens,
-                    use_triton=False if cpu else None, profile=profile, use_cuda_graphs=bool(cuda_graphs) and not cpu)
+                    use_triton=False if cpu else None, profile=profile, use_cuda_graphs=bool(cuda_graphs) and not cpu,
+                    disable_overlap_scheduler=disable_overlap_scheduler)
 
 
 def _drive(executor, prompts, params, arrivals, on_finish) -> tuple[float, dict, dict]:
@@ -283,10 +285,12 @@ def _mean(values):
 
 def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate: float | None = None,
             seed: int = 0, profile: bool = True, cuda_graphs: bool = True, progress=None,
-            output_tokens: list[int] | None = None) -> RunResult:
+            output_tokens: list[int] | None = None, disable_overlap_scheduler: bool | None = None) -> RunResult:
     """Warm up, then one measured run of ``workload`` under ``preset`` (Poisson at ``rate`` if given;
     decode steps replayed from CUDA graphs with ``cuda_graphs``); ``output_tokens``: each request's new tokens
-    (default: ``workload.output_tokens`` for all)."""
+    (default: ``workload.output_tokens`` for all); ``disable_overlap_scheduler``: as the ``Executor``'s (``None``:
+    overlap with CUDA graphs). ``profile`` synchronizes the device around the timed regions, which also
+    leaves the overlap nothing to overlap: the details' ``overlapped_steps`` counts the steps it launched early."""
     import torch
 
     from ..runtime.sampling import SamplingParams
@@ -297,7 +301,7 @@ def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate:
     del warm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    executor = _executor(model, workload, preset, budget, tokenizer, profile, cuda_graphs)
+    executor = _executor(model, workload, preset, budget, tokenizer, profile, cuda_graphs, disable_overlap_scheduler)
     params = SamplingParams(max_tokens=workload.output_tokens, temperature=0.0, ignore_eos=True)
     if output_tokens is not None:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_tokens]
@@ -318,13 +322,15 @@ def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate:
                    high_fraction=_mean(r.high_fraction for r in results.values()),
                    low_fraction=_mean(r.low_fraction for r in results.values()),
                    pruned_fraction=_mean(r.pruned_fraction for r in results.values()),
-                   max_latency_s=max(latency.values()), cuda_graphs=cuda_graphs, profile=profile)
+                   max_latency_s=max(latency.values()), cuda_graphs=cuda_graphs, profile=profile,
+                   overlap=executor.overlap_steps, overlapped_steps=stats["overlapped_steps"])
     return RunResult(row, details)
 
 
 def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int = 0, profile: bool = True,
                   cuda_graphs: bool = True, log=print, progress_bar=None, on_run=None,
-                  time_limit_s: float | None = None) -> tuple[list[dict], list[dict]]:
+                  time_limit_s: float | None = None,
+                  disable_overlap_scheduler: bool | None = None) -> tuple[list[dict], list[dict]]:
     """Every workload under both of its presets (``c``: at every rate); returns ``(rows, details)``.
 
     ``log(line)`` gets one line per run; ``progress_bar(total, desc)`` returns a context manager
@@ -370,7 +376,7 @@ def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int 
                 with _bar(progress_bar, len(prompts), desc) as bar:
                     result = measure(model, tokenizer, workload, preset, prompts, rate=rate, seed=seed,
                                      profile=profile, cuda_graphs=cuda_graphs, progress=lambda: bar.update(1),
-                                     output_tokens=outputs)
+                                     output_tokens=outputs, disable_overlap_scheduler=disable_overlap_scheduler)
                 rows.append(result.row)
                 details.append({**result.details, "model": workload.model, "prompt_source": source,
                                 "prompt_tokens": workload.prompt_tokens, "output_tokens_per_request":

@@ -63,6 +63,7 @@ class TensorParallelExecutor:
     def __init__(self, model, kv_config, tensor_parallel_size: int, *, device=None, dtype=None,
                  num_threads: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **executor_kwargs) -> None:
         from ..model.loader import checkpoint_folder, default_dtype, load_model_config, load_tokenizer, stop_token_ids
+        from ..runtime.executor import check_overlap_setting
         from .sharding import check_tensor_parallel
 
         device = torch.device(device) if device is not None else torch.device(
@@ -70,6 +71,7 @@ class TensorParallelExecutor:
         folder = checkpoint_folder(model)
         self.model_config = load_model_config(folder)
         check_tensor_parallel(self.model_config, tensor_parallel_size, kv_config)
+        check_overlap_setting(executor_kwargs.get("disable_overlap_scheduler"), tensor_parallel=True)
         if device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} GPUs; "
                              f"{torch.cuda.device_count()} are visible")

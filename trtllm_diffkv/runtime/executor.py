@@ -103,6 +103,22 @@ def sampling_rows(batch: ScheduledBatch) -> list[int]:
     return rows + list(range(at, at + len(batch.generation_requests)))
 
 
+def check_overlap_setting(disable_overlap_scheduler, *, tensor_parallel: bool) -> None:
+    """Check an ``Executor``'s ``disable_overlap_scheduler`` value (TensorRT-LLM's ``LLM`` argument of that name).
+
+    Raises:
+        ValueError: a value other than ``True``, ``False`` or ``None``; ``False`` (overlap forced on) with
+            ``tensor_parallel``: a tensor-parallel run does not overlap steps (every rank reads each step's
+            status before the next). :class:`~trtllm_diffkv.parallel.TensorParallelExecutor` calls it before
+            it spawns the ranks, each rank's :class:`Executor` again.
+    """
+    if disable_overlap_scheduler is not None and not isinstance(disable_overlap_scheduler, bool):
+        raise ValueError(f"disable_overlap_scheduler={disable_overlap_scheduler!r} must be True, False or None")
+    if disable_overlap_scheduler is False and tensor_parallel:
+        raise ValueError("disable_overlap_scheduler=False: a tensor-parallel run does not overlap steps (every "
+                         "rank reads each step's status before the next)")
+
+
 @dataclass(eq=False, slots=True)
 class LaunchedStep:
     """A step whose forward and sampler ran (launched on the GPU) and whose host copy is not read yet.
@@ -256,12 +272,8 @@ class Executor:
         if split_mixed_steps is not None and not isinstance(split_mixed_steps, bool):
             raise ValueError(f"split_mixed_steps={split_mixed_steps!r} must be True, False or None")
         self.split_mixed_steps = bool(use_cuda_graphs) if split_mixed_steps is None else split_mixed_steps
-        if disable_overlap_scheduler is not None and not isinstance(disable_overlap_scheduler, bool):
-            raise ValueError(f"disable_overlap_scheduler={disable_overlap_scheduler!r} must be True, False or None")
         single = isinstance(self.parallel, SingleProcess)
-        if disable_overlap_scheduler is False and not single:
-            raise ValueError("disable_overlap_scheduler=False: a tensor-parallel run does not overlap steps (every "
-                             "rank reads each step's status before the next)")
+        check_overlap_setting(disable_overlap_scheduler, tensor_parallel=not single)
         self.overlap_steps = single and (bool(use_cuda_graphs) if disable_overlap_scheduler is None
                                          else not disable_overlap_scheduler)
         self.profile = profile
