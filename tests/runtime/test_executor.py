@@ -171,6 +171,28 @@ def test_preemption_fp16_keeps_outputs_equal_to_solo_runs(model):
         assert update.result.kv_memory_fraction == 1.0 and update.result.high_fraction is None
 
 
+def test_fp16_decode_worst_case_is_one_page_per_row(model):
+    """A policy that never moves a token to the low tier (``fp16``) needs at most one page per row a decode step,
+    so a pool with one such step of headroom over the run's peak never preempts (two pages per row, the
+    compressing presets' bound, would preempt there)."""
+    prompts = _prompts((10, 13, 11, 9), seed=3)
+    roomy = make(model, FP16)
+    rows = roomy.cache.rows_per_slot
+    assert roomy.rm.decode_pages_needed(3) == 3 * rows
+    assert make(model, CFG).rm.decode_pages_needed(3) == 2 * 3 * rows
+    for p in prompts:
+        roomy.add_request(p, _greedy(14))
+    peak = 0
+    while roomy.has_unfinished():
+        roomy.step()
+        peak = max(peak, roomy.cache.manager.num_pages - roomy.cache.manager.free_pages())
+    ex = make(model, FP16, num_pages=peak + rows * len(prompts))
+    got = drive(ex, {0: [(k, p, _greedy(14)) for k, p in enumerate(prompts)]})
+    assert ex.stats()["preemptions"] == 0
+    for key, (streamed, update) in got.items():
+        assert streamed == update.result.token_ids == solo(model, FP16, prompts[key], _greedy(14))[0]
+
+
 def preemption_storm(ex, prompts, params):
     """Run ``prompts`` together in ``ex`` until idle, checking the pool after every step and that a
     preempted request's next prefill is its prompt + every token streamed. Returns ``(keys, streamed,

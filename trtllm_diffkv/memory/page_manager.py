@@ -238,9 +238,11 @@ class PageManager(abc.ABC):
         """Pages :meth:`reserve_prompt` takes for prompts of these lengths (host arithmetic, no device access)."""
         return self.rows_per_slot * sum(self.page_format.prompt_reserve_pages(int(n)) for n in prompt_tokens)
 
-    def worst_case_decode_pages(self, num_requests: int) -> int:
-        """Most pages one :meth:`append_decode` of ``num_requests`` requests can take (one per tier per row)."""
-        return 2 * self.rows_per_slot * num_requests
+    def worst_case_decode_pages(self, num_requests: int, low_tier_grows: bool = True) -> int:
+        """Most pages one :meth:`append_decode` of ``num_requests`` requests can take: one per tier per row, or
+        one per row when ``low_tier_grows`` is false (every ``low_delta`` 0: a policy that keeps every token
+        high, ``decisions.append_only``)."""
+        return (2 if low_tier_grows else 1) * self.rows_per_slot * num_requests
 
     @property
     def bookkeeping_bytes(self) -> int:

@@ -310,7 +310,7 @@ class PagedDiffKVCache:
                                   f"{self.staging_limit_bytes - self.staging_bytes_used()} of "
                                   f"staging_limit_bytes={self.staging_limit_bytes} are free")
         need = self.manager.reserve_pages_needed([prompt_lens[i] for i in first_chunks]) + \
-            self.manager.worst_case_decode_pages(n - n_pre)
+            self.decode_pages_needed(n - n_pre)
         free = self.manager.free_pages() if known_free_pages is None or need > known_free_pages else known_free_pages
         if need > free:
             raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
@@ -536,6 +536,12 @@ class PagedDiffKVCache:
     def active_slots(self) -> list[int]:
         """Slots holding a request: a compacted prompt (and its decode tokens) or a prompt half-prefilled in chunks."""
         return [s for s in range(self.max_slots) if self.prompt_len[s] or s in self.staging]
+
+    def decode_pages_needed(self, num_requests: int) -> int:
+        """Most pages one decode step of ``num_requests`` requests can take under this cache's policy
+        (:meth:`~trtllm_diffkv.memory.PageManager.worst_case_decode_pages`: one per tier per row; one per row
+        for a policy that never moves a token to the low tier, ``config.compress`` false, e.g. ``fp16``)."""
+        return self.manager.worst_case_decode_pages(num_requests, low_tier_grows=self.config.compress)
 
     def staging_bytes_for(self, prompt_tokens: int) -> int:
         """Staging bytes a prompt of ``prompt_tokens`` tokens holds while prefilled in chunks (:mod:`.staging`)."""

@@ -267,8 +267,8 @@ class DiffKVResourceManager:
         return self.cache.staging_limit_bytes - self.cache.staging_bytes_used()
 
     def decode_pages_needed(self, num_requests: int) -> int:
-        """Worst-case pages one decode step of ``num_requests`` takes (``worst_case_decode_pages``)."""
-        return self.cache.manager.worst_case_decode_pages(num_requests)
+        """Worst-case pages one decode step of ``num_requests`` takes (the cache's ``decode_pages_needed``)."""
+        return self.cache.decode_pages_needed(num_requests)
 
     def free_pages(self) -> int:
         """True free page count now (a device read on the GPU)."""

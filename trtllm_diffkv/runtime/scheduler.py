@@ -5,7 +5,8 @@ order) and decides each step's :class:`~.resource_manager.ScheduledBatch` from t
 manager's sizing rules, read through :class:`~.resource_manager.DiffKVResourceManager`:
 
 * decode: every running request decodes one token; the step may take up to
-  ``worst_case_decode_pages(n)`` pages (one per tier per (layer, KV head) row). When that
+  ``decode_pages_needed(n)`` pages (one per tier per (layer, KV head) row; one per row for a
+  policy that keeps every token high, e.g. ``fp16``). When that
   exceeds the free pages, the most recently admitted request is preempted by recomputation:
   its pages are freed and it goes back to the FRONT of the queue with prompt + generated
   tokens as its next prefill (vLLM's ``RECOMPUTE`` mode; nothing lost or duplicated). A

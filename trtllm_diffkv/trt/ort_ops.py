@@ -266,7 +266,7 @@ def _check_decode_step(cache, num_tokens: int, slots, seq_lens, step_positions) 
         raise ValueError(f"{num_tokens} tokens for {n} decode requests (one token each, then any padding)")
     for i, (slot, total, first) in enumerate(zip(slots, seq_lens, step_positions)):
         cache.check_request(i, int(slot), int(total), int(first), False)
-    need, free = cache.manager.worst_case_decode_pages(n), cache.manager.free_pages()
+    need, free = cache.decode_pages_needed(n), cache.manager.free_pages()
     if need > free:
         raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
     if cache.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
