@@ -176,8 +176,19 @@ def test_the_overlap_setting_reaches_the_measured_executor(disable, launched_ear
     assert result.details["output_tokens"] == workload.num_requests * workload.output_tokens
 
 
-def test_the_overlap_flag_is_off_by_default_and_disables():
+def test_overlap_and_profile_flags_default_to_the_overlapped_unsynchronized_run():
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers(dest="command"))
-    assert parser.parse_args(["bench"]).disable_overlap_scheduler is False
+    plain = parser.parse_args(["bench"])
+    assert plain.disable_overlap_scheduler is False and plain.profile is False
     assert parser.parse_args(["bench", "--disable-overlap-scheduler"]).disable_overlap_scheduler is True
+    assert parser.parse_args(["bench", "--profile"]).profile is True
+    assert parser.parse_args(["bench", "--no-profile"]).profile is False
+
+
+def test_the_profile_flag_reaches_the_details(tmp_path):
+    out = tmp_path / "t.json"
+    assert _run_cli(["--smoke", "--device", "cpu", "--workloads", "a", "--preset", "fp16", "--profile", "--no-plot",
+                     "--output", str(out)]) == 0
+    details = json.loads(out.with_name("t_details.json").read_text())
+    assert [d["profile"] for d in details] == [True, True]

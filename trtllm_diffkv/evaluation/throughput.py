@@ -284,7 +284,7 @@ def _mean(values):
 
 
 def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate: float | None = None,
-            seed: int = 0, profile: bool = True, cuda_graphs: bool = True, progress=None,
+            seed: int = 0, profile: bool = False, cuda_graphs: bool = True, progress=None,
             output_tokens: list[int] | None = None, disable_overlap_scheduler: bool | None = None) -> RunResult:
     """Warm up, then one measured run of ``workload`` under ``preset`` (Poisson at ``rate`` if given;
     decode steps replayed from CUDA graphs with ``cuda_graphs``); ``output_tokens``: each request's new tokens
@@ -327,7 +327,7 @@ def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate:
     return RunResult(row, details)
 
 
-def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int = 0, profile: bool = True,
+def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int = 0, profile: bool = False,
                   cuda_graphs: bool = True, log=print, progress_bar=None, on_run=None,
                   time_limit_s: float | None = None,
                   disable_overlap_scheduler: bool | None = None) -> tuple[list[dict], list[dict]]:

@@ -205,7 +205,8 @@ class Executor:
             name; its default is the overlap scheduler on). Tensor parallelism never overlaps.
         high_tokens_per_page, use_triton: page sizing and kernels (:class:`PagedDiffKVCache`).
         profile: synchronize around the timed regions so that :meth:`stats`'s
-            ``bookkeeping_fraction`` measures device time (slower; benchmarks only).
+            ``bookkeeping_fraction`` measures device time (slower; benchmarks only; it also leaves the overlap
+            nothing to overlap).
         parallel: the hook of a multi-process run (:class:`SingleProcess` when ``None``): it builds
             the resource manager and combines the step's status over the processes
             (:class:`trtllm_diffkv.parallel.TensorParallelHook`: every rank takes the same decisions).
