@@ -192,3 +192,4 @@ def test_the_profile_flag_reaches_the_details(tmp_path):
                      "--output", str(out)]) == 0
     details = json.loads(out.with_name("t_details.json").read_text())
     assert [d["profile"] for d in details] == [True, True]
+    assert [d["cuda_graphs"] for d in details] == [False, False]  # what ran: the CPU is always eager

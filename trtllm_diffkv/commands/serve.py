@@ -42,8 +42,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="split long prompts over steps so decodes keep running (default: on; DiffKV compacts a "
                    "prompt after its final chunk)")
     p.add_argument("--disable-overlap-scheduler", action="store_true",
-                   help="read every decode step's tokens before launching the next (default: on a GPU the next "
-                        "decode step is launched before the last one's tokens are read; TensorRT-LLM's name)")
+                   help="read every decode step's tokens before launching the next (default: on a GPU in one process, "
+                        "not with --tp, the next decode step is launched before the last one's tokens are read; "
+                        "TensorRT-LLM's name)")
     p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: 0.9 of free GPU memory; 256 MiB on CPU)")
     p.add_argument("--max-seq-len", type=int, help="prompt + new tokens per request at most (default: the model's)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")

@@ -322,7 +322,7 @@ def measure(model, tokenizer, workload: Workload, preset: str, prompts, *, rate:
                    high_fraction=_mean(r.high_fraction for r in results.values()),
                    low_fraction=_mean(r.low_fraction for r in results.values()),
                    pruned_fraction=_mean(r.pruned_fraction for r in results.values()),
-                   max_latency_s=max(latency.values()), cuda_graphs=cuda_graphs, profile=profile,
+                   max_latency_s=max(latency.values()), cuda_graphs=executor.use_cuda_graphs, profile=profile,
                    overlap=executor.overlap_steps, overlapped_steps=stats["overlapped_steps"])
     return RunResult(row, details)
 

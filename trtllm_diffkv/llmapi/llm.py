@@ -168,8 +168,10 @@ class LLM:
             type); ``kv_memory_bytes``/``kv_memory_fraction`` are then per rank. Takes a HF folder, a
             ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md "Tensor parallelism".
         **executor_kwargs: passed to :class:`~trtllm_diffkv.runtime.executor.Executor`, e.g.
-            ``max_num_tokens`` (tokens per step; default 8192) and ``enable_chunked_prefill`` (default ``True``),
-            TensorRT-LLM's ``LLM`` names.
+            ``max_num_tokens`` (tokens per step; default 8192), ``enable_chunked_prefill`` (default ``True``) and
+            ``disable_overlap_scheduler`` (default ``None``: overlap where decode replays CUDA graphs in one
+            process; ``False`` forces it on and is refused with ``tensor_parallel_size`` > 1, before any rank
+            starts), TensorRT-LLM's ``LLM`` names.
 
     Attributes:
         tokenizer, model_config, kv_config, stop_token_ids, executor.
