@@ -177,7 +177,11 @@ class DiffKVConfig:
             key channel outliers (Qwen-family k_proj biases, edge case 3) no
             longer inflate every token's quantization step.
         compress: ``False`` turns all compression off (the ``fp16`` preset):
-            every token is kept, unquantized, and thresholds are ignored.
+            every token is kept, unquantized, and thresholds are ignored; ``high``
+            and ``low`` are then set to :data:`FP16_TIER` whatever was given, so
+            that the page layout, the kernels and the byte accounting agree
+            (quantization without tiers: ``compress=True`` with ``alpha_high=0``,
+            the ``k8v4`` preset).
         key_rotation: ``"none"`` or ``"hadamard"``: keys (after RoPE) and
             queries are multiplied by a seeded randomized Hadamard matrix per
             (layer, KV head), values by the same matrix folded into
@@ -223,6 +227,9 @@ class DiffKVConfig:
             raise ValueError(f"high must be a TierConfig, got {type(self.high).__name__}")
         if not isinstance(self.low, TierConfig):
             raise ValueError(f"low must be a TierConfig, got {type(self.low).__name__}")
+        if self.compress is False:  # one layout for "no compression": FP16 both tiers (pages, kernels, bytes)
+            object.__setattr__(self, "high", FP16_TIER)
+            object.__setattr__(self, "low", FP16_TIER)
         _check_range("alpha_high", self.alpha_high, 0.0, 1000.0)
         _check_range("alpha_low", self.alpha_low, 0.0, self.alpha_high)
         for name in ("center_keys", "compress"):

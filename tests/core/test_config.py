@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from trtllm_diffkv.config import PRESETS, DiffKVConfig, TierConfig, get_preset
+from trtllm_diffkv.config import FP16_TIER, PRESETS, DiffKVConfig, TierConfig, get_preset
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -74,4 +74,6 @@ def test_flags_must_be_bool(field):
 
 def test_uncompressed_bytes_are_fp16_whatever_the_tiers():
     assert DiffKVConfig(compress=False).token_bytes("high", 128) == 512
+    odd = DiffKVConfig(compress=False, high=TierConfig(4, 2), low=TierConfig(16, 16))
+    assert odd.high == odd.low == FP16_TIER == get_preset("fp16").high  # one layout for "no compression"
     assert get_preset("k8v4").low == get_preset("k8v4").high  # quantization only: one K8V4 format

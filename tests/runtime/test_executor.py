@@ -193,6 +193,18 @@ def test_fp16_decode_worst_case_is_one_page_per_row(model):
         assert streamed == update.result.token_ids == solo(model, FP16, prompts[key], _greedy(14))[0]
 
 
+def test_a_custom_uncompressed_config_is_the_fp16_preset(model):
+    """``DiffKVConfig(compress=False)`` with the default (quantized) tiers stores FP16 like the ``fp16`` preset: same
+    page size, same tokens, full memory fraction (it used to lay pages out as K8V4 and report 1.0)."""
+    custom = DiffKVConfig(compress=False)  # high K8V4 / low K4V2 by default
+    prompt = _prompts((11,), seed=5)[0]
+    ex = make(model, custom)
+    assert ex.cache.page_format.page_size_bytes == make(model, FP16).cache.page_format.page_size_bytes
+    streamed, update = drive(ex, {0: [(0, prompt, _greedy(12))]})[0]
+    assert streamed == solo(model, FP16, prompt, _greedy(12))[0]
+    assert update.result.kv_memory_fraction == 1.0
+
+
 def preemption_storm(ex, prompts, params):
     """Run ``prompts`` together in ``ex`` until idle, checking the pool after every step and that a
     preempted request's next prefill is its prompt + every token streamed. Returns ``(keys, streamed,
