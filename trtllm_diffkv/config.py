@@ -227,14 +227,14 @@ class DiffKVConfig:
             raise ValueError(f"high must be a TierConfig, got {type(self.high).__name__}")
         if not isinstance(self.low, TierConfig):
             raise ValueError(f"low must be a TierConfig, got {type(self.low).__name__}")
-        if self.compress is False:  # one layout for "no compression": FP16 both tiers (pages, kernels, bytes)
-            object.__setattr__(self, "high", FP16_TIER)
-            object.__setattr__(self, "low", FP16_TIER)
         _check_range("alpha_high", self.alpha_high, 0.0, 1000.0)
         _check_range("alpha_low", self.alpha_low, 0.0, self.alpha_high)
         for name in ("center_keys", "compress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not self.compress:  # one layout for "no compression": FP16 both tiers (pages, kernels, bytes)
+            object.__setattr__(self, "high", FP16_TIER)
+            object.__setattr__(self, "low", FP16_TIER)
         for name in ("recent_window_tokens", "prompt_score_window_tokens", "rotation_seed", "score_pool_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
