@@ -18,7 +18,11 @@
    difference after one update (the two merges round their log-sum-exp differently: not bit for bit). Bytes: part_acc and part_m/l read, output written,
    the probabilities read, the scores read and written.
 
-Run on the GPU machine: ``python3 scripts/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (about a minute).
+4. The fused launch (``diffkv_decode_attend``: partial kernel, merge and score update, the row's last CTA merging)
+   against the two launches it replaces, at several points (``--fused-points``) and CTAs a row (``--slots``), bf16,
+   85 % high, replayed from a CUDA graph; the fused result must equal the two launches' bit for bit.
+
+Run on the GPU machine: ``python3 scripts/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (a few minutes).
 """
 import argparse
 import json
@@ -32,6 +36,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 SHAPE = ("llama3-8b", 48, 32, 8, 128, 4096)  # name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len
 NUM_LAYERS = 32
+DECIDE_VARIANTS = ((1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 64, 4), (8, 128, 8), (16, 64, 4))
+"""(rows per program, block tokens, warps) of the decision kernel."""
+SMOLLM2_SHAPE = ("smollm2-135m", 64, 9, 3, 64, 1024)
 
 
 def median_ms(fn) -> float:
@@ -157,6 +164,68 @@ def merge_sweep(bw: float, log) -> list[dict]:
     return out
 
 
+def fused_sweep(bw: float, shapes: list[tuple], slot_counts: list[int], log) -> list[dict]:
+    """The CUDA decode attention of one layer as the executor runs it (bf16 query and output, scores updated, 85 % high),
+    replayed from a CUDA graph: two launches (``diffkv_decode_partial`` + ``diffkv_decode_merge``) against the fused
+    ``diffkv_decode_attend``, each at every CTA count a row of ``slot_counts`` and at the default
+    (``2 * default_num_partitions``). The fused launch must equal the two launches bit for bit (output and every pool
+    byte after one call from the same pool). Bytes: the codes and scales once, the probabilities written and read, the
+    scores read and written."""
+    import bench_attention as ba
+    from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode
+    from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
+    from trtllm_diffkv.kernels.decode_attention import default_num_partitions
+    from trtllm_diffkv.kernels.sizes import next_pow2
+
+    rows_out = []
+    device = torch.cuda.current_device()
+    for shape in shapes:
+        name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = shape
+        fmt, pool, table, tokens, row_ids, q = ba.decode_inputs(shape, 0.85)
+        q = q.to(torch.bfloat16)
+        group = num_heads // num_kv_heads
+        n_high, n_low = int(tokens[0, 0]), int(tokens[0, 1])
+        rows = num_seqs * num_kv_heads
+        nbytes = rows * (n_high * fmt.high.tier.token_bytes(head_dim) + n_low * fmt.low.tier.token_bytes(head_dim))
+        nbytes += rows * (n_high + n_low) * (group * 2 * 2 + 8)
+        default_slots = 2 * default_num_partitions(num_seqs, num_kv_heads, table.shape[1], "cuda")
+        counts = sorted(set(slot_counts) | {default_slots})
+        cap = max(counts)
+        ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, table.shape[1], "cuda",
+                                      num_partitions=-(-cap // 2))
+        gp, bd = ws.part_m.shape[-1], ws.part_acc.shape[-1]
+        kernels = {fused: cuda_decode.CudaDecodeKernels.resolve(fmt, group, gp, bd, 2 * ws.num_partitions, q.dtype, True,
+                                                               device, fused=fused) for fused in (False, True)}
+        pages0 = pool.pages().clone()
+        qk_scale = head_dim**-0.5 * LOG2E
+        for slots in counts:
+            got = {}
+            for fused, k in kernels.items():
+                pages = pages0.clone()
+                out = torch.full_like(q, float("nan"))
+                k.launch(q, pages, table, tokens, row_ids, ws, qk_scale, out, num_slots=slots)
+                torch.cuda.synchronize()
+                got[fused] = (out, pages)
+            same_out = torch.equal(got[True][0], got[False][0])
+            same_pool = torch.equal(got[True][1], got[False][1])
+            del got
+            for fused, k in kernels.items():
+                pages = pages0.clone()
+                out = torch.empty_like(q)
+                ms = graph_ms(lambda: k.launch(q, pages, table, tokens, row_ids, ws, qk_scale, out, num_slots=slots))
+                row = timed_row("diffkv_decode_attend" if fused else "diffkv_decode_partial + diffkv_decode_merge", ms,
+                                nbytes, bw, shape=list(shape), high_fraction=0.85, num_slots=slots,
+                                default_slots=slots == default_slots, fused=fused,
+                                fused_equals_two_launches=same_out and same_pool)
+                rows_out.append(row)
+                log(f"{name} {num_seqs}x{seq_len} slots {slots:2d}{'*' if slots == default_slots else ' '} "
+                    f"{'fused' if fused else 'two  '}: {row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%}  "
+                    f"equal {same_out} {same_pool}")
+        del pool, pages0
+        torch.cuda.empty_cache()
+    return rows_out
+
+
 def decision_sweep(bw: float, log) -> list[dict]:
     from trtllm_diffkv.config import get_preset
     from trtllm_diffkv.kernels.decision_kernel import alpha_tensor, decide_rows
@@ -188,7 +257,7 @@ def decision_sweep(bw: float, log) -> list[dict]:
     base = [t.clone() for t in decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas,
                                            rows_per_program=1, **common)]
     out = []
-    for rpp, block, warps in ((1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 64, 4), (8, 128, 8), (16, 64, 4)):
+    for rpp, block, warps in DECIDE_VARIANTS:
         call = lambda: decide_rows(pages, fmt, table, tokens, slots, pos, prompt_len, alphas,  # noqa: E731
                                    rows_per_program=rpp, block_tokens=block, num_warps=warps, **common)
         got = call()
@@ -210,7 +279,10 @@ def main():
                     help="stages:min_blocks:key_fold of the partial kernel, comma-separated (stages 0: the register path)")
     ap.add_argument("--shape", default=None,
                     help="num_seqs,seq_len[,num_heads,num_kv_heads,head_dim] (default 48,4096,32,8,128: Llama-3-8B)")
-    ap.add_argument("--skip", default="", help="'partial', 'decide' and/or 'merge'")
+    ap.add_argument("--skip", default="", help="'partial', 'decide', 'merge' and/or 'fused'")
+    ap.add_argument("--fused-points", default="48x4096,16x1024,64x1024,16x4096,smollm2:64x1024",
+                    help="batch x context points of the fused sweep (Llama-3-8B heads; 'smollm2:' SmolLM2-135M's)")
+    ap.add_argument("--slots", default="2,3,4,6,8,12", help="CTAs a row of the fused sweep")
     args = ap.parse_args()
     from trtllm_diffkv.evaluation.throughput import environment
 
@@ -223,6 +295,13 @@ def main():
     log = lambda s: print(s, flush=True)  # noqa: E731
     result = dict(**environment(), command="python3 scripts/sweep_kv_gpu.py " + " ".join(sys.argv[1:]),
                   copy_bandwidth_gbps=bw, shape=SHAPE, rows=[])
+    if "fused" not in args.skip:
+        shapes = []
+        for point in args.fused_points.split(","):
+            base = SMOLLM2_SHAPE if point.startswith("smollm2:") else SHAPE
+            b, t = (int(x) for x in point.split(":")[-1].split("x"))
+            shapes.append((base[0], b, *base[2:5], t))
+        result["rows"] += fused_sweep(bw, shapes, [int(x) for x in args.slots.split(",")], log)
     if "merge" not in args.skip:
         result["rows"] += merge_sweep(bw, log)
     if "decide" not in args.skip:

@@ -141,3 +141,17 @@ class Recorder:
     def forward(self, layer_idx, q, k, v):
         self.seen[layer_idx] = (q.clone(), k.clone(), v.clone())
         return self.inner.forward(layer_idx, q, k, v)
+
+
+def capture_cuda_graph(call):
+    """``call()`` captured in a CUDA graph after one warm-up run on a side stream (what torch's graph docs ask: the
+    warm-up compiles and allocates outside the capture); returns the graph (replay it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import capture_cuda_graph
 
 from trtllm_diffkv.config import PRESETS, DiffKVConfig, TierConfig
 from trtllm_diffkv.memory import PageFormat
@@ -261,14 +262,7 @@ def test_decode_cuda_graph_replay_matches_eager(backend):
                                           out, sm_scale=0.1, update_scores=False, workspace=ws, backend=backend)
     call()
     eager = out.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_cuda_graph(call)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -4,6 +4,7 @@ the GPU (tests/kernels/test_attention_gpu.py runs every decode test on both back
 import re
 import shutil
 import subprocess
+import types
 
 import pytest
 import torch
@@ -111,6 +112,98 @@ def test_source_compiles_within_the_register_cap(cfg, head_dim, group, arch, tmp
     assert regs * 32 * 4 * defines["MIN_BLOCKS"] <= 65536, (regs, defines["MIN_BLOCKS"])
 
 
+def _ptxas_report(code: str, defines: dict, tmp_path) -> str:
+    """nvcc's ``-Xptxas -v`` report of ``code`` compiled for sm_90 with CuPy's flags and ``defines`` (must compile)."""
+    (tmp_path / "k.cu").write_text(code)
+    cmd = ["nvcc", "-std=c++17", "-ftz=true", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "-Xptxas",
+           "-v", *[f"-D{k}={v}" for k, v in defines.items()], str(tmp_path / "k.cu")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("preset,head_dim,group,slots,dtype,spill_bytes", [
+    ("llama3-8b", 128, 4, 6, torch.bfloat16, 8), ("default", 64, 3, 16, torch.bfloat16, 0),
+    ("default-k8v2", 64, 8, 4, torch.float16, None), ("k8v4", 128, 8, 12, torch.float16, None)])
+def test_fused_source_compiles_to_one_kernel(preset, head_dim, group, slots, dtype, spill_bytes, tmp_path):
+    """``fused_source()`` with ``fused_defines`` (``FUSED_MERGE=1``) compiles for sm_90 with CuPy's flags to the one
+    entry ``diffkv_decode_attend`` (the files' separate kernels left out) within the register cap; the issue's two
+    configurations spill at most what nvcc 13.0 was measured to (``llama3-8b`` 8 bytes at 4 CTAs, as the partial
+    kernel does under NVRTC; ``default`` at head_dim 64 none at 6). Group 8 spills at the preferred cap (the tail's
+    score loads on top of the partial kernel's registers): the ring's step-down finds a lower cap at run time."""
+    from trtllm_diffkv.kernels.cuda_decode import fused_defines, fused_source
+
+    fmt = _fmt(PRESETS[preset], head_dim)
+    defines = fused_defines(fmt, group, 16, head_dim, slots, dtype, True)
+    assert defines["FUSED_MERGE"] == 1 and defines["MAX_SLOTS"] == slots and defines["SCORES"] == 1
+    info = _ptxas_report(fused_source(), defines, tmp_path)
+    assert re.findall(r"Compiling entry function '(\w+)'", info) == ["diffkv_decode_attend"], info
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert regs * 32 * 4 * defines["MIN_BLOCKS"] <= 65536, (regs, defines["MIN_BLOCKS"])
+    if spill_bytes is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", info).group(1)) <= spill_bytes, info
+
+
+def test_the_fused_launch_is_resolved_as_one_kernel_and_checks_its_slots(monkeypatch):
+    """``CudaDecodeKernels.resolve`` compiles ``diffkv_decode_attend`` from both files' text with ``FUSED_MERGE=1``
+    and the workspace's slot capacity as ``MAX_SLOTS`` (one module, no merge kernel), the two-launch variant the
+    partial and merge kernels; a launch refuses more CTAs a row than the merge's shared arrays hold, and a workspace
+    without ``row_done`` counters, before anything is launched (CPU: CuPy faked)."""
+    import sys
+
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cd.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
+    monkeypatch.setattr(cd.torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=132))
+    for fn in (cd._kernel, cd._spill_free_kernel, cd._merge_kernel):
+        fn.cache_clear()
+    fmt = _fmt(PRESETS["llama3-8b"], 128)
+    fused = cd.CudaDecodeKernels.resolve(fmt, 4, 16, 128, 6, torch.bfloat16, True, 0, fused=True)
+    assert fused.fused and fused.merge is None and fused.max_slots == 6 and fused.ctas_per_wave == 132 * 4
+    assert fused.partial.name == "diffkv_decode_attend"
+    assert "-DFUSED_MERGE=1" in fake.options[-1] and "-DMAX_SLOTS=6" in fake.options[-1]
+    assert fake.codes[-1] == cd.fused_source() and "diffkv_decode_attend" in fake.codes[-1]
+    two = cd.CudaDecodeKernels.resolve(fmt, 4, 16, 128, 6, torch.bfloat16, True, 0, fused=False)
+    assert not two.fused and (two.partial.name, two.merge.name) == ("diffkv_decode_partial", "diffkv_decode_merge")
+    assert cd.CudaDecodeKernels.resolve(fmt, 4, 16, 128, 6, torch.bfloat16, True, 0).fused == bool(cd.FUSED_MERGE)
+    ws = DecodeWorkspace.allocate(2, 32, 8, fmt, 4, "cpu", num_partitions=3)
+    assert ws.row_done.shape == (2, 8) and int(ws.row_done.abs().sum()) == 0
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    args = (q, torch.zeros(4, fmt.page_size_bytes, dtype=torch.uint8), torch.zeros(16, 4, dtype=torch.int32),
+            torch.zeros(16, 2, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32), ws, 0.1, torch.zeros_like(q))
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match=f"num_slots={bad} outside 1..6"):
+            fused.launch(*args, num_slots=bad)
+    ws.row_done = None
+    with pytest.raises(ValueError, match="row_done"):
+        fused.launch(*args, num_slots=6)
+    for fn in (cd._kernel, cd._spill_free_kernel, cd._merge_kernel):
+        fn.cache_clear()
+
+
+@pytest.mark.parametrize("rows,max_pages,capacity,per_wave,expect", [
+    (384, 130, 6, 528, 1),   # Llama-3-8B 48 x 4096 on an H100/H200 (132 SMs x 4 CTAs): 1 CTA a row
+    (128, 34, 10, 528, 2),   # 16 x 1024: 2
+    (512, 34, 4, 528, 1),    # 64 x 1024: 1
+    (192, 34, 10, 792, 2),   # SmolLM2 64 x 1024 (6 CTAs an SM at head_dim 64): 2
+    (8, 1024, 128, 528, 33),  # one long request: a third of a wave
+    (8, 1024, 16, 528, 16),  # ... up to the workspace's slots
+    (8, 9, 128, 528, 2),     # ... and a page a warp on the longest row the table holds
+    (4096, 34, 4, 528, 1), (1, 1, 2, 528, 1), (0, 8, 4, 528, 2),
+])
+def test_cta_count_a_row_aims_at_half_a_wave(rows, max_pages, capacity, per_wave, expect):
+    """``cuda_num_slots``: the H100 sweep of 2026-12-06 (docs/PERFORMANCE.md) found fewer, longer CTAs faster at every
+    point; half a wave of CTAs over the launch's rows picks its best count at each."""
+    from trtllm_diffkv.kernels.cuda_decode import cuda_num_slots
+
+    assert cuda_num_slots(rows, max_pages, capacity, per_wave) == expect
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg,head_dim,group,slots,dtype", [
     (PRESETS["llama3-8b"], 128, 4, 6, torch.bfloat16), (DiffKVConfig(), 64, 3, 128, torch.float16),
@@ -121,12 +214,7 @@ def test_merge_source_compiles_without_spills(cfg, head_dim, group, slots, dtype
     low-tier tokens, no 4-byte probability pairs); outputs are tested on the GPU (test_attention_gpu.py)."""
     fmt = _fmt(cfg, head_dim)
     defines = merge_defines(fmt, group, 16, head_dim, slots, dtype, True)
-    (tmp_path / "m.cu").write_text(merge_source())
-    cmd = ["nvcc", "-std=c++17", "-ftz=true", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "m.cubin"), "-Xptxas",
-           "-v", *[f"-D{k}={v}" for k, v in defines.items()], str(tmp_path / "m.cu")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = res.stdout + res.stderr
+    info = _ptxas_report(merge_source(), defines, tmp_path)
     assert re.findall(r"Compiling entry function '(\w+)'", info) == ["diffkv_decode_merge"], info
     assert int(re.search(r"(\d+) bytes spill stores", info).group(1)) == 0, info
 
@@ -191,7 +279,7 @@ class _FakeCupy:
     function attribute set (a loaded function and its attributes belong to one device, as CUDA's do)."""
 
     def __init__(self, spill_above: int | None = None, spill_bytes: int = 12):
-        self.current, self.loads, self.attrs, self.options = 0, [], [], []
+        self.current, self.loads, self.attrs, self.options, self.codes = 0, [], [], [], []
         fake = self
 
         class Device:
@@ -220,6 +308,7 @@ class _FakeCupy:
                 self.min_blocks = int(next((o.split("=")[1] for o in options if o.startswith("-DMIN_BLOCKS=")), 0))
                 fake.loads.append((self.device, self.min_blocks))
                 fake.options.append(options)
+                fake.codes.append(code)
 
             def get_function(self, name):
                 if fake.current != self.device:

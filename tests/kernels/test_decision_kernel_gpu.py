@@ -31,13 +31,16 @@ def test_decision_kernel_on_gpu_equals_reference():
                                     alpha_low=cfg.alpha_low, recent_window_tokens=cfg.recent_window_tokens,
                                     prompt_score_window_tokens=cfg.prompt_score_window_tokens, max_pos=int(pos.max()))
             cuda = lambda t: t.cuda()  # noqa: E731
-            for rows_per_program in (1, 2, 8):  # one row (default), a layer's 2 KV heads, 8 rows over 3 layers
+            # one row (default), a layer's 2 KV heads, 8 rows over 3 layers; blocks of 32 and 256 tokens (several
+            # loop iterations a row, and one)
+            for rows_per_program, block in ((1, 128), (2, 128), (8, 128), (1, 32), (1, 256)):
                 got = decide_rows(cuda(pool.pages()), fmt, cuda(table), cuda(tokens), cuda(slots), cuda(pos),
                                   cuda(prompt_len), alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cuda"),
                                   rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
                                   prompt_score_window_tokens=cfg.prompt_score_window_tokens,
-                                  rows_per_program=rows_per_program)
+                                  rows_per_program=rows_per_program, block_tokens=block)
                 for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got,
                                       (want.high_delta, want.low_delta, want.new_index, want.move_from,
                                        want.move_to)):
-                    assert torch.equal(a.cpu(), b), f"{cfg.name} seed {seed} rows {rows_per_program}: {name} differs"
+                    assert torch.equal(a.cpu(), b), (
+                        f"{cfg.name} seed {seed} rows {rows_per_program} block {block}: {name} differs")

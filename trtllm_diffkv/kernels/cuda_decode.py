@@ -265,18 +265,20 @@ def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d
 
 @functools.lru_cache(maxsize=64)
 def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int = 0, device: int | None = None):
-    """``(diffkv_decode_partial, diffkv_decode_scores)`` of ``decode_partial.cu`` at these macros, loaded on CUDA
+    """``(diffkv_decode_partial, diffkv_decode_scores)`` of ``decode_partial.cu`` at these macros (with
+    ``FUSED_MERGE=1`` in them: ``(diffkv_decode_attend, None)`` of :func:`fused_source`), loaded on CUDA
     device ``device`` (``None``: the current one), the partial kernel allowed ``shared_bytes`` of dynamic shared
     memory (above the default 48 KiB needs the attribute, which belongs to one device's function: the module is
     compiled, loaded and given it with that device current, and cached per device)."""
     import cupy
 
+    fused = dict(defines).get("FUSED_MERGE", 0)
     with cupy.cuda.Device(cupy.cuda.runtime.getDevice() if device is None else device):
-        module = _module(SOURCE_PATH.read_text(), defines)
-        partial = module.get_function("diffkv_decode_partial")
+        module = _module(fused_source() if fused else SOURCE_PATH.read_text(), defines)
+        partial = module.get_function("diffkv_decode_attend" if fused else "diffkv_decode_partial")
         if shared_bytes > 48 * 1024:
             partial.max_dynamic_shared_size_bytes = shared_bytes
-        return partial, module.get_function("diffkv_decode_scores")
+        return partial, None if fused else module.get_function("diffkv_decode_scores")
 
 
 # Local memory a staged partial kernel may use and keep its cap: NVRTC (CUDA 13.0, H200) gives the head_dim-128
@@ -323,6 +325,13 @@ def merge_source() -> str:
     macros needed), then ``decode_merge.cu``."""
     partial = SOURCE_PATH.read_text()
     return partial[:partial.index(HELPERS_END)] + MERGE_SOURCE_PATH.read_text()
+
+
+def fused_source() -> str:
+    """The fused kernel's translation unit (``diffkv_decode_attend``): the whole of ``decode_partial.cu``, then
+    ``decode_merge.cu``; compiled with :func:`fused_defines` (``FUSED_MERGE=1`` leaves out the two files' separate
+    kernels)."""
+    return SOURCE_PATH.read_text() + "\n" + MERGE_SOURCE_PATH.read_text()
 
 
 def _module(code: str, defines: tuple[tuple[str, int], ...]):
@@ -378,59 +387,113 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
     num_seqs, num_heads, head_dim = q.shape
     group = num_heads // row_ids.shape[1]
     device = _device_index(q.device)
-    fn, shared_bytes = _resolve_partial(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1],
-                                        update_scores, device, min_blocks, stages, q.dtype)
+    fn, shared_bytes, _ = _resolve_partial(page_format, group, workspace.part_m.shape[-1],
+                                           workspace.part_acc.shape[-1], update_scores, device, min_blocks, stages,
+                                           q.dtype)
     _run_partial(fn, shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace, qk_scale, device)
     return lambda out: _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace,
                                      group, update_scores, None, device)
 
 
 class CudaDecodeKernels:
-    """The CUDA partial and merge kernels of one decode configuration, compiled and resolved once (macros,
-    register cap, shared memory, grids), so each call only launches (:class:`~.decode_attention.DecodeAttention`).
+    """The CUDA decode kernels of one configuration, compiled and resolved once (macros, register cap, shared memory,
+    grids), so each call only launches (:class:`~.decode_attention.DecodeAttention`): by default
+    (:data:`FUSED_MERGE`) the one fused launch ``diffkv_decode_attend`` (``cuda/decode_merge.cu``), else the partial
+    kernel and then the merge with the score update.
 
     Args:
-        partial, merge: the loaded functions; shared_bytes: the partial kernel's dynamic shared memory;
-        merge_scores: the merge updates the scores; merge_pages: page-table positions a merge CTA scores;
-        device: the CUDA device index they are loaded on.
+        partial, merge: the loaded functions (``merge`` ``None`` when fused); shared_bytes: the partial kernel's
+        dynamic shared memory; merge_scores: the merge updates the scores; merge_pages: page-table positions a merge
+        CTA scores; device: the CUDA device index they are loaded on; fused: ``partial`` is ``diffkv_decode_attend``;
+        max_slots: the workspace's slot capacity the kernels were compiled for (``2 * num_partitions``).
     """
 
-    __slots__ = ("partial", "merge", "shared_bytes", "merge_scores", "merge_pages", "device")
+    __slots__ = ("partial", "merge", "shared_bytes", "merge_scores", "merge_pages", "device", "fused", "max_slots",
+                 "ctas_per_wave")
 
-    def __init__(self, partial, merge, shared_bytes: int, merge_scores: bool, merge_pages: int, device: int):
+    def __init__(self, partial, merge, shared_bytes: int, merge_scores: bool, merge_pages: int, device: int,
+                 fused: bool = False, max_slots: int = 0, ctas_per_wave: int = 0):
         self.partial, self.merge, self.shared_bytes = partial, merge, shared_bytes
         self.merge_scores, self.merge_pages, self.device = merge_scores, merge_pages, device
+        self.fused, self.max_slots, self.ctas_per_wave = fused, max_slots, ctas_per_wave
+
+    def slots_for(self, rows: int, max_pages_per_row: int) -> int:
+        """:func:`cuda_num_slots` for a launch over ``rows`` rows with these kernels' capacity and CTAs a wave."""
+        return cuda_num_slots(rows, max_pages_per_row, self.max_slots, self.ctas_per_wave)
 
     @classmethod
     def resolve(cls, page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
                 out_dtype: torch.dtype, update_scores: bool, device: torch.device | int,
                 min_blocks: int | None = None, stages: int | None = None,
-                pages_per_warp: int = MERGE_PAGES_PER_WARP, q_dtype: torch.dtype | None = None) -> "CudaDecodeKernels":
+                pages_per_warp: int | None = None, q_dtype: torch.dtype | None = None,
+                fused: bool | None = None) -> "CudaDecodeKernels":
         """Compile (cached per process) and resolve the kernels for workspaces of ``num_slots`` partition slots
         a row (``2 * num_partitions``), outputs of ``out_dtype`` (fp16/bf16) and queries of ``q_dtype`` (fp16/bf16;
-        default ``out_dtype``: a bf16 query is read as it is, no conversion kernel); other arguments as
-        :func:`launch_partial` and :func:`merge_defines`.
+        default ``out_dtype``: a bf16 query is read as it is, no conversion kernel); ``fused`` (default
+        :data:`FUSED_MERGE`): one launch, whose workspace needs its ``row_done`` counters; other arguments as
+        :func:`launch_partial` and :func:`merge_defines` (``pages_per_warp``: default :data:`MERGE_PAGES_PER_WARP`,
+        fused :func:`tail_pages_per_warp`).
 
         Raises:
             ValueError: an output dtype other than fp16/bf16, or a ring beyond the device's shared memory.
         """
         device = _device_index(torch.device("cuda", device) if isinstance(device, int) else device)
-        partial, shared_bytes = _resolve_partial(page_format, group, group_pad, block_d, update_scores, device,
-                                                 min_blocks, stages, q_dtype or out_dtype)
+        fused = bool(FUSED_MERGE) if fused is None else fused
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if fused:
+            partial, shared_bytes, blocks = _resolve_partial(page_format, group, group_pad, block_d, update_scores,
+                                                             device, min_blocks, stages, q_dtype or out_dtype,
+                                                             fused=(num_slots, out_dtype, pages_per_warp))
+            return cls(partial, None, shared_bytes, update_scores, 0, device, True, num_slots, sms * blocks)
+        partial, shared_bytes, blocks = _resolve_partial(page_format, group, group_pad, block_d, update_scores, device,
+                                                         min_blocks, stages, q_dtype or out_dtype)
         merge, merge_pages = _resolve_merge(page_format, group, group_pad, block_d, num_slots, out_dtype,
-                                            update_scores, device, pages_per_warp)
-        return cls(partial, merge, shared_bytes, update_scores, merge_pages, device)
+                                            update_scores, device, pages_per_warp or MERGE_PAGES_PER_WARP)
+        return cls(partial, merge, shared_bytes, update_scores, merge_pages, device, False, num_slots, sms * blocks)
 
     def launch(self, q: torch.Tensor, pool_pages: torch.Tensor, page_table: torch.Tensor,
                tier_tokens: torch.Tensor, row_ids: torch.Tensor, workspace, qk_scale: float,
-               out: torch.Tensor) -> None:
-        """The partial kernel, then the merge (with the score update) into ``out``, on the current stream;
-        arguments as :func:`launch_partial` (``q`` of the resolved ``q_dtype``, the workspace of the resolved
-        ``num_slots``)."""
+               out: torch.Tensor, num_slots: int | None = None) -> None:
+        """The decode attention into ``out`` on the current stream: the fused launch, or the partial kernel then the
+        merge (with the score update); arguments as :func:`launch_partial` (``q`` of the resolved ``q_dtype``, the
+        workspace of the resolved slot capacity); ``num_slots``: CTAs a row (default the capacity; at most it).
+
+        Raises:
+            ValueError: ``num_slots`` outside ``1..max_slots`` (the merge's shared arrays hold ``max_slots``).
+        """
+        num_slots = self.max_slots if num_slots is None else num_slots
+        if not 1 <= num_slots <= self.max_slots:
+            raise ValueError(f"num_slots={num_slots} outside 1..{self.max_slots} (the slots the kernels hold)")
         _run_partial(self.partial, self.shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
-                     qk_scale, self.device)
-        _run_merge(self.merge, self.merge_pages, out, pool_pages, page_table, tier_tokens, row_ids, workspace,
-                   self.device)
+                     qk_scale, self.device, num_slots, out if self.fused else None)
+        if not self.fused:
+            _run_merge(self.merge, self.merge_pages, out, pool_pages, page_table, tier_tokens, row_ids, workspace,
+                       self.device, num_slots)
+
+
+FUSED_MERGE = 0
+"""0 (default): the CUDA backend launches ``diffkv_decode_partial`` then ``diffkv_decode_merge`` (merge and score
+update); 1: one launch, ``diffkv_decode_attend``, whose row's last CTA merges. Measured slower (H100, 2026-12-06,
+``scripts/sweep_kv_gpu.py``, ``benchmarks/results/sweep_fused.json``: Llama-3-8B 48 x 4096 one layer 180.7 against
+168.6 us, 16 x 1024 39.7 against 28.9): the last CTA updates every score of its row alone, where the merge kernel
+spreads them over many CTAs. Kept as the A/B variant (equal bit for bit, ``tests/kernels/test_fused_decode_gpu.py``)."""
+
+SLOT_WAVE_FILL = 0.5
+"""The CUDA partial kernel's CTAs a row (:func:`cuda_num_slots`) aim at this fraction of one wave of CTAs over the
+launch's rows: fewer, longer CTAs (each pays its row lookups, query load, page-ring fill, warp merge and partial
+state writes once). H100, 2026-12-06, one Llama-3-8B layer with its merge from a CUDA graph
+(``benchmarks/results/sweep_fused.json``): 48 x 4096 best at 1 CTA a row (164.2 us; 168.6 at the earlier 6),
+64 x 1024 at 1 (65.6; 70.9 at 4), 16 x 1024 at 2 (19.0; 28.9 at 10), SmolLM2's 64 x 1024 at 2 (15.6; 19.4 at 10):
+half a wave picks each of these."""
+
+
+def cuda_num_slots(rows: int, max_pages_per_row: int, capacity: int, ctas_per_wave: int) -> int:
+    """CTAs a row of the CUDA partial kernel for a launch over ``rows`` (sequence, KV head) rows:
+    ``round(SLOT_WAVE_FILL * ctas_per_wave / rows)`` (``ctas_per_wave``: multiprocessors x the kernel's CTAs a
+    multiprocessor), at least 1, at most ``capacity`` (the workspace's slots) and ``max_pages_per_row // 4`` (4 warps
+    a CTA: a page each on the longest row the table holds). The kernel splits each row's real pages evenly over them."""
+    want = round(SLOT_WAVE_FILL * ctas_per_wave / max(1, rows))
+    return int(max(1, min(want, capacity, max(1, max_pages_per_row // WARPS))))
 
 
 def _device_index(device: torch.device) -> int:
@@ -439,13 +502,21 @@ def _device_index(device: torch.device) -> int:
 
 def _resolve_partial(page_format: PageFormat, group: int, group_pad: int, block_d: int, update_scores: bool,
                      device: int, min_blocks: int | None, stages: int | None,
-                     q_dtype: torch.dtype = torch.float16):
-    """``(diffkv_decode_partial, its dynamic shared bytes)`` for this configuration on ``device``."""
+                     q_dtype: torch.dtype = torch.float16, fused: tuple | None = None):
+    """``(diffkv_decode_partial, its dynamic shared bytes, its CTAs a multiprocessor)`` for this configuration on
+    ``device``; with ``fused`` = ``(max_slots, out_dtype, pages_per_warp)``, ``diffkv_decode_attend``
+    (:func:`fused_defines`) instead."""
     if q_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the CUDA decode kernel reads fp16 or bf16 queries, not {q_dtype}")
-    pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
-    defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks, stages,
-                              device_shared_limits(device))
+    limits = device_shared_limits(device)
+    if fused is None:
+        pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+        defines = compile_defines(page_format, group, group_pad, block_d, pmax, update_scores, min_blocks, stages,
+                                  limits)
+    else:
+        max_slots, out_dtype, pages_per_warp = fused
+        defines = fused_defines(page_format, group, group_pad, block_d, max_slots, out_dtype, update_scores,
+                                min_blocks, stages, limits, pages_per_warp)
     if q_dtype == torch.bfloat16:
         defines["Q_BF16"] = 1
     shared_bytes = partial_shared_bytes(page_format, defines["STAGES"])
@@ -453,27 +524,44 @@ def _resolve_partial(page_format: PageFormat, group: int, group_pad: int, block_
     arch = f"sm_{major}{minor}"
     key = tuple(sorted(defines.items()))
     if defines["STAGES"] and min_blocks is None:
-        return _spill_free_kernel(key, arch, shared_bytes, device)[0], shared_bytes
-    return _kernel(key, arch, shared_bytes, device)[0], shared_bytes
+        fn, _, blocks = _spill_free_kernel(key, arch, shared_bytes, device)
+        return fn, shared_bytes, blocks
+    return _kernel(key, arch, shared_bytes, device)[0], shared_bytes, defines["MIN_BLOCKS"]
 
 
 def _run_partial(fn, shared_bytes: int, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
-                 qk_scale: float, device: int) -> None:
+                 qk_scale: float, device: int, num_slots: int | None = None, out: torch.Tensor | None = None) -> None:
+    """Launch the partial kernel (``out`` ``None``; grid ``(num_seqs, num_kv_heads, num_slots)``) or the fused
+    ``diffkv_decode_attend`` into ``out`` (grid ``(num_slots, num_kv_heads, num_seqs)``, the workspace's ``row_done``
+    counters); ``num_slots`` default ``2 * workspace.num_partitions``."""
     import numpy as np
 
     num_seqs, num_kv_heads = row_ids.shape
-    num_slots = 2 * workspace.num_partitions
+    num_slots = 2 * workspace.num_partitions if num_slots is None else num_slots
     ptr = _ptr
     args = (ptr(q), ptr(pool_pages), ptr(page_table), ptr(tier_tokens), ptr(row_ids), ptr(workspace.part_m),
             ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.page_probs), ptr(workspace.page_max),
             np.float32(qk_scale), np.int32(num_kv_heads), np.int32(num_slots), np.int32(page_table.shape[1]))
+    grid = (num_seqs, num_kv_heads, num_slots)
+    if out is not None:
+        if workspace.row_done is None:
+            raise ValueError("the fused CUDA decode kernel needs the workspace's row_done counters "
+                             "(DecodeWorkspace.allocate makes them)")
+        args += (ptr(out), ptr(workspace.lse), ptr(workspace.row_done))
+        grid = (num_slots, num_kv_heads, num_seqs)
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, device):
-        fn((num_seqs, num_kv_heads, num_slots), (32 * WARPS, 1, 1), args, shared_mem=shared_bytes)
+        fn(grid, (32 * WARPS, 1, 1), args, shared_mem=shared_bytes)
 
 
 def merge_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
                   out_dtype: torch.dtype, scores: bool, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> dict[str, int]:
-    """The ``-D`` macros of one ``diffkv_decode_merge`` configuration (also used by the CPU compile test)."""
+    """The ``-D`` macros of one ``diffkv_decode_merge`` configuration (also used by the CPU compile test).
+
+    Raises:
+        ValueError: an output dtype other than fp16/bf16.
+    """
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the CUDA merge writes fp16/bf16 outputs, got {out_dtype}")
     hi, lo = page_format.high, page_format.low
     return dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=page_format.head_dim, BLOCK_D=block_d,
                 PMAX=max(hi.tokens_per_page, lo.tokens_per_page), PAGE_BYTES=page_format.page_size_bytes,
@@ -482,11 +570,35 @@ def merge_defines(page_format: PageFormat, group: int, group_pad: int, block_d: 
                 H_SC=hi.score.offset_bytes, L_SC=lo.score.offset_bytes)
 
 
+def tail_pages_per_warp(group: int) -> int:
+    """Pages a warp of ``diffkv_decode_attend``'s merging CTA updates at a time: :data:`MERGE_PAGES_PER_WARP`, fewer for
+    large query groups, whose pages hold ``2 * group + 5`` registers each of probabilities, maxima, scores and
+    addresses in flight (nvcc 13.0, sm_90, at the 80-register cap of head_dim 64: group 8 spilled 452 bytes with 4
+    pages, the partial kernel alone 60)."""
+    return max(1, min(MERGE_PAGES_PER_WARP, 16 // group))
+
+
+def fused_defines(page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
+                  out_dtype: torch.dtype, scores: bool, min_blocks: int | None = None, stages: int | None = None,
+                  shared_limits: tuple[int, int] | None = None,
+                  pages_per_warp: int | None = None) -> dict[str, int]:
+    """The ``-D`` macros of one ``diffkv_decode_attend`` configuration: :func:`compile_defines` (the partial kernel's,
+    ``store_probs = scores``), :func:`merge_defines` (``num_slots``: the workspace's slot capacity, ``MAX_SLOTS``)
+    and ``FUSED_MERGE=1``. The macros the two share are equal by construction (asserted). ``PAGES_PER_WARP``
+    (default :func:`tail_pages_per_warp`) is the pages whose score loads a warp of the row's last CTA has in flight
+    at once."""
+    pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
+    if pages_per_warp is None:
+        pages_per_warp = tail_pages_per_warp(group)
+    d = compile_defines(page_format, group, group_pad, block_d, pmax, scores, min_blocks, stages, shared_limits)
+    m = merge_defines(page_format, group, group_pad, block_d, num_slots, out_dtype, scores, pages_per_warp)
+    assert all(d[k] == m[k] for k in d.keys() & m.keys()), "partial and merge macros disagree"
+    return {**d, **m, "FUSED_MERGE": 1}
+
+
 def _resolve_merge(page_format: PageFormat, group: int, group_pad: int, block_d: int, num_slots: int,
                    out_dtype: torch.dtype, scores: bool, device: int, pages_per_warp: int = MERGE_PAGES_PER_WARP):
     """``(diffkv_decode_merge, page-table positions a CTA scores, 0 without scores)`` on ``device``."""
-    if out_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the CUDA merge writes fp16/bf16 outputs, got {out_dtype}")
     defines = merge_defines(page_format, group, group_pad, block_d, num_slots, out_dtype, scores, pages_per_warp)
     major, minor = torch.cuda.get_device_capability(device)
     fn = _merge_kernel(tuple(sorted(defines.items())), f"sm_{major}{minor}", device)
@@ -494,11 +606,11 @@ def _resolve_merge(page_format: PageFormat, group: int, group_pad: int, block_d:
 
 
 def _run_merge(fn, merge_pages: int, out, pool_pages, page_table, tier_tokens, row_ids, workspace,
-               device: int) -> None:
+               device: int, num_slots: int | None = None) -> None:
     import numpy as np
 
     num_seqs, num_kv_heads = row_ids.shape
-    num_slots = 2 * workspace.num_partitions
+    num_slots = 2 * workspace.num_partitions if num_slots is None else num_slots
     max_pages = page_table.shape[1]
     ptr = _ptr
     args = (ptr(out), ptr(workspace.part_m), ptr(workspace.part_l), ptr(workspace.part_acc), ptr(workspace.lse),

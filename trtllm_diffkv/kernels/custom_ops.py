@@ -192,7 +192,9 @@ def _(q, k, rotation, use_triton=None):
 
 
 # --------------------------------------------------------------------------- paged decode attention
-_WORKSPACE_FIELDS = ("part_m", "part_l", "part_acc", "page_probs", "page_max", "lse")
+_WORKSPACE_FIELDS = ("part_m", "part_l", "part_acc", "page_probs", "page_max", "lse", "row_done")
+"""The :class:`~.decode_attention.DecodeWorkspace` tensors the op takes, in its field order (``row_done`` last and
+only where the workspace has it: the CUDA backend's fused launch counts a row's CTAs there)."""
 
 
 @torch.library.custom_op("diffkv::paged_decode_attention", mutates_args=("pool_pages", "out", "workspace"))
@@ -309,7 +311,8 @@ def paged_decode_attention(q: Tensor, pool_pages: Tensor, page_format: PageForma
                          f"no launch-tuning keywords (got {sorted(tuning)})")
     torch.ops.diffkv.paged_decode_attention(
         q, pool_pages, page_format_ints(page_format), page_table, tier_tokens, row_ids, out,
-        [getattr(workspace, name) for name in _WORKSPACE_FIELDS], sm_scale, update_scores, backend)
+        [t for t in (getattr(workspace, name) for name in _WORKSPACE_FIELDS) if t is not None], sm_scale,
+        update_scores, backend)
 
 
 @_compiled_through(_write.write_tokens)

@@ -77,6 +77,9 @@ class DecodeWorkspace:
         page_max: fp32 ``[num_seqs, num_kv_heads, max_pages_per_row, group]`` the
             base-2 running max each page's probabilities are relative to.
         lse: fp32 ``[num_seqs, num_kv_heads, group_pad]`` final base-2 log-sum-exp per query head.
+        row_done: int32 ``[num_seqs, num_kv_heads]``, zero between launches: the CTAs of a row that have written
+            their partial state, counted by the CUDA backend's fused launch (its last CTA merges the row and sets it
+            back to zero); ``None`` (views built from bare buffers): that backend runs the merge as a second launch.
     """
 
     num_partitions: int
@@ -86,6 +89,7 @@ class DecodeWorkspace:
     page_probs: torch.Tensor
     page_max: torch.Tensor
     lse: torch.Tensor
+    row_done: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_seqs: int, num_heads: int, num_kv_heads: int, page_format: PageFormat,
@@ -116,7 +120,8 @@ class DecodeWorkspace:
                    torch.empty(rows + (num_partitions, 2, gp, bd), **f32),
                    torch.empty(probs_shape, dtype=torch.float16, device=device),
                    torch.empty(max_shape, **f32),
-                   torch.empty(rows + (gp,), **f32))
+                   torch.empty(rows + (gp,), **f32),
+                   torch.zeros(rows, dtype=torch.int32, device=device))
 
 
 def _check_heads(num_heads: int, num_kv_heads: int) -> None:
@@ -291,7 +296,9 @@ class DecodeAttention:
         pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
         if self.use_cuda:
             self.cuda = CudaDecodeKernels.resolve(page_format, group, gp, bd, 2 * nparts, q_dtype, update_scores,
-                                                  device, cuda_min_blocks)
+                                                  device, cuda_min_blocks,
+                                                  fused=None if workspace.row_done is not None else False)
+            self.max_pages_per_row, self.cuda_slots = max_pages_per_row, {}
             return
         # The products stack (quantization group, query head) rows: NG groups x GP2 heads, 16 <= rows <= 32
         # (32 keeps every product on the mma.sync path, registers in check); larger query groups are split
@@ -345,7 +352,10 @@ class DecodeAttention:
         q = q.contiguous()
         ws, nkv = self.workspace, self.num_kv_heads
         if self.use_cuda:
-            self.cuda.launch(q, pool_pages, page_table, tier_tokens, row_ids, ws, self.qk_scale, out)
+            slots = self.cuda_slots.get(num_seqs)
+            if slots is None:
+                slots = self.cuda_slots[num_seqs] = self.cuda.slots_for(num_seqs * nkv, self.max_pages_per_row)
+            self.cuda.launch(q, pool_pages, page_table, tier_tokens, row_ids, ws, self.qk_scale, out, num_slots=slots)
             return
         _decode_partial_kernel[(num_seqs, nkv, self.partial_parts)](
             q, pool_pages, page_table, tier_tokens, row_ids, ws.part_m, ws.part_l, ws.part_acc, ws.page_probs,

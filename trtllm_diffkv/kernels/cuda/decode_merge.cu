@@ -24,10 +24,15 @@
 // H_TOKENS / L_TOKENS, H_SC / L_SC (score segment byte offsets). kernels/cuda_decode.py sets them.
 
 // Compiled after the helpers at the top of decode_partial.cu (u32 / u16 / u64, NEG_INF, h2f, ex2, ...), which
-// kernels/cuda_decode.py (merge_source) puts before this text.
+// kernels/cuda_decode.py (merge_source) puts before this text; or, with FUSED_MERGE=1, after the whole of
+// decode_partial.cu (fused_source), where diffkv_decode_attend at the end of this file runs the partial kernel's CTA
+// work and this merge in one launch (the row's last CTA merges; see there).
 
 #define POS_INF (__int_as_float(0x7f800000))
 
+#ifndef FUSED_MERGE
+#define FUSED_MERGE 0
+#endif
 #ifndef MERGE_WARPS
 #define MERGE_WARPS 4
 #endif
@@ -48,7 +53,9 @@ __device__ __forceinline__ u16 f2out(float x) {
     return r;
 }
 
-// A warp's pages' probabilities, maxima and scores, loaded before the merge (they do not depend on it).
+// A warp's page's probabilities, maxima and scores (loaded before they are needed: the standalone merge loads its pages
+// before the merge of the partial states, since they do not depend on it). Workspace reads go through L2 (__ldcg): in
+// diffkv_decode_attend they were written by other CTAs of the same launch.
 struct ScorePage {
     u32 probs[GROUP][SLOT_ITERS];  // slots 2 lane, 2 lane + 1 (+ 64 i) of each head: fp16 pairs (low half first)
     float pmax[GROUP];
@@ -57,6 +64,126 @@ struct ScorePage {
     int count;
 };
 
+// Row (seq, kvh) = rs, page-table row `row` (< 0: padding), its tier token counts and page counts.
+struct RowPages {
+    int row, n_high, n_low, hp, lp;
+};
+
+__device__ __forceinline__ RowPages row_pages(const int* __restrict__ tier_tokens, const int* __restrict__ row_ids,
+                                              int rs) {
+    RowPages r;
+    r.row = row_ids[rs];
+    r.n_high = r.row >= 0 ? tier_tokens[2 * (long long)r.row] : 0;
+    r.n_low = r.row >= 0 ? tier_tokens[2 * (long long)r.row + 1] : 0;
+    r.hp = (r.n_high + H_TOKENS - 1) / H_TOKENS;
+    r.lp = (r.n_low + L_TOKENS - 1) / L_TOKENS;
+    return r;
+}
+
+// Page-list entry u of the row (high pages first; u >= hp + lp: no page).
+__device__ __forceinline__ void load_score_page(ScorePage& p, int u, const RowPages& rp, int rs, int R,
+                                                unsigned char* __restrict__ pool, const int* __restrict__ table,
+                                                const u16* __restrict__ page_probs,
+                                                const float* __restrict__ page_max, int lane) {
+    p.count = 0;
+    p.dst = nullptr;
+    if (u >= rp.hp + rp.lp) return;
+    const bool high = u < rp.hp;
+    const int j = high ? u : u - rp.hp;
+    const int pos = high ? u : R - 1 - j;
+    p.count = high ? min(rp.n_high - j * H_TOKENS, H_TOKENS) : min(rp.n_low - j * L_TOKENS, L_TOKENS);
+    const long long cell = (long long)rs * R + pos;
+    const int page = table[(long long)rp.row * R + pos];
+    p.dst = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
+    const u16* probs = page_probs + cell * GROUP * PMAX;
+#pragma unroll
+    for (int h = 0; h < GROUP; ++h) {
+        p.pmax[h] = __ldcg(page_max + cell * GROUP + h);
+#pragma unroll
+        for (int i = 0; i < SLOT_ITERS; ++i) {
+            const int slot = 2 * lane + 64 * i;
+            const u16* ph = probs + h * PMAX + slot;
+            if constexpr (PAIR_LOADS) {
+                p.probs[h][i] = (slot < p.count) ? __ldcg((const unsigned int*)ph) : 0u;
+            } else {
+                p.probs[h][i] = ((slot < p.count) ? (u32)__ldcg(ph) : 0u) |
+                                ((slot + 1 < p.count) ? (u32)__ldcg(ph + 1) << 16 : 0u);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < SLOT_ITERS; ++i) {
+        const int slot = 2 * lane + 64 * i;
+        p.score[i][0] = (slot < p.count) ? p.dst[slot] : 0.f;
+        p.score[i][1] = (slot + 1 < p.count) ? p.dst[slot + 1] : 0.f;
+    }
+}
+
+// score += max over the heads of p_h 2^(page_max_h - lse_h) (diffkv_decode_scores' arithmetic, in its order)
+__device__ __forceinline__ void apply_score_page(const ScorePage& p, const float* s_lse, int lane) {
+    if (p.dst == nullptr) return;
+    float best[SLOT_ITERS][2];
+#pragma unroll
+    for (int i = 0; i < SLOT_ITERS; ++i) best[i][0] = best[i][1] = 0.f;
+#pragma unroll
+    for (int h = 0; h < GROUP; ++h) {
+        const float factor = ex2(p.pmax[h] - s_lse[h]);
+#pragma unroll
+        for (int i = 0; i < SLOT_ITERS; ++i) {
+            best[i][0] = fmaxf(best[i][0], h2f(p.probs[h][i] & 0xFFFFu) * factor);
+            best[i][1] = fmaxf(best[i][1], h2f(p.probs[h][i] >> 16) * factor);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < SLOT_ITERS; ++i) {
+        const int slot = 2 * lane + 64 * i;
+        if (slot < p.count) p.dst[slot] = p.score[i][0] + best[i][0];
+        if (slot + 1 < p.count) p.dst[slot + 1] = p.score[i][1] + best[i][1];
+    }
+}
+
+// The merge of the row's num_slots partial states by NW warps (warp w takes heads w, w + NW, ...): m_safe, 1 / l,
+// lse = m_safe + log2 l (inf for an empty row) into s_inv / s_lse, the slots' weights 2^(m_s - m_safe) into s_w (the
+// Triton merge's arithmetic). The caller syncs the block before reading them.
+template <int NW>
+__device__ __forceinline__ void merge_states(const float* __restrict__ part_m, const float* __restrict__ part_l,
+                                             long long base, int num_slots, int warp, int lane,
+                                             float (*s_w)[GROUP], float* s_inv, float* s_lse) {
+    for (int h = warp; h < GROUP; h += NW) {
+        float mx = NEG_INF;
+        for (int s = lane; s < num_slots; s += 32) mx = fmaxf(mx, __ldcg(part_m + (base + s) * GROUP_PAD + h));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_safe = (mx == NEG_INF) ? 0.f : mx;
+        float l = 0.f;
+        for (int s = lane; s < num_slots; s += 32) {
+            const float ms = __ldcg(part_m + (base + s) * GROUP_PAD + h);
+            const float w = (ms == NEG_INF) ? 0.f : ex2(ms - m_safe);
+            s_w[s][h] = w;
+            l += w * __ldcg(part_l + (base + s) * GROUP_PAD + h);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+        if (lane == 0) {
+            s_inv[h] = (l > 0.f) ? 1.f / l : 0.f;
+            s_lse[h] = (l > 0.f) ? m_safe + log2f(l) : POS_INF;
+        }
+    }
+}
+
+// Output elements e = first, first + stride, ... of the row's GROUP x HEAD_DIM (after merge_states and a barrier).
+__device__ __forceinline__ void write_output(u16* __restrict__ out, const float* __restrict__ part_acc, long long base,
+                                             int num_slots, int rs, int first, int stride,
+                                             const float (*s_w)[GROUP], const float* s_inv) {
+    for (int e = first; e < GROUP * HEAD_DIM; e += stride) {
+        const int h = e / HEAD_DIM, d = e % HEAD_DIM;
+        float a = 0.f;
+        for (int s = 0; s < num_slots; ++s) a += s_w[s][h] * __ldcg(part_acc + ((base + s) * GROUP_PAD + h) * BLOCK_D + d);
+        out[((long long)rs * GROUP + h) * HEAD_DIM + d] = f2out(a * s_inv[h]);
+    }
+}
+
+#if !FUSED_MERGE
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
 diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, const float* __restrict__ part_l,
                     const float* __restrict__ part_acc, float* __restrict__ lse_out, unsigned char* __restrict__ pool,
@@ -70,107 +197,81 @@ diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, con
     const int rs = seq * num_kv_heads + kvh;
     const long long base = (long long)rs * num_slots;
 #if SCORES
-    const int row = row_ids[rs];
+    const RowPages rp = row_pages(tier_tokens, row_ids, rs);
     ScorePage sp[PAGES_PER_WARP];
-    {
-        int n_high = 0, n_low = 0;
-        if (row >= 0) {
-            n_high = tier_tokens[2 * (long long)row];
-            n_low = tier_tokens[2 * (long long)row + 1];
-        }
-        const int hp = (n_high + H_TOKENS - 1) / H_TOKENS;
-        const int lp = row >= 0 ? (n_low + L_TOKENS - 1) / L_TOKENS : 0;
 #pragma unroll
-        for (int k = 0; k < PAGES_PER_WARP; ++k) {
-            const int u = z * SCORE_PAGES + warp + k * MERGE_WARPS;
-            ScorePage& p = sp[k];
-            p.count = 0;
-            p.dst = nullptr;
-            if (u >= hp + lp) continue;
-            const bool high = u < hp;
-            const int j = high ? u : u - hp;
-            const int pos = high ? u : R - 1 - j;
-            p.count = high ? min(n_high - j * H_TOKENS, H_TOKENS) : min(n_low - j * L_TOKENS, L_TOKENS);
-            const long long cell = (long long)rs * R + pos;
-            const int page = table[(long long)row * R + pos];
-            p.dst = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
-            const u16* probs = page_probs + cell * GROUP * PMAX;
-#pragma unroll
-            for (int h = 0; h < GROUP; ++h) {
-                p.pmax[h] = page_max[cell * GROUP + h];
-#pragma unroll
-                for (int i = 0; i < SLOT_ITERS; ++i) {
-                    const int slot = 2 * lane + 64 * i;
-                    const u16* ph = probs + h * PMAX + slot;
-                    if constexpr (PAIR_LOADS) {
-                        p.probs[h][i] = (slot < p.count) ? *(const u32*)ph : 0u;
-                    } else {
-                        p.probs[h][i] = ((slot < p.count) ? (u32)ph[0] : 0u) | ((slot + 1 < p.count) ? (u32)ph[1] << 16 : 0u);
-                    }
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < SLOT_ITERS; ++i) {
-                const int slot = 2 * lane + 64 * i;
-                p.score[i][0] = (slot < p.count) ? p.dst[slot] : 0.f;
-                p.score[i][1] = (slot + 1 < p.count) ? p.dst[slot + 1] : 0.f;
-            }
-        }
-    }
+    for (int k = 0; k < PAGES_PER_WARP; ++k)
+        load_score_page(sp[k], z * SCORE_PAGES + warp + k * MERGE_WARPS, rp, rs, R, pool, table, page_probs, page_max,
+                        lane);
 #endif
-    for (int h = warp; h < GROUP; h += MERGE_WARPS) {
-        float mx = NEG_INF;
-        for (int s = lane; s < num_slots; s += 32) mx = fmaxf(mx, part_m[(base + s) * GROUP_PAD + h]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        const float m_safe = (mx == NEG_INF) ? 0.f : mx;
-        float l = 0.f;
-        for (int s = lane; s < num_slots; s += 32) {
-            const float ms = part_m[(base + s) * GROUP_PAD + h];
-            const float w = (ms == NEG_INF) ? 0.f : ex2(ms - m_safe);
-            s_w[s][h] = w;
-            l += w * part_l[(base + s) * GROUP_PAD + h];
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-        if (lane == 0) {
-            s_inv[h] = (l > 0.f) ? 1.f / l : 0.f;
-            s_lse[h] = (l > 0.f) ? m_safe + log2f(l) : POS_INF;
-        }
-    }
+    merge_states<MERGE_WARPS>(part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
     __syncthreads();
     if (z == 0 && threadIdx.x < GROUP) lse_out[(long long)rs * GROUP_PAD + threadIdx.x] = s_lse[threadIdx.x];
-    const int step = gridDim.z * MERGE_WARPS * 32;
-    for (int e = z * MERGE_WARPS * 32 + threadIdx.x; e < GROUP * HEAD_DIM; e += step) {
-        const int h = e / HEAD_DIM, d = e % HEAD_DIM;
-        float a = 0.f;
-        for (int s = 0; s < num_slots; ++s) a += s_w[s][h] * part_acc[((base + s) * GROUP_PAD + h) * BLOCK_D + d];
-        out[((long long)rs * GROUP + h) * HEAD_DIM + d] = f2out(a * s_inv[h]);
-    }
+    write_output(out, part_acc, base, num_slots, rs, z * MERGE_WARPS * 32 + threadIdx.x, gridDim.z * MERGE_WARPS * 32,
+                 s_w, s_inv);
 #if SCORES
-    // score += max over the heads of p_h 2^(page_max_h - lse_h) (diffkv_decode_scores' arithmetic, in its order)
 #pragma unroll
-    for (int k = 0; k < PAGES_PER_WARP; ++k) {
-        const ScorePage& p = sp[k];
-        if (p.dst == nullptr) continue;
-        float best[SLOT_ITERS][2];
+    for (int k = 0; k < PAGES_PER_WARP; ++k) apply_score_page(sp[k], s_lse, lane);
+#endif
+}
+#endif  // !FUSED_MERGE
+
+#if FUSED_MERGE
+// The partial kernel, merge and score update in one launch (compiled after the whole of decode_partial.cu, with both
+// files' macros and FUSED_MERGE=1). Grid (num_slots, num_kv_heads, num_seqs): a row's CTAs are neighbours in launch
+// order, so they run at about the same time. Each CTA does partial_cta's work, then counts itself done on the row's
+// counter (row_done, zero before the launch; the classic threadfence-reduction handshake: every thread's writes are
+// fenced before one thread's atomicAdd); the row's last CTA resets the counter (for the next launch) and does what
+// diffkv_decode_merge does for the row: the merge of the row's num_slots partial states, its output and lse, and the
+// score update of every page of the row, PAGES_PER_WARP pages a warp at a time (their score segments were
+// prefetched into L2 by the CTAs that read the pages). One launch a layer instead of two, no CTA of the merge grid
+// left without pages (that grid spans the page table's width), and the probabilities read back from L2.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+diffkv_decode_attend(const u16* __restrict__ q, unsigned char* __restrict__ pool, const int* __restrict__ table,
+                     const int* __restrict__ tier_tokens, const int* __restrict__ row_ids, float* __restrict__ part_m,
+                     float* __restrict__ part_l, float* __restrict__ part_acc, u16* __restrict__ page_probs,
+                     float* __restrict__ page_max, float qk_scale, int num_kv_heads, int num_slots, int R,
+                     u16* __restrict__ out, float* __restrict__ lse_out, int* __restrict__ row_done) {
+    __shared__ float s_w[MAX_SLOTS][GROUP];
+    __shared__ float s_inv[GROUP], s_lse[GROUP];
+    __shared__ int s_last;
+    const int seq = blockIdx.z, kvh = blockIdx.y;
+    partial_cta<SCORES != 0>(seq, kvh, blockIdx.x, q, pool, table, tier_tokens, row_ids, part_m, part_l, part_acc,
+                             page_probs, page_max, qk_scale, num_kv_heads, num_slots, R);
+    const int rs = seq * num_kv_heads + kvh;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(row_done + rs, 1) + 1;
+        s_last = done == num_slots;
+        if (done == num_slots) row_done[rs] = 0;  // every CTA of the row has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long base = (long long)rs * num_slots;
+#if SCORES
+    const RowPages rp = row_pages(tier_tokens, row_ids, rs);
+    ScorePage sp[PAGES_PER_WARP];
 #pragma unroll
-        for (int i = 0; i < SLOT_ITERS; ++i) best[i][0] = best[i][1] = 0.f;
+    for (int k = 0; k < PAGES_PER_WARP; ++k)
+        load_score_page(sp[k], warp + k * WARPS, rp, rs, R, pool, table, page_probs, page_max, lane);
+#endif
+    merge_states<WARPS>(part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
+    __syncthreads();
+    if (threadIdx.x < GROUP) lse_out[(long long)rs * GROUP_PAD + threadIdx.x] = s_lse[threadIdx.x];
+    write_output(out, part_acc, base, num_slots, rs, threadIdx.x, WARPS * 32, s_w, s_inv);
+#if SCORES
+    for (int first = 0;; first += WARPS * PAGES_PER_WARP) {
 #pragma unroll
-        for (int h = 0; h < GROUP; ++h) {
-            const float factor = ex2(p.pmax[h] - s_lse[h]);
+        for (int k = 0; k < PAGES_PER_WARP; ++k) apply_score_page(sp[k], s_lse, lane);
+        const int next = first + WARPS * PAGES_PER_WARP;
+        if (next >= rp.hp + rp.lp) break;
 #pragma unroll
-            for (int i = 0; i < SLOT_ITERS; ++i) {
-                best[i][0] = fmaxf(best[i][0], h2f(p.probs[h][i] & 0xFFFFu) * factor);
-                best[i][1] = fmaxf(best[i][1], h2f(p.probs[h][i] >> 16) * factor);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < SLOT_ITERS; ++i) {
-            const int slot = 2 * lane + 64 * i;
-            if (slot < p.count) p.dst[slot] = p.score[i][0] + best[i][0];
-            if (slot + 1 < p.count) p.dst[slot + 1] = p.score[i][1] + best[i][1];
-        }
+        for (int k = 0; k < PAGES_PER_WARP; ++k)
+            load_score_page(sp[k], next + warp + k * WARPS, rp, rs, R, pool, table, page_probs, page_max, lane);
     }
 #endif
 }
+#endif  // FUSED_MERGE

@@ -515,12 +515,25 @@ __device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, co
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict__ pool,
-                      const int* __restrict__ table, const int* __restrict__ tier_tokens,
-                      const int* __restrict__ row_ids, float* __restrict__ part_m, float* __restrict__ part_l,
-                      float* __restrict__ part_acc, u16* __restrict__ page_probs, float* __restrict__ page_max,
-                      float qk_scale, int num_kv_heads, int num_slots, int R) {
+#ifndef FUSED_MERGE
+#define FUSED_MERGE 0  // 1: this text is followed by cuda/decode_merge.cu and its diffkv_decode_attend (kernels/cuda_decode.py)
+#endif
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
+
+// The work of one CTA: slot cslot of row (seq, kvh), written to the workspace's slot (the kernels below differ in
+// the grid's order only and in what follows). PREFETCH_SCORES: after its page loop the CTA asks L2 to keep the
+// score segments of its pages, which the row's merge updates next (diffkv_decode_attend).
+template <bool PREFETCH_SCORES>
+__device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u16* __restrict__ q,
+                                            const unsigned char* __restrict__ pool, const int* __restrict__ table,
+                                            const int* __restrict__ tier_tokens, const int* __restrict__ row_ids,
+                                            float* __restrict__ part_m, float* __restrict__ part_l,
+                                            float* __restrict__ part_acc, u16* __restrict__ page_probs,
+                                            float* __restrict__ page_max, float qk_scale, int num_kv_heads,
+                                            int num_slots, int R) {
 #if STAGES
     // the page ring (WARPS x STAGES pages), reused for the warps' merge after a barrier
     extern __shared__ __align__(16) unsigned char dyn_smem[];
@@ -531,7 +544,6 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
     __shared__ float sm_acc[WARPS][8][HEAD_DIM];
 #endif
-    const int seq = blockIdx.x, kvh = blockIdx.y, cslot = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int rs = seq * num_kv_heads + kvh;
@@ -578,6 +590,13 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
                                  max_row);
     }
 #endif
+    if constexpr (PREFETCH_SCORES) {
+        for (int u = u0 + threadIdx.x; u < u1; u += WARPS * 32) {
+            const PageRef r = page_ref(u, hp, n_high, n_low, R);
+            const unsigned char* seg = pool + (u64)trow[r.pos] * PAGE_BYTES + (r.low ? L_SC : H_SC);
+            for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
+        }
+    }
     // finish the sums over the lanes of a head, then merge the warps
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -621,6 +640,18 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
             part_l[slot_idx * GROUP_PAD + h] = l;
         }
     }
+}
+
+#if !FUSED_MERGE
+// Grid (num_seqs, num_kv_heads, num_slots); the merge (cuda/decode_merge.cu) is a second launch.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict__ pool,
+                      const int* __restrict__ table, const int* __restrict__ tier_tokens,
+                      const int* __restrict__ row_ids, float* __restrict__ part_m, float* __restrict__ part_l,
+                      float* __restrict__ part_acc, u16* __restrict__ page_probs, float* __restrict__ page_max,
+                      float qk_scale, int num_kv_heads, int num_slots, int R) {
+    partial_cta<false>(blockIdx.x, blockIdx.y, blockIdx.z, q, pool, table, tier_tokens, row_ids, part_m, part_l,
+                       part_acc, page_probs, page_max, qk_scale, num_kv_heads, num_slots, R);
 }
 
 // The score update after the merge (replaces the Triton _decode_score_kernel on this backend): adds to
@@ -667,3 +698,4 @@ diffkv_decode_scores(unsigned char* __restrict__ pool, const int* __restrict__ t
         }
     }
 }
+#endif  // !FUSED_MERGE
