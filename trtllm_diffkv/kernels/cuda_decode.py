@@ -9,7 +9,8 @@ page buffers that ``cp.async`` fills ahead of the work, :data:`STAGES`), keeps t
 barrier in its page loop; see the header of the ``.cu`` file for the design.
 
 It writes the same :class:`~.decode_attention.DecodeWorkspace` buffers as the Triton partial kernel
-(one slot per CTA: ``2 * num_partitions`` CTAs per row). The merge after it is CUDA too
+(one slot per CTA: up to ``2 * num_partitions`` CTAs per row, :func:`cuda_num_slots` of them a launch through
+:class:`CudaDecodeKernels`). The merge after it is CUDA too
 (``cuda/decode_merge.cu``): the Triton merge's arithmetic with the score update folded into the same
 launch (the update needs the final log-sum-exp the merge computes; one launch per layer instead of two).
 The Triton kernel stays the portable path for everything this one does not
@@ -651,4 +652,5 @@ __all__ = ["unsupported_reason", "runtime_reason", "resolve_backend", "choose_ba
            "CudaDecodeKernels",
            "partial_shared_bytes", "stage_copy_bytes", "STAGES", "device_shared_limits",
            "register_min_blocks", "staged_min_blocks", "SM90_SHARED_LIMITS", "SHARED_RESERVED_BYTES",
-           "merge_defines", "merge_source", "SOURCE_PATH", "MERGE_SOURCE_PATH", "BACKEND_ENV", "BACKENDS"]
+           "merge_defines", "merge_source", "SOURCE_PATH", "MERGE_SOURCE_PATH", "BACKEND_ENV", "BACKENDS",
+           "cuda_num_slots", "SLOT_WAVE_FILL", "FUSED_MERGE", "fused_source", "fused_defines", "tail_pages_per_warp"]
