@@ -112,6 +112,36 @@ def test_source_compiles_within_the_register_cap(cfg, head_dim, group, arch, tmp
     assert regs * 32 * 4 * defines["MIN_BLOCKS"] <= 65536, (regs, defines["MIN_BLOCKS"])
 
 
+def test_the_resolved_decode_attention_launches_the_policys_ctas_per_batch(monkeypatch):
+    """``DecodeAttention`` on the CUDA backend passes :func:`cuda_num_slots`'s count for each batch size to the launch
+    (asked once per batch size), within the workspace's slots (CPU: the backend choice and the kernels faked)."""
+    from trtllm_diffkv.kernels import cuda_decode as cd
+    from trtllm_diffkv.kernels import decode_attention as da
+
+    launches, asked = [], []
+
+    class Kernels:
+        max_slots, ctas_per_wave = 6, 132 * 4
+
+        def slots_for(self, rows, max_pages):
+            asked.append(rows)
+            return cd.cuda_num_slots(rows, max_pages, self.max_slots, self.ctas_per_wave)
+
+        def launch(self, q, pages, table, tokens, row_ids, ws, scale, out, num_slots=None):
+            launches.append((q.shape[0], num_slots))
+
+    monkeypatch.setattr(da, "choose_backend", lambda *a, **k: "cuda")
+    monkeypatch.setattr(da.CudaDecodeKernels, "resolve", classmethod(lambda cls, *a, **k: Kernels()))
+    fmt = _fmt(PRESETS["llama3-8b"], 128)
+    ws = DecodeWorkspace.allocate(48, 32, 8, fmt, 130, "cpu", num_partitions=3)
+    att = da.DecodeAttention(fmt, 32, 8, ws, 130, torch.bfloat16, "cpu", sm_scale=0.1)
+    for n in (48, 2, 48):
+        q = torch.zeros(n, 32, 128, dtype=torch.bfloat16)
+        att(q, None, None, None, torch.zeros(n, 8, dtype=torch.int32), torch.zeros_like(q))
+    assert launches == [(48, 1), (2, 6), (48, 1)]  # 384 rows: one CTA a row; 16 rows: the workspace's 6
+    assert asked == [384, 16]
+
+
 def _ptxas_report(code: str, defines: dict, tmp_path) -> str:
     """nvcc's ``-Xptxas -v`` report of ``code`` compiled for sm_90 with CuPy's flags and ``defines`` (must compile)."""
     (tmp_path / "k.cu").write_text(code)

@@ -126,6 +126,9 @@ def test_aot_entries_match_the_nvrtc_kernels_bit_for_bit(built, case, binary, mo
     monkeypatch.setattr(cd, "_kernel", lambda defines, *rest: (compiled.append(dict(defines)),
                                                                 nvrtc_kernel(defines, *rest))[1])
     monkeypatch.setattr(cd, "STAGES", 0)  # the AOT build is the register path (cuda_aot.cuda_kernel_defines)
+    # and launches the workspace's 2 * num_partitions CTAs a row (an engine's count is fixed; the JIT path picks
+    # cuda_num_slots per batch): the reference launches as many
+    monkeypatch.setattr(cd, "cuda_num_slots", lambda rows, max_pages, capacity, ctas_per_wave: capacity)
     out_ref = torch.empty_like(q)
     paged_decode_attention(q, pool_ref, fmt, rows.page_table, rows.tier_tokens, row_ids, out_ref,
                            sm_scale=sizes["sm_scale"], update_scores=True, workspace=ws_ref, backend="cuda")

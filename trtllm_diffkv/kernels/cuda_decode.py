@@ -398,9 +398,9 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
 
 class CudaDecodeKernels:
     """The CUDA decode kernels of one configuration, compiled and resolved once (macros, register cap, shared memory,
-    grids), so each call only launches (:class:`~.decode_attention.DecodeAttention`): by default
-    (:data:`FUSED_MERGE`) the one fused launch ``diffkv_decode_attend`` (``cuda/decode_merge.cu``), else the partial
-    kernel and then the merge with the score update.
+    grids), so each call only launches (:class:`~.decode_attention.DecodeAttention`): the partial kernel and then the
+    merge with the score update, or (``fused``, :data:`FUSED_MERGE`) the one launch ``diffkv_decode_attend``
+    (``cuda/decode_merge.cu``).
 
     Args:
         partial, merge: the loaded functions (``merge`` ``None`` when fused); shared_bytes: the partial kernel's
@@ -460,11 +460,13 @@ class CudaDecodeKernels:
         workspace of the resolved slot capacity); ``num_slots``: CTAs a row (default the capacity; at most it).
 
         Raises:
-            ValueError: ``num_slots`` outside ``1..max_slots`` (the merge's shared arrays hold ``max_slots``).
+            ValueError: ``num_slots`` outside ``1..max_slots`` (the merge's shared arrays hold ``max_slots``) or above
+                the workspace's ``2 * num_partitions`` slots.
         """
         num_slots = self.max_slots if num_slots is None else num_slots
-        if not 1 <= num_slots <= self.max_slots:
-            raise ValueError(f"num_slots={num_slots} outside 1..{self.max_slots} (the slots the kernels hold)")
+        if not 1 <= num_slots <= min(self.max_slots, 2 * workspace.num_partitions):
+            raise ValueError(f"num_slots={num_slots} outside 1..{self.max_slots} (the slots the kernels hold) or "
+                             f"above the workspace's {2 * workspace.num_partitions}")
         _run_partial(self.partial, self.shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace,
                      qk_scale, self.device, num_slots, out if self.fused else None)
         if not self.fused:

@@ -57,7 +57,9 @@ Output files in ``out_dir``: ``NAME.cu`` (the generated source), ``NAME.sm<cc>.p
                             "spill_loads", "stack_bytes", "static_shared_bytes", "ptx_version"}}}
 
 ``num_seqs`` (the grid's x) is the batch of the step, at most the engine's ``max_batch_size`` (``sizes`` holds
-that maximum); every extra is fixed by the engine. Grid expressions are evaluated like the Triton manifest's
+that maximum); every extra is fixed by the engine, the CTAs a row too (``num_slots = 2 * num_partitions``, the
+workspace's capacity; the NVRTC path launches :func:`~trtllm_diffkv.kernels.cuda_decode.cuda_num_slots` of them for
+each batch, so the two agree bit for bit only where that count is the capacity). Grid expressions are evaluated like the Triton manifest's
 (:func:`~trtllm_diffkv.trt.aot.eval_grid`: ``cdiv`` and the names of ``sizes`` and ``defines``).
 """
 from __future__ import annotations

@@ -53,9 +53,19 @@ __device__ __forceinline__ u16 f2out(float x) {
     return r;
 }
 
+// Workspace reads: in diffkv_decode_attend through L2 (__ldcg: other CTAs of the same launch wrote them, and L1 is not
+// coherent); in the standalone merge plain loads of const __restrict__ data (the read-only path, as before the fusion).
+template <class T>
+__device__ __forceinline__ T ws_load(const T* p) {
+#if FUSED_MERGE
+    return __ldcg(p);
+#else
+    return *p;
+#endif
+}
+
 // A warp's page's probabilities, maxima and scores (loaded before they are needed: the standalone merge loads its pages
-// before the merge of the partial states, since they do not depend on it). Workspace reads go through L2 (__ldcg): in
-// diffkv_decode_attend they were written by other CTAs of the same launch.
+// before the merge of the partial states, since they do not depend on it).
 struct ScorePage {
     u32 probs[GROUP][SLOT_ITERS];  // slots 2 lane, 2 lane + 1 (+ 64 i) of each head: fp16 pairs (low half first)
     float pmax[GROUP];
@@ -98,16 +108,16 @@ __device__ __forceinline__ void load_score_page(ScorePage& p, int u, const RowPa
     const u16* probs = page_probs + cell * GROUP * PMAX;
 #pragma unroll
     for (int h = 0; h < GROUP; ++h) {
-        p.pmax[h] = __ldcg(page_max + cell * GROUP + h);
+        p.pmax[h] = ws_load(page_max + cell * GROUP + h);
 #pragma unroll
         for (int i = 0; i < SLOT_ITERS; ++i) {
             const int slot = 2 * lane + 64 * i;
             const u16* ph = probs + h * PMAX + slot;
             if constexpr (PAIR_LOADS) {
-                p.probs[h][i] = (slot < p.count) ? __ldcg((const unsigned int*)ph) : 0u;
+                p.probs[h][i] = (slot < p.count) ? ws_load((const unsigned int*)ph) : 0u;
             } else {
-                p.probs[h][i] = ((slot < p.count) ? (u32)__ldcg(ph) : 0u) |
-                                ((slot + 1 < p.count) ? (u32)__ldcg(ph + 1) << 16 : 0u);
+                p.probs[h][i] = ((slot < p.count) ? (u32)ws_load(ph) : 0u) |
+                                ((slot + 1 < p.count) ? (u32)ws_load(ph + 1) << 16 : 0u);
             }
         }
     }
@@ -151,16 +161,16 @@ __device__ __forceinline__ void merge_states(const float* __restrict__ part_m, c
                                              float (*s_w)[GROUP], float* s_inv, float* s_lse) {
     for (int h = warp; h < GROUP; h += NW) {
         float mx = NEG_INF;
-        for (int s = lane; s < num_slots; s += 32) mx = fmaxf(mx, __ldcg(part_m + (base + s) * GROUP_PAD + h));
+        for (int s = lane; s < num_slots; s += 32) mx = fmaxf(mx, ws_load(part_m + (base + s) * GROUP_PAD + h));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         const float m_safe = (mx == NEG_INF) ? 0.f : mx;
         float l = 0.f;
         for (int s = lane; s < num_slots; s += 32) {
-            const float ms = __ldcg(part_m + (base + s) * GROUP_PAD + h);
+            const float ms = ws_load(part_m + (base + s) * GROUP_PAD + h);
             const float w = (ms == NEG_INF) ? 0.f : ex2(ms - m_safe);
             s_w[s][h] = w;
-            l += w * __ldcg(part_l + (base + s) * GROUP_PAD + h);
+            l += w * ws_load(part_l + (base + s) * GROUP_PAD + h);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
@@ -178,7 +188,7 @@ __device__ __forceinline__ void write_output(u16* __restrict__ out, const float*
     for (int e = first; e < GROUP * HEAD_DIM; e += stride) {
         const int h = e / HEAD_DIM, d = e % HEAD_DIM;
         float a = 0.f;
-        for (int s = 0; s < num_slots; ++s) a += s_w[s][h] * __ldcg(part_acc + ((base + s) * GROUP_PAD + h) * BLOCK_D + d);
+        for (int s = 0; s < num_slots; ++s) a += s_w[s][h] * ws_load(part_acc + ((base + s) * GROUP_PAD + h) * BLOCK_D + d);
         out[((long long)rs * GROUP + h) * HEAD_DIM + d] = f2out(a * s_inv[h]);
     }
 }
