@@ -413,7 +413,7 @@ class CudaDecodeKernels:
                  "ctas_per_wave")
 
     def __init__(self, partial, merge, shared_bytes: int, merge_scores: bool, merge_pages: int, device: int,
-                 fused: bool = False, max_slots: int = 0, ctas_per_wave: int = 0):
+                 fused: bool, max_slots: int, ctas_per_wave: int):
         self.partial, self.merge, self.shared_bytes = partial, merge, shared_bytes
         self.merge_scores, self.merge_pages, self.device = merge_scores, merge_pages, device
         self.fused, self.max_slots, self.ctas_per_wave = fused, max_slots, ctas_per_wave
@@ -587,15 +587,21 @@ def fused_defines(page_format: PageFormat, group: int, group_pad: int, block_d: 
                   pages_per_warp: int | None = None) -> dict[str, int]:
     """The ``-D`` macros of one ``diffkv_decode_attend`` configuration: :func:`compile_defines` (the partial kernel's,
     ``store_probs = scores``), :func:`merge_defines` (``num_slots``: the workspace's slot capacity, ``MAX_SLOTS``)
-    and ``FUSED_MERGE=1``. The macros the two share are equal by construction (asserted). ``PAGES_PER_WARP``
+    and ``FUSED_MERGE=1``. The macros the two share are equal by construction (checked). ``PAGES_PER_WARP``
     (default :func:`tail_pages_per_warp`) is the pages whose score loads a warp of the row's last CTA has in flight
-    at once."""
+    at once.
+
+    Raises:
+        ValueError: as :func:`compile_defines` and :func:`merge_defines`, or the two disagreeing on a shared macro.
+    """
     pmax = max(page_format.high_tokens_per_page, page_format.low_tokens_per_page)
     if pages_per_warp is None:
         pages_per_warp = tail_pages_per_warp(group)
     d = compile_defines(page_format, group, group_pad, block_d, pmax, scores, min_blocks, stages, shared_limits)
     m = merge_defines(page_format, group, group_pad, block_d, num_slots, out_dtype, scores, pages_per_warp)
-    assert all(d[k] == m[k] for k in d.keys() & m.keys()), "partial and merge macros disagree"
+    differ = sorted(k for k in d.keys() & m.keys() if d[k] != m[k])
+    if differ:
+        raise ValueError(f"the partial kernel's and the merge's macros disagree on {differ}")
     return {**d, **m, "FUSED_MERGE": 1}
 
 

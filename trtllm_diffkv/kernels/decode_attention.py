@@ -340,6 +340,9 @@ class DecodeAttention:
         construction's dtype and device) into ``out``; the other tensors as :func:`paged_decode_attention`.
         No checks beyond the batch bound (the caller's tensors: the cache's own, or checked by
         :func:`paged_decode_attention`), no host synchronization, no allocation (a bf16 query is read as it is).
+        On the CUDA backend the rows are split over :func:`~.cuda_decode.cuda_num_slots` CTAs a row for this
+        ``num_seqs``: a row's output and score update can differ in the last bits between batch sizes (the
+        split-K merge's rounding), as between the CUDA and Triton backends.
 
         Raises:
             ValueError: more sequences than the workspace holds.
