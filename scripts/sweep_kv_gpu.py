@@ -10,13 +10,11 @@
    layout before issue 19; 8 = one layer's KV heads), loop block and warps, for the 48 x 32 x 8 rows of one
    step (random pool bytes: the work, not the outcome, is what is timed); every variant's actions must equal
    those of ``rows_per_program=1``. Bytes: each row's tokens' score and position (8 B a token).
-3. The merge after the CUDA partial kernel at the 85 % high mix: the Triton merge followed by the separate score
-   update (``diffkv_decode_scores``; two launches, the code before the fold) against ``diffkv_decode_merge``
-   (``cuda/decode_merge.cu``: merge and score update in one launch) at 4, 2, 1 pages a warp, timed replayed from a
-   CUDA graph (as in the step; launch gaps between graph nodes count, host launch costs do not). Each runs on its own copy of the pool and
-   workspace after the same partial launch; reported: the outputs' relative difference and the largest score
-   difference after one update (the two merges round their log-sum-exp differently: not bit for bit). Bytes: part_acc and part_m/l read, output written,
-   the probabilities read, the scores read and written.
+3. ``diffkv_decode_merge`` (merge and score update in one launch, ``cuda/decode_merge.cu``) after the CUDA partial
+   kernel at the 85 % high mix and the executor's CTAs a row, at several points (``--merge-points``): a baseline
+   text (``--merge-baseline``, e.g. an earlier commit's file) against the current kernel at pages a warp and
+   ``MERGE_MIN_BLOCKS`` (``--merge-variants``), timed replayed from a CUDA graph (as in the step; launch gaps between
+   graph nodes count, host launch costs do not); each variant's output and pool must equal the first's bit for bit.
 
 4. The fused launch (``diffkv_decode_attend``: partial kernel, merge and score update, the row's last CTA merging)
    against the two launches it replaces, at several points (``--fused-points``) and CTAs a row (``--slots``), bf16,
@@ -36,7 +34,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 SHAPE = ("llama3-8b", 48, 32, 8, 128, 4096)  # name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len
 NUM_LAYERS = 32
-DECIDE_VARIANTS = ((1, 128, 4), (4, 128, 4), (8, 128, 4), (8, 64, 4), (8, 128, 8), (16, 64, 4))
+DECIDE_VARIANTS = ((1, 128, 4), (1, 256, 4), (1, 256, 8), (1, 512, 8), (2, 256, 8), (4, 128, 4))
 """(rows per program, block tokens, warps) of the decision kernel."""
 SMOLLM2_SHAPE = ("smollm2-135m", 64, 9, 3, 64, 1024)
 
@@ -108,60 +106,69 @@ def partial_sweep(bw: float, variants: list[tuple[int, int, int]], parts: list, 
     return rows_out
 
 
-def merge_sweep(bw: float, log) -> list[dict]:
+def merge_sweep(bw: float, shapes: list[tuple], baseline: str | None, variants: list[tuple[int, int]],
+                log) -> list[dict]:
+    """``diffkv_decode_merge`` (merge and score update) after the CUDA partial kernel, as the executor runs them (bf16
+    query and output, 85 % high, the CTAs a row :func:`~trtllm_diffkv.kernels.cuda_decode.cuda_num_slots` picks),
+    replayed from a CUDA graph: the merge of ``baseline`` (a ``decode_merge.cu`` text, e.g. ``git show
+    <commit>:trtllm_diffkv/kernels/cuda/decode_merge.cu``; ``None``: none) against the current one at ``variants``
+    = (pages a warp, ``MERGE_MIN_BLOCKS``). Each runs on its own copy of the pool after the same partial launch; its
+    output and pool must equal the first variant's bit for bit (the same arithmetic). Bytes: part_acc and part_m/l
+    read, the output written, the probabilities read (2 bytes a token and query head), the scores read and
+    written."""
     import bench_attention as ba
     from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode
-    from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E, _decode_merge_kernel
-    from trtllm_diffkv.kernels.sizes import next_pow2
+    from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
 
-    name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = SHAPE
-    fmt, pool, table, tokens, row_ids, q = ba.decode_inputs(SHAPE, 0.85)
-    group = num_heads // num_kv_heads
-    ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, table.shape[1], "cuda")
-    cuda_decode.launch_partial(q, pool.pages(), fmt, table, tokens, row_ids, ws, head_dim**-0.5 * LOG2E, True)
-    torch.cuda.synchronize()
-    pages0 = pool.pages().clone()
-    n_tok = int(tokens[0].sum())
-    rows = num_seqs * num_kv_heads
-    nbytes = rows * (2 * ws.num_partitions * group * (head_dim + 2) * 4 + group * head_dim * 2
-                     + n_tok * (group * 2 + 8))
-    gp, bd = ws.part_m.shape[-1], ws.part_acc.shape[-1]
     device = torch.cuda.current_device()
-    score_fn = cuda_decode._kernel(tuple(sorted(cuda_decode.compile_defines(
-        fmt, group, gp, bd, max(fmt.high_tokens_per_page, fmt.low_tokens_per_page), True).items())),
-        "sm_90")[1]
-
-    def two_launches(pages, out):
-        _decode_merge_kernel[(num_seqs, num_kv_heads)](
-            out, ws.part_m, ws.part_l, ws.part_acc, ws.lse, num_kv_heads, ws.num_partitions, GROUP=group,
-            GROUP_PAD=gp, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_PARTS=next_pow2(2 * ws.num_partitions), num_warps=4)
-        cuda_decode._launch_scores(score_fn, q, pages, table, tokens, row_ids, ws, num_seqs, num_kv_heads, device)
-
-    variants = [("triton merge + diffkv_decode_scores", lambda pages, out: two_launches(pages, out))]
-    for ppw in (4, 2, 1):
-        variants.append((f"diffkv_decode_merge, {ppw} pages a warp", lambda pages, out, ppw=ppw: cuda_decode._launch_merge(
-            out, pages, fmt, table, tokens, row_ids, ws, group, True, "sm_90", device, ppw)))
-    results = []
-    for variant, call in variants:
-        pages = pages0.clone()
-        out_v = torch.empty_like(q)
-        call(pages, out_v)
+    helpers = cuda_decode.SOURCE_PATH.read_text()
+    helpers = helpers[:helpers.index(cuda_decode.HELPERS_END)]
+    sources = ([("baseline", 4, 1, helpers + baseline)] if baseline else []) + \
+        [("current", ppw, mb, cuda_decode.merge_source()) for ppw, mb in variants]
+    rows_out = []
+    for shape in shapes:
+        name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len = shape
+        fmt, pool, table, tokens, row_ids, q = ba.decode_inputs(shape, 0.85)
+        q = q.to(torch.bfloat16)
+        group = num_heads // num_kv_heads
+        rows = num_seqs * num_kv_heads
+        ws = DecodeWorkspace.allocate(num_seqs, num_heads, num_kv_heads, fmt, table.shape[1], "cuda")
+        gp, bd = ws.part_m.shape[-1], ws.part_acc.shape[-1]
+        kernels = cuda_decode.CudaDecodeKernels.resolve(fmt, group, gp, bd, 2 * ws.num_partitions, q.dtype, True,
+                                                         device)
+        slots = kernels.slots_for(rows, table.shape[1])
+        qk_scale = head_dim**-0.5 * LOG2E
+        cuda_decode._run_partial(kernels.partial, kernels.shared_bytes, q, pool.pages(), table, tokens, row_ids, ws,
+                                 qk_scale, device, slots)
         torch.cuda.synchronize()
-        after = pages.clone()
-        results.append((variant, out_v.clone(), after, graph_ms(lambda: call(pages, out_v))))
-    _, o_ref, p_ref, _ = results[0]
-    out = []
-    for variant, o, p, ms in results:
-        # the pools as fp32 words: the scores differ by rounding, the codes not at all (NaN words: equal bytes)
-        score_diff = float((p.view(torch.float32) - p_ref.view(torch.float32)).nan_to_num().abs().max())
-        err = float((o.float() - o_ref.float()).norm() / o_ref.float().norm())
-        out.append(row := timed_row(variant, ms, nbytes, bw, high_fraction=0.85, num_partitions=ws.num_partitions,
-                                    max_score_diff_vs_two_launches=score_diff, out_rel_err_vs_two_launches=err))
-        log(f"merge {variant:38s}: {row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  "
-            f"max score diff {score_diff:.1e}  out err {err:.1e}")
-    del pool
-    torch.cuda.empty_cache()
-    return out
+        pages0 = pool.pages().clone()
+        n_tok = int(tokens[0].sum())
+        nbytes = rows * (slots * group * (head_dim + 2) * 4 + group * head_dim * 2 + n_tok * (group * 2 + 8))
+        first = None
+        for label, ppw, mb, text in sources:
+            defines = cuda_decode.merge_defines(fmt, group, gp, bd, 2 * ws.num_partitions, q.dtype, True, ppw)
+            defines["MERGE_MIN_BLOCKS"] = mb
+            fn = cuda_decode._module(text, tuple(sorted(defines.items()))).get_function("diffkv_decode_merge")
+            call = lambda pages, out: cuda_decode._run_merge(fn, ppw * cuda_decode.MERGE_WARPS, out, pages,  # noqa: E731
+                                                             table, tokens, row_ids, ws, device, slots)
+            pages = pages0.clone()
+            out = torch.full_like(q, float("nan"))
+            call(pages, out)
+            torch.cuda.synchronize()
+            if first is None:
+                first = (out.clone(), pages.clone())
+            same = torch.equal(out, first[0]) and torch.equal(pages, first[1])
+            pages = pages0.clone()
+            ms = graph_ms(lambda: call(pages, out))
+            rows_out.append(row := timed_row("diffkv_decode_merge", ms, nbytes, bw, source=label, shape=list(shape),
+                                             high_fraction=0.85, num_slots=slots, pages_per_warp=ppw,
+                                             merge_min_blocks=mb, registers=fn.num_regs,
+                                             equals_first_variant=same))
+            log(f"merge {name} {num_seqs}x{seq_len} slots {slots} {label:8s} ppw {ppw} mb {mb} regs {fn.num_regs:3d}: "
+                f"{row['us']:7.1f} us  {row['fraction_of_copy_bw']:5.1%} of copy BW  equal {same}")
+        del pool, pages0
+        torch.cuda.empty_cache()
+    return rows_out
 
 
 def fused_sweep(bw: float, shapes: list[tuple], slot_counts: list[int], log) -> list[dict]:
@@ -271,6 +278,16 @@ def decision_sweep(bw: float, log) -> list[dict]:
     return out
 
 
+def points(spec: str) -> list[tuple]:
+    """Shapes of ``BxT`` points (Llama-3-8B heads; ``smollm2:BxT``: SmolLM2-135M's), comma-separated."""
+    shapes = []
+    for point in spec.split(","):
+        base = SMOLLM2_SHAPE if point.startswith("smollm2:") else SHAPE
+        b, t = (int(x) for x in point.split(":")[-1].split("x"))
+        shapes.append((base[0], b, *base[2:5], t))
+    return shapes
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -283,6 +300,12 @@ def main():
     ap.add_argument("--fused-points", default="48x4096,16x1024,64x1024,16x4096,smollm2:64x1024",
                     help="batch x context points of the fused sweep (Llama-3-8B heads; 'smollm2:' SmolLM2-135M's)")
     ap.add_argument("--slots", default="2,3,4,6,8,12", help="CTAs a row of the fused sweep")
+    ap.add_argument("--merge-points", default="48x4096,16x1024,smollm2:64x1024",
+                    help="batch x context points of the merge sweep (as --fused-points)")
+    ap.add_argument("--merge-baseline", default=None,
+                    help="a decode_merge.cu text to time beside the current one (e.g. an earlier commit's)")
+    ap.add_argument("--merge-variants", default="4:1,2:1,8:1,4:6",
+                    help="pages a warp:MERGE_MIN_BLOCKS of the current merge, comma-separated")
     args = ap.parse_args()
     from trtllm_diffkv.evaluation.throughput import environment
 
@@ -296,14 +319,11 @@ def main():
     result = dict(**environment(), command="python3 scripts/sweep_kv_gpu.py " + " ".join(sys.argv[1:]),
                   copy_bandwidth_gbps=bw, shape=SHAPE, rows=[])
     if "fused" not in args.skip:
-        shapes = []
-        for point in args.fused_points.split(","):
-            base = SMOLLM2_SHAPE if point.startswith("smollm2:") else SHAPE
-            b, t = (int(x) for x in point.split(":")[-1].split("x"))
-            shapes.append((base[0], b, *base[2:5], t))
-        result["rows"] += fused_sweep(bw, shapes, [int(x) for x in args.slots.split(",")], log)
+        result["rows"] += fused_sweep(bw, points(args.fused_points), [int(x) for x in args.slots.split(",")], log)
     if "merge" not in args.skip:
-        result["rows"] += merge_sweep(bw, log)
+        baseline = open(args.merge_baseline).read() if args.merge_baseline else None
+        variants = [tuple(int(x) for x in v.split(":")) for v in args.merge_variants.split(",")]
+        result["rows"] += merge_sweep(bw, points(args.merge_points), baseline, variants, log)
     if "decide" not in args.skip:
         result["rows"] += decision_sweep(bw, log)
     if "partial" not in args.skip:

@@ -14,9 +14,9 @@
 //   3. with SCORES, adds to every token of its SCORE_PAGES page-table positions the max over the group's query
 //      heads of its final probability p_h 2^(page_max_h - lse_h) (page_probs holds p_h relative to page_max_h):
 //      PAGES_PER_WARP pages a warp, a lane on two adjacent slots (one 4-byte load of fp16 pairs per head; two
-//      2-byte loads where PMAX is odd, e.g. the default-k8v2 preset's 35-token low pages). The
-//      pages' probabilities, maxima and old scores are loaded first, before step 1, since they do not depend on
-//      the merge: the row's chain of dependent loads (row id, tier counts, page table, page) overlaps the merge's.
+//      2-byte loads where PMAX is odd, e.g. the default-k8v2 preset's 35-token low pages); CTA z takes the table
+//      positions [z SCORE_PAGES, (z + 1) SCORE_PAGES).
+//   Each load is issued as soon as its address is known, in three rounds (see diffkv_decode_merge below).
 //   A padding row (row_ids < 0) has empty partial states: zeros out, lse inf, no score touched.
 //
 // Compile-time configuration (-D): GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, PMAX, PAGE_BYTES, MAX_SLOTS (>= 2 x the
@@ -90,20 +90,13 @@ __device__ __forceinline__ RowPages row_pages(const int* __restrict__ tier_token
     return r;
 }
 
-// Page-list entry u of the row (high pages first; u >= hp + lp: no page).
-__device__ __forceinline__ void load_score_page(ScorePage& p, int u, const RowPages& rp, int rs, int R,
-                                                unsigned char* __restrict__ pool, const int* __restrict__ table,
-                                                const u16* __restrict__ page_probs,
-                                                const float* __restrict__ page_max, int lane) {
-    p.count = 0;
-    p.dst = nullptr;
-    if (u >= rp.hp + rp.lp) return;
-    const bool high = u < rp.hp;
-    const int j = high ? u : u - rp.hp;
-    const int pos = high ? u : R - 1 - j;
-    p.count = high ? min(rp.n_high - j * H_TOKENS, H_TOKENS) : min(rp.n_low - j * L_TOKENS, L_TOKENS);
+// The page at table position pos of row rs (a `high` page of `count` tokens, in pool page `page`): its probabilities,
+// maxima and old scores into p.
+__device__ __forceinline__ void load_cell(ScorePage& p, int pos, bool high, int count, int page, int rs, int R,
+                                          unsigned char* __restrict__ pool, const u16* __restrict__ page_probs,
+                                          const float* __restrict__ page_max, int lane) {
+    p.count = count;
     const long long cell = (long long)rs * R + pos;
-    const int page = table[(long long)rp.row * R + pos];
     p.dst = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
     const u16* probs = page_probs + cell * GROUP * PMAX;
 #pragma unroll
@@ -129,6 +122,21 @@ __device__ __forceinline__ void load_score_page(ScorePage& p, int u, const RowPa
     }
 }
 
+// Page-list entry u of the row (high pages first; u >= hp + lp: no page).
+__device__ __forceinline__ void load_score_page(ScorePage& p, int u, const RowPages& rp, int rs, int R,
+                                                unsigned char* __restrict__ pool, const int* __restrict__ table,
+                                                const u16* __restrict__ page_probs,
+                                                const float* __restrict__ page_max, int lane) {
+    p.count = 0;
+    p.dst = nullptr;
+    if (u >= rp.hp + rp.lp) return;
+    const bool high = u < rp.hp;
+    const int j = high ? u : u - rp.hp;
+    const int pos = high ? u : R - 1 - j;
+    const int count = high ? min(rp.n_high - j * H_TOKENS, H_TOKENS) : min(rp.n_low - j * L_TOKENS, L_TOKENS);
+    load_cell(p, pos, high, count, table[(long long)rp.row * R + pos], rs, R, pool, page_probs, page_max, lane);
+}
+
 // score += max over the heads of p_h 2^(page_max_h - lse_h) (diffkv_decode_scores' arithmetic, in its order)
 __device__ __forceinline__ void apply_score_page(const ScorePage& p, const float* s_lse, int lane) {
     if (p.dst == nullptr) return;
@@ -152,21 +160,51 @@ __device__ __forceinline__ void apply_score_page(const ScorePage& p, const float
     }
 }
 
-// The merge of the row's num_slots partial states by NW warps (warp w takes heads w, w + NW, ...): m_safe, 1 / l,
-// lse = m_safe + log2 l (inf for an empty row) into s_inv / s_lse, the slots' weights 2^(m_s - m_safe) into s_w (the
-// Triton merge's arithmetic). The caller syncs the block before reading them.
+constexpr int ACC_EARLY = MAX_SLOTS < 4 ? MAX_SLOTS : 4;  // slots of a thread's first output element loaded early
+
+// The first 32 slots' partial (m, l) of the query heads warp, warp + NW, ... (slot lane of each; -inf / 0 past
+// num_slots): issued early, since they depend on the row slot alone.
 template <int NW>
-__device__ __forceinline__ void merge_states(const float* __restrict__ part_m, const float* __restrict__ part_l,
-                                             long long base, int num_slots, int warp, int lane,
-                                             float (*s_w)[GROUP], float* s_inv, float* s_lse) {
-    for (int h = warp; h < GROUP; h += NW) {
-        float mx = NEG_INF;
-        for (int s = lane; s < num_slots; s += 32) mx = fmaxf(mx, ws_load(part_m + (base + s) * GROUP_PAD + h));
+struct SlotStates {
+    float m[(GROUP + NW - 1) / NW], l[(GROUP + NW - 1) / NW];
+};
+template <int NW>
+__device__ __forceinline__ void load_slot_states(SlotStates<NW>& st, const float* __restrict__ part_m,
+                                                 const float* __restrict__ part_l, long long base, int num_slots,
+                                                 int warp, int lane) {
+#pragma unroll
+    for (int k = 0; k < (GROUP + NW - 1) / NW; ++k) {
+        const int h = warp + k * NW;
+        const bool ok = h < GROUP && lane < num_slots;
+        st.m[k] = ok ? ws_load(part_m + (base + lane) * GROUP_PAD + h) : NEG_INF;
+        st.l[k] = ok ? ws_load(part_l + (base + lane) * GROUP_PAD + h) : 0.f;
+    }
+}
+
+// The merge of the row's num_slots partial states by NW warps (warp w takes heads w, w + NW, ...), slots lane from
+// st and the slots from 32 on loaded here: m_safe, 1 / l, lse = m_safe + log2 l (inf for an empty row) into s_inv /
+// s_lse, the slots' weights 2^(m_s - m_safe) into s_w (the Triton merge's arithmetic). The caller syncs the block
+// before reading them.
+template <int NW>
+__device__ __forceinline__ void merge_states(const SlotStates<NW>& st, const float* __restrict__ part_m,
+                                             const float* __restrict__ part_l, long long base, int num_slots, int warp,
+                                             int lane, float (*s_w)[GROUP], float* s_inv, float* s_lse) {
+#pragma unroll
+    for (int k = 0; k < (GROUP + NW - 1) / NW; ++k) {
+        const int h = warp + k * NW;
+        if (h >= GROUP) break;
+        float mx = st.m[k];
+        for (int s = lane + 32; s < num_slots; s += 32) mx = fmaxf(mx, ws_load(part_m + (base + s) * GROUP_PAD + h));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         const float m_safe = (mx == NEG_INF) ? 0.f : mx;
         float l = 0.f;
-        for (int s = lane; s < num_slots; s += 32) {
+        if (lane < num_slots) {
+            const float w = (st.m[k] == NEG_INF) ? 0.f : ex2(st.m[k] - m_safe);
+            s_w[lane][h] = w;
+            l += w * st.l[k];
+        }
+        for (int s = lane + 32; s < num_slots; s += 32) {
             const float ms = ws_load(part_m + (base + s) * GROUP_PAD + h);
             const float w = (ms == NEG_INF) ? 0.f : ex2(ms - m_safe);
             s_w[s][h] = w;
@@ -181,20 +219,53 @@ __device__ __forceinline__ void merge_states(const float* __restrict__ part_m, c
     }
 }
 
-// Output elements e = first, first + stride, ... of the row's GROUP x HEAD_DIM (after merge_states and a barrier).
+// The first ACC_EARLY slots' accumulators of output element `first` (0 past the row's elements or num_slots).
+__device__ __forceinline__ void load_first_output(float (&acc)[ACC_EARLY], const float* __restrict__ part_acc,
+                                                  long long base, int num_slots, int first) {
+#pragma unroll
+    for (int i = 0; i < ACC_EARLY; ++i)
+        acc[i] = (first < GROUP * HEAD_DIM && i < num_slots)
+                     ? ws_load(part_acc + ((base + i) * GROUP_PAD + first / HEAD_DIM) * BLOCK_D + first % HEAD_DIM)
+                     : 0.f;
+}
+
+// Output elements e = first, first + stride, ... of the row's GROUP x HEAD_DIM (after merge_states and a barrier);
+// element `first`'s first ACC_EARLY slots from acc (load_first_output).
 __device__ __forceinline__ void write_output(u16* __restrict__ out, const float* __restrict__ part_acc, long long base,
                                              int num_slots, int rs, int first, int stride,
-                                             const float (*s_w)[GROUP], const float* s_inv) {
+                                             const float (*s_w)[GROUP], const float* s_inv,
+                                             const float (&acc)[ACC_EARLY]) {
     for (int e = first; e < GROUP * HEAD_DIM; e += stride) {
         const int h = e / HEAD_DIM, d = e % HEAD_DIM;
         float a = 0.f;
-        for (int s = 0; s < num_slots; ++s) a += s_w[s][h] * ws_load(part_acc + ((base + s) * GROUP_PAD + h) * BLOCK_D + d);
+        int s = 0;
+        if (e == first) {
+#pragma unroll
+            for (int i = 0; i < ACC_EARLY; ++i)
+                if (i < num_slots) a += s_w[i][h] * acc[i];
+            s = ACC_EARLY;
+        }
+        for (; s < num_slots; ++s) a += s_w[s][h] * ws_load(part_acc + ((base + s) * GROUP_PAD + h) * BLOCK_D + d);
         out[((long long)rs * GROUP + h) * HEAD_DIM + d] = f2out(a * s_inv[h]);
     }
 }
 
 #if !FUSED_MERGE
-extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
+#ifndef MERGE_MIN_BLOCKS
+#define MERGE_MIN_BLOCKS 1
+#endif
+// The loads of diffkv_decode_merge are issued in three rounds, each as soon as its addresses are known, so that a
+// CTA waits for three memory round trips instead of six (row id; tier counts; page table; page scores; partial m;
+// partial l and accumulators, one after the other, before):
+//   1. what needs only the row slot rs: the row id, the (m, l) of slots lane and lane + 32 ... (the first 32 here)
+//      of the warp's heads, and the first ACC_EARLY slots' accumulators of the thread's first output element;
+//   2. what needs the row id: the tier counts and the table entries of the CTA's SCORE_PAGES table positions
+//      (position-indexed: CTA z covers positions [z SCORE_PAGES, (z + 1) SCORE_PAGES); a position < hp holds high
+//      page pos, one >= R - lp low page R - 1 - pos, the rest none);
+//   3. after the merge and the output (whose values arrived with round 1), what needs the counts and page ids:
+//      the pages' probabilities, maxima and old scores; then the update.
+// diffkv_decode_attend's merging CTA runs the same functions (bit for bit the same arithmetic).
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32, MERGE_MIN_BLOCKS)
 diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, const float* __restrict__ part_l,
                     const float* __restrict__ part_acc, float* __restrict__ lse_out, unsigned char* __restrict__ pool,
                     const int* __restrict__ table, const int* __restrict__ tier_tokens,
@@ -206,20 +277,51 @@ diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, con
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rs = seq * num_kv_heads + kvh;
     const long long base = (long long)rs * num_slots;
+    // round 1
 #if SCORES
-    const RowPages rp = row_pages(tier_tokens, row_ids, rs);
-    ScorePage sp[PAGES_PER_WARP];
-#pragma unroll
-    for (int k = 0; k < PAGES_PER_WARP; ++k)
-        load_score_page(sp[k], z * SCORE_PAGES + warp + k * MERGE_WARPS, rp, rs, R, pool, table, page_probs, page_max,
-                        lane);
+    const int row = row_ids[rs];
 #endif
-    merge_states<MERGE_WARPS>(part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
+    SlotStates<MERGE_WARPS> st;
+    load_slot_states(st, part_m, part_l, base, num_slots, warp, lane);
+    const int e0 = z * MERGE_WARPS * 32 + threadIdx.x;
+    float acc[ACC_EARLY];
+    load_first_output(acc, part_acc, base, num_slots, e0);
+    // round 2
+#if SCORES
+    RowPages rp;
+    rp.row = row;
+    rp.n_high = row >= 0 ? tier_tokens[2 * (long long)row] : 0;
+    rp.n_low = row >= 0 ? tier_tokens[2 * (long long)row + 1] : 0;
+    int page[PAGES_PER_WARP];
+#pragma unroll
+    for (int k = 0; k < PAGES_PER_WARP; ++k) {
+        const int pos = z * SCORE_PAGES + warp + k * MERGE_WARPS;
+        page[k] = (row >= 0 && pos < R) ? table[(long long)row * R + pos] : -1;
+    }
+#endif
+    merge_states(st, part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
     __syncthreads();
     if (z == 0 && threadIdx.x < GROUP) lse_out[(long long)rs * GROUP_PAD + threadIdx.x] = s_lse[threadIdx.x];
-    write_output(out, part_acc, base, num_slots, rs, z * MERGE_WARPS * 32 + threadIdx.x, gridDim.z * MERGE_WARPS * 32,
-                 s_w, s_inv);
+    write_output(out, part_acc, base, num_slots, rs, e0, gridDim.z * MERGE_WARPS * 32, s_w, s_inv, acc);
 #if SCORES
+    // round 3, then the update
+    rp.hp = (rp.n_high + H_TOKENS - 1) / H_TOKENS;
+    rp.lp = (rp.n_low + L_TOKENS - 1) / L_TOKENS;
+    ScorePage sp[PAGES_PER_WARP];
+#pragma unroll
+    for (int k = 0; k < PAGES_PER_WARP; ++k) {
+        const int pos = z * SCORE_PAGES + warp + k * MERGE_WARPS;
+        sp[k].count = 0;
+        sp[k].dst = nullptr;
+        if (pos < rp.hp) {
+            load_cell(sp[k], pos, true, min(rp.n_high - pos * H_TOKENS, H_TOKENS), page[k], rs, R, pool, page_probs,
+                      page_max, lane);
+        } else if (pos >= R - rp.lp && pos < R) {
+            const int j = R - 1 - pos;
+            load_cell(sp[k], pos, false, min(rp.n_low - j * L_TOKENS, L_TOKENS), page[k], rs, R, pool, page_probs,
+                      page_max, lane);
+        }
+    }
 #pragma unroll
     for (int k = 0; k < PAGES_PER_WARP; ++k) apply_score_page(sp[k], s_lse, lane);
 #endif
@@ -268,10 +370,14 @@ diffkv_decode_attend(const u16* __restrict__ q, unsigned char* __restrict__ pool
     for (int k = 0; k < PAGES_PER_WARP; ++k)
         load_score_page(sp[k], warp + k * WARPS, rp, rs, R, pool, table, page_probs, page_max, lane);
 #endif
-    merge_states<WARPS>(part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
+    SlotStates<WARPS> st;
+    load_slot_states(st, part_m, part_l, base, num_slots, warp, lane);
+    float acc[ACC_EARLY];
+    load_first_output(acc, part_acc, base, num_slots, threadIdx.x);
+    merge_states(st, part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
     __syncthreads();
     if (threadIdx.x < GROUP) lse_out[(long long)rs * GROUP_PAD + threadIdx.x] = s_lse[threadIdx.x];
-    write_output(out, part_acc, base, num_slots, rs, threadIdx.x, WARPS * 32, s_w, s_inv);
+    write_output(out, part_acc, base, num_slots, rs, threadIdx.x, WARPS * 32, s_w, s_inv, acc);
 #if SCORES
     for (int first = 0;; first += WARPS * PAGES_PER_WARP) {
 #pragma unroll

@@ -515,6 +515,10 @@ __device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, co
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
+#ifndef SCORE_PREFETCH
+#define SCORE_PREFETCH 0  // 1: diffkv_decode_partial asks L2 to keep its pages' score segments for the merge
+                          // (kernels/cuda_decode.py sets it: the staged path's default)
+#endif
 #ifndef FUSED_MERGE
 #define FUSED_MERGE 0  // 1: this text is followed by cuda/decode_merge.cu and its diffkv_decode_attend (kernels/cuda_decode.py)
 #endif
@@ -525,7 +529,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 
 // The work of one CTA: slot cslot of row (seq, kvh), written to the workspace's slot (the kernels below differ in
 // the grid's order only and in what follows). PREFETCH_SCORES: after its page loop the CTA asks L2 to keep the
-// score segments of its pages, which the row's merge updates next (diffkv_decode_attend).
+// score segments of its pages, which the row's merge updates next (diffkv_decode_attend; diffkv_decode_merge
+// with SCORE_PREFETCH).
 template <bool PREFETCH_SCORES>
 __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u16* __restrict__ q,
                                             const unsigned char* __restrict__ pool, const int* __restrict__ table,
@@ -650,8 +655,9 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
                       const int* __restrict__ row_ids, float* __restrict__ part_m, float* __restrict__ part_l,
                       float* __restrict__ part_acc, u16* __restrict__ page_probs, float* __restrict__ page_max,
                       float qk_scale, int num_kv_heads, int num_slots, int R) {
-    partial_cta<false>(blockIdx.x, blockIdx.y, blockIdx.z, q, pool, table, tier_tokens, row_ids, part_m, part_l,
-                       part_acc, page_probs, page_max, qk_scale, num_kv_heads, num_slots, R);
+    partial_cta<SCORE_PREFETCH != 0 && STORE_PROBS != 0>(blockIdx.x, blockIdx.y, blockIdx.z, q, pool, table,
+                                                         tier_tokens, row_ids, part_m, part_l, part_acc, page_probs,
+                                                         page_max, qk_scale, num_kv_heads, num_slots, R);
 }
 
 // The score update after the merge (replaces the Triton _decode_score_kernel on this backend): adds to
