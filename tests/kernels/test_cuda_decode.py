@@ -440,6 +440,9 @@ def test_ring_and_register_cap_follow_the_devices_shared_memory(limits, head_dim
     fmt = _fmt(DiffKVConfig(), head_dim)
     d = compile_defines(fmt, 4, 16, head_dim, 64, True, shared_limits=limits)
     assert (d["STAGES"], d["MIN_BLOCKS"]) == (stages, min_blocks)
+    # the score prefetch was measured on the ring only (H100, docs/PERFORMANCE.md): the register path (the AOT
+    # build) keeps 0
+    assert d["SCORE_PREFETCH"] == (1 if stages else 0)
     if stages:
         per_sm = (limits or cd.SM90_SHARED_LIMITS)[1]
         assert min_blocks * (cd.partial_shared_bytes(fmt, stages) + cd.SHARED_RESERVED_BYTES) <= per_sm
