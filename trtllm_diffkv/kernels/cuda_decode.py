@@ -487,7 +487,9 @@ FUSED_MERGE = 0
 update); 1: one launch, ``diffkv_decode_attend``, whose row's last CTA merges. Measured slower (H100, 2026-12-06,
 ``scripts/sweep_kv_gpu.py``, ``benchmarks/results/sweep_fused.json``: Llama-3-8B 48 x 4096 one layer 180.7 against
 168.6 us, 16 x 1024 39.7 against 28.9): the last CTA updates every score of its row alone, where the merge kernel
-spreads them over many CTAs. Kept as the A/B variant (equal bit for bit, ``tests/kernels/test_fused_decode_gpu.py``)."""
+spreads them over many CTAs. Kept as the A/B variant (equal bit for bit, ``tests/kernels/test_fused_decode_gpu.py``).
+Since its merging CTA shares the merge's functions (without the merge's early loads) nvcc 13.0 spills 20 bytes at its
+cap for head_dim 128 / group 8 (0 before; fewer at k8v4 head_dim 64 / group 8: 28 against 76); not re-timed."""
 
 SLOT_WAVE_FILL = 0.5
 """The CUDA partial kernel's CTAs a row (:func:`cuda_num_slots`) aim at this fraction of one wave of CTAs over the

@@ -64,8 +64,8 @@ __device__ __forceinline__ T ws_load(const T* p) {
 #endif
 }
 
-// A warp's page's probabilities, maxima and scores (loaded before they are needed: the standalone merge loads its pages
-// before the merge of the partial states, since they do not depend on it).
+// A warp's page's probabilities, maxima and old scores, loaded before they are needed (the standalone merge: as soon
+// as the page's tier counts and page id are known; the fused kernel's merging CTA: before the merge).
 struct ScorePage {
     u32 probs[GROUP][SLOT_ITERS];  // slots 2 lane, 2 lane + 1 (+ 64 i) of each head: fp16 pairs (low half first)
     float pmax[GROUP];
@@ -181,11 +181,12 @@ __device__ __forceinline__ void load_slot_states(SlotStates<NW>& st, const float
     }
 }
 
-// The merge of the row's num_slots partial states by NW warps (warp w takes heads w, w + NW, ...), slots lane from
-// st and the slots from 32 on loaded here: m_safe, 1 / l, lse = m_safe + log2 l (inf for an empty row) into s_inv /
-// s_lse, the slots' weights 2^(m_s - m_safe) into s_w (the Triton merge's arithmetic). The caller syncs the block
-// before reading them.
-template <int NW>
+// The merge of the row's num_slots partial states by NW warps (warp w takes heads w, w + NW, ...): m_safe, 1 / l,
+// lse = m_safe + log2 l (inf for an empty row) into s_inv / s_lse, the slots' weights 2^(m_s - m_safe) into s_w (the
+// Triton merge's arithmetic). EARLY: slot lane's (m, l) from st (load_slot_states), the slots from 32 on loaded
+// here; else every slot loaded here as its head is reached (the fused kernel: nothing held beside its pages). The
+// caller syncs the block before reading the shared arrays.
+template <bool EARLY, int NW>
 __device__ __forceinline__ void merge_states(const SlotStates<NW>& st, const float* __restrict__ part_m,
                                              const float* __restrict__ part_l, long long base, int num_slots, int warp,
                                              int lane, float (*s_w)[GROUP], float* s_inv, float* s_lse) {
@@ -193,18 +194,19 @@ __device__ __forceinline__ void merge_states(const SlotStates<NW>& st, const flo
     for (int k = 0; k < (GROUP + NW - 1) / NW; ++k) {
         const int h = warp + k * NW;
         if (h >= GROUP) break;
-        float mx = st.m[k];
-        for (int s = lane + 32; s < num_slots; s += 32) mx = fmaxf(mx, ws_load(part_m + (base + s) * GROUP_PAD + h));
+        const int s0 = EARLY ? lane + 32 : lane;  // the first slot this lane loads here
+        float mx = EARLY ? st.m[k] : NEG_INF;
+        for (int s = s0; s < num_slots; s += 32) mx = fmaxf(mx, ws_load(part_m + (base + s) * GROUP_PAD + h));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         const float m_safe = (mx == NEG_INF) ? 0.f : mx;
         float l = 0.f;
-        if (lane < num_slots) {
+        if (EARLY && lane < num_slots) {
             const float w = (st.m[k] == NEG_INF) ? 0.f : ex2(st.m[k] - m_safe);
             s_w[lane][h] = w;
             l += w * st.l[k];
         }
-        for (int s = lane + 32; s < num_slots; s += 32) {
+        for (int s = s0; s < num_slots; s += 32) {
             const float ms = ws_load(part_m + (base + s) * GROUP_PAD + h);
             const float w = (ms == NEG_INF) ? 0.f : ex2(ms - m_safe);
             s_w[s][h] = w;
@@ -230,20 +232,20 @@ __device__ __forceinline__ void load_first_output(float (&acc)[ACC_EARLY], const
 }
 
 // Output elements e = first, first + stride, ... of the row's GROUP x HEAD_DIM (after merge_states and a barrier);
-// element `first`'s first ACC_EARLY slots from acc (load_first_output).
+// element `first`'s first NE slots from acc (load_first_output; NE = 0: every slot loaded here, acc unused).
+template <int NE>
 __device__ __forceinline__ void write_output(u16* __restrict__ out, const float* __restrict__ part_acc, long long base,
                                              int num_slots, int rs, int first, int stride,
-                                             const float (*s_w)[GROUP], const float* s_inv,
-                                             const float (&acc)[ACC_EARLY]) {
+                                             const float (*s_w)[GROUP], const float* s_inv, const float* acc) {
     for (int e = first; e < GROUP * HEAD_DIM; e += stride) {
         const int h = e / HEAD_DIM, d = e % HEAD_DIM;
         float a = 0.f;
         int s = 0;
-        if (e == first) {
+        if (NE > 0 && e == first) {
 #pragma unroll
-            for (int i = 0; i < ACC_EARLY; ++i)
+            for (int i = 0; i < NE; ++i)
                 if (i < num_slots) a += s_w[i][h] * acc[i];
-            s = ACC_EARLY;
+            s = NE;
         }
         for (; s < num_slots; ++s) a += s_w[s][h] * ws_load(part_acc + ((base + s) * GROUP_PAD + h) * BLOCK_D + d);
         out[((long long)rs * GROUP + h) * HEAD_DIM + d] = f2out(a * s_inv[h]);
@@ -299,10 +301,10 @@ diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, con
         page[k] = (row >= 0 && pos < R) ? table[(long long)row * R + pos] : -1;
     }
 #endif
-    merge_states(st, part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
+    merge_states<true>(st, part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
     __syncthreads();
     if (z == 0 && threadIdx.x < GROUP) lse_out[(long long)rs * GROUP_PAD + threadIdx.x] = s_lse[threadIdx.x];
-    write_output(out, part_acc, base, num_slots, rs, e0, gridDim.z * MERGE_WARPS * 32, s_w, s_inv, acc);
+    write_output<ACC_EARLY>(out, part_acc, base, num_slots, rs, e0, gridDim.z * MERGE_WARPS * 32, s_w, s_inv, acc);
 #if SCORES
     // round 3, then the update
     rp.hp = (rp.n_high + H_TOKENS - 1) / H_TOKENS;
@@ -370,14 +372,12 @@ diffkv_decode_attend(const u16* __restrict__ q, unsigned char* __restrict__ pool
     for (int k = 0; k < PAGES_PER_WARP; ++k)
         load_score_page(sp[k], warp + k * WARPS, rp, rs, R, pool, table, page_probs, page_max, lane);
 #endif
-    SlotStates<WARPS> st;
-    load_slot_states(st, part_m, part_l, base, num_slots, warp, lane);
-    float acc[ACC_EARLY];
-    load_first_output(acc, part_acc, base, num_slots, threadIdx.x);
-    merge_states(st, part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
+    // no early loads here: they would stay live beside the pages' registers (spills at the partial kernel's cap)
+    const SlotStates<WARPS> st{};
+    merge_states<false>(st, part_m, part_l, base, num_slots, warp, lane, s_w, s_inv, s_lse);
     __syncthreads();
     if (threadIdx.x < GROUP) lse_out[(long long)rs * GROUP_PAD + threadIdx.x] = s_lse[threadIdx.x];
-    write_output(out, part_acc, base, num_slots, rs, threadIdx.x, WARPS * 32, s_w, s_inv, acc);
+    write_output<0>(out, part_acc, base, num_slots, rs, threadIdx.x, WARPS * 32, s_w, s_inv, nullptr);
 #if SCORES
     for (int first = 0;; first += WARPS * PAGES_PER_WARP) {
 #pragma unroll
