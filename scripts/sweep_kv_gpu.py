@@ -121,9 +121,7 @@ def merge_sweep(bw: float, shapes: list[tuple], baseline: str | None, variants: 
     from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
 
     device = torch.cuda.current_device()
-    helpers = cuda_decode.SOURCE_PATH.read_text()
-    helpers = helpers[:helpers.index(cuda_decode.HELPERS_END)]
-    sources = ([("baseline", 4, 1, helpers + baseline)] if baseline else []) + \
+    sources = ([("baseline", 4, 1, cuda_decode.merge_source(baseline))] if baseline else []) + \
         [("current", ppw, mb, cuda_decode.merge_source()) for ppw, mb in variants]
     rows_out = []
     for shape in shapes:

@@ -329,11 +329,13 @@ def _merge_kernel(defines: tuple[tuple[str, int], ...], arch: str, device: int |
 HELPERS_END = "// (end of the helpers cuda/decode_merge.cu is compiled after"
 
 
-def merge_source() -> str:
+def merge_source(merge_text: str | None = None) -> str:
     """The merge kernel's translation unit: ``decode_partial.cu``'s leading helpers (types, PTX wrappers; no
-    macros needed), then ``decode_merge.cu``."""
+    macros needed), then ``decode_merge.cu`` (or ``merge_text``: another version of that file, e.g. an earlier
+    commit's, which ``scripts/sweep_kv_gpu.py`` times beside this one)."""
     partial = SOURCE_PATH.read_text()
-    return partial[:partial.index(HELPERS_END)] + MERGE_SOURCE_PATH.read_text()
+    merge = MERGE_SOURCE_PATH.read_text() if merge_text is None else merge_text
+    return partial[:partial.index(HELPERS_END)] + merge
 
 
 def fused_source() -> str:
@@ -401,7 +403,7 @@ def launch_partial(q: torch.Tensor, pool_pages: torch.Tensor, page_format: PageF
                                            q.dtype)
     _run_partial(fn, shared_bytes, q, pool_pages, page_table, tier_tokens, row_ids, workspace, qk_scale, device)
     return lambda out: _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace,
-                                     group, update_scores, None, device)
+                                     group, update_scores, device)
 
 
 class CudaDecodeKernels:
@@ -640,11 +642,11 @@ def _run_merge(fn, merge_pages: int, out, pool_pages, page_table, tier_tokens, r
         fn((num_seqs, num_kv_heads, z), (32 * MERGE_WARPS, 1, 1), args)
 
 
-def _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace, group, scores, arch,
-                  device, pages_per_warp: int = MERGE_PAGES_PER_WARP) -> None:
-    """The merge of one call (resolved for it; ``arch`` is unused, kept for the sweep script's calls)."""
+def _launch_merge(out, pool_pages, page_format, page_table, tier_tokens, row_ids, workspace, group, scores,
+                  device) -> None:
+    """The merge of one call (resolved for it)."""
     fn, merge_pages = _resolve_merge(page_format, group, workspace.part_m.shape[-1], workspace.part_acc.shape[-1],
-                                     2 * workspace.num_partitions, out.dtype, scores, device, pages_per_warp)
+                                     2 * workspace.num_partitions, out.dtype, scores, device)
     _run_merge(fn, merge_pages, out, pool_pages, page_table, tier_tokens, row_ids, workspace, device)
 
 
