@@ -19,6 +19,10 @@
 4. The fused launch (``diffkv_decode_attend``: partial kernel, merge and score update, the row's last CTA merging)
    against the two launches it replaces, at several points (``--fused-points``) and CTAs a row (``--slots``), bf16,
    85 % high, replayed from a CUDA graph; the fused result must equal the two launches' bit for bit.
+5. The write kernel (``kernels/quant_write.py``) at a decode layer's rows (the new token of every (sequence, KV
+   head), keys centered, score, position and error flag as ``paged/decode.py`` writes them) over warps a program
+   (``WRITE_WARPS``): 32 launches (the layers) in one CUDA graph, us a launch (min and median of 5 x 20 replays);
+   each variant's pool must equal the 4-warp one's bit for bit.
 
 Run on the GPU machine: ``python3 scripts/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (a few minutes).
 """
@@ -37,6 +41,10 @@ NUM_LAYERS = 32
 DECIDE_VARIANTS = ((1, 128, 4), (1, 256, 4), (1, 256, 8), (1, 512, 8), (2, 256, 8), (4, 128, 4))
 """(rows per program, block tokens, warps) of the decision kernel."""
 SMOLLM2_SHAPE = ("smollm2-135m", 64, 9, 3, 64, 1024)
+WRITE_WARPS = (4, 1, 2, 8)
+"""Warps a program of the write sweep (the first is the bit-equality baseline)."""
+WRITE_POINTS = (("llama3-8b", 384, 128), ("fp16", 384, 128), ("default", 192, 64))
+"""(preset, rows a launch, head_dim): Llama-3-8B 48 sequences x 8 KV heads, SmolLM2's 64 x 3."""
 
 
 def median_ms(fn) -> float:
@@ -276,6 +284,78 @@ def decision_sweep(bw: float, log) -> list[dict]:
     return out
 
 
+def write_layers_us(preset: str, n_rows: int, warps: int, head_dim: int, layers: int = NUM_LAYERS):
+    """(min, median) us a launch of ``write_tokens`` at ``warps``, ``layers`` launches in one CUDA graph, and the pool."""
+    from trtllm_diffkv.config import PRESETS
+    from trtllm_diffkv.kernels import quant_write as qw
+    from trtllm_diffkv.memory import KVCachePool, PageFormat
+
+    torch.manual_seed(0)
+    cfg = PRESETS[preset]
+    fmt = PageFormat.for_config(cfg, head_dim)
+    pool = KVCachePool(fmt, n_rows * layers + 8, device="cuda")
+    pool.buffer.zero_()
+    pages = pool.pages()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dest = [torch.randperm(n_rows * layers, generator=g)[:n_rows].to(torch.int32).cuda() for _ in range(layers)]
+    slot = torch.randint(0, fmt.high.tokens_per_page, (n_rows,), generator=g, dtype=torch.int32).cuda()
+    k = torch.randn(n_rows, head_dim * 4, device="cuda", dtype=torch.bfloat16)[:, :head_dim]  # q/k/v rows' strides
+    v = torch.randn(n_rows, head_dim * 4, device="cuda", dtype=torch.bfloat16)[:, head_dim:2 * head_dim]
+    kw = dict(error_flags=torch.zeros(64, device="cuda", dtype=torch.int32),
+              error_index=torch.arange(n_rows, device="cuda", dtype=torch.int32) % 48)
+    if cfg.compress:
+        kw.update(key_offsets=torch.randn(n_rows, head_dim, device="cuda").half(),
+                  offset_rows=torch.arange(n_rows, device="cuda", dtype=torch.int32),
+                  scores=torch.rand(n_rows, device="cuda"),
+                  positions=torch.arange(n_rows, device="cuda", dtype=torch.int32))
+    saved = qw.WRITE_NUM_WARPS
+    qw.WRITE_NUM_WARPS = warps
+    try:
+        def run():
+            for layer in range(layers):
+                qw.write_tokens(pages, fmt, "high", dest[layer], slot, k, v, **kw)
+
+        run()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    finally:
+        qw.WRITE_NUM_WARPS = saved
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        e0.record()
+        for _ in range(20):
+            graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1000 / 20 / layers)
+    return min(times), sorted(times)[len(times) // 2], pool.buffer.clone()
+
+
+def write_sweep(log) -> list[dict]:
+    out = []
+    for preset, n_rows, head_dim in WRITE_POINTS:
+        ref = None
+        for warps in WRITE_WARPS:
+            us_min, us_median, buf = write_layers_us(preset, n_rows, warps, head_dim)
+            same = ref is None or bool(torch.equal(ref, buf))
+            ref = buf if ref is None else ref
+            out.append(dict(kernel="_write_tokens_kernel", preset=preset, n_rows=n_rows, head_dim=head_dim,
+                            num_warps=warps, us_per_launch_min=us_min, us_per_launch_median=us_median,
+                            bit_equal_to_first=same))
+            log(f"write {preset:10s} {n_rows:4d} rows head_dim {head_dim:3d} warps {warps}: {us_median:6.2f} us a launch"
+                f"  equal {same}")
+    return out
+
+
 def points(spec: str) -> list[tuple]:
     """Shapes of ``BxT`` points (Llama-3-8B heads; ``smollm2:BxT``: SmolLM2-135M's), comma-separated."""
     shapes = []
@@ -294,7 +374,7 @@ def main():
                     help="stages:min_blocks:key_fold of the partial kernel, comma-separated (stages 0: the register path)")
     ap.add_argument("--shape", default=None,
                     help="num_seqs,seq_len[,num_heads,num_kv_heads,head_dim] (default 48,4096,32,8,128: Llama-3-8B)")
-    ap.add_argument("--skip", default="", help="'partial', 'decide', 'merge' and/or 'fused'")
+    ap.add_argument("--skip", default="", help="'partial', 'decide', 'merge', 'fused' and/or 'write'")
     ap.add_argument("--fused-points", default="48x4096,16x1024,64x1024,16x4096,smollm2:64x1024",
                     help="batch x context points of the fused sweep (Llama-3-8B heads; 'smollm2:' SmolLM2-135M's)")
     ap.add_argument("--slots", default="2,3,4,6,8,12", help="CTAs a row of the fused sweep")
@@ -324,6 +404,8 @@ def main():
         result["rows"] += merge_sweep(bw, points(args.merge_points), baseline, variants, log)
     if "decide" not in args.skip:
         result["rows"] += decision_sweep(bw, log)
+    if "write" not in args.skip:
+        result["rows"] += write_sweep(log)
     if "partial" not in args.skip:
         parts = [None if p == "default" else int(p) for p in args.parts.split(",")]
         variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]

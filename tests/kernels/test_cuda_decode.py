@@ -440,9 +440,9 @@ def test_ring_and_register_cap_follow_the_devices_shared_memory(limits, head_dim
     fmt = _fmt(DiffKVConfig(), head_dim)
     d = compile_defines(fmt, 4, 16, head_dim, 64, True, shared_limits=limits)
     assert (d["STAGES"], d["MIN_BLOCKS"]) == (stages, min_blocks)
-    # the score prefetch was measured on the ring only (H100, docs/PERFORMANCE.md): the register path (the AOT
+    # the merge prefetch was measured on the ring only (H100, docs/PERFORMANCE.md): the register path (the AOT
     # build) keeps 0
-    assert d["SCORE_PREFETCH"] == (1 if stages else 0)
+    assert d["MERGE_PREFETCH"] == (1 if stages else 0)
     if stages:
         per_sm = (limits or cd.SM90_SHARED_LIMITS)[1]
         assert min_blocks * (cd.partial_shared_bytes(fmt, stages) + cd.SHARED_RESERVED_BYTES) <= per_sm
@@ -451,18 +451,19 @@ def test_ring_and_register_cap_follow_the_devices_shared_memory(limits, head_dim
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("score_prefetch", [0, 1])
+@pytest.mark.parametrize("merge_prefetch", [0, 1])
 @pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("default", 64, 1), ("k8v4", 64, 8),
                                                    ("default-k8v2", 128, 8), ("k8v4", 128, 8)])
-def test_the_rings_step_down_finds_a_spill_free_cap(preset, head_dim, group, score_prefetch, tmp_path, monkeypatch):
+def test_the_rings_step_down_finds_a_spill_free_cap(preset, head_dim, group, merge_prefetch, tmp_path, monkeypatch):
     """Where the ring's preferred cap spills (nvcc 13.0, sm_90a: 60 / 12 / 16 B at 6 CTAs of head_dim 64, 44 / 8 B
     at 4 of head_dim 128), a cap between it and the register path's (what ``_spill_free_kernel`` steps through at
-    run time) spills nothing; with the score prefetch (``SCORE_PREFETCH``, the default), at most
-    ``LOCAL_BYTES_TOLERATED`` bytes (``default-k8v2`` at head_dim 128, group 8: 4 B at the register path's cap)."""
+    run time) spills nothing; with the merge prefetch (``MERGE_PREFETCH``, the default), at most
+    ``LOCAL_BYTES_TOLERATED`` bytes (``default-k8v2`` at head_dim 64, group 8: 4 B at 5 CTAs, as without it; the
+    prefetch sat before the warps' merge at first and made ``default`` at head_dim 64, group 3 spill 12 B at 6)."""
     from trtllm_diffkv.kernels import cuda_decode as cd
     from trtllm_diffkv.kernels.cuda_decode import register_min_blocks
 
-    monkeypatch.setattr(cd, "SCORE_PREFETCH", score_prefetch)
+    monkeypatch.setattr(cd, "MERGE_PREFETCH", merge_prefetch)
     fmt = _fmt(PRESETS[preset], head_dim)
     pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
     first = compile_defines(fmt, group, 16, head_dim, pmax, True)
@@ -477,4 +478,4 @@ def test_the_rings_step_down_finds_a_spill_free_cap(preset, head_dim, group, sco
         spills[mb] = int(re.search(r"(\d+) bytes spill stores", text).group(1))
         if not spills[mb]:
             break
-    assert min(spills.values()) <= (cd.LOCAL_BYTES_TOLERATED if score_prefetch else 0), spills
+    assert min(spills.values()) <= (cd.LOCAL_BYTES_TOLERATED if merge_prefetch else 0), spills

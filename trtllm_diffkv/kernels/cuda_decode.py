@@ -163,12 +163,15 @@ KEY_FOLD = 1
 """1: the key products run on ``1024 + code`` and the offset is folded into the zero-point term (``decode_partial.cu``,
 ``KEY_FOLD``); 0: a half2 subtraction per two key codes (the A/B baseline)."""
 
-SCORE_PREFETCH = 1
-"""1: the staged partial kernel, once its pages are read, asks L2 to keep their score segments (``SCORE_PREFETCH`` in
-``decode_partial.cu``: a ``prefetch.global.L2::evict_last`` per 128 bytes), which the merge's score update reads and
-writes next; 0: no prefetch. H100, 2026-12-06, executor steps, A/B in one call each: Llama-3-8B 48 x 4096 11.394
-against 11.467 ms (merge 486 against 522 us a step), 16 x 1024 6.953 against 6.926 (within the runs' spread),
-SmolLM2 64 x 1024 1.729 against 1.739 (docs/PERFORMANCE.md). The register path (the TensorRT AOT build) keeps 0."""
+MERGE_PREFETCH = 1
+"""1: the staged partial kernel, once its pages are read, asks L2 to keep what the merge reads of them next
+(``MERGE_PREFETCH`` in ``decode_partial.cu``: a ``prefetch.global.L2::evict_last`` per 128 bytes of each page's score
+segment, which the score update reads and rewrites, and of the probabilities and maxima the CTA has just written);
+0: no prefetch. H100, 2026-12-06, executor steps, Llama-3-8B 48 x 4096, A/B in one call: score segments alone 11.394
+against 11.467 ms without (merge 486 against 522 us a step); with the probabilities and maxima too (issued before the
+warps' merge) 11.254 against 11.336 / 11.337 for the score segments alone (merge 453 against 485 us a step); in its
+place now, after the partial states' stores, against ``208333b``'s tree in one call: merge 450 against 486 us, partial
+kernel 4208 against 4287 us a step. docs/PERFORMANCE.md. The register path (the TensorRT AOT build) keeps 0."""
 
 SHARED_RESERVED_BYTES = 1024
 """Shared memory the runtime reserves per CTA on sm_80 and later (CUDA C++ Programming Guide, "Shared Memory"
@@ -260,7 +263,7 @@ def compile_defines(page_format: PageFormat, group: int, group_pad: int, block_d
     d = dict(HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_D=block_d, PMAX=pmax,
              PAGE_BYTES=page_format.page_size_bytes, STORE_PROBS=int(store_probs), WARPS=WARPS,
              MIN_BLOCKS=min_blocks, SCORE_WARPS=SCORE_WARPS, STAGES=stages, KEY_FOLD=KEY_FOLD,
-             SCORE_PREFETCH=SCORE_PREFETCH if stages else 0)
+             MERGE_PREFETCH=MERGE_PREFETCH if stages else 0)
     for prefix, lay in (("H", page_format.high), ("L", page_format.low)):
         t = lay.tier
         d[f"{prefix}_COPY"] = stage_copy_bytes(lay)

@@ -45,6 +45,13 @@ from ..quant import FP16_MAX, SCALE_EPSILON
 # The kernels spell these constants out (65504.0, 0.00006103515625); keep them in step with quant.py.
 assert FP16_MAX == 65504.0 and SCALE_EPSILON == 0.00006103515625
 
+WRITE_NUM_WARPS = 1
+"""Warps of a :func:`_write_tokens_kernel` program (one token row of ``head_dim`` elements: one warp reduces its groups
+with shuffles alone). H100, 2026-12-06, 32 launches in a CUDA graph, us a launch (1 / 2 / 4 / 8 warps): Llama-3-8B
+K8V4, 384 rows of head_dim 128 3.38 / 3.70 / 3.73 / 4.85; FP16 1.88 / 2.09 / 2.09 / 2.20; the default preset, 192 rows
+of head_dim 64 3.00 / 3.38 / 3.63 / 4.03; pools bit-equal. In the executor step at 48 x 4096 the writes took 150 against
+181 us a step (docs/PERFORMANCE.md)."""
+
 
 @triton.jit
 def _round_half_even(y):
@@ -301,7 +308,7 @@ def write_tokens(
         scores if has_meta else dummy, positions if has_meta else dummy,
         error_flags if error_flags is not None else dummy, error_index if error_index is not None else dummy,
         *ints, HAS_OFFSET=key_offsets is not None, HAS_META=has_meta, HAS_ERR=error_flags is not None,
-        **const, **_launch_options(pages.device),
+        **const, num_warps=WRITE_NUM_WARPS, **_launch_options(pages.device),
     )
 
 

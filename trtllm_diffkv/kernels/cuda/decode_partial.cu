@@ -515,9 +515,9 @@ __device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, co
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
-#ifndef SCORE_PREFETCH
-#define SCORE_PREFETCH 0  // 1: diffkv_decode_partial asks L2 to keep its pages' score segments for the merge
-                          // (kernels/cuda_decode.py sets it: the staged path's default)
+#ifndef MERGE_PREFETCH
+#define MERGE_PREFETCH 0  // 1: diffkv_decode_partial asks L2 to keep what the merge reads of its pages (score
+                          // segments, probabilities, maxima); kernels/cuda_decode.py sets it on the staged path
 #endif
 #ifndef FUSED_MERGE
 #define FUSED_MERGE 0  // 1: this text is followed by cuda/decode_merge.cu and its diffkv_decode_attend (kernels/cuda_decode.py)
@@ -528,10 +528,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 }
 
 // The work of one CTA: slot cslot of row (seq, kvh), written to the workspace's slot (the kernels below differ in
-// the grid's order only and in what follows). PREFETCH_SCORES: after its page loop the CTA asks L2 to keep the
-// score segments of its pages, which the row's merge updates next (diffkv_decode_attend; diffkv_decode_merge
-// with SCORE_PREFETCH).
-template <bool PREFETCH_SCORES>
+// the grid's order only and in what follows). PREFETCH: once its partial states are stored the CTA asks L2
+// (evict_last) to keep what the row's merge reads next of its pages: their score segments (read and rewritten), the
+// probabilities and maxima this CTA has just written (diffkv_decode_attend; diffkv_decode_merge with MERGE_PREFETCH).
+template <bool PREFETCH>
 __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u16* __restrict__ q,
                                             const unsigned char* __restrict__ pool, const int* __restrict__ table,
                                             const int* __restrict__ tier_tokens, const int* __restrict__ row_ids,
@@ -595,13 +595,6 @@ __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u
                                  max_row);
     }
 #endif
-    if constexpr (PREFETCH_SCORES) {
-        for (int u = u0 + threadIdx.x; u < u1; u += WARPS * 32) {
-            const PageRef r = page_ref(u, hp, n_high, n_low, R);
-            const unsigned char* seg = pool + (u64)trow[r.pos] * PAGE_BYTES + (r.low ? L_SC : H_SC);
-            for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
-        }
-    }
     // finish the sums over the lanes of a head, then merge the warps
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -645,6 +638,16 @@ __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u
             part_l[slot_idx * GROUP_PAD + h] = l;
         }
     }
+    if constexpr (PREFETCH) {  // last: the accumulators are dead by now (no registers taken from the page loop)
+        for (int u = u0 + threadIdx.x; u < u1; u += WARPS * 32) {
+            const PageRef r = page_ref(u, hp, n_high, n_low, R);
+            const unsigned char* seg = pool + (u64)trow[r.pos] * PAGE_BYTES + (r.low ? L_SC : H_SC);
+            for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
+            const unsigned char* pp = (const unsigned char*)(probs_row + (long long)r.pos * GROUP * PMAX);
+            for (int c = 0; c < 2 * GROUP * PMAX; c += 128) prefetch_l2(pp + c);
+            prefetch_l2(max_row + (long long)r.pos * GROUP);
+        }
+    }
 }
 
 #if !FUSED_MERGE
@@ -655,7 +658,7 @@ diffkv_decode_partial(const u16* __restrict__ q, const unsigned char* __restrict
                       const int* __restrict__ row_ids, float* __restrict__ part_m, float* __restrict__ part_l,
                       float* __restrict__ part_acc, u16* __restrict__ page_probs, float* __restrict__ page_max,
                       float qk_scale, int num_kv_heads, int num_slots, int R) {
-    partial_cta<SCORE_PREFETCH != 0 && STORE_PROBS != 0>(blockIdx.x, blockIdx.y, blockIdx.z, q, pool, table,
+    partial_cta<MERGE_PREFETCH != 0 && STORE_PROBS != 0>(blockIdx.x, blockIdx.y, blockIdx.z, q, pool, table,
                                                          tier_tokens, row_ids, part_m, part_l, part_acc, page_probs,
                                                          page_max, qk_scale, num_kv_heads, num_slots, R);
 }
