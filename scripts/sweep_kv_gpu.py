@@ -299,8 +299,8 @@ def write_layers_us(preset: str, n_rows: int, warps: int, head_dim: int, layers:
     g = torch.Generator(device="cpu").manual_seed(0)
     dest = [torch.randperm(n_rows * layers, generator=g)[:n_rows].to(torch.int32).cuda() for _ in range(layers)]
     slot = torch.randint(0, fmt.high.tokens_per_page, (n_rows,), generator=g, dtype=torch.int32).cuda()
-    k = torch.randn(n_rows, head_dim * 4, device="cuda", dtype=torch.bfloat16)[:, :head_dim]  # q/k/v rows' strides
-    v = torch.randn(n_rows, head_dim * 4, device="cuda", dtype=torch.bfloat16)[:, head_dim:2 * head_dim]
+    k = torch.randn(n_rows, head_dim, device="cuda", dtype=torch.bfloat16)  # contiguous, as decode_layer's
+    v = torch.randn(n_rows, head_dim, device="cuda", dtype=torch.bfloat16)
     kw = dict(error_flags=torch.zeros(64, device="cuda", dtype=torch.int32),
               error_index=torch.arange(n_rows, device="cuda", dtype=torch.int32) % 48)
     if cfg.compress:

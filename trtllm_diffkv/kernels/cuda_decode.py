@@ -171,7 +171,8 @@ segment, which the score update reads and rewrites, and of the probabilities and
 against 11.467 ms without (merge 486 against 522 us a step); with the probabilities and maxima too (issued before the
 warps' merge) 11.254 against 11.336 / 11.337 for the score segments alone (merge 453 against 485 us a step); in its
 place now, after the partial states' stores, against ``208333b``'s tree in one call: merge 450 against 486 us, partial
-kernel 4208 against 4287 us a step. docs/PERFORMANCE.md. The register path (the TensorRT AOT build) keeps 0."""
+kernel 4208 against 4287 us a step. docs/PERFORMANCE.md (the score-segment A/B:
+``benchmarks/results/step_score_prefetch_h100.json``). The register path (the TensorRT AOT build) keeps 0."""
 
 SHARED_RESERVED_BYTES = 1024
 """Shared memory the runtime reserves per CTA on sm_80 and later (CUDA C++ Programming Guide, "Shared Memory"
@@ -493,8 +494,11 @@ update); 1: one launch, ``diffkv_decode_attend``, whose row's last CTA merges. M
 ``scripts/sweep_kv_gpu.py``, ``benchmarks/results/sweep_fused.json``: Llama-3-8B 48 x 4096 one layer 180.7 against
 168.6 us, 16 x 1024 39.7 against 28.9): the last CTA updates every score of its row alone, where the merge kernel
 spreads them over many CTAs. Kept as the A/B variant (equal bit for bit, ``tests/kernels/test_fused_decode_gpu.py``).
-Since its merging CTA shares the merge's functions (without the merge's early loads) nvcc 13.0 spills 20 bytes at its
-cap for head_dim 128 / group 8 (0 before; fewer at k8v4 head_dim 64 / group 8: 28 against 76); not re-timed."""
+Since its merging CTA shares the merge's functions (without the merge's early loads) nvcc 13.0 (sm_90a) spills 20 bytes
+at its cap for ``llama3-8b`` head_dim 128 / group 8 (0 before); with the merge prefetch's probabilities and maxima
+(``MERGE_PREFETCH``, which this kernel always issues) ``k8v4`` head_dim 64 / group 8 spills 36 (28 without them, 76
+before the shared functions), ``k8v4`` head_dim 128 / group 8 12 (4), ``default-k8v2`` head_dim 128 / group 8 52 (36);
+not re-timed."""
 
 SLOT_WAVE_FILL = 0.5
 """The CUDA partial kernel's CTAs a row (:func:`cuda_num_slots`) aim at this fraction of one wave of CTAs over the

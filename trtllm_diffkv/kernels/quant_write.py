@@ -49,7 +49,7 @@ WRITE_NUM_WARPS = 1
 """Warps of a :func:`_write_tokens_kernel` program (one token row of ``head_dim`` elements: one warp reduces its groups
 with shuffles alone). H100, 2026-12-06, 32 launches in a CUDA graph, us a launch (1 / 2 / 4 / 8 warps): Llama-3-8B
 K8V4, 384 rows of head_dim 128 3.38 / 3.70 / 3.73 / 4.85; FP16 1.88 / 2.09 / 2.09 / 2.20; the default preset, 192 rows
-of head_dim 64 3.00 / 3.38 / 3.63 / 4.03; pools bit-equal. In the executor step at 48 x 4096 the writes took 150 against
+of head_dim 64 3.00 / 3.38 / 3.63 / 4.03; pools bit-equal. In the executor step at 48 x 4096 the writes took 149 against
 181 us a step (docs/PERFORMANCE.md)."""
 
 

@@ -337,8 +337,8 @@ diffkv_decode_merge(u16* __restrict__ out, const float* __restrict__ part_m, con
 // counter (row_done, zero before the launch; the classic threadfence-reduction handshake: every thread's writes are
 // fenced before one thread's atomicAdd); the row's last CTA resets the counter (for the next launch) and does what
 // diffkv_decode_merge does for the row: the merge of the row's num_slots partial states, its output and lse, and the
-// score update of every page of the row, PAGES_PER_WARP pages a warp at a time (their score segments were
-// prefetched into L2 by the CTAs that read the pages). One launch a layer instead of two, no CTA of the merge grid
+// score update of every page of the row, PAGES_PER_WARP pages a warp at a time (their score segments, probabilities
+// and maxima were prefetched into L2 by the CTAs that read the pages). One launch a layer instead of two, no CTA of the merge grid
 // left without pages (that grid spans the page table's width), and the probabilities read back from L2.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 diffkv_decode_attend(const u16* __restrict__ q, unsigned char* __restrict__ pool, const int* __restrict__ table,
