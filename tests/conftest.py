@@ -1,5 +1,7 @@
-"""Shared pytest setup: the ``gpu`` marker, skipping GPU tests where CUDA is absent, and Triton's
-interpreter for the kernel tests on a machine without a GPU."""
+"""Shared pytest setup: the ``gpu`` marker, skipping GPU tests where CUDA is absent, Triton's
+interpreter for the kernel tests on a machine without a GPU, and ``DIFFKV_TEST_SHARD=K/N`` (run every N-th
+collected test from the K-th: the device's calls are limited to 10 minutes, so ``scripts/gpu_check.sh`` runs the
+GPU suite in shards)."""
 import os
 import tempfile
 
@@ -22,7 +24,31 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; run on the device)")
 
 
+def shard_items(items: list, spec: str | None) -> tuple[list, list]:
+    """``(kept, deselected)``: with ``spec`` ``"K/N"`` (1 <= K <= N) the items at indices ``K - 1, K - 1 + N, ...``
+    of the collection order are kept (shards ``1/N`` .. ``N/N`` cover every item once); ``None`` or ``""`` keeps all.
+
+    Raises:
+        pytest.UsageError: a spec not of that form.
+    """
+    if not spec:
+        return list(items), []
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"DIFFKV_TEST_SHARD={spec!r}: expected K/N with 1 <= K <= N")
+    kept = [item for i, item in enumerate(items) if i % n == k - 1]
+    dropped = [item for i, item in enumerate(items) if i % n != k - 1]
+    return kept, dropped
+
+
 def pytest_collection_modifyitems(config, items):
+    kept, dropped = shard_items(items, os.environ.get("DIFFKV_TEST_SHARD"))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
