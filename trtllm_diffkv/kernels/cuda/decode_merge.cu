@@ -130,11 +130,8 @@ __device__ __forceinline__ void load_score_page(ScorePage& p, int u, const RowPa
     p.count = 0;
     p.dst = nullptr;
     if (u >= rp.hp + rp.lp) return;
-    const bool high = u < rp.hp;
-    const int j = high ? u : u - rp.hp;
-    const int pos = high ? u : R - 1 - j;
-    const int count = high ? min(rp.n_high - j * H_TOKENS, H_TOKENS) : min(rp.n_low - j * L_TOKENS, L_TOKENS);
-    load_cell(p, pos, high, count, table[(long long)rp.row * R + pos], rs, R, pool, page_probs, page_max, lane);
+    const PageRef r = page_ref(u, rp.hp, rp.n_high, rp.n_low, R);
+    load_cell(p, r.pos, !r.low, r.count, table[(long long)rp.row * R + r.pos], rs, R, pool, page_probs, page_max, lane);
 }
 
 // score += max over the heads of p_h 2^(page_max_h - lse_h) (diffkv_decode_scores' arithmetic, in its order)

@@ -96,6 +96,20 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+// Entry u of a row's page list (high pages first, hp of them, then the low pages): its table column (high page j at
+// column j, low page j at R - 1 - j), tier and token count. The partial, score and merge kernels all walk it.
+struct PageRef {
+    int pos, count;
+    bool low;
+};
+__device__ __forceinline__ PageRef page_ref(int u, int hp, int n_high, int n_low, int R) {
+    PageRef r;
+    r.low = u >= hp;
+    r.pos = r.low ? R - 1 - (u - hp) : u;
+    r.count = r.low ? min(n_low - (u - hp) * L_TOKENS, L_TOKENS) : min(n_high - u * H_TOKENS, H_TOKENS);
+    return r;
+}
+
 // (end of the helpers cuda/decode_merge.cu is compiled after: kernels/cuda_decode.py, merge_source)
 __device__ __forceinline__ u32 movtrans(u32 x) {
     u32 r;
@@ -442,20 +456,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// The page list index, table column, tier and token count of list entry u of a row (high pages first).
-struct PageRef {
-    int pos, count;
-    bool low;
-};
-__device__ __forceinline__ PageRef page_ref(int u, int hp, int n_high, int n_low, int R) {
-    PageRef r;
-    r.low = u >= hp;
-    r.pos = r.low ? R - 1 - (u - hp) : u;
-    r.count = r.low ? min(n_low - (u - hp) * LowTier::TOKENS, LowTier::TOKENS)
-                    : min(n_high - u * HighTier::TOKENS, HighTier::TOKENS);
-    return r;
-}
-
 __device__ __forceinline__ void stage_page(unsigned char* __restrict__ buf, const unsigned char* __restrict__ pool,
                                            int page, bool low, int lane) {
     const unsigned char* src = pool + (u64)page * PAGE_BYTES;
@@ -688,18 +688,15 @@ diffkv_decode_scores(unsigned char* __restrict__ pool, const int* __restrict__ t
     const int lp = (n_low + L_TOKENS - 1) / L_TOKENS;
     for (int u = blockIdx.z * SCORE_PAGES_PER_CTA + warp; u < min(hp + lp, (int)(blockIdx.z + 1) * SCORE_PAGES_PER_CTA);
          u += SCORE_WARPS) {
-        const bool high = u < hp;
-        const int j = high ? u : u - hp;
-        const int pos = high ? u : R - 1 - j;
-        const int count = high ? min(n_high - j * H_TOKENS, H_TOKENS) : min(n_low - j * L_TOKENS, L_TOKENS);
-        const long long cell = (long long)rs * R + pos;
+        const PageRef r = page_ref(u, hp, n_high, n_low, R);
+        const long long cell = (long long)rs * R + r.pos;
         float factor[GROUP];
 #pragma unroll
         for (int h = 0; h < GROUP; ++h) factor[h] = ex2(page_max[cell * GROUP + h] - lse[(long long)rs * GROUP_PAD + h]);
-        const int page = table[(long long)row * R + pos];
-        float* score = (float*)(pool + (u64)page * PAGE_BYTES + (high ? H_SC : L_SC));
+        const int page = table[(long long)row * R + r.pos];
+        float* score = (float*)(pool + (u64)page * PAGE_BYTES + (r.low ? L_SC : H_SC));
         const u16* probs = page_probs + cell * GROUP * PMAX;
-        for (int slot = lane; slot < count; slot += 32) {
+        for (int slot = lane; slot < r.count; slot += 32) {
             float best = 0.f;
 #pragma unroll
             for (int h = 0; h < GROUP; ++h) best = fmaxf(best, h2f(probs[h * PMAX + slot]) * factor[h]);
