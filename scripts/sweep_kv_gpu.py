@@ -21,8 +21,8 @@
    85 % high, replayed from a CUDA graph; the fused result must equal the two launches' bit for bit.
 5. The write kernel (``kernels/quant_write.py``) at a decode layer's rows (the new token of every (sequence, KV
    head), keys centered, score, position and error flag as ``paged/decode.py`` writes them) over warps a program
-   (``WRITE_WARPS``): 32 launches (the layers) in one CUDA graph, us a launch (min and median of 5 x 20 replays);
-   each variant's pool must equal the 4-warp one's bit for bit.
+   (``WRITE_WARPS``): 32 launches (the layers) replayed from a CUDA graph, us a launch (median); each variant's pool
+   must equal the 4-warp one's bit for bit.
 
 Run on the GPU machine: ``python3 scripts/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (a few minutes).
 """
@@ -285,7 +285,8 @@ def decision_sweep(bw: float, log) -> list[dict]:
 
 
 def write_layers_us(preset: str, n_rows: int, warps: int, head_dim: int, layers: int = NUM_LAYERS):
-    """(min, median) us a launch of ``write_tokens`` at ``warps``, ``layers`` launches in one CUDA graph, and the pool."""
+    """us a launch of ``write_tokens`` at ``warps`` (``layers`` launches replayed from a CUDA graph, :func:`graph_ms`)
+    and the pool after the writes."""
     from trtllm_diffkv.config import PRESETS
     from trtllm_diffkv.kernels import quant_write as qw
     from trtllm_diffkv.memory import KVCachePool, PageFormat
@@ -308,36 +309,18 @@ def write_layers_us(preset: str, n_rows: int, warps: int, head_dim: int, layers:
                   offset_rows=torch.arange(n_rows, device="cuda", dtype=torch.int32),
                   scores=torch.rand(n_rows, device="cuda"),
                   positions=torch.arange(n_rows, device="cuda", dtype=torch.int32))
-    saved = qw.WRITE_NUM_WARPS
-    qw.WRITE_NUM_WARPS = warps
-    try:
-        def run():
-            for layer in range(layers):
-                qw.write_tokens(pages, fmt, "high", dest[layer], slot, k, v, **kw)
 
-        run()
-        torch.cuda.synchronize()
-        with torch.cuda.stream(torch.cuda.Stream()):
-            run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+    def run():
+        for layer in range(layers):
+            qw.write_tokens(pages, fmt, "high", dest[layer], slot, k, v, **kw)
+
+    saved = qw.WRITE_NUM_WARPS
+    qw.WRITE_NUM_WARPS = warps  # read at each launch, so also while graph_ms captures
+    try:
+        ms = graph_ms(run)
     finally:
         qw.WRITE_NUM_WARPS = saved
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        e0.record()
-        for _ in range(20):
-            graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000 / 20 / layers)
-    return min(times), sorted(times)[len(times) // 2], pool.buffer.clone()
+    return ms * 1e3 / layers, pool.buffer.clone()
 
 
 def write_sweep(log) -> list[dict]:
@@ -345,13 +328,12 @@ def write_sweep(log) -> list[dict]:
     for preset, n_rows, head_dim in WRITE_POINTS:
         ref = None
         for warps in WRITE_WARPS:
-            us_min, us_median, buf = write_layers_us(preset, n_rows, warps, head_dim)
+            us, buf = write_layers_us(preset, n_rows, warps, head_dim)
             same = ref is None or bool(torch.equal(ref, buf))
             ref = buf if ref is None else ref
             out.append(dict(kernel="_write_tokens_kernel", preset=preset, n_rows=n_rows, head_dim=head_dim,
-                            num_warps=warps, us_per_launch_min=us_min, us_per_launch_median=us_median,
-                            bit_equal_to_first=same))
-            log(f"write {preset:10s} {n_rows:4d} rows head_dim {head_dim:3d} warps {warps}: {us_median:6.2f} us a launch"
+                            num_warps=warps, us_per_launch_median=us, bit_equal_to_first=same))
+            log(f"write {preset:10s} {n_rows:4d} rows head_dim {head_dim:3d} warps {warps}: {us:6.2f} us a launch"
                 f"  equal {same}")
     return out
 
