@@ -73,6 +73,45 @@ def test_write_kernels_on_gpu_equal_the_torch_path(head_dim):
         assert all(torch.equal(a, b) for a, b in zip(*outs)), f"read_tokens differs: head_dim {head_dim}, {tier}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_write_kernel_flags_rows_beyond_fp16_range_on_gpu(dtype):
+    """Edge case 14 on the GPU's one-warp write programs: a row holding a NaN or a value beyond fp16's range
+    (bf16 65536 / -65536, fp32 70000, fp16 inf) raises its request's flag; the largest value fp16 holds in
+    each dtype (bf16 65280, else 65504) does not. Flags and the unflagged rows' bytes equal the CPU torch path."""
+    from trtllm_diffkv.kernels.quant_write import write_tokens
+    from trtllm_diffkv.memory import KVCachePool, PageFormat
+    from trtllm_diffkv.memory.page_format import SEGMENT_NAMES
+    from trtllm_diffkv.paged import torch_ops
+
+    fmt = PageFormat.for_config(DiffKVConfig(), 64, high_tokens_per_page=4)
+    g = torch.Generator().manual_seed(14)
+    keys, values = torch.randn(8, 64, generator=g).to(dtype), torch.randn(8, 64, generator=g).to(dtype)
+    largest = 65280.0 if dtype == torch.bfloat16 else 65504.0
+    beyond = {torch.bfloat16: 65536.0, torch.float32: 70000.0, torch.float16: float("inf")}[dtype]
+    keys[1, 5] = float("nan")
+    values[3, 0] = beyond
+    keys[5, 63] = -beyond if dtype == torch.bfloat16 else beyond
+    keys[6, 0], values[7, 1] = largest, -largest
+    page = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)
+    slot = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3], dtype=torch.int32)
+    request = torch.tensor([0, 1, 1, 2, 3, 4, 5, 5], dtype=torch.int32)
+    results = []
+    for dev, write in (("cpu", torch_ops.write_tokens), ("cuda", write_tokens)):
+        pool = KVCachePool(fmt, 2, device=dev)
+        pool.buffer.zero_()
+        flags = torch.zeros(6, dtype=torch.int32, device=dev)
+        write(pool.pages(), fmt, "high", page.to(dev), slot.to(dev), keys.to(dev), values.to(dev),
+              scores=torch.zeros(8, device=dev), positions=slot.to(dev), error_flags=flags,
+              error_index=request.to(dev))
+        results.append((flags.cpu(), pool))
+    assert results[0][0].tolist() == [0, 1, 1, 0, 1, 0], results[0][0].tolist()  # the CPU path, by the rule
+    assert torch.equal(results[0][0], results[1][0]), (results[0][0].tolist(), results[1][0].tolist())
+    for seg in SEGMENT_NAMES:
+        cpu, gpu = (p.segment("high", seg) for _, p in results)
+        for p, s in ((0, 0), (1, 0), (1, 2), (1, 3)):  # rows 0, 4, 6, 7: written
+            assert torch.equal(cpu[p, s], gpu[p, s].cpu()), (seg, p, s)
+
+
 def test_quantize_on_gpu_equals_cpu_bit_for_bit():
     """Scales, zeros and codes bit-equal on both devices (the scale is the IEEE quotient everywhere)."""
     from trtllm_diffkv.quant import quantize
