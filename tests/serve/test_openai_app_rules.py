@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from trtllm_diffkv.serve.openai_protocol import CHAT_NEUTRAL, NEUTRAL, is_neutral
+pytest.importorskip("fastapi")  # the server extra (pydantic among it); before the protocol module imports it
 
-pytest.importorskip("fastapi")
+from trtllm_diffkv.serve.openai_protocol import CHAT_NEUTRAL, NEUTRAL, is_neutral  # noqa: E402
 
 MAX_SEQ_LEN = 64
 
