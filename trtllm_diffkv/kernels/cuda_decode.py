@@ -294,11 +294,11 @@ def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int =
         return partial, None if fused else module.get_function("diffkv_decode_scores")
 
 
-# Local memory a staged partial kernel may use and keep its cap: NVRTC (CUDA 13.0, H200) gives the head_dim-128
-# kernels 8 bytes at 4 CTAs a multiprocessor (nvcc 13.0: none), and that kernel ran faster than the spill-free
-# one at 3 CTAs (168 registers): Llama-3-8B shape, 48 x 4096, all-high pages 114.3 vs 118.1 us, 85 % high
-# 116.7 vs 118.7 us (benchmarks/results/sweep_min_blocks.json). 24 bytes and more (k8v4 at group 8,
-# default-k8v2 at head_dim 64 group 8) step down.
+# Local memory a staged partial kernel may use and keep its cap: NVRTC (CUDA 13.0) gives the Llama-3-8B shape's
+# kernel (head_dim 128, group 4) 8 bytes at 4 CTAs a multiprocessor (nvcc 13.0's frontend: none), and that kernel ran
+# faster than the spill-free one at 3 CTAs (168 registers): 48 x 4096, all-high pages 114.3 vs 118.1 us, 85 % high
+# 116.7 vs 118.7 us (H200, benchmarks/results/sweep_min_blocks.json). 16 bytes and more step down.
+# tests/kernels/test_cuda_decode_nvrtc.py compiles the kernel with that NVRTC on the CPU machine.
 LOCAL_BYTES_TOLERATED = 8
 
 
@@ -307,9 +307,10 @@ def _spill_free_kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_b
     """:func:`_kernel` of the staged path at the most blocks per multiprocessor (from ``defines``' ``MIN_BLOCKS``
     down to :func:`register_min_blocks`) whose partial kernel uses at most :data:`LOCAL_BYTES_TOLERATED` bytes of
     local memory (register spills: ptxas spills 4-60 bytes at 6 CTAs of head_dim 64 for group 1 and for 2-bit low
-    tiers, at 4 CTAs of head_dim 128 for ``default-k8v2`` / ``k8v4`` at group 8, nvcc 13.0, sm_90a; NVRTC on the
-    H200 gives 56 bytes to ``default-k8v2`` head_dim 64 group 8 at 6 CTAs, 24 to ``k8v4`` head_dim 128 group 8 at
-    4). Returns ``(partial, scores, min_blocks)``."""
+    tiers, at 4 CTAs of head_dim 128 for ``default-k8v2`` / ``k8v4`` at group 8, nvcc 13.0, sm_90a; NVRTC 13.0, the
+    compiler this runs, gives 64 bytes to ``default-k8v2`` head_dim 64 group 8 at 6 CTAs and 8 at 5, 24 to ``k8v4``
+    head_dim 128 group 8 at 4, 8 to Llama-3-8B's head_dim 128 group 4 at 4, none to ``default`` head_dim 64 group 3
+    at 6). Returns ``(partial, scores, min_blocks)``."""
     d = dict(defines)
     floor = min(d["MIN_BLOCKS"], register_min_blocks(d["HEAD_DIM"]))
     for mb in range(d["MIN_BLOCKS"], floor - 1, -1):

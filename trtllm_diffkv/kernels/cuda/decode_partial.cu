@@ -523,6 +523,13 @@ __device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, co
 #define FUSED_MERGE 0  // 1: this text is followed by cuda/decode_merge.cu and its diffkv_decode_attend (kernels/cuda_decode.py)
 #endif
 
+// A load the compiler neither merges with an earlier load of the same address nor moves (asm volatile).
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    int v;
+    asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
 }
@@ -638,14 +645,28 @@ __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u
             part_l[slot_idx * GROUP_PAD + h] = l;
         }
     }
-    if constexpr (PREFETCH) {  // last: the accumulators are dead by now (no registers taken from the page loop)
-        for (int u = u0 + threadIdx.x; u < u1; u += WARPS * 32) {
-            const PageRef r = page_ref(u, hp, n_high, n_low, R);
-            const unsigned char* seg = pool + (u64)trow[r.pos] * PAGE_BYTES + (r.low ? L_SC : H_SC);
+    if constexpr (PREFETCH) {  // last: the accumulators are dead by now
+        // The row's bounds and page ids are loaded again (volatile loads, not merged with the ones above) and the
+        // addresses rebuilt from the kernel's parameters, so that nothing of the prefetch stays live through the page
+        // loop: reusing u0, u1, trow and the rows' pointers made NVRTC 13.0 spill 16 bytes at Llama-3-8B's shape
+        // (head_dim 128, group 4) at 4 CTAs a multiprocessor, 8 without the prefetch, and the ring stepped down to 3.
+        const int row_again = ld_volatile(row_ids + rs);
+        const int nh = row_again >= 0 ? ld_volatile(tier_tokens + 2 * (long long)row_again) : 0;
+        const int nl = row_again >= 0 ? ld_volatile(tier_tokens + 2 * (long long)row_again + 1) : 0;
+        const int hp_again = (nh + HighTier::TOKENS - 1) / HighTier::TOKENS;
+        const int total_again = hp_again + (nl + LowTier::TOKENS - 1) / LowTier::TOKENS;
+        const int per_again = (total_again + num_slots - 1) / num_slots;
+        const int v0 = cslot * per_again, v1 = min(v0 + per_again, total_again);
+        const int* trow_again = table + (long long)(row_again < 0 ? 0 : row_again) * R;
+        for (int u = v0 + threadIdx.x; u < v1; u += WARPS * 32) {
+            const PageRef r = page_ref(u, hp_again, nh, nl, R);
+            const unsigned char* seg =
+                pool + (u64)ld_volatile(trow_again + r.pos) * PAGE_BYTES + (r.low ? L_SC : H_SC);
             for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
-            const unsigned char* pp = (const unsigned char*)(probs_row + (long long)r.pos * GROUP * PMAX);
+            const long long at = (long long)rs * R + r.pos;
+            const unsigned char* pp = (const unsigned char*)(page_probs + at * GROUP * PMAX);
             for (int c = 0; c < 2 * GROUP * PMAX; c += 128) prefetch_l2(pp + c);
-            prefetch_l2(max_row + (long long)r.pos * GROUP);
+            prefetch_l2(page_max + at * GROUP);
         }
     }
 }
