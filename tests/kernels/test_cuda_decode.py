@@ -154,15 +154,14 @@ def _ptxas_report(code: str, defines: dict, tmp_path) -> str:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("preset,head_dim,group,slots,dtype,spill_bytes", [
-    ("llama3-8b", 128, 4, 6, torch.bfloat16, 12), ("default", 64, 3, 16, torch.bfloat16, 0),
+    ("llama3-8b", 128, 4, 6, torch.bfloat16, 8), ("default", 64, 3, 16, torch.bfloat16, 0),
     ("default-k8v2", 64, 8, 4, torch.float16, None), ("k8v4", 128, 8, 12, torch.float16, None)])
 def test_fused_source_compiles_to_one_kernel(preset, head_dim, group, slots, dtype, spill_bytes, tmp_path):
     """``fused_source()`` with ``fused_defines`` (``FUSED_MERGE=1``) compiles for sm_90 with CuPy's flags to the one
     entry ``diffkv_decode_attend`` (the files' separate kernels left out) within the register cap; the issue's two
-    configurations spill at most what nvcc 13.0 was measured to (``llama3-8b`` 12 bytes at 4 CTAs, 8 before the
-    partial CTA's prefetch loaded its row's bounds again, NVRTC 13.0 16 either way; ``default`` at head_dim 64 none at
-    6). Group 8 spills at the preferred cap (the tail's score loads on top of the partial kernel's registers): the
-    ring's step-down finds a lower cap at run time."""
+    configurations spill at most what nvcc 13.0 was measured to (``llama3-8b`` 8 bytes at 4 CTAs with the prefetch's
+    first form, ``PREFETCH_RELOAD=0``; ``default`` at head_dim 64 none at 6). Group 8 spills at the preferred cap (the
+    tail's score loads on top of the partial kernel's registers): the ring's step-down finds a lower cap at run time."""
     from trtllm_diffkv.kernels.cuda_decode import fused_defines, fused_source
 
     fmt = _fmt(PRESETS[preset], head_dim)
@@ -309,8 +308,11 @@ class _FakeCupy:
     """A stand-in for CuPy's NVRTC module API that records on which device each module is loaded and each
     function attribute set (a loaded function and its attributes belong to one device, as CUDA's do)."""
 
-    def __init__(self, spill_above: int | None = None, spill_bytes: int = 12):
+    def __init__(self, spill_above: int | None = None, spill_bytes: int = 12, spill_of=None):
+        """``spill_of(min_blocks, prefetch_reload)``, when given, is the partial kernel's local memory in bytes;
+        else ``spill_bytes`` above ``spill_above`` blocks per multiprocessor."""
         self.current, self.loads, self.attrs, self.options, self.codes = 0, [], [], [], []
+        self.forms = []
         fake = self
 
         class Device:
@@ -324,9 +326,12 @@ class _FakeCupy:
                 fake.current = self.prev
 
         class Function:
-            def __init__(self, name, device, min_blocks):
-                self.name, self.device = name, device
-                self.local_size_bytes = spill_bytes if spill_above is not None and min_blocks > spill_above else 0
+            def __init__(self, name, device, min_blocks, form):
+                self.name, self.device, self.form = name, device, form
+                if spill_of is not None:
+                    self.local_size_bytes = spill_of(min_blocks, form)
+                else:
+                    self.local_size_bytes = spill_bytes if spill_above is not None and min_blocks > spill_above else 0
 
             def __setattr__(self, key, value):
                 if key == "max_dynamic_shared_size_bytes":
@@ -337,14 +342,16 @@ class _FakeCupy:
             def __init__(self, code, options):
                 self.device = fake.current
                 self.min_blocks = int(next((o.split("=")[1] for o in options if o.startswith("-DMIN_BLOCKS=")), 0))
+                self.form = int(next((o.split("=")[1] for o in options if o.startswith("-DPREFETCH_RELOAD=")), -1))
                 fake.loads.append((self.device, self.min_blocks))
+                fake.forms.append(self.form)
                 fake.options.append(options)
                 fake.codes.append(code)
 
             def get_function(self, name):
                 if fake.current != self.device:
                     raise RuntimeError("a module's function fetched on another device")
-                return Function(name, self.device, self.min_blocks)
+                return Function(name, self.device, self.min_blocks, self.form)
 
         runtime = type("runtime", (), {"getDevice": staticmethod(lambda: fake.current)})
         self.cuda = type("cuda", (), {"Device": Device, "runtime": runtime})
@@ -381,12 +388,13 @@ def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
         fn.cache_clear()
 
 
-@pytest.mark.parametrize("spill_above,spill_bytes,expect", [(None, 12, 4), (3, 12, 3), (0, 12, 3), (3, 8, 4),
-                                                             (3, 9, 3)])
-def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_above, spill_bytes, expect):
+@pytest.mark.parametrize("spill_above,spill_bytes,expect,loads", [
+    (None, 12, 4, [4]), (3, 12, 3, [4, 4, 3]), (0, 12, 3, [4, 4, 3, 3]), (3, 8, 4, [4]), (3, 9, 3, [4, 4, 3])])
+def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_above, spill_bytes, expect, loads):
     """The staged kernel's unpinned ``MIN_BLOCKS`` steps down while the compiled partial kernel uses more local
     memory (ptxas spills) than ``LOCAL_BYTES_TOLERATED`` (8 bytes: NVRTC's head_dim-128 kernel at 4 CTAs, the
-    faster one), to the register path's cap at the least (where the test above bounds the spills)."""
+    faster one), to the register path's cap at the least (where the test above bounds the spills); a cap whose
+    first prefetch form spills compiles the second before stepping down."""
     import sys
 
     from trtllm_diffkv.kernels import cuda_decode as cd
@@ -396,9 +404,43 @@ def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_abo
     for fn in (cd._kernel, cd._spill_free_kernel):
         fn.cache_clear()
     fmt, key = _staged_key()
-    assert dict(key)["MIN_BLOCKS"] == 4
+    assert dict(key)["MIN_BLOCKS"] == 4 and dict(key)["MERGE_PREFETCH"] == 1 and dict(key)["STORE_PROBS"] == 1
     assert cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)[2] == expect
-    assert [mb for _, mb in fake.loads] == list(range(4, expect - 1, -1))
+    assert [mb for _, mb in fake.loads] == loads
+    for fn in (cd._kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+
+
+@pytest.mark.parametrize("spill_of,expect_blocks,expect_form,forms", [
+    (lambda mb, form: 16 if form == 0 else 8, 4, 1, [0, 1]),  # Llama's shape under NVRTC 13.0: the reload kept
+    (lambda mb, form: 0 if form == 0 else 8, 4, 0, [0]),  # the first form within the tolerance: no second compile
+    (lambda mb, form: 64 if form == 1 else (0 if mb == 3 else 24), 3, 0, [0, 1, 0]),  # bf16 k8v4, head_dim 128
+    (lambda mb, form: 64 if form == 0 else 32, 3, 1, [0, 1, 0, 1]),  # both spill at the floor: the lesser kept
+    (lambda mb, form: 40, 3, 0, [0, 1, 0, 1]),  # a tie at the floor: the first form
+])
+def test_the_step_down_tries_both_prefetch_forms(monkeypatch, spill_of, expect_blocks, expect_form, forms):
+    """Where the partial CTA issues the merge prefetch, each cap compiles ``PREFETCH_RELOAD=0`` and, when that
+    spills more than ``LOCAL_BYTES_TOLERATED``, ``1``; the first within the tolerance is kept, and at the register
+    path's cap the one with less local memory (CPU: CuPy faked; the real compiler's figures in
+    test_cuda_decode_nvrtc.py)."""
+    import sys
+
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    fake = _FakeCupy(spill_of=spill_of)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for fn in (cd._kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+    fmt, key = _staged_key()
+    partial, _, blocks = cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)
+    assert (blocks, partial.form) == (expect_blocks, expect_form)
+    assert fake.forms == forms
+    # no prefetch (the score update off: no probabilities stored): one form, the macro left out
+    fake.forms.clear()
+    key = tuple(sorted(compile_defines(fmt, 4, 16, 128, 64, False).items()))
+    assert not cd._prefetches(dict(key))
+    cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)
+    assert set(fake.forms) == {-1}
     for fn in (cd._kernel, cd._spill_free_kernel):
         fn.cache_clear()
 

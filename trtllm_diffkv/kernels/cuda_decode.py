@@ -297,9 +297,17 @@ def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int =
 # Local memory a staged partial kernel may use and keep its cap: NVRTC (CUDA 13.0) gives the Llama-3-8B shape's
 # kernel (head_dim 128, group 4) 8 bytes at 4 CTAs a multiprocessor (nvcc 13.0's frontend: none), and that kernel ran
 # faster than the spill-free one at 3 CTAs (168 registers): 48 x 4096, all-high pages 114.3 vs 118.1 us, 85 % high
-# 116.7 vs 118.7 us (H200, benchmarks/results/sweep_min_blocks.json). 16 bytes and more step down.
+# 116.7 vs 118.7 us (H200, benchmarks/results/sweep_min_blocks.json). More steps down (_spill_free_kernel).
 # tests/kernels/test_cuda_decode_nvrtc.py compiles the kernel with that NVRTC on the CPU machine.
 LOCAL_BYTES_TOLERATED = 8
+
+
+def _prefetches(defines: dict[str, int]) -> bool:
+    """Whether the partial CTA issues the merge prefetch at these macros (``partial_cta<PREFETCH>`` in
+    ``decode_partial.cu``: the fused kernel with its score update, or the partial kernel with ``MERGE_PREFETCH``)."""
+    if defines.get("FUSED_MERGE", 0):
+        return bool(defines.get("SCORES", 0))
+    return bool(defines.get("MERGE_PREFETCH", 0) and defines.get("STORE_PROBS", 0))
 
 
 @functools.lru_cache(maxsize=64)
@@ -307,16 +315,30 @@ def _spill_free_kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_b
     """:func:`_kernel` of the staged path at the most blocks per multiprocessor (from ``defines``' ``MIN_BLOCKS``
     down to :func:`register_min_blocks`) whose partial kernel uses at most :data:`LOCAL_BYTES_TOLERATED` bytes of
     local memory (register spills: ptxas spills 4-60 bytes at 6 CTAs of head_dim 64 for group 1 and for 2-bit low
-    tiers, at 4 CTAs of head_dim 128 for ``default-k8v2`` / ``k8v4`` at group 8, nvcc 13.0, sm_90a; NVRTC 13.0, the
-    compiler this runs, gives 64 bytes to ``default-k8v2`` head_dim 64 group 8 at 6 CTAs and 8 at 5, 24 to ``k8v4``
-    head_dim 128 group 8 at 4, 8 to Llama-3-8B's head_dim 128 group 4 at 4, none to ``default`` head_dim 64 group 3
-    at 6). Returns ``(partial, scores, min_blocks)``."""
+    tiers, at 4 CTAs of head_dim 128 for ``default-k8v2`` / ``k8v4`` at group 8, nvcc 13.0, sm_90a).
+
+    Where the CTA issues the merge prefetch (:func:`_prefetches`), a cap where its first form spills more tries the
+    second: ``PREFETCH_RELOAD=0`` keeps the page loop's bounds and pointers live for it, ``1`` loads the row's bounds
+    and page ids again after the loop. NVRTC 13.0 spills less with one or the other depending on the shape: Llama-3-8B's
+    head_dim 128 / group 4 at 4 CTAs 16 bytes with ``0``, 8 with ``1`` (so it keeps 4 CTAs; with ``0`` alone it ran at
+    3); with bf16 queries ``k8v4`` head_dim 128 group 8 at 3 CTAs 0 with ``0``, 64 with ``1``. At the register path's
+    cap the form with less local memory is kept (the first on a tie). Returns ``(partial, scores, min_blocks)``.
+    tests/kernels/test_cuda_decode_nvrtc.py runs this with NVRTC on the CPU machine."""
     d = dict(defines)
     floor = min(d["MIN_BLOCKS"], register_min_blocks(d["HEAD_DIM"]))
+    forms = (0, 1) if _prefetches(d) else (None,)
     for mb in range(d["MIN_BLOCKS"], floor - 1, -1):
         d["MIN_BLOCKS"] = mb
-        partial, scores = _kernel(tuple(sorted(d.items())), arch, shared_bytes, device)
-        if mb == floor or partial.local_size_bytes <= LOCAL_BYTES_TOLERATED:
+        built = []
+        for form in forms:
+            if form is not None:
+                d["PREFETCH_RELOAD"] = form
+            partial, scores = _kernel(tuple(sorted(d.items())), arch, shared_bytes, device)
+            if partial.local_size_bytes <= LOCAL_BYTES_TOLERATED:
+                return partial, scores, mb
+            built.append((partial, scores))
+        if mb == floor:
+            partial, scores = min(built, key=lambda b: b[0].local_size_bytes)
             return partial, scores, mb
     raise AssertionError("unreachable")
 

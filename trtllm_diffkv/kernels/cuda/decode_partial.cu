@@ -519,6 +519,10 @@ __device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, co
 #define MERGE_PREFETCH 0  // 1: diffkv_decode_partial asks L2 to keep what the merge reads of its pages (score
                           // segments, probabilities, maxima); kernels/cuda_decode.py sets it on the staged path
 #endif
+#ifndef PREFETCH_RELOAD
+#define PREFETCH_RELOAD 0  // the prefetch's two forms (partial_cta): NVRTC spills less with one or the other
+                           // depending on the shape; kernels/cuda_decode.py (_spill_free_kernel) picks one
+#endif
 #ifndef FUSED_MERGE
 #define FUSED_MERGE 0  // 1: this text is followed by cuda/decode_merge.cu and its diffkv_decode_attend (kernels/cuda_decode.py)
 #endif
@@ -646,10 +650,9 @@ __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u
         }
     }
     if constexpr (PREFETCH) {  // last: the accumulators are dead by now
-        // The row's bounds and page ids are loaded again (volatile loads, not merged with the ones above) and the
-        // addresses rebuilt from the kernel's parameters, so that nothing of the prefetch stays live through the page
-        // loop: reusing u0, u1, trow and the rows' pointers made NVRTC 13.0 spill 16 bytes at Llama-3-8B's shape
-        // (head_dim 128, group 4) at 4 CTAs a multiprocessor, 8 without the prefetch, and the ring stepped down to 3.
+#if PREFETCH_RELOAD
+        // The row's bounds and page ids loaded again (volatile loads, not merged with the ones above) and the
+        // addresses rebuilt from the kernel's parameters: nothing of the prefetch stays live through the page loop.
         const int row_again = ld_volatile(row_ids + rs);
         const int nh = row_again >= 0 ? ld_volatile(tier_tokens + 2 * (long long)row_again) : 0;
         const int nl = row_again >= 0 ? ld_volatile(tier_tokens + 2 * (long long)row_again + 1) : 0;
@@ -668,6 +671,17 @@ __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u
             for (int c = 0; c < 2 * GROUP * PMAX; c += 128) prefetch_l2(pp + c);
             prefetch_l2(page_max + at * GROUP);
         }
+#else
+        // The page loop's bounds and pointers reused (they stay live through it).
+        for (int u = u0 + threadIdx.x; u < u1; u += WARPS * 32) {
+            const PageRef r = page_ref(u, hp, n_high, n_low, R);
+            const unsigned char* seg = pool + (u64)trow[r.pos] * PAGE_BYTES + (r.low ? L_SC : H_SC);
+            for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
+            const unsigned char* pp = (const unsigned char*)(probs_row + (long long)r.pos * GROUP * PMAX);
+            for (int c = 0; c < 2 * GROUP * PMAX; c += 128) prefetch_l2(pp + c);
+            prefetch_l2(max_row + (long long)r.pos * GROUP);
+        }
+#endif
     }
 }
 
