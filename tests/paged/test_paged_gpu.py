@@ -76,7 +76,7 @@ def test_write_kernels_on_gpu_equal_the_torch_path(head_dim):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_write_kernel_flags_rows_beyond_fp16_range_on_gpu(dtype):
     """Edge case 14 on the GPU's one-warp write programs: a row holding a NaN or a value beyond fp16's range
-    (bf16 65536 / -65536, fp32 70000, fp16 inf) raises its request's flag; the largest value fp16 holds in
+    (bf16 +-65536, fp32 +-65505, fp16 +-inf) raises its request's flag; the largest value fp16 holds in
     each dtype (bf16 65280, else 65504) does not. Flags and the unflagged rows' bytes equal the CPU torch path."""
     from trtllm_diffkv.kernels.quant_write import write_tokens
     from trtllm_diffkv.memory import KVCachePool, PageFormat
@@ -87,10 +87,10 @@ def test_write_kernel_flags_rows_beyond_fp16_range_on_gpu(dtype):
     g = torch.Generator().manual_seed(14)
     keys, values = torch.randn(8, 64, generator=g).to(dtype), torch.randn(8, 64, generator=g).to(dtype)
     largest = 65280.0 if dtype == torch.bfloat16 else 65504.0
-    beyond = {torch.bfloat16: 65536.0, torch.float32: 70000.0, torch.float16: float("inf")}[dtype]
+    beyond = {torch.bfloat16: 65536.0, torch.float32: 65505.0, torch.float16: float("inf")}[dtype]  # next above
     keys[1, 5] = float("nan")
     values[3, 0] = beyond
-    keys[5, 63] = -beyond if dtype == torch.bfloat16 else beyond
+    keys[5, 63] = -beyond
     keys[6, 0], values[7, 1] = largest, -largest
     page = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)
     slot = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3], dtype=torch.int32)
