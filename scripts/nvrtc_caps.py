@@ -26,7 +26,7 @@ from trtllm_diffkv.kernels import cuda_decode as cd  # noqa: E402
 from trtllm_diffkv.memory import PageFormat  # noqa: E402
 from trtllm_diffkv.testing.nvrtc import load_nvrtc, settled_cap  # noqa: E402
 
-GROUPS = (1, 2, 3, 4, 5, 7, 8)
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _formats() -> list[tuple[str, int]]:
@@ -86,7 +86,7 @@ def main() -> None:
     if args.out:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "trtllm_diffkv"],
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "trtllm_diffkv", "scripts"],
                                capture_output=True, text=True).stdout.strip()
         Path(args.out).write_text(json.dumps({
             "compiler": "NVRTC 13.0 (pip nvidia-cuda-nvrtc), CuPy's sm_90 options", "date":

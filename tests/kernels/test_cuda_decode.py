@@ -190,7 +190,7 @@ def test_the_fused_launch_is_resolved_as_one_kernel_and_checks_its_slots(monkeyp
     monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
     monkeypatch.setattr(cd.torch.cuda, "get_device_properties",
                         lambda device=None: types.SimpleNamespace(multi_processor_count=132))
-    for fn in (cd._kernel, cd._spill_free_kernel, cd._merge_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel, cd._merge_kernel):
         fn.cache_clear()
     fmt = _fmt(PRESETS["llama3-8b"], 128)
     fused = cd.CudaDecodeKernels.resolve(fmt, 4, 16, 128, 6, torch.bfloat16, True, 0, fused=True)
@@ -212,7 +212,7 @@ def test_the_fused_launch_is_resolved_as_one_kernel_and_checks_its_slots(monkeyp
     ws.row_done = None
     with pytest.raises(ValueError, match="row_done"):
         fused.launch(*args, num_slots=6)
-    for fn in (cd._kernel, cd._spill_free_kernel, cd._merge_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel, cd._merge_kernel):
         fn.cache_clear()
 
 
@@ -373,7 +373,7 @@ def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
 
     fake = _FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for fn in (cd._kernel, cd._merge_kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._merge_kernel, cd._spill_free_kernel):
         fn.cache_clear()
     fmt, key = _staged_key()
     shared = cd.partial_shared_bytes(fmt, 2)
@@ -384,7 +384,7 @@ def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
     assert fake.attrs == [("diffkv_decode_partial", 0, 0, shared), ("diffkv_decode_partial", 1, 1, shared)]
     assert [cd._merge_kernel((("X", 1),), "sm_90", d).device for d in (1, 0)] == [1, 0]
     assert fake.current == 0
-    for fn in (cd._kernel, cd._merge_kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._merge_kernel, cd._spill_free_kernel):
         fn.cache_clear()
 
 
@@ -401,13 +401,13 @@ def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_abo
 
     fake = _FakeCupy(spill_above, spill_bytes)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for fn in (cd._kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
         fn.cache_clear()
     fmt, key = _staged_key()
     assert dict(key)["MIN_BLOCKS"] == 4 and dict(key)["MERGE_PREFETCH"] == 1 and dict(key)["STORE_PROBS"] == 1
     assert cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)[2] == expect
     assert [mb for _, mb in fake.loads] == loads
-    for fn in (cd._kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
         fn.cache_clear()
 
 
@@ -429,20 +429,50 @@ def test_the_step_down_tries_both_prefetch_forms(monkeypatch, spill_of, expect_b
 
     fake = _FakeCupy(spill_of=spill_of)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for fn in (cd._kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
         fn.cache_clear()
     fmt, key = _staged_key()
     partial, _, blocks = cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)
     assert (blocks, partial.form) == (expect_blocks, expect_form)
     assert fake.forms == forms
-    # no prefetch (the score update off: no probabilities stored): one form, the macro left out
+    # a pinned cap (benchmarks, sweeps: _resolve_partial's min_blocks) chooses the form by the same rule at that cap
+    monkeypatch.setattr(cd.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
+        fn.cache_clear()
+    pinned, _, pinned_blocks = cd._resolve_partial(fmt, 4, 16, 128, True, 0, expect_blocks, None, torch.float16)
+    assert (pinned_blocks, pinned.form) == (expect_blocks, expect_form)
+    # a form named in the macros is compiled alone (an A/B of the two forms)
+    for form in (1, 0):
+        for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
+            fn.cache_clear()
+        fake.forms.clear()
+        named = tuple(sorted({**dict(key), "PREFETCH_RELOAD": form}.items()))
+        assert cd._spill_free_kernel(named, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)[0].form == form
+        assert set(fake.forms) == {form}
     fake.forms.clear()
+    # no prefetch (the score update off: no probabilities stored): one form, the macro left out
     key = tuple(sorted(compile_defines(fmt, 4, 16, 128, 64, False).items()))
     assert not cd._prefetches(dict(key))
     cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)
     assert set(fake.forms) == {-1}
-    for fn in (cd._kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
         fn.cache_clear()
+
+
+def test_which_kernels_issue_the_merge_prefetch():
+    """``_prefetches`` follows ``partial_cta``'s template argument in each kernel: ``MERGE_PREFETCH && STORE_PROBS``
+    in ``diffkv_decode_partial``, ``SCORES`` in the fused ``diffkv_decode_attend`` (whatever ``MERGE_PREFETCH``)."""
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    assert cd._prefetches({"MERGE_PREFETCH": 1, "STORE_PROBS": 1})
+    assert not cd._prefetches({"MERGE_PREFETCH": 1, "STORE_PROBS": 0})
+    assert not cd._prefetches({"MERGE_PREFETCH": 0, "STORE_PROBS": 1})
+    assert cd._prefetches({"FUSED_MERGE": 1, "SCORES": 1, "MERGE_PREFETCH": 0, "STORE_PROBS": 0})
+    assert not cd._prefetches({"FUSED_MERGE": 1, "SCORES": 0, "MERGE_PREFETCH": 1, "STORE_PROBS": 1})
+    source = SOURCE_PATH.read_text()
+    assert "partial_cta<MERGE_PREFETCH != 0 && STORE_PROBS != 0>" in source
+    assert "partial_cta<SCORES != 0>" in (SOURCE_PATH.parent / "decode_merge.cu").read_text()
 
 
 def test_a_bf16_query_is_read_by_the_kernel_itself(monkeypatch):
@@ -456,7 +486,7 @@ def test_a_bf16_query_is_read_by_the_kernel_itself(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cd.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
-    for fn in (cd._kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
         fn.cache_clear()
     fmt = _fmt(DiffKVConfig(), 128)
     for dtype, flag in ((torch.bfloat16, True), (torch.float16, False)):
@@ -465,7 +495,7 @@ def test_a_bf16_query_is_read_by_the_kernel_itself(monkeypatch):
         assert fake.options and all(("-DQ_BF16=1" in o) == flag for o in fake.options), fake.options
     with pytest.raises(ValueError, match="fp16 or bf16 queries"):
         cd._resolve_partial(fmt, 4, 16, 128, True, 0, None, None, torch.float32)
-    for fn in (cd._kernel, cd._spill_free_kernel):
+    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
         fn.cache_clear()
 
 

@@ -87,7 +87,7 @@ def test_write_kernel_flags_rows_beyond_fp16_range_on_gpu(dtype):
     g = torch.Generator().manual_seed(14)
     keys, values = torch.randn(8, 64, generator=g).to(dtype), torch.randn(8, 64, generator=g).to(dtype)
     largest = 65280.0 if dtype == torch.bfloat16 else 65504.0
-    beyond = {torch.bfloat16: 65536.0, torch.float32: 65505.0, torch.float16: float("inf")}[dtype]  # next above
+    beyond = {torch.bfloat16: 65536.0, torch.float32: 65505.0, torch.float16: float("inf")}[dtype]  # just above
     keys[1, 5] = float("nan")
     values[3, 0] = beyond
     keys[5, 63] = -beyond

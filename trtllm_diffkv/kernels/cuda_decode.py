@@ -311,34 +311,42 @@ def _prefetches(defines: dict[str, int]) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
+def _cap_kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int, device: int):
+    """:func:`_kernel` at ``defines``' cap with the merge prefetch's form chosen: where the CTA issues the prefetch
+    (:func:`_prefetches`) and ``defines`` do not name ``PREFETCH_RELOAD``, the first form (``0``: the page loop's
+    bounds and pointers kept live for it) and, when that uses more than :data:`LOCAL_BYTES_TOLERATED` bytes of local
+    memory, the second (``1``: the row's bounds and page ids loaded again after the loop); the first within the
+    tolerance, else the one with less local memory (the first on a tie). NVRTC 13.0 spills less with one or the other
+    depending on the shape: Llama-3-8B's head_dim 128 / group 4 at 4 CTAs 16 bytes with ``0``, 8 with ``1``; with
+    bf16 queries ``k8v4`` head_dim 128 group 8 at 3 CTAs 0 with ``0``, 64 with ``1``. Returns ``(partial, scores)``;
+    the partial function's local memory is its ``local_size_bytes``."""
+    d = dict(defines)
+    if "PREFETCH_RELOAD" in d or not _prefetches(d):
+        return _kernel(defines, arch, shared_bytes, device)
+    built = []
+    for form in (0, 1):
+        d["PREFETCH_RELOAD"] = form
+        partial, scores = _kernel(tuple(sorted(d.items())), arch, shared_bytes, device)
+        if partial.local_size_bytes <= LOCAL_BYTES_TOLERATED:
+            return partial, scores
+        built.append((partial, scores))
+    return min(built, key=lambda b: b[0].local_size_bytes)
+
+
+@functools.lru_cache(maxsize=64)
 def _spill_free_kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int, device: int):
-    """:func:`_kernel` of the staged path at the most blocks per multiprocessor (from ``defines``' ``MIN_BLOCKS``
+    """:func:`_cap_kernel` of the staged path at the most blocks per multiprocessor (from ``defines``' ``MIN_BLOCKS``
     down to :func:`register_min_blocks`) whose partial kernel uses at most :data:`LOCAL_BYTES_TOLERATED` bytes of
     local memory (register spills: ptxas spills 4-60 bytes at 6 CTAs of head_dim 64 for group 1 and for 2-bit low
-    tiers, at 4 CTAs of head_dim 128 for ``default-k8v2`` / ``k8v4`` at group 8, nvcc 13.0, sm_90a).
-
-    Where the CTA issues the merge prefetch (:func:`_prefetches`), a cap where its first form spills more tries the
-    second: ``PREFETCH_RELOAD=0`` keeps the page loop's bounds and pointers live for it, ``1`` loads the row's bounds
-    and page ids again after the loop. NVRTC 13.0 spills less with one or the other depending on the shape: Llama-3-8B's
-    head_dim 128 / group 4 at 4 CTAs 16 bytes with ``0``, 8 with ``1`` (so it keeps 4 CTAs; with ``0`` alone it ran at
-    3); with bf16 queries ``k8v4`` head_dim 128 group 8 at 3 CTAs 0 with ``0``, 64 with ``1``. At the register path's
-    cap the form with less local memory is kept (the first on a tie). Returns ``(partial, scores, min_blocks)``.
-    tests/kernels/test_cuda_decode_nvrtc.py runs this with NVRTC on the CPU machine."""
+    tiers, at 4 CTAs of head_dim 128 for ``default-k8v2`` / ``k8v4`` at group 8, nvcc 13.0, sm_90a; NVRTC 13.0 with
+    the prefetch's first form alone made Llama-3-8B's kernel step down to 3 CTAs). Returns ``(partial, scores,
+    min_blocks)``. tests/kernels/test_cuda_decode_nvrtc.py runs this on NVRTC's spills on the CPU machine."""
     d = dict(defines)
     floor = min(d["MIN_BLOCKS"], register_min_blocks(d["HEAD_DIM"]))
-    forms = (0, 1) if _prefetches(d) else (None,)
     for mb in range(d["MIN_BLOCKS"], floor - 1, -1):
         d["MIN_BLOCKS"] = mb
-        built = []
-        for form in forms:
-            if form is not None:
-                d["PREFETCH_RELOAD"] = form
-            partial, scores = _kernel(tuple(sorted(d.items())), arch, shared_bytes, device)
-            if partial.local_size_bytes <= LOCAL_BYTES_TOLERATED:
-                return partial, scores, mb
-            built.append((partial, scores))
-        if mb == floor:
-            partial, scores = min(built, key=lambda b: b[0].local_size_bytes)
+        partial, scores = _cap_kernel(tuple(sorted(d.items())), arch, shared_bytes, device)
+        if mb == floor or partial.local_size_bytes <= LOCAL_BYTES_TOLERATED:
             return partial, scores, mb
     raise AssertionError("unreachable")
 
@@ -571,7 +579,7 @@ def _resolve_partial(page_format: PageFormat, group: int, group_pad: int, block_
     if defines["STAGES"] and min_blocks is None:
         fn, _, blocks = _spill_free_kernel(key, arch, shared_bytes, device)
         return fn, shared_bytes, blocks
-    return _kernel(key, arch, shared_bytes, device)[0], shared_bytes, defines["MIN_BLOCKS"]
+    return _cap_kernel(key, arch, shared_bytes, device)[0], shared_bytes, defines["MIN_BLOCKS"]
 
 
 def _run_partial(fn, shared_bytes: int, q, pool_pages, page_table, tier_tokens, row_ids, workspace,

@@ -50,8 +50,9 @@ def stack_bytes(nvrtc: ctypes.CDLL, source: str, defines: dict[str, int],
     """
     options = [*CUPY_SM90_OPTIONS, "--ptxas-options=-v", *[f"-D{k}={v}" for k, v in sorted(defines.items())]]
     prog = ctypes.c_void_p()
-    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"decode_partial.cu", 0, None, None) != 0:
-        raise RuntimeError("nvrtcCreateProgram failed")
+    status = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"decode_partial.cu", 0, None, None)
+    if status != 0:
+        raise RuntimeError(f"nvrtcCreateProgram failed (nvrtcResult {status})")
     try:
         opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
         rc = nvrtc.nvrtcCompileProgram(prog, len(options), opts)
@@ -65,16 +66,18 @@ def stack_bytes(nvrtc: ctypes.CDLL, source: str, defines: dict[str, int],
     if rc != 0:
         raise RuntimeError(f"NVRTC could not compile {function}: {text[-3000:]}")
     parts = text.split(f"Compiling entry function '{function}'")
-    if len(parts) < 2:
-        raise RuntimeError(f"{function} is not in ptxas's report: {text[-3000:]}")
-    return int(re.search(r"(\d+) bytes stack frame", parts[1]).group(1))
+    found = re.search(r"(\d+) bytes stack frame", parts[1]) if len(parts) > 1 else None
+    if found is None:
+        raise RuntimeError(f"{function}'s stack frame is not in ptxas's report: {text[-3000:]}")
+    return int(found.group(1))
 
 
 def settled_cap(nvrtc: ctypes.CDLL, defines: dict[str, int], source: str | None = None) -> tuple[int, int, dict]:
     """``(blocks per multiprocessor, local bytes, the chosen macros)`` that ``_spill_free_kernel`` settles on for the
-    partial kernel at ``defines`` (:func:`~trtllm_diffkv.kernels.cuda_decode.compile_defines`' macros, plus
-    ``Q_BF16`` for bf16 queries), its kernels compiled by ``nvrtc`` from ``source`` (default: this tree's
-    ``decode_partial.cu``; an earlier commit's text reproduces that commit where the macros still apply)."""
+    partial kernel (``diffkv_decode_partial``; not the fused kernel, whose text is ``fused_source()``) at
+    ``defines`` (:func:`~trtllm_diffkv.kernels.cuda_decode.compile_defines`' macros, plus ``Q_BF16`` for bf16
+    queries), its kernels compiled by ``nvrtc`` from ``source`` (default: this tree's ``decode_partial.cu``; an
+    earlier commit's text reproduces that commit where the macros still apply)."""
     from ..kernels import cuda_decode as cd
 
     text = cd.SOURCE_PATH.read_text() if source is None else source
@@ -83,10 +86,13 @@ def settled_cap(nvrtc: ctypes.CDLL, defines: dict[str, int], source: str | None 
         chosen = dict(key)
         return types.SimpleNamespace(local_size_bytes=stack_bytes(nvrtc, text, chosen), defines=chosen), None
 
-    cd._spill_free_kernel.cache_clear()
+    caches = (cd._cap_kernel, cd._spill_free_kernel)  # hold what the patched _kernel returned: cleared around it
+    for cache in caches:
+        cache.cache_clear()
     try:
         with mock.patch.object(cd, "_kernel", kernel):
             partial, _, blocks = cd._spill_free_kernel(tuple(sorted(defines.items())), "sm_90", 0, 0)
     finally:
-        cd._spill_free_kernel.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
     return blocks, partial.local_size_bytes, partial.defines

@@ -527,11 +527,10 @@ __device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, co
 #define FUSED_MERGE 0  // 1: this text is followed by cuda/decode_merge.cu and its diffkv_decode_attend (kernels/cuda_decode.py)
 #endif
 
-// A load the compiler neither merges with an earlier load of the same address nor moves (asm volatile).
+// A load the compiler does not merge with an earlier load of the same address (a volatile access; an asm load
+// instead made NVRTC drop the read-only path from the kernel's other loads of these arrays).
 __device__ __forceinline__ int ld_volatile(const int* p) {
-    int v;
-    asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
+    return *reinterpret_cast<const volatile int*>(p);
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
