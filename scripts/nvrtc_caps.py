@@ -23,8 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from trtllm_diffkv.config import PRESETS  # noqa: E402
 from trtllm_diffkv.kernels import cuda_decode as cd  # noqa: E402
-from trtllm_diffkv.memory import PageFormat  # noqa: E402
-from trtllm_diffkv.testing.nvrtc import load_nvrtc, settled_cap  # noqa: E402
+from trtllm_diffkv.testing.nvrtc import load_nvrtc, partial_defines, settled_cap  # noqa: E402
 
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -36,10 +35,7 @@ def _formats() -> list[tuple[str, int]]:
         if not cfg.compress:
             continue
         for head_dim in (64, 128):
-            fmt = PageFormat.for_config(cfg, head_dim)
-            pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
-            key = json.dumps(cd.compile_defines(fmt, 4, 16, head_dim, pmax, True,
-                                                shared_limits=cd.SM90_SHARED_LIMITS), sort_keys=True)
+            key = json.dumps(partial_defines(name, head_dim, 4), sort_keys=True)
             if key not in seen:
                 seen.add(key)
                 out.append((name, head_dim))
@@ -51,10 +47,7 @@ def _job(args):
     nvrtc, why = load_nvrtc()
     if nvrtc is None:
         raise SystemExit(why)
-    fmt = PageFormat.for_config(PRESETS[preset], head_dim)
-    pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
-    defines = {**cd.compile_defines(fmt, group, 16, head_dim, pmax, True, shared_limits=cd.SM90_SHARED_LIMITS),
-               "Q_BF16": q_bf16}
+    defines = partial_defines(preset, head_dim, group, q_bf16)
     row = {"preset": preset, "head_dim": head_dim, "group": group, "q_dtype": "bf16" if q_bf16 else "fp16"}
     for label, source in sources.items():
         blocks, local_bytes, chosen = settled_cap(nvrtc, defines, source)
@@ -69,8 +62,9 @@ def main() -> None:
     ap.add_argument("--out", help="JSON path (default: print only)")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
-    if load_nvrtc()[0] is None:
-        raise SystemExit(load_nvrtc()[1])
+    nvrtc, why = load_nvrtc()
+    if nvrtc is None:
+        raise SystemExit(why)
     sources = {"this_tree": cd.SOURCE_PATH.read_text()}
     if args.against:
         sources[args.against] = subprocess.run(

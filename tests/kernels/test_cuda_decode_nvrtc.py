@@ -8,10 +8,8 @@ see that Llama's kernel ran at 3 CTAs a multiprocessor instead of 4 (found on an
 """
 import pytest
 
-from trtllm_diffkv.config import PRESETS
 from trtllm_diffkv.kernels import cuda_decode as cd
-from trtllm_diffkv.memory import PageFormat
-from trtllm_diffkv.testing.nvrtc import load_nvrtc, settled_cap, stack_bytes
+from trtllm_diffkv.testing.nvrtc import load_nvrtc, partial_defines, settled_cap, stack_bytes
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +18,6 @@ def nvrtc():
     if lib is None:
         pytest.skip(why)
     return lib
-
-
-def _defines(preset, head_dim, group, q_bf16):
-    fmt = PageFormat.for_config(PRESETS[preset], head_dim)
-    pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
-    defines = cd.compile_defines(fmt, group, 16, head_dim, pmax, True, shared_limits=cd.SM90_SHARED_LIMITS)
-    return {**defines, "Q_BF16": q_bf16}
 
 
 @pytest.mark.parametrize("preset,head_dim,group,q_bf16,expect_blocks,expect_bytes,expect_form", [
@@ -39,7 +30,7 @@ def test_the_step_down_under_nvrtc(nvrtc, preset, head_dim, group, q_bf16, expec
     """``_spill_free_kernel`` on NVRTC 13.0's spills: the cap, local memory and prefetch form it settles on for the
     shapes measured or served (the second form keeps Llama's 4 CTAs, the first keeps ``k8v4``'s bf16 kernel free of
     spills at 3)."""
-    blocks, local_bytes, chosen = settled_cap(nvrtc, _defines(preset, head_dim, group, q_bf16))
+    blocks, local_bytes, chosen = settled_cap(nvrtc, partial_defines(preset, head_dim, group, q_bf16))
     assert (blocks, local_bytes, chosen["PREFETCH_RELOAD"]) == (expect_blocks, expect_bytes, expect_form), chosen
 
 
@@ -49,6 +40,6 @@ def test_the_compile_reproduces_the_h200s_record(nvrtc):
     kernel source (``2bc6ed1``, here as this tree's first prefetch form without the prefetch: ``MERGE_PREFETCH=0``,
     the page loop unchanged since)."""
     source = cd.SOURCE_PATH.read_text()
-    got = [stack_bytes(nvrtc, source, {**_defines(p, hd, g, 0), "MERGE_PREFETCH": 0})
+    got = [stack_bytes(nvrtc, source, {**partial_defines(p, hd, g), "MERGE_PREFETCH": 0})
            for p, hd, g in (("llama3-8b", 128, 4), ("default-k8v2", 64, 8), ("k8v4", 128, 8))]
     assert got == [8, 56, 24], got

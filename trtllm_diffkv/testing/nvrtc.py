@@ -40,6 +40,20 @@ def load_nvrtc() -> tuple[ctypes.CDLL | None, str]:
     return None, "no nvidia-cuda-nvrtc 13 wheel (build_scripts/setup_env.sh installs it)"
 
 
+def partial_defines(preset: str, head_dim: int, group: int, q_bf16: int = 0) -> dict[str, int]:
+    """The partial kernel's macros as ``_resolve_partial`` makes them on an sm_90 device for ``preset`` (a name in
+    :data:`~trtllm_diffkv.config.PRESETS`) at ``head_dim``, ``group`` query heads a KV head, the score update on, and
+    ``Q_BF16`` for bf16 queries; the cap unpinned (``compile_defines``' preferred ``MIN_BLOCKS``)."""
+    from ..config import PRESETS
+    from ..kernels import cuda_decode as cd
+    from ..memory import PageFormat
+
+    fmt = PageFormat.for_config(PRESETS[preset], head_dim)
+    pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
+    defines = cd.compile_defines(fmt, group, 16, head_dim, pmax, True, shared_limits=cd.SM90_SHARED_LIMITS)
+    return {**defines, "Q_BF16": q_bf16}
+
+
 def stack_bytes(nvrtc: ctypes.CDLL, source: str, defines: dict[str, int],
                 function: str = "diffkv_decode_partial") -> int:
     """Stack frame in bytes (the local memory CUDA reports as ``local_size_bytes``) of ``function`` in ``source``,

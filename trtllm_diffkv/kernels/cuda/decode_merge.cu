@@ -74,22 +74,6 @@ struct ScorePage {
     int count;
 };
 
-// Row (seq, kvh) = rs, page-table row `row` (< 0: padding), its tier token counts and page counts.
-struct RowPages {
-    int row, n_high, n_low, hp, lp;
-};
-
-__device__ __forceinline__ RowPages row_pages(const int* __restrict__ tier_tokens, const int* __restrict__ row_ids,
-                                              int rs) {
-    RowPages r;
-    r.row = row_ids[rs];
-    r.n_high = r.row >= 0 ? tier_tokens[2 * (long long)r.row] : 0;
-    r.n_low = r.row >= 0 ? tier_tokens[2 * (long long)r.row + 1] : 0;
-    r.hp = (r.n_high + H_TOKENS - 1) / H_TOKENS;
-    r.lp = (r.n_low + L_TOKENS - 1) / L_TOKENS;
-    return r;
-}
-
 // The page at table position pos of row rs (a `high` page of `count` tokens, in pool page `page`): its probabilities,
 // maxima and old scores into p.
 __device__ __forceinline__ void load_cell(ScorePage& p, int pos, bool high, int count, int page, int rs, int R,

@@ -110,6 +110,31 @@ __device__ __forceinline__ PageRef page_ref(int u, int hp, int n_high, int n_low
     return r;
 }
 
+// A load the compiler does not merge with an earlier load of the same address (a volatile access; an asm load
+// instead made NVRTC drop the read-only path from the kernel's other loads of these arrays).
+__device__ __forceinline__ int ld_volatile(const int* p) {
+    return *reinterpret_cast<const volatile int*>(p);
+}
+
+// Row rs's page-list bounds: its pool row (-1: padding), tier token counts and page counts (hp high, lp low).
+// AGAIN: loaded with ld_volatile (a second read the compiler keeps apart from the first).
+struct RowPages {
+    int row, n_high, n_low, hp, lp;
+};
+
+template <bool AGAIN = false>
+__device__ __forceinline__ RowPages row_pages(const int* __restrict__ tier_tokens, const int* __restrict__ row_ids,
+                                              int rs) {
+    RowPages r;
+    const auto load = [](const int* p) { return AGAIN ? ld_volatile(p) : *p; };
+    r.row = load(row_ids + rs);
+    r.n_high = r.row >= 0 ? load(tier_tokens + 2 * (long long)r.row) : 0;
+    r.n_low = r.row >= 0 ? load(tier_tokens + 2 * (long long)r.row + 1) : 0;
+    r.hp = (r.n_high + H_TOKENS - 1) / H_TOKENS;
+    r.lp = (r.n_low + L_TOKENS - 1) / L_TOKENS;
+    return r;
+}
+
 // (end of the helpers cuda/decode_merge.cu is compiled after: kernels/cuda_decode.py, merge_source)
 __device__ __forceinline__ u32 movtrans(u32 x) {
     u32 r;
@@ -527,14 +552,35 @@ __device__ __forceinline__ void staged_loop(unsigned char* __restrict__ ring, co
 #define FUSED_MERGE 0  // 1: this text is followed by cuda/decode_merge.cu and its diffkv_decode_attend (kernels/cuda_decode.py)
 #endif
 
-// A load the compiler does not merge with an earlier load of the same address (a volatile access; an asm load
-// instead made NVRTC drop the read-only path from the kernel's other loads of these arrays).
-__device__ __forceinline__ int ld_volatile(const int* p) {
-    return *reinterpret_cast<const volatile int*>(p);
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
+
+// The entries [u0, u1) of a row's page list that CTA slot cslot of num_slots takes (equal shares, the last shorter).
+__device__ __forceinline__ void slot_pages(const RowPages& rp, int num_slots, int cslot, int& u0, int& u1) {
+    const int total = rp.hp + rp.lp;
+    const int per = (total + num_slots - 1) / num_slots;
+    u0 = cslot * per;
+    u1 = min(u0 + per, total);
+}
+
+// Asks L2 (evict_last) to keep what the row's merge reads next of its page-list entries [u0, u1), the CTA's threads
+// striding over them: each page's score segment (read and rewritten), its probabilities and maxima. trow: the row's
+// page table row; probs_row / max_row: the row's workspace cells. AGAIN: page ids read with ld_volatile.
+template <bool AGAIN>
+__device__ __forceinline__ void prefetch_merge_reads(const RowPages& rp, int u0, int u1, const int* __restrict__ trow,
+                                                     const unsigned char* __restrict__ pool,
+                                                     const u16* __restrict__ probs_row,
+                                                     const float* __restrict__ max_row, int R) {
+    for (int u = u0 + threadIdx.x; u < u1; u += WARPS * 32) {
+        const PageRef r = page_ref(u, rp.hp, rp.n_high, rp.n_low, R);
+        const int page = AGAIN ? ld_volatile(trow + r.pos) : trow[r.pos];
+        const unsigned char* seg = pool + (u64)page * PAGE_BYTES + (r.low ? L_SC : H_SC);
+        for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
+        const unsigned char* pp = (const unsigned char*)(probs_row + (long long)r.pos * GROUP * PMAX);
+        for (int c = 0; c < 2 * GROUP * PMAX; c += 128) prefetch_l2(pp + c);
+        prefetch_l2(max_row + (long long)r.pos * GROUP);
+    }
 }
 
 // The work of one CTA: slot cslot of row (seq, kvh), written to the workspace's slot (the kernels below differ in
@@ -568,12 +614,11 @@ __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u
         n_high = tier_tokens[2 * (long long)row];
         n_low = tier_tokens[2 * (long long)row + 1];
     }
+    // row_pages' values with the loads under one branch (calling row_pages here compiles to another kernel)
     const int hp = (n_high + HighTier::TOKENS - 1) / HighTier::TOKENS;
-    const int lp = (n_low + LowTier::TOKENS - 1) / LowTier::TOKENS;
-    const int total = hp + lp;
-    const int per = (total + num_slots - 1) / num_slots;
-    const int u0 = cslot * per;
-    const int u1 = min(u0 + per, total);
+    const RowPages rp = {row, n_high, n_low, hp, (n_low + LowTier::TOKENS - 1) / LowTier::TOKENS};
+    int u0, u1;
+    slot_pages(rp, num_slots, cslot, u0, u1);
     const u16* qrow = q + (long long)(seq * num_kv_heads + kvh) * GROUP * HEAD_DIM;
     const int* trow = table + (long long)(row < 0 ? 0 : row) * R;
     u16* probs_row = page_probs + (long long)rs * R * GROUP * PMAX;
@@ -650,36 +695,17 @@ __device__ __forceinline__ void partial_cta(int seq, int kvh, int cslot, const u
     }
     if constexpr (PREFETCH) {  // last: the accumulators are dead by now
 #if PREFETCH_RELOAD
-        // The row's bounds and page ids loaded again (volatile loads, not merged with the ones above) and the
-        // addresses rebuilt from the kernel's parameters: nothing of the prefetch stays live through the page loop.
-        const int row_again = ld_volatile(row_ids + rs);
-        const int nh = row_again >= 0 ? ld_volatile(tier_tokens + 2 * (long long)row_again) : 0;
-        const int nl = row_again >= 0 ? ld_volatile(tier_tokens + 2 * (long long)row_again + 1) : 0;
-        const int hp_again = (nh + HighTier::TOKENS - 1) / HighTier::TOKENS;
-        const int total_again = hp_again + (nl + LowTier::TOKENS - 1) / LowTier::TOKENS;
-        const int per_again = (total_again + num_slots - 1) / num_slots;
-        const int v0 = cslot * per_again, v1 = min(v0 + per_again, total_again);
-        const int* trow_again = table + (long long)(row_again < 0 ? 0 : row_again) * R;
-        for (int u = v0 + threadIdx.x; u < v1; u += WARPS * 32) {
-            const PageRef r = page_ref(u, hp_again, nh, nl, R);
-            const unsigned char* seg =
-                pool + (u64)ld_volatile(trow_again + r.pos) * PAGE_BYTES + (r.low ? L_SC : H_SC);
-            for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
-            const long long at = (long long)rs * R + r.pos;
-            const unsigned char* pp = (const unsigned char*)(page_probs + at * GROUP * PMAX);
-            for (int c = 0; c < 2 * GROUP * PMAX; c += 128) prefetch_l2(pp + c);
-            prefetch_l2(page_max + at * GROUP);
-        }
+        // The row's bounds and page ids loaded again and the addresses rebuilt from the kernel's parameters: nothing
+        // of the prefetch stays live through the page loop.
+        const RowPages again = row_pages<true>(tier_tokens, row_ids, rs);
+        int v0, v1;
+        slot_pages(again, num_slots, cslot, v0, v1);
+        prefetch_merge_reads<true>(again, v0, v1, table + (long long)(again.row < 0 ? 0 : again.row) * R, pool,
+                                   page_probs + (long long)rs * R * GROUP * PMAX, page_max + (long long)rs * R * GROUP,
+                                   R);
 #else
         // The page loop's bounds and pointers reused (they stay live through it).
-        for (int u = u0 + threadIdx.x; u < u1; u += WARPS * 32) {
-            const PageRef r = page_ref(u, hp, n_high, n_low, R);
-            const unsigned char* seg = pool + (u64)trow[r.pos] * PAGE_BYTES + (r.low ? L_SC : H_SC);
-            for (int c = 0; c < 4 * r.count; c += 128) prefetch_l2(seg + c);
-            const unsigned char* pp = (const unsigned char*)(probs_row + (long long)r.pos * GROUP * PMAX);
-            for (int c = 0; c < 2 * GROUP * PMAX; c += 128) prefetch_l2(pp + c);
-            prefetch_l2(max_row + (long long)r.pos * GROUP);
-        }
+        prefetch_merge_reads<false>(rp, u0, u1, trow, pool, probs_row, max_row, R);
 #endif
     }
 }
