@@ -175,7 +175,18 @@ def test_fused_source_compiles_to_one_kernel(preset, head_dim, group, slots, dty
         assert int(re.search(r"(\d+) bytes spill stores", info).group(1)) <= spill_bytes, info
 
 
-def test_the_fused_launch_is_resolved_as_one_kernel_and_checks_its_slots(monkeypatch):
+@pytest.fixture
+def fresh_kernels():
+    """The CUDA module's compiled-kernel caches emptied before and after the test, also when it fails: a faked
+    CuPy's functions never reach another test."""
+    from trtllm_diffkv.kernels import cuda_decode as cd
+
+    cd.clear_compiled_kernels()
+    yield
+    cd.clear_compiled_kernels()
+
+
+def test_the_fused_launch_is_resolved_as_one_kernel_and_checks_its_slots(fresh_kernels, monkeypatch):
     """``CudaDecodeKernels.resolve`` compiles ``diffkv_decode_attend`` from both files' text with ``FUSED_MERGE=1``
     and the workspace's slot capacity as ``MAX_SLOTS`` (one module, no merge kernel), the two-launch variant the
     partial and merge kernels; a launch refuses more CTAs a row than the merge's shared arrays hold, and a workspace
@@ -190,8 +201,6 @@ def test_the_fused_launch_is_resolved_as_one_kernel_and_checks_its_slots(monkeyp
     monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
     monkeypatch.setattr(cd.torch.cuda, "get_device_properties",
                         lambda device=None: types.SimpleNamespace(multi_processor_count=132))
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel, cd._merge_kernel):
-        fn.cache_clear()
     fmt = _fmt(PRESETS["llama3-8b"], 128)
     fused = cd.CudaDecodeKernels.resolve(fmt, 4, 16, 128, 6, torch.bfloat16, True, 0, fused=True)
     assert fused.fused and fused.merge is None and fused.max_slots == 6 and fused.ctas_per_wave == 132 * 4
@@ -212,8 +221,6 @@ def test_the_fused_launch_is_resolved_as_one_kernel_and_checks_its_slots(monkeyp
     ws.row_done = None
     with pytest.raises(ValueError, match="row_done"):
         fused.launch(*args, num_slots=6)
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel, cd._merge_kernel):
-        fn.cache_clear()
 
 
 @pytest.mark.parametrize("rows,max_pages,capacity,per_wave,expect", [
@@ -363,7 +370,7 @@ def _staged_key(head_dim=128, group=4):
     return fmt, tuple(sorted(compile_defines(fmt, group, 16, head_dim, 64, True).items()))
 
 
-def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
+def test_kernels_are_loaded_and_given_shared_memory_per_device(fresh_kernels, monkeypatch):
     """Review finding: the partial kernel's dynamic shared-memory attribute was set on the first device's function
     only and the cache had no device in its key, so a second GPU launched a 54 KiB ring with the 48 KiB default.
     Each device now gets its own module, loaded with that device current, and its own attribute."""
@@ -373,8 +380,6 @@ def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
 
     fake = _FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for fn in (cd._kernel, cd._cap_kernel, cd._merge_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
     fmt, key = _staged_key()
     shared = cd.partial_shared_bytes(fmt, 2)
     assert shared > 48 * 1024
@@ -384,13 +389,12 @@ def test_kernels_are_loaded_and_given_shared_memory_per_device(monkeypatch):
     assert fake.attrs == [("diffkv_decode_partial", 0, 0, shared), ("diffkv_decode_partial", 1, 1, shared)]
     assert [cd._merge_kernel((("X", 1),), "sm_90", d).device for d in (1, 0)] == [1, 0]
     assert fake.current == 0
-    for fn in (cd._kernel, cd._cap_kernel, cd._merge_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
 
 
 @pytest.mark.parametrize("spill_above,spill_bytes,expect,loads", [
     (None, 12, 4, [4]), (3, 12, 3, [4, 4, 3]), (0, 12, 3, [4, 4, 3, 3]), (3, 8, 4, [4]), (3, 9, 3, [4, 4, 3])])
-def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_above, spill_bytes, expect, loads):
+def test_the_ring_steps_down_to_a_spill_free_register_cap(fresh_kernels, monkeypatch, spill_above, spill_bytes, expect,
+                                                          loads):
     """The staged kernel's unpinned ``MIN_BLOCKS`` steps down while the compiled partial kernel uses more local
     memory (ptxas spills) than ``LOCAL_BYTES_TOLERATED`` (8 bytes: NVRTC's head_dim-128 kernel at 4 CTAs, the
     faster one), to the register path's cap at the least (where the test above bounds the spills); a cap whose
@@ -401,14 +405,10 @@ def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_abo
 
     fake = _FakeCupy(spill_above, spill_bytes)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
     fmt, key = _staged_key()
     assert dict(key)["MIN_BLOCKS"] == 4 and dict(key)["MERGE_PREFETCH"] == 1 and dict(key)["STORE_PROBS"] == 1
     assert cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)[2] == expect
     assert [mb for _, mb in fake.loads] == loads
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
 
 
 @pytest.mark.parametrize("spill_of,expect_blocks,expect_form,forms", [
@@ -418,7 +418,8 @@ def test_the_ring_steps_down_to_a_spill_free_register_cap(monkeypatch, spill_abo
     (lambda mb, form: 64 if form == 0 else 32, 3, 1, [0, 1, 0, 1]),  # both spill at the floor: the lesser kept
     (lambda mb, form: 40, 3, 0, [0, 1, 0, 1]),  # a tie at the floor: the first form
 ])
-def test_the_step_down_tries_both_prefetch_forms(monkeypatch, spill_of, expect_blocks, expect_form, forms):
+def test_the_step_down_tries_both_prefetch_forms(fresh_kernels, monkeypatch, spill_of, expect_blocks, expect_form,
+                                                 forms):
     """Where the partial CTA issues the merge prefetch, each cap compiles ``PREFETCH_RELOAD=0`` and, when that
     spills more than ``LOCAL_BYTES_TOLERATED``, ``1``; the first within the tolerance is kept, and at the register
     path's cap the one with less local memory (CPU: CuPy faked; the real compiler's figures in
@@ -429,8 +430,6 @@ def test_the_step_down_tries_both_prefetch_forms(monkeypatch, spill_of, expect_b
 
     fake = _FakeCupy(spill_of=spill_of)
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
     fmt, key = _staged_key()
     partial, _, blocks = cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)
     assert (blocks, partial.form) == (expect_blocks, expect_form)
@@ -438,14 +437,12 @@ def test_the_step_down_tries_both_prefetch_forms(monkeypatch, spill_of, expect_b
     # a pinned cap (benchmarks, sweeps: _resolve_partial's min_blocks) chooses the form by the same rule at that cap
     monkeypatch.setattr(cd.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
+    cd.clear_compiled_kernels()
     pinned, _, pinned_blocks = cd._resolve_partial(fmt, 4, 16, 128, True, 0, expect_blocks, None, torch.float16)
     assert (pinned_blocks, pinned.form) == (expect_blocks, expect_form)
     # a form named in the macros is compiled alone (an A/B of the two forms)
     for form in (1, 0):
-        for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-            fn.cache_clear()
+        cd.clear_compiled_kernels()
         fake.forms.clear()
         named = tuple(sorted({**dict(key), "PREFETCH_RELOAD": form}.items()))
         assert cd._spill_free_kernel(named, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)[0].form == form
@@ -456,8 +453,6 @@ def test_the_step_down_tries_both_prefetch_forms(monkeypatch, spill_of, expect_b
     assert not cd._prefetches(dict(key))
     cd._spill_free_kernel(key, "sm_90", cd.partial_shared_bytes(fmt, 2), 0)
     assert set(fake.forms) == {-1}
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
 
 
 def test_which_kernels_issue_the_merge_prefetch():
@@ -475,7 +470,7 @@ def test_which_kernels_issue_the_merge_prefetch():
     assert "partial_cta<SCORES != 0>" in (SOURCE_PATH.parent / "decode_merge.cu").read_text()
 
 
-def test_a_bf16_query_is_read_by_the_kernel_itself(monkeypatch):
+def test_a_bf16_query_is_read_by_the_kernel_itself(fresh_kernels, monkeypatch):
     """A bf16 query compiles the partial kernel with ``Q_BF16`` (rounded to fp16 as it is loaded: no conversion
     kernel a layer, ~2.8 us each at SmolLM2's 64 x 1024 on the H200); fp16 without it; other dtypes are refused."""
     import sys
@@ -486,8 +481,6 @@ def test_a_bf16_query_is_read_by_the_kernel_itself(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cd.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(cd, "device_shared_limits", lambda device: cd.SM90_SHARED_LIMITS)
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
     fmt = _fmt(DiffKVConfig(), 128)
     for dtype, flag in ((torch.bfloat16, True), (torch.float16, False)):
         fake.options.clear()
@@ -495,8 +488,6 @@ def test_a_bf16_query_is_read_by_the_kernel_itself(monkeypatch):
         assert fake.options and all(("-DQ_BF16=1" in o) == flag for o in fake.options), fake.options
     with pytest.raises(ValueError, match="fp16 or bf16 queries"):
         cd._resolve_partial(fmt, 4, 16, 128, True, 0, None, None, torch.float32)
-    for fn in (cd._kernel, cd._cap_kernel, cd._spill_free_kernel):
-        fn.cache_clear()
 
 
 @pytest.mark.parametrize("limits,head_dim,stages,min_blocks", [

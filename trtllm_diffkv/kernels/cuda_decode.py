@@ -361,6 +361,14 @@ def _merge_kernel(defines: tuple[tuple[str, int], ...], arch: str, device: int |
         return _module(merge_source(), defines).get_function("diffkv_decode_merge")
 
 
+def clear_compiled_kernels() -> None:
+    """Drop every compiled kernel this module holds (:func:`_kernel`, :func:`_cap_kernel`, :func:`_spill_free_kernel`,
+    :func:`_merge_kernel`): the next launch or resolve compiles again. For whoever swaps the compiler underneath
+    (tests with a faked CuPy, :mod:`trtllm_diffkv.testing.nvrtc`); a running process never needs it."""
+    for cache in (_kernel, _cap_kernel, _spill_free_kernel, _merge_kernel):
+        cache.cache_clear()
+
+
 HELPERS_END = "// (end of the helpers cuda/decode_merge.cu is compiled after"
 
 

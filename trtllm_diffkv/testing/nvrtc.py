@@ -100,13 +100,10 @@ def settled_cap(nvrtc: ctypes.CDLL, defines: dict[str, int], source: str | None 
         chosen = dict(key)
         return types.SimpleNamespace(local_size_bytes=stack_bytes(nvrtc, text, chosen), defines=chosen), None
 
-    caches = (cd._cap_kernel, cd._spill_free_kernel)  # hold what the patched _kernel returned: cleared around it
-    for cache in caches:
-        cache.cache_clear()
+    cd.clear_compiled_kernels()  # the caches above _kernel hold what the patched one returned: cleared around it
     try:
         with mock.patch.object(cd, "_kernel", kernel):
             partial, _, blocks = cd._spill_free_kernel(tuple(sorted(defines.items())), "sm_90", 0, 0)
     finally:
-        for cache in caches:
-            cache.cache_clear()
+        cd.clear_compiled_kernels()
     return blocks, partial.local_size_bytes, partial.defines
