@@ -3,11 +3,12 @@ the JSON's counts equal the requests sent and the server's own metrics; percenti
 import json
 import re
 
-import httpx
 import pytest
 
 from serve_fixtures import checkpoint, start_openai_server  # noqa: F401 (fixture)
 from trtllm_diffkv.evaluation.serving_client import percentile
+
+httpx = pytest.importorskip("httpx")
 
 
 def test_percentile_matches_numpy():

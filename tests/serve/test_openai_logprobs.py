@@ -4,12 +4,12 @@ the same checkpoint (``torch.log_softmax``) and against the in-process ``LLM``; 
 ``local-completions`` loglikelihood request (token-id prompts, ``max_tokens`` 1, ``logprobs`` 1, ``echo``)."""
 import json
 
-import httpx
 import pytest
 import torch
 
 from serve_fixtures import checkpoint, client, start_openai_server  # noqa: F401 (fixtures)
 
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 NAME = "tiny-logprobs"
 TOL = 5e-3  # the server's float32 CPU run against the test's dense float32 forward

@@ -9,13 +9,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from serve_fixtures import checkpoint, client, reference, start_openai_server  # noqa: F401 (fixtures)
 from trtllm_diffkv.serve.metrics import METRICS
 from trtllm_diffkv.serve.process import group_pids
 
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Memory is", "Hello there",

@@ -14,12 +14,12 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 
 from serve_fixtures import KV_BYTES, checkpoint, client, start_openai_server  # noqa: F401 (fixtures)
 from trtllm_diffkv.serve.process import group_pids
 
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 NAME = "tiny"
