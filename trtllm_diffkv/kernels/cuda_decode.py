@@ -299,7 +299,7 @@ def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int =
 # faster than the spill-free one at 3 CTAs (168 registers): 48 x 4096, all-high pages 114.3 vs 118.1 us, 85 % high
 # 116.7 vs 118.7 us (H200, benchmarks/results/sweep_min_blocks.json, before the merge prefetch). With the prefetch
 # (its second form at 4 CTAs, 8 bytes, 128 registers) the 4-CTA kernel is not faster everywhere: H100 executor steps
-# 1.9 % faster at 64 x 1024, 0.8-1.1 % slower at 48 x 4096 and 16 x 4096, where the launch's CTAs fit 3 CTAs a
+# 1.9 % faster at 64 x 1024, 0.6-1.1 % slower at 48 x 4096 and 16 x 4096, where the launch's CTAs fit 3 CTAs a
 # multiprocessor anyway (benchmarks/results/step_ctas_ab_h100.json). More steps down (_spill_free_kernel).
 # tests/kernels/test_cuda_decode_nvrtc.py compiles the kernel with that NVRTC on the CPU machine.
 LOCAL_BYTES_TOLERATED = 8
