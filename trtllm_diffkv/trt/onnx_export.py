@@ -229,6 +229,11 @@ def _check_model(model, kv_config: DiffKVConfig):
     :func:`_decoder` applies to q and k after RoPE)."""
     from ..model.rotation import model_for_kv_config
 
+    from ..model.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"the TensorRT graphs hold Llama-family decoders; {type(model).__name__} runs on the PyTorch "
+                         "engines (LLM, generate, serve)")
     cfg = model.config
     kv_config.validate_for_model(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
