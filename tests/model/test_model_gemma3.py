@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.tiny_gemma import SLIDING_WINDOW, hf_config, save_tiny_gemma3  # noqa: E402
+from tiny_gemma import SLIDING_WINDOW, hf_config, save_tiny_gemma3  # noqa: E402
 from trtllm_diffkv.model import DenseCausalAttention, Gemma3Config, Gemma3ForCausalLM, ModelConfig, load_model  # noqa: E402
 from trtllm_diffkv.model.attention_api import causal_attention  # noqa: E402
 

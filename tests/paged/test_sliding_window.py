@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.tiny_gemma import SLIDING_WINDOW as W, setup  # noqa: E402
+from tiny_gemma import SLIDING_WINDOW as W, setup  # noqa: E402
 from trtllm_diffkv.cache import DiffKVReferenceCache  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.paged.cache import PagedDiffKVCache  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.tiny_gemma import setup  # noqa: E402
+from tiny_gemma import setup  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.generation.reference import ReferenceGenerator  # noqa: E402
 from trtllm_diffkv.generation.static_batch import PagedGenerator  # noqa: E402

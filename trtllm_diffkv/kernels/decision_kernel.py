@@ -134,9 +134,9 @@ def _classify(imp, thr_h, thr_l):
 def _decide_kernel(
     f32_ptr, i32_ptr, table_ptr, tokens_ptr, slots_ptr, pos_ptr, prompt_len_ptr, alpha_ptr, win_ptr,
     dh_ptr, dl_ptr, new_ptr, from_ptr, to_ptr,
-    G, R, PAGE_BYTES, H_SC, H_PO, L_SC, L_PO, W, S, NUM_KV_HEADS,
+    G, R, PAGE_BYTES, H_SC, H_PO, L_SC, L_PO, W, S,
     H_TOKENS: tl.constexpr, L_TOKENS: tl.constexpr, BLOCK: tl.constexpr, COMPRESS: tl.constexpr,
-    ROWS: tl.constexpr, WINDOWS: tl.constexpr,
+    ROWS: tl.constexpr, WINDOWS: tl.constexpr = False, NUM_KV_HEADS: tl.constexpr = 1,
 ):
     """Program ``(b, c)``: the decisions of items ``i = b * G + g``, ``g`` in ``[c * ROWS, (c + 1) * ROWS)`` (rows
     ``slots[b] * G + g``; see :func:`decide_rows`): one sequence's consecutive rows (with ``ROWS`` = num_kv_heads,
@@ -144,7 +144,8 @@ def _decide_kernel(
 
     ``COMPRESS=False`` (fp16 preset, ``decisions.append_only``): every new token appended to the high tier.
     ``WINDOWS``: ``win_ptr`` holds int32 ``[num_layers]`` windows (0: full attention); the rows of a layer with one
-    take ``decisions.slide_windows``'s actions and are not scanned.
+    take ``decisions.slide_windows``'s actions and are not scanned (row ``g``'s layer: ``g // NUM_KV_HEADS``).
+    Both constexprs: a model without sliding-window layers compiles exactly the kernel it did.
     """
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -314,9 +315,9 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
         layer_windows if layer_windows is not None else slots, *out,
         rows_per_slot, page_table.shape[1], page_format.page_size_bytes,
         high.score.offset_bytes, high.position.offset_bytes, low.score.offset_bytes, low.position.offset_bytes,
-        max(recent_window_tokens, 1), prompt_score_window_tokens, num_kv_heads,
+        max(recent_window_tokens, 1), prompt_score_window_tokens,
         H_TOKENS=high.tokens_per_page, L_TOKENS=low.tokens_per_page, BLOCK=block_tokens, COMPRESS=compress,
-        ROWS=rows_per_program, WINDOWS=layer_windows is not None, num_warps=num_warps)
+        ROWS=rows_per_program, WINDOWS=layer_windows is not None, NUM_KV_HEADS=num_kv_heads, num_warps=num_warps)
     return out
 
 

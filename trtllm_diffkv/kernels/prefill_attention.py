@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from ..model.attention_api import causal_attention
@@ -113,9 +114,14 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     max_len = max(lens)
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b > a:
-            # causal_attention: 4-D views (torch's flash backend takes only 4-D inputs; 3-D falls back to the
-            # math backend, which materializes the n x n matrix); one is_causal call without a reachable window
-            o = causal_attention(q[a:b], k[a:b], v[a:b], scale=sm_scale, sliding_window_tokens=sliding_window_tokens)
+            if sliding_window_tokens is None:
+                # 4-D [1, heads, n, head_dim] views: torch's flash backend takes only 4-D inputs (3-D falls
+                # back to the math backend, which materializes the n x n matrix)
+                qh, kh, vh = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale,
+                                                   enable_gqa=num_heads != num_kv_heads)[0].transpose(0, 1)
+            else:  # the reachable key blocks only (model/attention_api.py)
+                o = causal_attention(q[a:b], k[a:b], v[a:b], scale=sm_scale, sliding_window_tokens=sliding_window_tokens)
             if out is None and b - a == total and o.is_contiguous():
                 out = o  # one prompt: flash already wrote [n, num_heads, head_dim]; no copy
             else:
@@ -177,13 +183,13 @@ def prompt_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, *,
                  IEEE=qc.dtype == torch.float32)
     warps = 4 if head_dim <= 128 else 8
     _prompt_lse_kernel[(num_seqs, num_heads, num_chunks)](
-        qc, kc, cu_seqlens, part_m, part_l, qk_scale, num_scoring_queries, num_heads, num_kv_heads, num_chunks, window,
-        LSE_STRIDE=s_pad, BLOCK_N=64, CHUNK=LSE_CHUNK_TOKENS, **shape, num_warps=warps, num_stages=2)
+        qc, kc, cu_seqlens, part_m, part_l, qk_scale, num_scoring_queries, num_heads, num_kv_heads, num_chunks,
+        WINDOW=window, LSE_STRIDE=s_pad, BLOCK_N=64, CHUNK=LSE_CHUNK_TOKENS, **shape, num_warps=warps, num_stages=2)
     _prompt_lse_merge_kernel[(num_seqs, num_heads)](part_m, part_l, lse, num_heads, num_chunks, LSE_STRIDE=s_pad,
                                                     BLOCK_C=next_pow2(num_chunks), num_warps=4)
     _prompt_score_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_len, 64))](
-        qc, kc, lse, cu_seqlens, score_sums, qk_scale, num_scoring_queries, num_heads, num_kv_heads, window,
-        LSE_STRIDE=s_pad, BLOCK_N=64, **shape, num_warps=warps, num_stages=2)
+        qc, kc, lse, cu_seqlens, score_sums, qk_scale, num_scoring_queries, num_heads, num_kv_heads,
+        WINDOW=window, LSE_STRIDE=s_pad, BLOCK_N=64, **shape, num_warps=warps, num_stages=2)
     return score_sums
 
 
