@@ -47,7 +47,7 @@ def build_prompt(tokenizer, target_tokens: int, seed: int = 0) -> list[int]:
         code = f"{''.join(rng.choice('ABCDEFGHJKLMNPQRSTUVWXYZ') for _ in range(4))}-{rng.randrange(1000, 9999)}"
         lines.append(f"Record {i}: the access code of unit {i} is {code}.")
         i += 1
-        if i % 20 == 0 and len(tokenizer("\n".join(lines))["input_ids"]) >= target_tokens - 40:
+        if i % 5 == 0 and len(tokenizer("\n".join(lines))["input_ids"]) >= target_tokens - 40:
             break
     asked = 3
     answer_line = lines[asked]
