@@ -594,7 +594,8 @@ def load_kv_config_file(path) -> DiffKVConfig:
     """Read a kv-config JSON file (``trtllm-diffkv calibrate`` writes them).
 
     Layout: ``{"format": "trtllm-diffkv-kv-config", "version": 1, "model": {"num_heads", "num_kv_heads",
-    "head_dim"} (optional), "kv_config": {DiffKVConfig fields; tiers as objects}, "calibration": {...}
+    "head_dim"} (optional), "kv_config": {DiffKVConfig fields; tiers as objects; ``layers`` as a list of
+    ``{"sliding_window_tokens": int or null}``, one per decoder layer, optional}, "calibration": {...}
     (optional, not read)}``. The ``model`` object makes the config refuse any other model
     (:meth:`DiffKVConfig.validate_for_model`).
 
