@@ -37,7 +37,10 @@ written at indices ``0..`` in position order (``prefill.py``), and each step's n
 token at ``pos - W``, which no later query reaches. By induction token ``t`` sits at high index
 ``(t - max(n - W, 0)) mod W``, so the step writing ``pos`` puts its token at ``(pos - max(n - W, 0))
 mod W``: appended (``(+1, 0)``) while ``pos < W``, in the departing token's slot (``(0, 0)``) after;
-nothing moves to the low tier (:func:`slide_windows`). The tests check the kept positions against the
+nothing moves to the low tier (:func:`slide_windows`). Why a formula and not the scan that finds a full layer's
+candidate by position: the fp16 preset's pages carry no position segment (its bytes are FP16's), and
+every preset must keep exactly the window; the formula is O(1) per row, needs no metadata and is the same
+for every preset and on both paths (the Triton kernel skips the scan of these rows). The tests check the kept positions against the
 window itself (``tests/paged/test_sliding_window.py``), not against this formula.
 
 :func:`decide` is the reference and the torch path; the Triton path computes
