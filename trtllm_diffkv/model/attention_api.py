@@ -72,19 +72,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 
     Returns:
         ``[m, num_heads, head_dim]`` in q's dtype. A whole prompt without a reachable window (``first_query_pos ==
-        0``, ``m == n``, ``W`` absent or ``>= n``) runs one ``is_causal`` call (flash where available); otherwise
-        blocks of :data:`WINDOW_QUERY_BLOCK_TOKENS` queries with an explicit mask over the keys they can reach.
+        0``, ``m == n``, ``W`` absent or ``>= n``) runs one ``is_causal`` call over the KV heads repeated per query
+        head (the form the reference paths and the evaluation baselines share, so their prefills stay
+        bit-identical); otherwise blocks of :data:`WINDOW_QUERY_BLOCK_TOKENS` queries with an explicit mask over
+        the keys they can reach.
     """
     from ..policy import window_attention_mask
 
     m, num_heads, _ = q.shape
     n, num_kv_heads = k.shape[0], k.shape[1]
-    gqa = dict(enable_gqa=num_heads != num_kv_heads)
-    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # 4-D: torch's flash path takes only 4-D
     sdpa = torch.nn.functional.scaled_dot_product_attention
     window = sliding_window_tokens
     if first_query_pos == 0 and m == n and (window is None or window >= n):
-        return sdpa(qh, kh, vh, is_causal=True, scale=scale, **gqa)[0].transpose(0, 1)
+        group = num_heads // num_kv_heads
+        kh, vh = (x.transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))
+        return sdpa(q.transpose(0, 1), kh, vh, is_causal=True, scale=scale).transpose(0, 1)
+    gqa = dict(enable_gqa=num_heads != num_kv_heads)
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     block = m if window is None else WINDOW_QUERY_BLOCK_TOKENS
     out = torch.empty_like(q)
     for a in range(0, m, block):
