@@ -253,7 +253,7 @@ def cuda_kernel_defines(shape: EngineShape) -> tuple[dict[str, int], dict]:
     if reason is not None:
         raise ValueError(f"the CUDA decode kernel does not cover this engine: {reason}")
     B, H, R = shape.max_batch_size, shape.num_kv_heads, shape.max_pages_per_row
-    update_scores = bool(shape.kv_config.compress)
+    update_scores = bool(shape.kv_config.tiered)
     ws = da.DecodeWorkspace.allocate(B, shape.num_heads, H, fmt, R, "meta", update_scores=update_scores)
     group = shape.num_heads // H
     group_pad, block_d = ws.part_m.shape[-1], ws.part_acc.shape[-1]  # as launch_partial reads them

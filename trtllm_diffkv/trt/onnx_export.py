@@ -855,7 +855,7 @@ def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str
             cur["key_offsets"] = op("ScatterND", [cur["key_offsets"], op("Unsqueeze", [first_rows, c("ax2", [2])]),
                                                   op("Cast", [mean], {"to": F16})], dtype=np.float16,
                                     shape=list(STATE_INPUTS["key_offsets"][1]))
-        if cfgkv.compress:
+        if cfgkv.tiered:
             importance = op("Div", [sums, count])
             high = op("Or", [op("Greater", [importance, thr_h]), window])
             low = op("And", [op("Not", [high]), op("GreaterOrEqual", [importance, thr_l])])
