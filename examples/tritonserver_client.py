@@ -4,7 +4,7 @@ Write and serve the repository first (default model; HTTP 8000, gRPC 8001, metri
 
     trtllm-diffkv triton-repo --out triton_repo --serve
 
-then ``python3 examples/triton_client.py [--http 127.0.0.1:8000] [--grpc 127.0.0.1:8001]``. The
+then ``python3 examples/tritonserver_client.py [--http 127.0.0.1:8000] [--grpc 127.0.0.1:8001]``. The
 tensors are TensorRT-LLM's (``text_input``, ``max_tokens``, ``stream``, ... -> ``text_output``), as
 ``[batch, 1]`` arrays.
 """

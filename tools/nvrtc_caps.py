@@ -2,11 +2,11 @@
 
 For every distinct page format of the compressing presets at head_dim 64 and 128, groups 1-8 and fp16 / bf16
 queries: the blocks per multiprocessor, local memory and merge-prefetch form ``_spill_free_kernel`` settles on
-(``trtllm_diffkv.testing.nvrtc``), for this tree's kernel and, with ``--against COMMIT``, that commit's
+(``support.nvrtc``), for this tree's kernel and, with ``--against COMMIT``, that commit's
 ``decode_partial.cu`` under this tree's rule (the step-down and macros; its text ignores macros it does not know).
 Needs the ``nvidia-cuda-nvrtc`` 13.0 wheel (``build_scripts/setup_env.sh`` installs it without CUDA).
 
-    python3 scripts/nvrtc_caps.py --against 62a57b4 --out benchmarks/results/nvrtc_caps.json
+    python3 tools/nvrtc_caps.py --against 62a57b4 --out benchmarks/results/nvrtc_caps.json
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from trtllm_diffkv.config import PRESETS  # noqa: E402
 from trtllm_diffkv.kernels import cuda_decode as cd  # noqa: E402
-from trtllm_diffkv.testing.nvrtc import load_nvrtc, partial_defines, settled_cap  # noqa: E402
+from support.nvrtc import load_nvrtc, partial_defines, settled_cap  # noqa: E402
 
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 

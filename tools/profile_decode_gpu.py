@@ -1,6 +1,6 @@
 """Per-kernel GPU time of one decode attention call (CUDA backend, with and without the score update).
 
-Run on the GPU machine: ``python3 scripts/profile_decode_gpu.py`` (prints a table per case). Uses the
+Run on the GPU machine: ``python3 tools/profile_decode_gpu.py`` (prints a table per case). Uses the
 attention benchmark's page setup (benchmarks/bench_attention.py) and torch.profiler (CUPTI sees the CuPy
 launches too). ``--score-warps 4,8,16`` also times the score kernel at other CTA sizes.
 """

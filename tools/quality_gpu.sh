@@ -4,7 +4,7 @@
 # OUT_DIR/quality_details.json. The reference-path eval is bound by Python and kernel-launch overhead
 # (one token row per step and cache), not by the GPU, so processes side by side add throughput.
 #
-#   bash scripts/quality_gpu.sh OUT_DIR SHARDS TIME_LIMIT_S [trtllm-diffkv eval arguments ...]
+#   bash tools/quality_gpu.sh OUT_DIR SHARDS TIME_LIMIT_S [trtllm-diffkv eval arguments ...]
 #
 # Each shard starts no case after TIME_LIMIT_S (its --time-limit-s) and is stopped QUALITY_GPU_GRACE_S
 # (120) later; it rewrites its files whole after every case, so a stopped shard keeps what it measured.

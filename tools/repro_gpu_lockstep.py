@@ -1,12 +1,12 @@
 """Reproduce the GPU-only lockstep difference (docs/PERFORMANCE.md, paged path; found and fixed: the reference
 quantizer divided by a Python int, which torch on CUDA computes as a reciprocal multiplication) at its configuration.
 
-    TRITON_INTERPRET=1 python3 scripts/repro_gpu_lockstep.py triton   # whole Triton path, interpreted
-    TRITON_INTERPRET=1 python3 scripts/repro_gpu_lockstep.py torch    # torch ops, CPU page manager
-    python3 scripts/repro_gpu_lockstep.py gpu                          # on a CUDA machine
-    python3 scripts/repro_gpu_lockstep.py gpu-torch-writes   # CUDA, torch write ops + Triton page manager
-    python3 scripts/repro_gpu_lockstep.py gpu-torch-prefill  # CUDA, Triton write kernels, torch scored prefill
-    python3 scripts/repro_gpu_lockstep.py dump-writes OUT_DIR  # CUDA: byte-for-byte replay of every pool write
+    TRITON_INTERPRET=1 python3 tools/repro_gpu_lockstep.py triton   # whole Triton path, interpreted
+    TRITON_INTERPRET=1 python3 tools/repro_gpu_lockstep.py torch    # torch ops, CPU page manager
+    python3 tools/repro_gpu_lockstep.py gpu                          # on a CUDA machine
+    python3 tools/repro_gpu_lockstep.py gpu-torch-writes   # CUDA, torch write ops + Triton page manager
+    python3 tools/repro_gpu_lockstep.py gpu-torch-prefill  # CUDA, Triton write kernels, torch scored prefill
+    python3 tools/repro_gpu_lockstep.py dump-writes OUT_DIR  # CUDA: byte-for-byte replay of every pool write
 
 The edge-case-4 configuration of tests/paged/test_paged_gpu.py (peaked tiny Llama, prompt lengths
 around both tiers' page capacities), 3 decode steps, torch read path; prints the largest output
@@ -38,7 +38,7 @@ import os, sys, time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "tests"), REPO]
 import torch
-from trtllm_diffkv.testing.paged import patch_interpreter_for_numpy_2_4, run_lockstep
+from support.paged import patch_interpreter_for_numpy_2_4, run_lockstep
 patch_interpreter_for_numpy_2_4()
 
 SEGMENTS = ("key_codes", "key_meta", "value_codes", "value_meta", "score", "position")

@@ -24,7 +24,7 @@
    (``WRITE_WARPS``): 32 launches (the layers) replayed from a CUDA graph, us a launch (median); each variant's pool
    must equal the 4-warp one's bit for bit.
 
-Run on the GPU machine: ``python3 scripts/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (a few minutes).
+Run on the GPU machine: ``python3 tools/sweep_kv_gpu.py --out $OUT/sweep_kv.json`` (a few minutes).
 """
 import argparse
 import json
@@ -376,7 +376,7 @@ def main():
     bw = copy_gbps()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
-    result = dict(**environment(), command="python3 scripts/sweep_kv_gpu.py " + " ".join(sys.argv[1:]),
+    result = dict(**environment(), command="python3 tools/sweep_kv_gpu.py " + " ".join(sys.argv[1:]),
                   copy_bandwidth_gbps=bw, shape=SHAPE, rows=[])
     if "fused" not in args.skip:
         result["rows"] += fused_sweep(bw, points(args.fused_points), [int(x) for x in args.slots.split(",")], log)

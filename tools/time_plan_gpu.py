@@ -20,7 +20,7 @@ done), ``step_ms`` (plan + forward + argmax + the token read, back to back) and
 kernel of the padded plan (torch.profiler, 3 steps): decisions, the page manager's two launches,
 locations, the moves' read and write, the host-to-device copy.
 
-Usage (device): ``python3 scripts/time_plan_gpu.py`` (writes ``$OUT/time_plan.json`` or ``--out``).
+Usage (device): ``python3 tools/time_plan_gpu.py`` (writes ``$OUT/time_plan.json`` or ``--out``).
 """
 from __future__ import annotations
 

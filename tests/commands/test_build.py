@@ -10,7 +10,7 @@ import pytest
 
 import tiny_checkpoint
 from tiny_checkpoint import write_tiny_text_checkpoint
-from trtllm_diffkv.trt import engine_dir
+from trtllm_diffkv.export import engine_dir
 from trtllm_diffkv.commands import build as build_cmd
 
 
@@ -40,7 +40,7 @@ def _assert_readable_by_others(out):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A tiny checkpoint and its engine dir (float32, default preset, sm_90 kernels only: tests/trt/test_aot.py
+    """A tiny checkpoint and its engine dir (float32, default preset, sm_90 kernels only: tests/export/test_aot.py
     compiles both targets)."""
     root = tmp_path_factory.mktemp("build")
     ckpt = write_tiny_text_checkpoint(root / "ckpt")
@@ -158,7 +158,7 @@ def test_aot_graph_build(built, tmp_path, capsys):
     fails in one line and leaves nothing."""
     import onnx
 
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import trt_abi
 
     ckpt, composite = built
     out = tmp_path / "engine"
@@ -215,8 +215,8 @@ def test_graph_help_lists_the_choices():
     """``--graph``'s help and usage list every graph form ``onnx_export`` writes (the values are checked by the
     command, so a bad one is its one-line error: test_bad_arguments_fail_in_one_line_and_leave_nothing)."""
     from trtllm_diffkv import trt as build_pkg
-    from trtllm_diffkv.trt import onnx_export
-    from trtllm_diffkv.trt.onnx_export import EXPORT_GRAPHS
+    from trtllm_diffkv.export import onnx_export
+    from trtllm_diffkv.export.onnx_export import EXPORT_GRAPHS
 
     assert onnx_export.EXPORT_GRAPHS is build_pkg.EXPORT_GRAPHS  # one definition, read by the command and the exporter
     build = _parser()._subparsers._group_actions[0].choices["build"]
@@ -260,7 +260,7 @@ def test_bad_arguments_fail_in_one_line_and_leave_nothing(case, tmp_path, capsys
     if case == "exists":
         out.mkdir()
     if case == "compile":
-        from trtllm_diffkv.trt import aot
+        from trtllm_diffkv.export import aot
 
         def fail(*a, **kw):
             raise RuntimeError("write_tokens_kernel__x failed to compile for sm_90: boom")

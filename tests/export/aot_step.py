@@ -1,13 +1,13 @@
 """One decode step of the AOT decode graph's DiffKV launches, replayed as TensorRT would launch them, against the
-plugins' JIT implementations on the same state (shared by ``tests/trt/test_aot.py`` on the CPU and
-``tests/trt/test_aot_graph_gpu.py`` on the GPU).
+plugins' JIT implementations on the same state (shared by ``tests/export/test_aot.py`` on the CPU and
+``tests/export/test_aot_graph_gpu.py`` on the GPU).
 
 :func:`run_decode_step`: a ``PagedDiffKVCache`` (fp32, 2 layers, 4 / 2 heads, head_dim 64, 3 slots) prefilled with two
-prompts; its state becomes the named tensors of ``trt/aot_graph.py::dims_of`` twice. On one copy every recorded
+prompts; its state becomes the named tensors of ``export/aot_graph.py::dims_of`` twice. On one copy every recorded
 launch of the step (``record_decode``: decide, page update, locate + moves, then per layer write, partial, merge,
-score) runs as its TensorRT-convention wrapper (``trt/trt_abi.py``: the launch's distinct buffers, the int32 extra
+score) runs as its TensorRT-convention wrapper (``export/trt_abi.py``: the launch's distinct buffers, the int32 extra
 args of ``trt_abi.launch_plan`` from the node attributes ``aot_node_attrs`` gives, the outputs = the inputs again)
-through ``launch``; on the other the plugins' implementations run (``aot_graph.decode_calls``: ``trtllm_diffkv/trt/plugins/ops.py``
+through ``launch``; on the other the plugins' implementations run (``aot_graph.decode_calls``: ``trtllm_diffkv/export/plugin_ops.py``
 with ``use_triton=True``, what ``@trtp.impl`` runs). Both copies and every layer's output are returned.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ import dataclasses
 
 import torch
 
-from trtllm_diffkv.trt import trt_abi
-from trtllm_diffkv.trt.aot_graph import abi_of, decode_calls, dims_of, eval_dim, record_decode
-from trtllm_diffkv.trt.fields import EngineShape
-from trtllm_diffkv.trt.onnx_export import aot_node_attrs
+from trtllm_diffkv.export import trt_abi
+from trtllm_diffkv.export.aot_graph import abi_of, decode_calls, dims_of, eval_dim, record_decode
+from trtllm_diffkv.export.fields import EngineShape
+from trtllm_diffkv.export.onnx_export import aot_node_attrs
 from trtllm_diffkv.config import get_preset
 
 L, H, HKV, D, SLOTS, MAX_SEQ, PAGES = 2, 4, 2, 64, 3, 80, 64
@@ -54,7 +54,7 @@ def run_decode_step(kv, device: str, manifest: dict, launch, target: str = "sm_9
     ``launch(abi, attrs, inputs, grid, extras)`` runs one wrapper (``abi``: :class:`trt_abi.AbiKernel`, compiled or
     not) on ``inputs`` (its distinct buffers) with ``grid`` and the int32 ``extras``.
     """
-    from trtllm_diffkv.trt.ort_ops import decode_feeds
+    from trtllm_diffkv.export.ort_ops import decode_feeds
     from trtllm_diffkv.kernels import decode_attention as da
     from trtllm_diffkv.paged.cache import PagedDiffKVCache
 

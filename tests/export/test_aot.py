@@ -2,7 +2,7 @@
 machine, and the manifest agrees with the kernels' real signatures and the launchers' grids.
 
 The compilation runs once per session in a child process without ``TRITON_INTERPRET``
-(:func:`trtllm_diffkv.trt.aot.build_kernels`); the in-process checks use the launch recorder only
+(:func:`trtllm_diffkv.export.aot.build_kernels`); the in-process checks use the launch recorder only
 (no kernel runs).
 """
 import hashlib
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from trtllm_diffkv.trt import aot  # noqa: E402
-from trtllm_diffkv.trt.fields import EngineShape, kv_config_from_fields, kv_config_to_fields  # noqa: E402
+from trtllm_diffkv.export import aot  # noqa: E402
+from trtllm_diffkv.export.fields import EngineShape, kv_config_from_fields, kv_config_to_fields  # noqa: E402
 from trtllm_diffkv.config import PRESETS, get_preset  # noqa: E402
 
 TINY = EngineShape(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset("default"),
@@ -174,8 +174,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 from triton.runtime.jit import create_function_from_signature
-from trtllm_diffkv.trt import aot
-from trtllm_diffkv.trt.fields import EngineShape
+from trtllm_diffkv.export import aot
+from trtllm_diffkv.export.fields import EngineShape
 
 shape, out_dir = EngineShape.from_fields(json.loads(sys.argv[1])), sys.argv[2]
 target = GPUTarget("cuda", 90, 32)
@@ -280,9 +280,9 @@ def test_decision_specs_follow_the_plan(preset):
 
 @pytest.mark.parametrize("preset", ["default", "fp16"])
 def test_decode_plan_plugins_kernels_are_in_the_aot_set(preset):
-    """Every kernel a decode-plan plugin node launches (trtllm_diffkv/trt/plugins/specs.py PLAN_KERNELS: decode_decide, page_update,
+    """Every kernel a decode-plan plugin node launches (trtllm_diffkv/export/plugin_specs.py PLAN_KERNELS: decode_decide, page_update,
     decode_locate) has a manifest entry of its op in the engine's AOT set (the moves' kernels: compressing presets)."""
-    from trtllm_diffkv.trt.plugins import specs
+    from trtllm_diffkv.export import plugin_specs as specs
 
     shape = EngineShape(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset(preset),
                         max_batch_size=2, max_seq_len=96)
@@ -342,13 +342,13 @@ def _ptx_instructions(ptx: str, kernel_name: str):
 
 
 def test_trt_abi_wrappers_follow_tensorrts_calling_convention(aot_dir):
-    """Every manifest entry has its TensorRT-convention wrapper (``manifest["trt_abi"]``, ``trt/trt_abi.py``),
+    """Every manifest entry has its TensorRT-convention wrapper (``manifest["trt_abi"]``, ``export/trt_abi.py``),
     compiled for both targets: the PTX entry declares exactly the inputs (``.u64``), the int32 extra args (``.u32``)
     and the outputs (``.u64``, one per input) - Triton's scratch parameters cut - the pool's dtype views are one
     input, TensorRT types only (no fp64), the cubin is an ELF of that PTX, warps and shared memory are the entry's,
     and the wrapper's instructions are the original kernel's (same multiset of floating-point and memory opcodes: the
     same code, inlined; the GPU test checks the outputs bit for bit)."""
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import trt_abi
 
     m = _manifest(aot_dir)
     wrappers = {k["name"]: trt_abi.AbiKernel.from_json(k) for k in m["trt_abi"]}
@@ -373,7 +373,7 @@ def test_trt_abi_wrappers_follow_tensorrts_calling_convention(aot_dir):
 
 
 def test_strip_scratch_cuts_only_unread_parameters():
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import trt_abi
 
     ptx = (".visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .u32 k_param_1,\n\t.param .u64 k_param_2,"
            "\n\t.param .u64 k_param_3\n)\n{\n\tld.param.b64 %rd1, [k_param_0];\n\tret;\n}\n")
@@ -388,7 +388,7 @@ def test_scalar_bits_are_the_int32_extra_args():
     included), an int32 as itself; others refused."""
     import numpy as np
 
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import trt_abi
 
     for value in (0.125 * 1.4426950408889634, -3.5, 1e-40, float("inf")):
         bits = trt_abi.scalar_bits(value, "fp32")
@@ -442,7 +442,7 @@ def test_launch_plan_is_the_same_with_symbolic_dims():
     import onnx
     from conftest import tiny_llama
 
-    from trtllm_diffkv.trt import onnx_export, trt_abi
+    from trtllm_diffkv.export import onnx_export, trt_abi
 
     model, kv = tiny_llama(), get_preset("default")
     c = model.config
@@ -470,13 +470,13 @@ def test_launch_plan_is_the_same_with_symbolic_dims():
 @pytest.mark.parametrize("name", ["demote", "fp16"])
 def test_decode_step_through_the_wrappers_equals_the_plugins(name):
     """One decode step of the AOT decode graph's launches, each run as its TensorRT-convention wrapper with the
-    argument list TensorRT passes (``trtllm_diffkv/trt/plugins/ops.py::run_abi_kernel``, the onnxruntime op; Triton's interpreter) ==
+    argument list TensorRT passes (``trtllm_diffkv/export/plugin_ops.py::run_abi_kernel``, the onnxruntime op; Triton's interpreter) ==
     the plugins' implementations (``@trtp.impl``'s path) on the same prefilled cache state: every state and plan
-    tensor and both layers' outputs, byte for byte (``tests/trt/aot_step.py``; on the GPU through the CUDA driver:
-    ``tests/trt/test_aot_graph_gpu.py``). ``demote`` moves tokens to the low tier in this step."""
+    tensor and both layers' outputs, byte for byte (``tests/export/aot_step.py``; on the GPU through the CUDA driver:
+    ``tests/export/test_aot_graph_gpu.py``). ``demote`` moves tokens to the low tier in this step."""
     import aot_step
 
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
 
     kv = aot_step.preset(name)
     manifest = {"kernels": [s.to_json() for s in aot.kernel_specs(aot_step.engine(kv))]}
@@ -497,7 +497,7 @@ def test_trt_abi_wrappers_for_every_head_dim_and_group():
     40:8, 12:2, 8:1, 32:1 (fp32 engines: the AOT graphs' bindings too), every manifest entry gets a wrapper, the
     generated module imports (its names do not collide), each wrapper's parameter list is inputs + int32 extras +
     outputs with the pool's views as one input; a configuration the engine refuses is refused with a message."""
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import trt_abi
 
     for hd, (hq, hkv) in _EDGE7:
         try:
@@ -522,7 +522,7 @@ def test_trt_abi_wrappers_for_every_head_dim_and_group():
 def test_trt_abi_wrapper_compiles_to_the_same_code_at_head_dim_80_group_7(tmp_path):
     """Edge case 7, compiled: the decode family's wrappers of a non-power-of-two head_dim and group (80, 28:4) compile
     for sm_90 to the kernels' floating-point and memory instructions, their PTX entries in TensorRT's convention."""
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import trt_abi
 
     shape = EngineShape(num_layers=1, num_heads=28, num_kv_heads=4, head_dim=80, kv_config=get_preset("default"),
                         dtype="float16", max_batch_size=2, max_seq_len=64)

@@ -4,14 +4,14 @@ Triton JIT path's outputs bit for bit (write, read, paged decode attention parti
 prompt-score kernels, page-manager decode update, the decode plan's decision + locate kernels).
 
 How: each launcher (``write_tokens``, ``paged_decode_attention``, ``scored_prefill_attention``,
-``TritonPageManager.append_decode``, ``decision_kernel.decide_rows`` / ``locate_rows``) is called once under :class:`trtllm_diffkv.trt.aot._Recorder`
+``TritonPageManager.append_decode``, ``decision_kernel.decide_rows`` / ``locate_rows``) is called once under :class:`trtllm_diffkv.export.aot._Recorder`
 (records, launches nothing) to get the real arguments; the launch must match a manifest entry exactly
 (signature, constexprs, options, and the JIT's divisibility specialization: this checks the CUDA-only launch
 choices and the specialization the manifest states); the
 cubin is launched with those arguments in the manifest's parameter order, grid from the manifest's
 formula, ``num_warps * 32`` threads, its shared memory, null scratch pointers. Then the launcher runs
 normally (JIT) on clones of the inputs and every output buffer is compared bytewise.
-Run on the device: ``python3 -m pytest -q -m gpu tests/trt/test_aot_gpu.py``.
+Run on the device: ``python3 -m pytest -q -m gpu tests/export/test_aot_gpu.py``.
 """
 import numpy as np
 import pytest
@@ -21,8 +21,8 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy") if torch.cuda.is_available() else None
 
-from trtllm_diffkv.trt import aot  # noqa: E402
-from trtllm_diffkv.trt.fields import EngineShape  # noqa: E402
+from trtllm_diffkv.export import aot  # noqa: E402
+from trtllm_diffkv.export.fields import EngineShape  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 
 SHAPE = dict(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, dtype="float16", max_batch_size=4,
@@ -52,7 +52,7 @@ def _entry(manifest, launch):
 
 MODES = ("manifest", "trt_ptx", "trt_cubin")
 """How each recorded launch is replayed: the manifest's cubin with the kernel's own parameters (+ the two null
-scratch pointers), or its TensorRT-convention wrapper (``trt/trt_abi.py``: inputs, int32 extra args, outputs, and
+scratch pointers), or its TensorRT-convention wrapper (``export/trt_abi.py``: inputs, int32 extra args, outputs, and
 nothing else), from the PTX (loaded and compiled by the CUDA driver: what TensorRT receives from ``aot_impl``) or from
 the cubin assembled from that PTX."""
 _MODE = ["manifest"]
@@ -70,7 +70,7 @@ def _trt_values(manifest, cc, entry, bound):
     """(compiled wrapper, parameter values in TensorRT's order) of a launch: the wrapper of the entry as its launcher
     binds it; each input the buffer of its pointer parameters (one buffer: the pool's dtype views), the extras as
     int32 (fp32 as bits), the outputs = the inputs again (aliased)."""
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import trt_abi
 
     abi = trt_abi.from_launcher(entry)
     data = next(k for k in manifest["trt_abi"] if k["name"] == abi.name)  # StopIteration: not compiled

@@ -3,9 +3,9 @@ TensorRT-convention wrapper loaded from its PTX through the CUDA driver (CuPy ``
 PTX, as TensorRT does with what ``aot_impl`` returns) and launched with exactly the inputs, the int32 extra args and
 the outputs (the inputs again), the grid and shared memory of the node's attributes == the plugins' JIT
 implementations on the same prefilled cache state, byte for byte: every state and plan tensor and both layers'
-outputs (``tests/trt/aot_step.py``; the CPU twin, through Triton's interpreter: ``tests/trt/test_aot.py``).
+outputs (``tests/export/aot_step.py``; the CPU twin, through Triton's interpreter: ``tests/export/test_aot.py``).
 
-Run on the device: ``python3 -m pytest -q -m gpu tests/trt/test_aot_graph_gpu.py``.
+Run on the device: ``python3 -m pytest -q -m gpu tests/export/test_aot_graph_gpu.py``.
 """
 import sys
 from pathlib import Path
@@ -21,7 +21,7 @@ cupy = pytest.importorskip("cupy") if torch.cuda.is_available() else None
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aot_step  # noqa: E402
 
-from trtllm_diffkv.trt import aot  # noqa: E402
+from trtllm_diffkv.export import aot  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["demote", "default", "fp16"])

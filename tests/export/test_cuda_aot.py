@@ -1,4 +1,4 @@
-"""The CUDA C++ decode kernels' ahead-of-time build (``trt/cuda_aot.py``) on the CPU machine.
+"""The CUDA C++ decode kernels' ahead-of-time build (``export/cuda_aot.py``) on the CPU machine.
 
 What is checked without a GPU: the PTX entries take their parameters in TensorRT's QDP AOT order (input
 pointers, int32 extra args, output pointers) exactly as the manifest lists them; the entries compile to the
@@ -7,7 +7,7 @@ ptxas reports the same registers and spills for an entry as for its source kerne
 shapes where the source kernel has none; the ``-D`` macros, grid, block and argument values are those
 ``cuda_decode.launch_partial`` passes to NVRTC (its launch recorded with the compilation and launch stubbed
 out); unsupported engines raise ``ValueError`` before anything compiles. The launches themselves are compared
-bit for bit on the GPU (``tests/trt/test_cuda_aot_gpu.py``). Compilation needs ``nvcc`` (skipped without it).
+bit for bit on the GPU (``tests/export/test_cuda_aot_gpu.py``). Compilation needs ``nvcc`` (skipped without it).
 """
 import contextlib
 import hashlib
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_diffkv.trt import cuda_aot
-from trtllm_diffkv.trt.fields import EngineShape
+from trtllm_diffkv.export import cuda_aot
+from trtllm_diffkv.export.fields import EngineShape
 from trtllm_diffkv.config import get_preset
 from trtllm_diffkv.kernels.cuda_decode import SOURCE_PATH
 

@@ -1,4 +1,4 @@
-"""The CUDA decode kernels' AOT build (``trt/cuda_aot.py``) launched as TensorRT launches it give the NVRTC path's
+"""The CUDA decode kernels' AOT build (``export/cuda_aot.py``) launched as TensorRT launches it give the NVRTC path's
 results bit for bit.
 
 How: for an engine shape (default and k8v4 presets, fp16, head_dim 128 and 64, 16 query / 4 KV heads) the ABI
@@ -15,8 +15,8 @@ pointers, ``numpy.int32`` extras (the scale as its float bits), ``numpy.uint64``
 buffers again: the outputs are aliased to inputs). The step runs 3 sequences of the engine's 4, one (sequence, KV head)
 of them a padding row (row id -1).
 
-Run on the device: ``python -m pytest -q -m gpu tests/trt/test_cuda_aot_gpu.py``. Without nvcc on the device,
-prebuild here (``python tests/trt/test_cuda_aot_gpu.py DIR``, DIR inside the repository so that it travels) and
+Run on the device: ``python -m pytest -q -m gpu tests/export/test_cuda_aot_gpu.py``. Without nvcc on the device,
+prebuild here (``python tests/export/test_cuda_aot_gpu.py DIR``, DIR inside the repository so that it travels) and
 set ``TRTLLM_DIFFKV_CUDA_AOT_DIR=DIR`` there.
 """
 import json
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy") if torch.cuda.is_available() else None
 
-from trtllm_diffkv.trt import cuda_aot  # noqa: E402
-from trtllm_diffkv.trt.fields import EngineShape  # noqa: E402
+from trtllm_diffkv.export import cuda_aot  # noqa: E402
+from trtllm_diffkv.export.fields import EngineShape  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 
 PREBUILT_ENV = "TRTLLM_DIFFKV_CUDA_AOT_DIR"
@@ -69,7 +69,7 @@ def built(tmp_path_factory):
                 out = Path(os.environ[PREBUILT_ENV]) / case
             else:
                 pytest.skip(f"nvcc is not on PATH and {PREBUILT_ENV} is not set (prebuild: "
-                            "python tests/trt/test_cuda_aot_gpu.py DIR)")
+                            "python tests/export/test_cuda_aot_gpu.py DIR)")
             manifest = json.loads((out / cuda_aot.MANIFEST_NAME).read_text())
             assert manifest["engine"] == shape.to_fields(), "the prebuilt kernels are for another engine"
             cache[case] = (shape, out, {e["source_kernel"]: e for e in manifest["cuda_kernels"]})
@@ -96,7 +96,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("case", list(CASES))
 def test_aot_entries_match_the_nvrtc_kernels_bit_for_bit(built, case, binary, monkeypatch):
     from trtllm_diffkv.kernels import cuda_decode as cd
-    from trtllm_diffkv.testing.attention import build_paged_rows
+    from support.attention import build_paged_rows
     from trtllm_diffkv.kernels.decode_attention import DecodeWorkspace, paged_decode_attention
 
     shape, out, entries = built(case)

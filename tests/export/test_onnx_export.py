@@ -23,8 +23,8 @@ from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc  # n
 from polygraphy.comparator.struct import IterationResult  # noqa: E402
 
 from conftest import tiny_llama  # noqa: E402
-from trtllm_diffkv.trt import onnx_export, ort_ops  # noqa: E402
-from trtllm_diffkv.trt.fields import kv_config_from_fields  # noqa: E402
+from trtllm_diffkv.export import onnx_export, ort_ops  # noqa: E402
+from trtllm_diffkv.export.fields import kv_config_from_fields  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.paged.cache import PagedDiffKVCache  # noqa: E402
 from trtllm_diffkv.model.rotation import model_for_kv_config  # noqa: E402
@@ -67,11 +67,11 @@ def _elem(value_info):
 
 
 def test_graph_nodes_are_described_plugins_and_inference_matches_onnxruntime():
-    """Every node in the ``diffkv`` domain is a plugin of trtllm_diffkv/trt/plugins/specs.py (the ones trt_plugins.py registers):
+    """Every node in the ``diffkv`` domain is a plugin of trtllm_diffkv/export/plugin_specs.py (the ones trt_plugins.py registers):
     (op type, domain, plugin_version) = (name, namespace, version); its attributes are exactly the plugin's
     fields with their types; specs.infer on the node's input shapes/dtypes equals ONNX shape inference's
     (symbolic) and onnxruntime's (concrete, a prefill step on the tiny model), aliased state outputs included."""
-    from trtllm_diffkv.trt.plugins import specs
+    from trtllm_diffkv.export import plugin_specs as specs
 
     model, kv = tiny_llama(), get_preset("default")
     proto = onnx_export.export_onnx(model, kv, max_positions=32)
@@ -81,7 +81,7 @@ def test_graph_nodes_are_described_plugins_and_inference_matches_onnxruntime():
     for node in nodes:
         attrs = {a.name: a for a in node.attribute}
         plugin = specs.PLUGINS.get(f"{node.domain}::{node.op_type}")
-        assert plugin is not None, f"{node.domain}::{node.op_type} is not a plugin of trtllm_diffkv/trt/plugins/specs.py"
+        assert plugin is not None, f"{node.domain}::{node.op_type} is not a plugin of trtllm_diffkv/export/plugin_specs.py"
         assert (node.domain, onnx.helper.get_attribute_value(attrs["plugin_version"]).decode(),
                 onnx.helper.get_attribute_value(attrs["plugin_namespace"]).decode()) == \
             (specs.NAMESPACE, specs.VERSION, specs.NAMESPACE)
@@ -235,12 +235,12 @@ def test_op_errors_are_reported_not_fatal():
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_per_op_graph_nodes_are_the_per_operation_plugins(phase):
-    """``graph="per-op"``: per layer one ``prefill_attention`` / ``decode_attention`` node (trtllm_diffkv/trt/plugins/specs.py's
+    """``graph="per-op"``: per layer one ``prefill_attention`` / ``decode_attention`` node (trtllm_diffkv/export/plugin_specs.py's
     per-operation plugins, no composite node, no cache handle), the decode graph's plan as its first three nodes
     (``decode_decide``, ``page_update``, ``decode_locate``), attributes exactly the plugin's fields, the updated state
     chained node to node and out; specs.infer == ONNX shape inference (the export runs onnx.checker and strict shape
     inference). The decode graph's host inputs are the tokens, the slots and positions, and the state."""
-    from trtllm_diffkv.trt.plugins import specs
+    from trtllm_diffkv.export import plugin_specs as specs
 
     model, kv = tiny_llama(), get_preset("default")
     proto = onnx_export.export_onnx(model, kv, max_positions=32, graph="per-op", phase=phase)
@@ -422,7 +422,7 @@ def test_per_op_bad_arguments_named():
 
 
 def _engine(model, kv, max_batch_size=3, max_seq_len=64):
-    from trtllm_diffkv.trt.fields import EngineShape
+    from trtllm_diffkv.export.fields import EngineShape
 
     c = model.config
     return EngineShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -431,7 +431,7 @@ def _engine(model, kv, max_batch_size=3, max_seq_len=64):
 
 def _manifest(shape):
     """The engine's manifest without compiling (the entries ``aot.build_kernels`` writes, ``compiled`` empty)."""
-    from trtllm_diffkv.trt import aot
+    from trtllm_diffkv.export import aot
 
     return {"engine": shape.to_fields(), "kernels": [s.to_json() for s in aot.kernel_specs(shape)]}
 
@@ -464,8 +464,8 @@ def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
     only (the alphas as int64 bits); no other ``diffkv`` node; checker + strict shape inference."""
     import json
 
-    from trtllm_diffkv.trt.plugins import specs
-    from trtllm_diffkv.trt import trt_abi
+    from trtllm_diffkv.export import plugin_specs as specs
+    from trtllm_diffkv.export import trt_abi
 
     model, kv = tiny_llama(), get_preset(preset)
     manifest = _manifest(_engine(model, kv))
@@ -595,7 +595,7 @@ def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):
     warps are the compiled wrapper's, equal to the entry's (what ``aot_impl`` returns)."""
     import json
 
-    from trtllm_diffkv.trt import aot
+    from trtllm_diffkv.export import aot
 
     model, kv = tiny_llama(), get_preset("default")
     try:

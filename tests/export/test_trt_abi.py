@@ -1,6 +1,6 @@
-"""The TensorRT-convention wrappers' helpers (``trt/trt_abi.py``), the onnxruntime op that launches them
-(``trtllm_diffkv/trt/plugins/ops.py::run_abi_kernel``), the target check (``trt/aot.py::check_targets``) and the CUDA kernels' build
-directory on a failed nvcc step (``trt/cuda_aot.py``), on the CPU (Triton's interpreter, a fake ``nvcc``).
+"""The TensorRT-convention wrappers' helpers (``export/trt_abi.py``), the onnxruntime op that launches them
+(``trtllm_diffkv/export/plugin_ops.py::run_abi_kernel``), the target check (``export/aot.py::check_targets``) and the CUDA kernels' build
+directory on a failed nvcc step (``export/cuda_aot.py``), on the CPU (Triton's interpreter, a fake ``nvcc``).
 
 The wrappers here are of a small synthetic kernel written to a temporary module (``_kernel_module``), so the tests do
 not depend on the DiffKV kernels' parameter lists.
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_diffkv.trt import aot, cuda_aot, trt_abi
-from trtllm_diffkv.trt.fields import EngineShape
+from trtllm_diffkv.export import aot, cuda_aot, trt_abi
+from trtllm_diffkv.export.fields import EngineShape
 from trtllm_diffkv.config import get_preset
 
 _KERNEL = '''
@@ -272,7 +272,7 @@ def _node(k, n_extra="N", scale=0.5):
 
 
 def test_run_abi_kernel_launches_the_wrapper(make_kernel):
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
 
     k = make_kernel()
     x, y = torch.arange(40, dtype=torch.float32), torch.ones(40)
@@ -281,7 +281,7 @@ def test_run_abi_kernel_launches_the_wrapper(make_kernel):
 
 
 def test_run_abi_kernel_checks_its_inputs(make_kernel):
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
 
     k = make_kernel()
     attrs = _node(k)

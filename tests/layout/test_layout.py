@@ -90,10 +90,10 @@ def test_the_scan_sees_a_planted_arrow(tmp_path, monkeypatch):
     """The scan is not vacuous: a core module importing an adapter (absolute, relative, lazy) is reported."""
     fake = tmp_path / "trtllm_diffkv"
     (fake / "paged").mkdir(parents=True)
-    (fake / "paged" / "x.py").write_text("from ..trt import aot\n\ndef f():\n    import trtllm_diffkv.serve.metrics\n")
+    (fake / "paged" / "x.py").write_text("from ..export import aot\n\ndef f():\n    import trtllm_diffkv.serve.metrics\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     assert [v.split(": ", 1)[1] for v in _violations()] == [
-        "paged imports trtllm_diffkv.trt", "paged imports trtllm_diffkv.trt.aot", "paged imports trtllm_diffkv.serve.metrics"]
+        "paged imports trtllm_diffkv.export", "paged imports trtllm_diffkv.export.aot", "paged imports trtllm_diffkv.serve.metrics"]
 
 
 def test_no_package_is_named_build():
@@ -111,7 +111,7 @@ def test_no_package_is_named_build():
     ("trtllm_diffkv.paged", ["PagedDiffKVCache", "OutOfPagesError"]),
     ("trtllm_diffkv.parallel", ["TensorParallelExecutor", "TensorParallelHook", "WeightShard", "check_tensor_parallel"]),
     ("trtllm_diffkv.memory", ["PageManager", "PageFormat", "KVCachePool"]),
-    ("trtllm_diffkv.trt.plugins", []),
+    ("trtllm_diffkv_plugins", []),
 ])
 def test_public_names_from_their_documented_place(module, names):
     mod = importlib.import_module(module)

@@ -1,13 +1,13 @@
-"""The plugins' plain-Python parts (trtllm_diffkv/trt/plugins/specs.py), tested without TensorRT: shape/dtype inference
+"""The plugins' plain-Python parts (trtllm_diffkv/export/plugin_specs.py), tested without TensorRT: shape/dtype inference
 against what the paged cache's operations really produce, aliasing of the state, plugin-field
 serialization, and the manifest lookup the AOT plugins use."""
 import numpy as np
 import pytest
 import torch
 
-from trtllm_diffkv.trt.plugins import specs
-from trtllm_diffkv.trt import aot
-from trtllm_diffkv.trt.fields import EngineShape, kv_config_to_fields
+from trtllm_diffkv.export import plugin_specs as specs
+from trtllm_diffkv.export import aot
+from trtllm_diffkv.export.fields import EngineShape, kv_config_to_fields
 from trtllm_diffkv.config import get_preset
 from trtllm_diffkv.memory import PageFormat
 
@@ -30,7 +30,7 @@ def test_plugin_ops_compute_what_the_paged_cache_computes(preset, monkeypatch):
     The cache writes each layer in its call here, as the plugin does (groups of layers equal that:
     tests/paged/test_chunked_prefill_cache.py)."""
     from trtllm_diffkv.paged import prefill
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
 
     monkeypatch.setattr(prefill, "WRITE_GROUP_BYTES", 0)
     kv = get_preset(preset)
@@ -80,7 +80,7 @@ def test_plugin_ops_compute_what_the_paged_cache_computes(preset, monkeypatch):
 
 def test_page_update_op_is_append_decode():
     """ops.run_page_update on the manager's state tensors == TritonPageManager.append_decode (interpreter)."""
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
     from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4
     from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
 
@@ -145,7 +145,7 @@ def test_select_kernel_picks_the_prefill_variant_for_the_longest_prompt():
 
 
 def _import_trt_plugins(monkeypatch, trtp):
-    """trtllm_diffkv/trt/plugins/trt_plugins.py imported against the stand-in module ``trtp`` (then forgotten again)."""
+    """plugins/trt_plugins.py imported against the stand-in module ``trtp`` (then forgotten again)."""
     import importlib
     import sys
     import types
@@ -155,19 +155,19 @@ def _import_trt_plugins(monkeypatch, trtp):
     tensorrt.int32, tensorrt.int64 = "trt.int32", "trt.int64"
     monkeypatch.setitem(sys.modules, "tensorrt", tensorrt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    monkeypatch.delitem(sys.modules, "trtllm_diffkv.trt.plugins.trt_plugins", raising=False)
+    monkeypatch.delitem(sys.modules, "trtllm_diffkv_plugins.trt_plugins", raising=False)
     try:
-        return importlib.import_module("trtllm_diffkv.trt.plugins.trt_plugins")
+        return importlib.import_module("trtllm_diffkv_plugins.trt_plugins")
     finally:  # do not leave the module imported against the stand-in
-        sys.modules.pop("trtllm_diffkv.trt.plugins.trt_plugins", None)
-        import trtllm_diffkv.trt.plugins as plugins
+        sys.modules.pop("trtllm_diffkv_plugins.trt_plugins", None)
+        import trtllm_diffkv_plugins as plugins
 
         plugins.__dict__.pop("trt_plugins", None)
 
 
 def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch):
-    """trtllm_diffkv/trt/plugins/trt_plugins.py imported against a stand-in for ``tensorrt.plugin`` that enforces TensorRT's own
-    validation and calling convention (``tests/trt/trtp_standin.py``; TensorRT cannot be installed here): it registers
+    """plugins/trt_plugins.py imported against a stand-in for ``tensorrt.plugin`` that enforces TensorRT's own
+    validation and calling convention (``tests/plugins/trtp_standin.py``; TensorRT cannot be installed here): it registers
     descriptor and impl for exactly the plugins of specs.PLUGINS (the exported graph's composite nodes included), each
     with the spec's inputs in order, its fields as attributes and its output count, and the descriptor's outputs alias
     the inputs specs states; impl takes TensorRT's positional call (tensors, attribute values, outputs) and hands the
@@ -230,7 +230,7 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
     decode plan (``PagedDiffKVCache.plan``: torch decisions, CpuPageManager, moves), bit for bit: the pool (moves to
     the low tier), the whole page-manager state, and the decode_attention nodes' plan tensors. ``demote`` (recent
     window 2, alpha_high 1.5) moves tokens in this step."""
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
     from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4
 
     patch_interpreter_for_numpy_2_4()
@@ -269,8 +269,8 @@ def test_decode_plan_ops_compute_what_plan_computes(preset):
 
 
 def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path):
-    """trtllm_diffkv/trt/plugins/trt_plugins.py's ``register_aot_plugins`` against the stand-in for ``tensorrt.plugin`` that enforces
-    TensorRT's validation and calling convention (``tests/trt/trtp_standin.py``: its ``cdiv`` refuses two ints; dims are
+    """plugins/trt_plugins.py's ``register_aot_plugins`` against the stand-in for ``tensorrt.plugin`` that enforces
+    TensorRT's validation and calling convention (``tests/plugins/trtp_standin.py``: its ``cdiv`` refuses two ints; dims are
     ints here; TensorRT cannot be installed): one ``diffkv::aot_<wrapper>`` per wrapper of the
     manifest, its inputs and the AOT graph's node attributes as fields, every output aliased; registering the same
     manifest again is a no-op and another PTX under a registered name is refused (TensorRT refuses a second definition);
@@ -282,9 +282,9 @@ def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path)
     import onnx
 
     from conftest import tiny_llama
-    from trtllm_diffkv.trt import onnx_export, trt_abi
-    from trtllm_diffkv.trt.aot_graph import decode_graph_abi
-    from trtllm_diffkv.trt.aot_prefill import prefill_graph_abi
+    from trtllm_diffkv.export import onnx_export, trt_abi
+    from trtllm_diffkv.export.aot_graph import decode_graph_abi
+    from trtllm_diffkv.export.aot_prefill import prefill_graph_abi
 
     model, kv = tiny_llama(), get_preset("default")
     c = model.config

@@ -1,4 +1,4 @@
-"""trtllm_diffkv/trt/plugins/trtllm_plugins.py (TensorRT-LLM legacy Python plugin classes) imported against a STAND-IN for
+"""plugins/trtllm_plugins.py (TensorRT-LLM legacy Python plugin classes) imported against a STAND-IN for
 ``tensorrt_llm.python_plugin``: TensorRT-LLM cannot be installed here, so nothing below runs the real module.
 
 The stand-in (:func:`_standin`) copies, from ``tensorrt_llm/python_plugin.py`` as read from NVIDIA/TensorRT-LLM,
@@ -12,8 +12,8 @@ names), ``enqueue``, ``__call__``, serialization. The expression builder is a re
 ``trt.IExprBuilder`` whose expressions are evaluated here with concrete dims.
 
 Checked: every per-operation plugin of specs.PLUGINS has a registered class; ``shape_dtype_inference`` in the three
-ways ``PluginBase`` calls it agrees with :func:`trtllm_diffkv.trt.plugins.specs.infer`; ``forward`` of the decode-plan classes equals
-``trtllm_diffkv.trt.plugins.ops.run_decode_decide`` / ``run_decode_locate`` (Triton interpreter, ``TRITON_INTERPRET=1`` from
+ways ``PluginBase`` calls it agrees with :func:`trtllm_diffkv.export.plugin_specs.infer`; ``forward`` of the decode-plan classes equals
+``trtllm_diffkv.export.plugin_ops.run_decode_decide`` / ``run_decode_locate`` (Triton interpreter, ``TRITON_INTERPRET=1`` from
 conftest on a machine without CUDA).
 """
 import importlib
@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_diffkv.trt.plugins import ops, specs
+from trtllm_diffkv.export import plugin_ops as ops, plugin_specs as specs
 from test_aot_plugins import prompted_cache
-from trtllm_diffkv.trt.fields import kv_config_to_fields
+from trtllm_diffkv.export.fields import kv_config_to_fields
 
 COMPOSITE = (specs.STEP_PAGE_UPDATE, specs.LAYER_ATTENTION)
 PER_OP = [p for p in specs.PLUGINS.values() if p not in COMPOSITE]
@@ -67,7 +67,7 @@ def _standin():
     """A STAND-IN ``tensorrt_llm.python_plugin`` module (see the module docstring) and its registrations
     ``{(namespace, name, version): (class, num_outputs)}``."""
     pp = types.ModuleType("tensorrt_llm.python_plugin")
-    pp.__doc__ = "STAND-IN for tensorrt_llm.python_plugin (tests/trt/test_trtllm_plugins.py), not TensorRT-LLM."
+    pp.__doc__ = "STAND-IN for tensorrt_llm.python_plugin (tests/plugins/test_trtllm_plugins.py), not TensorRT-LLM."
     registered = {}
 
     def make_expr(builder, dim):
@@ -180,9 +180,9 @@ def _standin():
 
 @pytest.fixture(scope="module")
 def trtllm():
-    """``trtllm_diffkv.trt.plugins.trtllm_plugins`` imported fresh against the stand-in (removed from ``sys.modules`` afterwards, with
+    """``trtllm_diffkv_plugins.trtllm_plugins`` imported fresh against the stand-in (removed from ``sys.modules`` afterwards, with
     the stand-in): ``SimpleNamespace(module, pp, registered)``."""
-    import trtllm_diffkv.trt.plugins as plugins
+    import trtllm_diffkv_plugins as plugins
 
     pp, registered = _standin()
     pkg = types.ModuleType("tensorrt_llm")
@@ -190,11 +190,11 @@ def trtllm():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "tensorrt_llm", pkg)
         mp.setitem(sys.modules, "tensorrt_llm.python_plugin", pp)
-        mp.delitem(sys.modules, "trtllm_diffkv.trt.plugins.trtllm_plugins", raising=False)
+        mp.delitem(sys.modules, "trtllm_diffkv_plugins.trtllm_plugins", raising=False)
         try:
-            module = importlib.import_module("trtllm_diffkv.trt.plugins.trtllm_plugins")
+            module = importlib.import_module("trtllm_diffkv_plugins.trtllm_plugins")
         finally:
-            sys.modules.pop("trtllm_diffkv.trt.plugins.trtllm_plugins", None)
+            sys.modules.pop("trtllm_diffkv_plugins.trtllm_plugins", None)
             plugins.__dict__.pop("trtllm_plugins", None)
     return SimpleNamespace(module=module, pp=pp, registered=registered)
 

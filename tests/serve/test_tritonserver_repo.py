@@ -18,8 +18,8 @@ import pytest
 from serve_fixtures import KV_BYTES, checkpoint, reference  # noqa: F401 (fixtures)
 from trtllm_diffkv.runtime.sampling import SamplingParams
 from trtllm_diffkv.serve.process import group_pids
-from trtllm_diffkv.serve.triton_repo import model_config_text, write_repository
-from trtllm_diffkv.serve.triton_requests import parse_request
+from trtllm_diffkv.serve.tritonserver_repo import model_config_text, write_repository
+from trtllm_diffkv.serve.tritonserver_requests import parse_request
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Memory is", "Hello there",
            "A short poem about the sea:"]
@@ -79,7 +79,7 @@ def test_write_repository_layout_and_errors(tmp_path):
 
 
 def test_triton_repo_command(tmp_path, capsys):
-    from trtllm_diffkv.commands.triton_repo import main
+    from trtllm_diffkv.commands.tritonserver_repo import main
 
     assert main(["--model", str(tmp_path), "--out", str(tmp_path / "repo"), "--name", "m", "--kv-config", "fp16",
                  "--max-batch-size", "4", "--no-decoupled", "--device", "cpu"]) == 0
@@ -115,7 +115,7 @@ def test_parse_request_maps_inputs_to_sampling_params():
 
 def test_parse_request_takes_log_probs_and_penalties():
     from trtllm_diffkv.runtime.sampling import Logprob
-    from trtllm_diffkv.serve.triton_requests import log_prob_values
+    from trtllm_diffkv.serve.tritonserver_requests import log_prob_values
 
     row = parse_request({"text_input": _column([b"x"]), "return_log_probs": _column([True], bool),
                          "presence_penalty": _column([0.5], np.float32),
@@ -145,7 +145,7 @@ def test_parse_request_refuses_unsupported_inputs(extra, message):
 # ---------------------------------------------------------------------------------------------- the real server
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    from trtllm_diffkv.serve.triton_server import TritonServer, TritonUnavailable
+    from trtllm_diffkv.serve.tritonserver_binary import TritonServer, TritonUnavailable
 
     repo = tmp_path_factory.mktemp("repo")
     for name, decoupled in (("diffkv", True), ("diffkv_sync", False)):
@@ -332,7 +332,7 @@ def test_client_cancellation_frees_the_pages(server):
 
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(checkpoint, tmp_path):
-    from trtllm_diffkv.serve.triton_server import TritonServer, TritonUnavailable
+    from trtllm_diffkv.serve.tritonserver_binary import TritonServer, TritonUnavailable
 
     write_repository(tmp_path / "repo", model=checkpoint, name="diffkv", max_batch_size=2,
                      kv_memory_bytes=KV_BYTES, device="cpu")

@@ -16,7 +16,7 @@ import pytest
 
 from serve_fixtures import KV_BYTES, checkpoint  # noqa: F401 (fixture)
 from trtllm_diffkv.serve.process import group_pids
-from trtllm_diffkv.serve.triton_repo import write_repository
+from trtllm_diffkv.serve.tritonserver_repo import write_repository
 
 grpc = pytest.importorskip("tritonclient.grpc")
 
@@ -33,7 +33,7 @@ def _inputs(prompt: str, max_tokens: int):
 
 
 def test_sigterm_with_live_streams_drains_cancels_and_exits_0(checkpoint, tmp_path):
-    from trtllm_diffkv.serve.triton_server import TritonServer, TritonUnavailable
+    from trtllm_diffkv.serve.tritonserver_binary import TritonServer, TritonUnavailable
 
     write_repository(tmp_path / "repo", model=checkpoint, name="diffkv", max_batch_size=4, kv_memory_bytes=KV_BYTES,
                      device="cpu", dtype="float32", shutdown_timeout_s=1.0, num_threads=1)
@@ -81,7 +81,7 @@ def test_trtllm_optional_inputs_and_diffkv_outputs(checkpoint, tmp_path):
     DiffKV outputs, equal to the same prompt run alone in an in-process LLM (its RequestOutput.metrics)."""
     from trtllm_diffkv.llmapi.llm import LLM
     from trtllm_diffkv.runtime.sampling import SamplingParams
-    from trtllm_diffkv.serve.triton_server import TritonServer, TritonUnavailable
+    from trtllm_diffkv.serve.tritonserver_binary import TritonServer, TritonUnavailable
 
     write_repository(tmp_path / "repo", model=checkpoint, name="diffkv", max_batch_size=4, kv_memory_bytes=KV_BYTES,
                      device="cpu", dtype="float32", num_threads=1)

@@ -6,7 +6,7 @@ prefetch's form from the compiled kernel's local memory. nvcc's frontend spills 
 macros, so a CPU check of that choice needs NVRTC itself: the ``nvidia-cuda-nvrtc`` 13.0 wheel (what torch cu130's
 CuPy loads on the device; ``build_scripts/setup_env.sh`` installs it on a machine without CUDA), driven through ctypes,
 with ptxas's report read from NVRTC's log. At ``2bc6ed1`` this gives the H200's recorded 8 / 56 / 24 bytes
-(docs/PERFORMANCE.md). Used by ``tests/kernels/test_cuda_decode_nvrtc.py`` and ``scripts/nvrtc_caps.py``.
+(docs/PERFORMANCE.md). Used by ``tests/kernels/test_cuda_decode_nvrtc.py`` and ``tools/nvrtc_caps.py``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The TensorRT-LLM PyTorch-backend adapter (``trtllm_diffkv.trt.tensorrt_llm``) driven through the stand-in.
+"""The TensorRT-LLM PyTorch-backend adapter (``trtllm_diffkv.trtllm_backend``) driven through the stand-in.
 
-TensorRT-LLM cannot be installed here: ``tests/trt/trtllm_standin.py`` reproduces its base classes, the
+TensorRT-LLM cannot be installed here: ``tests/trtllm_backend/trtllm_standin.py`` reproduces its base classes, the
 compression factory's validation and PyExecutor's call order. The reference for every generated token is
 our own ``LLM`` (the in-flight executor over the same DiffKV cache), run on the same prompts.
 """
@@ -41,7 +41,7 @@ def model():
 def trt():
     """The stand-in installed, the adapter imported against it and registered; yields the adapter package."""
     with sti.installed():
-        import trtllm_diffkv.trt.tensorrt_llm as adapter
+        import trtllm_diffkv.trtllm_backend as adapter
 
         adapter.register()
         yield adapter
@@ -244,7 +244,7 @@ def test_core_never_imports_the_adapter():
     import subprocess
 
     code = ("import sys, trtllm_diffkv, trtllm_diffkv.runtime.executor, trtllm_diffkv.llmapi.llm, trtllm_diffkv.paged.cache; "
-            "bad = [m for m in sys.modules if m.startswith(('trtllm_diffkv.trt', 'tensorrt_llm'))]; print(bad)")
+            "bad = [m for m in sys.modules if m.startswith(('trtllm_diffkv.export', 'tensorrt_llm'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=__import__("pathlib").Path(__file__).parents[2])
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
@@ -418,7 +418,7 @@ def test_missing_finish_hook_leaks_pages(trt, model):
 
 def test_unregistered_method_and_backend_fail(model):
     with sti.installed() as modules:
-        import trtllm_diffkv.trt.tensorrt_llm as adapter
+        import trtllm_diffkv.trtllm_backend as adapter
 
         util = modules["tensorrt_llm._torch.pyexecutor._util"]
         attn_utils = modules["tensorrt_llm._torch.attention_backend.utils"]
@@ -478,7 +478,7 @@ def test_import_without_tensorrt_llm_says_how_to_install(monkeypatch):
     for name in [n for n in sys.modules if n.startswith(sti.ADAPTER)]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
-    import trtllm_diffkv.trt.tensorrt_llm as adapter  # the package itself imports lazily
+    import trtllm_diffkv.trtllm_backend as adapter  # the package itself imports lazily
 
     with pytest.raises(ImportError, match="needs TensorRT-LLM"):
         adapter.DiffKVCompressionConfig

@@ -62,7 +62,7 @@ from typing import ClassVar, Generic, Optional, TypeVar, Union
 import torch
 from pydantic import BaseModel, ConfigDict
 
-ADAPTER = "trtllm_diffkv.trt.tensorrt_llm"
+ADAPTER = "trtllm_diffkv.trtllm_backend"
 
 
 # ---------------------------------------------------------------- llmapi/llm_args.py

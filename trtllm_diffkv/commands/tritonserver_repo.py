@@ -4,7 +4,7 @@
 streaming) and ``REPO/<name>/1/model.py`` (one ``LLM`` per model instance). ``--serve`` then runs
 the ``tritonserver`` bundled in ``nvidia-pytriton`` on it until SIGINT/SIGTERM.
 ``--setup-stub-env`` prepares the Python environment of Triton's backend stub (NumPy 1, see
-``trtllm_diffkv.serve.triton_server``) and exits.
+``trtllm_diffkv.serve.tritonserver_binary``) and exits.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """Write the repository (and serve it). Returns 0, 1 if the server failed, 2 on a usage or setup error."""
-    from ..serve.triton_server import TritonUnavailable, stub_env
+    from ..serve.tritonserver_binary import TritonUnavailable, stub_env
 
     if args.setup_stub_env:
         try:
@@ -74,7 +74,7 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"trtllm-diffkv triton-repo: {exc}", file=sys.stderr)
         return 2
-    from ..serve.triton_repo import write_repository
+    from ..serve.tritonserver_repo import write_repository
 
     if args.serve:
         try:
@@ -123,7 +123,7 @@ def _check_serve_flags(args) -> None:
 
 
 def _serve(args) -> int:
-    from ..serve.triton_server import TritonServer, TritonUnavailable
+    from ..serve.tritonserver_binary import TritonServer, TritonUnavailable
 
     workspace = tempfile.mkdtemp(prefix="trtllm-diffkv-triton-")
     try:
@@ -161,7 +161,7 @@ def _serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trtllm_diffkv.commands.triton_repo [flags]``."""
+    """``python -m trtllm_diffkv.commands.tritonserver_repo [flags]``."""
     parser = argparse.ArgumentParser(prog="trtllm-diffkv triton-repo", description=__doc__.split("\n\n")[0])
     _arguments(parser)
     return run(parser.parse_args(argv))

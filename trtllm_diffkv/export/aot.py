@@ -34,7 +34,7 @@ for sm_80 and sm_90 and writes PTX, cubin and ``manifest.json``.
 Compilation needs Triton's compiler, not its interpreter: with
 ``TRITON_INTERPRET=1`` set (the CPU test suite), :func:`build_kernels` runs
 the compilation in a child process without it
-(``python -m trtllm_diffkv.trt.aot``).
+(``python -m trtllm_diffkv.export.aot``).
 
 Manifest (``manifest.json``, version 1)::
 
@@ -52,7 +52,7 @@ Manifest (``manifest.json``, version 1)::
                   "compiled": {"sm_90": {"kernel_name", "ptx", "cubin", "shared_bytes", "num_warps",
                                "num_stages", "global_scratch_bytes", "profile_scratch_bytes",
                                "extra_params": 2}}}],
-     "trt_abi": [TensorRT-convention wrappers: trt/trt_abi.py::AbiKernel.to_json()]}
+     "trt_abi": [TensorRT-convention wrappers: export/trt_abi.py::AbiKernel.to_json()]}
 
 A compiled kernel takes its runtime arguments (``params``) followed by
 ``extra_params`` (2 in Triton 3.6: the global and profile scratch pointers; null
@@ -135,9 +135,9 @@ STEP_SCALARS = {
 }
 """Runtime scalars that change per call, as expressions of the named sizes and constexprs (as :data:`GRIDS`;
 checked against every recorded launch). The manifest's ``scalars`` hold the recorded values; ``step_scalars`` these
-expressions, which a launch evaluates for its own sizes (``trt/trt_abi.py::launch_plan``, the AOT graph's
+expressions, which a launch evaluates for its own sizes (``export/trt_abi.py::launch_plan``, the AOT graph's
 nodes). ``_scan_kernel``'s ``num_blocks`` has none: the scan launch is only needed past one chunk of block sums,
-which the AOT decode graph refuses (``trt/aot_graph.py``)."""
+which the AOT decode graph refuses (``export/aot_graph.py``)."""
 
 
 def eval_grid(grid: list[str] | tuple[str, ...], sizes: dict, constexprs: dict) -> tuple[int, ...]:
@@ -334,7 +334,7 @@ def _spec(launch, op: str, sizes: dict, select: str | None = None) -> KernelSpec
 def _buffers(launch, signature: dict) -> list[int]:
     """For each pointer parameter of a recorded launch, in order: the index of its buffer among the launch's distinct
     buffers (views of one tensor - the pool's ``uint8``/``fp16``/``fp32``/``int32`` views - are one buffer), in
-    first-use order: the binding TensorRT's calling convention needs (``trt/trt_abi.py``)."""
+    first-use order: the binding TensorRT's calling convention needs (``export/trt_abi.py``)."""
     kernel, _, args, kwargs = launch
     bound = {**dict(zip([n for n, _, _ in kernel_parameters(kernel)], args)), **kwargs}
     seen, out = {}, []
@@ -681,7 +681,7 @@ def build_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTED_TAR
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         repo = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "trtllm_diffkv.trt.aot", "--fields", json.dumps(shape.to_fields()),
+        cmd = [sys.executable, "-m", "trtllm_diffkv.export.aot", "--fields", json.dumps(shape.to_fields()),
                "--out", str(out), "--targets", ",".join(map(str, targets)), "--ops", ",".join(ops)]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if run.returncode != 0:
@@ -699,9 +699,9 @@ def build_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTED_TAR
 
 
 def abi_kernels(shape: EngineShape, entries: list[dict]) -> list:
-    """The TensorRT-convention wrappers an engine needs (``trt/trt_abi.py``): every entry as its launcher binds it,
-    plus the bindings of the AOT prefill and decode graphs (fp32 engines, ``trt/aot_prefill.py::prefill_graph_abi``,
-    ``trt/aot_graph.py::decode_graph_abi``), deduplicated."""
+    """The TensorRT-convention wrappers an engine needs (``export/trt_abi.py``): every entry as its launcher binds it,
+    plus the bindings of the AOT prefill and decode graphs (fp32 engines, ``export/aot_prefill.py::prefill_graph_abi``,
+    ``export/aot_graph.py::decode_graph_abi``), deduplicated."""
     from .aot_graph import decode_graph_abi
     from .aot_prefill import prefill_graph_abi
 
@@ -713,7 +713,7 @@ def abi_kernels(shape: EngineShape, entries: list[dict]) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trtllm_diffkv.trt.aot --fields JSON --out DIR [--targets 80,90] [--ops ...]``."""
+    """``python -m trtllm_diffkv.export.aot --fields JSON --out DIR [--targets 80,90] [--ops ...]``."""
     parser = argparse.ArgumentParser(description="compile an engine's DiffKV kernels ahead of time")
     parser.add_argument("--fields", required=True, help="EngineShape.to_fields() as JSON")
     parser.add_argument("--out", required=True)

@@ -1,11 +1,11 @@
 """The decode step as a sequence of kernel launches bound to named graph tensors (the AOT decode graph's nodes).
 
-:func:`record_decode` runs the decode plugins' own implementations (``trtllm_diffkv/trt/plugins/ops.py``: ``run_decode_decide``,
+:func:`record_decode` runs the decode plugins' own implementations (``trtllm_diffkv/export/plugin_ops.py``: ``run_decode_decide``,
 ``run_page_update``, ``run_decode_locate``, ``run_decode`` with ``use_triton=True``, i.e. what ``@trtp.impl`` runs) on
 ``meta`` tensors of an engine's shapes, with the Triton kernels replaced by the launch recorder of
 :mod:`.aot` (as :func:`.aot.kernel_specs` records them). Every tensor those implementations would allocate for
 themselves (the decisions' outputs, the page manager's scan scratch, the moves, the decode workspace, ...) is
-passed in as a named tensor (:data:`TENSORS`, the ``scratch`` arguments of ``trtllm_diffkv/trt/plugins/ops.py``), so each pointer
+passed in as a named tensor (:data:`TENSORS`, the ``scratch`` arguments of ``trtllm_diffkv/export/plugin_ops.py``), so each pointer
 argument of each launch is bound to a named tensor: a graph input, a graph-made scratch buffer, an initializer,
 or a per-layer slice. A pointer argument that is not (or is a view at an offset) stops the recording
 (:class:`UnboundArgument`).
@@ -181,12 +181,12 @@ def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None
 
 
 def decode_calls(shape: EngineShape, T: dict, num_partitions: int):
-    """The decode step's plugin implementations (``trtllm_diffkv/trt/plugins/ops.py`` with ``use_triton=True``, what ``@trtp.impl``
+    """The decode step's plugin implementations (``trtllm_diffkv/export/plugin_ops.py`` with ``use_triton=True``, what ``@trtp.impl``
     runs) on the named tensors ``T`` (:func:`dims_of`'s names; ``q``/``k``/``v``, ``out``, ``new_scores`` and the
     ``layer_*`` slices are one layer's), as ``[(node, call)]`` in order: ``decode_decide``, ``page_update``,
     ``decode_locate``, then one layer's ``decode_attention``. :func:`record_decode` records their launches on ``meta``
     tensors; the GPU test runs them on real ones (the JIT reference of the AOT graph's launches)."""
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
 
     from ..kernels import decode_attention as da
 

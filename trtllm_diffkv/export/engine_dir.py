@@ -9,14 +9,14 @@ Layout (``ENGINE_DIR/``)::
                            one line each on TensorRT and the CUDA C++ kernels: built, or why not)
     model/                 the model as a Hugging Face folder: config.json, model.safetensors (weights in
                            the build dtype), tokenizer and generation_config files copied from the checkpoint
-    model.onnx (+ .data)   the graph with one DiffKV plugin node per layer (trt/onnx_export.py); with
+    model.onnx (+ .data)   the graph with one DiffKV plugin node per layer (export/onnx_export.py); with
                            ``--graph per-op`` instead model_prefill.onnx + model_decode.onnx (per-operation plugin
                            nodes) sharing one model.onnx.data; ``--graph aot``: the same names, both graphs' DiffKV
                            work as standard ONNX operators and one node per kernel launch (TensorRT's AOT calling
                            convention)
-    kernels/               AOT PTX + cubins for sm_80 / sm_90 and manifest.json (trt/aot.py): the Triton kernels
-                           and their TensorRT-convention wrappers (trt/trt_abi.py: trt_abi.py + *.trt.*); the CUDA
-                           C++ decode kernels where compiled (trt/cuda_aot.py: cuda_kernels.json)
+    kernels/               AOT PTX + cubins for sm_80 / sm_90 and manifest.json (export/aot.py): the Triton kernels
+                           and their TensorRT-convention wrappers (export/trt_abi.py: trt_abi.py + *.trt.*); the CUDA
+                           C++ decode kernels where compiled (export/cuda_aot.py: cuda_kernels.json)
     rank0.engine           the serialized TensorRT engine, only where ``import tensorrt`` works
 
 Directories are mode 0755 and files 0644, so that a server running as another user can read the directory.

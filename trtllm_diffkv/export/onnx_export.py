@@ -27,13 +27,13 @@ Plugin nodes: op type = plugin name, domain = ``diffkv`` (the plugin namespace),
 ``plugin_namespace="diffkv"``, ``plugin_version="1"`` and exactly the plugin's fields (the layer index,
 the model shape and the DiffKV configuration, :func:`~.fields.kv_config_to_fields`) - what TensorRT's ONNX
 parser turns into plugin fields. The two node types are the composite plugins
-:data:`trtllm_diffkv.trt.plugins.specs.STEP_PAGE_UPDATE` and :data:`trtllm_diffkv.trt.plugins.specs.LAYER_ATTENTION`, which
-``trtllm_diffkv/trt/plugins/trt_plugins.py`` registers like the per-operation ones. Weights are fp32 initializers (the
+:data:`trtllm_diffkv.export.plugin_specs.STEP_PAGE_UPDATE` and :data:`trtllm_diffkv.export.plugin_specs.LAYER_ATTENTION`, which
+``plugins/trt_plugins.py`` registers like the per-operation ones. Weights are fp32 initializers (the
 ONNX file holds them; > 2 GB is refused).
 
 Per-operation graphs (``export_onnx(..., graph="per-op", phase="prefill" | "decode")``, :func:`export_per_op`):
 the same decoder with one ``diffkv::prefill_attention`` or ``diffkv::decode_attention`` node per layer (the
-per-operation plugins of :mod:`trtllm_diffkv.trt.plugins.specs`) and the cache state (:data:`STATE_INPUTS`) as graph inputs; no
+per-operation plugins of :mod:`trtllm_diffkv.export.plugin_specs`) and the cache state (:data:`STATE_INPUTS`) as graph inputs; no
 composite node, no cache handle. Prefill: the step plan's tensors (:data:`PLAN_INPUTS`) are graph inputs, the plan
 (prompt reservation) and the prompt commit stay on the host (``ort_ops.run_per_op_step``). Decode: the graph makes
 its plan itself (``decode_decide``, ``page_update``, ``decode_locate`` nodes) from the step's slots and positions
@@ -41,7 +41,7 @@ and the page manager's state (graph inputs and aliased outputs).
 
 AOT decode graph (``export_onnx(..., graph="aot", phase="decode", manifest=...)``, :func:`export_aot`): the per-operation
 decode graph with each DiffKV node replaced by one ``diffkv::aot_<manifest entry>`` node per kernel launch
-(``trt/aot_graph.py`` records them), the nodes' inputs the tensors the kernels' pointer parameters name.
+(``export/aot_graph.py`` records them), the nodes' inputs the tensors the kernels' pointer parameters name.
 """
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trtllm_diffkv.trt.plugins import specs
+from trtllm_diffkv.export import plugin_specs as specs
 
 from ..config import DiffKVConfig
-from . import EXPORT_GRAPHS  # the graph forms: trt/__init__.py
+from . import EXPORT_GRAPHS  # the graph forms: export/__init__.py
 from .fields import kv_config_to_fields
 
 PLUGIN_NAMESPACE = specs.NAMESPACE
@@ -128,7 +128,7 @@ def attention_attrs(layer_idx: int, model_config, kv_config: DiffKVConfig, sm_sc
 
 def manager_attrs(model_config, kv_config: DiffKVConfig) -> dict:
     """Attributes of a page-manager node (``DiffKVPageUpdate``, and the decode plan's ``decode_decide``,
-    ``page_update``, ``decode_locate``): :data:`trtllm_diffkv.trt.plugins.specs.MANAGER_FIELDS` plus the plugin's name attributes."""
+    ``page_update``, ``decode_locate``): :data:`trtllm_diffkv.export.plugin_specs.MANAGER_FIELDS` plus the plugin's name attributes."""
     return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION,
             "num_layers": model_config.num_layers, "num_kv_heads": model_config.num_kv_heads,
             "head_dim": model_config.head_dim, **config_attrs(kv_config)}
@@ -323,7 +323,7 @@ def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path |
     """Export one step kind of ``model`` with the per-operation plugins as nodes.
 
     ``phase="prefill"`` (a step of prompts only): per layer one ``diffkv::prefill_attention`` node
-    (:data:`trtllm_diffkv.trt.plugins.specs.PREFILL`) ``(q, k, v, cu_seqlens, req, token_index, score_count, thr_high, thr_low,
+    (:data:`trtllm_diffkv.export.plugin_specs.PREFILL`) ``(q, k, v, cu_seqlens, req, token_index, score_count, thr_high, thr_low,
     window, start, row_base, reserved_pages, err_idx, kv_pool, page_table, tier_tokens, key_offsets, tier_counts,
     error_flags) -> (out, kv_pool, key_offsets, tier_counts, error_flags)``, the step plan's tensors
     (:data:`PLAN_INPUTS`) graph inputs: the prompt's plan (reservation) and commit stay on the host
@@ -342,7 +342,7 @@ def export_per_op(model, kv_config: DiffKVConfig, phase: str, path: str | Path |
       kv_pool) -> (kv_pool, row_ids, dest_page, dest_slot, decode_positions, err_idx)`` - the moves to the low tier
       in the pool and the new tokens' slots;
 
-    then per layer one ``diffkv::decode_attention`` node (:data:`trtllm_diffkv.trt.plugins.specs.DECODE`) ``(q, k, v, row_ids[l],
+    then per layer one ``diffkv::decode_attention`` node (:data:`trtllm_diffkv.export.plugin_specs.DECODE`) ``(q, k, v, row_ids[l],
     dest_page[l], dest_slot[l], decode_positions, err_idx, kv_pool, page_table, tier_tokens, key_offsets,
     error_flags) -> (out, kv_pool, error_flags)`` on the updated page table and tier counts.
 
@@ -508,11 +508,11 @@ def plugin_nodes(proto) -> list:
 
 AOT_OP_PREFIX = "aot_"
 """Op type of an AOT node: ``aot_<manifest entry name>`` (domain ``diffkv``: the plugin ``diffkv::aot_<name>`` that
-``trtllm_diffkv/trt/plugins/trt_plugins.py::register_aot_plugins`` registers for the entry)."""
+``plugins/trt_plugins.py::register_aot_plugins`` registers for the entry)."""
 AOT_ATTRS = {"kernel_name": str, "kernel": str, "abi": str, "grid": str, "num_warps": int, "num_stages": int,
              "shared_mem": int, "constexprs": str, "sizes": str, "dims": str, "extras": str, "bind_dtypes": str}
 """Attributes of an AOT node besides ``plugin_namespace`` / ``plugin_version`` (:func:`aot_node_attrs`), and their
-types: the TensorRT plugin's fields (``trtllm_diffkv/trt/plugins/trt_plugins.py::register_aot_plugins``)."""
+types: the TensorRT plugin's fields (``plugins/trt_plugins.py::register_aot_plugins``)."""
 AOT_INT_ATTRS = tuple(k for k, t in AOT_ATTRS.items() if t is int)
 AOT_STATE_OUTPUTS = ("kv_pool", "page_table", "tier_tokens", "row_pages", "slot_state", "ring", "ring_state",
                      "error_flags")
@@ -684,14 +684,14 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     """The decode step with its DiffKV work as one ``diffkv::aot_<kernel>`` node per kernel launch.
 
     The per-operation decode graph (:func:`export_per_op` ``phase="decode"``: same graph inputs and ``*_out``
-    outputs) with each DiffKV node replaced by the launches its implementation makes (``trt/aot_graph.py``:
-    ``trtllm_diffkv/trt/plugins/ops.py`` with ``use_triton=True`` recorded on ``meta`` tensors), in launch order:
+    outputs) with each DiffKV node replaced by the launches its implementation makes (``export/aot_graph.py``:
+    ``trtllm_diffkv/export/plugin_ops.py`` with ``use_triton=True`` recorded on ``meta`` tensors), in launch order:
     ``decode_decide`` -> ``_decide_kernel``; ``page_update`` -> ``_count_kernel``, ``_decode_apply_kernel`` (the fused
     scan); ``decode_locate`` -> ``_locate_kernel`` (+ ``_read_tokens_kernel``, ``_write_tokens_kernel`` for the moves
     of a compressing preset); per layer ``decode_attention`` -> ``_write_tokens_kernel`` (the new token), then
     ``_decode_partial_kernel``, ``_decode_merge_kernel`` (+ ``_decode_score_kernel`` when scores are updated).
 
-    Each node is a launch in TensorRT's AOT calling convention (``trt/trt_abi.py``): op type
+    Each node is a launch in TensorRT's AOT calling convention (``export/trt_abi.py``): op type
     ``aot_<wrapper name>`` (``<manifest entry>__<binding hash>``), domain ``diffkv``, attributes
     :func:`aot_node_attrs`; inputs: the distinct tensors its pointer parameters name, in first-use order (the pool's
     four dtype views are one input); outputs: one per input, the same tensor after the launch (aliased in place),
@@ -766,7 +766,7 @@ def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str
     Per layer: the causal attention of the packed prompts (``MatMul``/``Softmax`` under the mask "same prompt
     (``req``), key position <= query position (``token_index``)"; grouped KV heads expanded), the prompt scores (the
     AOT nodes of ``_prompt_lse_kernel``, ``_prompt_lse_merge_kernel``, ``_prompt_score_kernel``: the engine's
-    ``max_seq_len`` variant, ``trt/aot_prefill.py``), the key offsets of a centering preset (each prompt's mean key
+    ``max_seq_len`` variant, ``export/aot_prefill.py``), the key offsets of a centering preset (each prompt's mean key
     per KV head, ``ScatterElements`` + ``ScatterND``), the tiers (importance = score sum / ``score_count`` against
     ``thr_high`` / ``thr_low``, the ``window`` tokens high), the tier counts (``ScatterElements`` add into
     ``tier_counts``), each tier's token index in its row (exclusive ``CumSum`` less the prompt start's), its page (the

@@ -1,7 +1,7 @@
 """onnxruntime custom ops for the DiffKV plugin nodes (onnxruntime-extensions Python ops).
 
 Route used (stated plainly): the nodes are the composite plugins ``diffkv::DiffKVPageUpdate`` and
-``diffkv::DiffKVAttention`` (:mod:`trtllm_diffkv.trt.plugins.specs`), run by their implementations in :mod:`trtllm_diffkv.trt.plugins.ops`:
+``diffkv::DiffKVAttention`` (:mod:`trtllm_diffkv.export.plugin_specs`), run by their implementations in :mod:`trtllm_diffkv.export.plugin_ops`:
 the cache state of record is a Python :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` registered
 under an integer handle (:func:`register_cache`); the graph's ``cache_handle`` input selects it.
 ``DiffKVPageUpdate`` runs :meth:`PagedDiffKVCache.plan` (page manager reserve, decode decisions, one
@@ -35,8 +35,8 @@ import weakref
 import numpy as np
 import torch
 
-from trtllm_diffkv.trt.plugins import ops as plugin_ops
-from trtllm_diffkv.trt.plugins import specs
+from . import plugin_ops
+from . import plugin_specs as specs
 
 from .onnx_export import (ATTENTION_OP, PAGE_UPDATE_OP, PHASE_STATE, PLAN_INPUTS, PLUGIN_NAMESPACE, STATE_INPUTS,
                           per_op_input_dtypes)
@@ -66,7 +66,7 @@ def _t(a: np.ndarray) -> torch.Tensor:
 
 
 def page_update(handle, slots, seq_lens, positions, is_prefill, table, tokens):
-    """``DiffKVPageUpdate`` (:func:`trtllm_diffkv.trt.plugins.ops.run_step_page_update`): returns (step token int64 ``[1]``,
+    """``DiffKVPageUpdate`` (:func:`trtllm_diffkv.export.plugin_ops.run_step_page_update`): returns (step token int64 ``[1]``,
     page_table, tier_tokens); a failure returns token 0 and the input state (error recorded). Never raises."""
     try:
         token = torch.zeros(1, dtype=torch.int64)
@@ -80,7 +80,7 @@ def page_update(handle, slots, seq_lens, positions, is_prefill, table, tokens):
 
 
 def attention(q, k, v, pool, table, tokens, handle, step_token, *, layer_idx: int, **_fields):
-    """``DiffKVAttention`` (:func:`trtllm_diffkv.trt.plugins.ops.run_layer_attention`): returns (out, pool, table, tokens).
+    """``DiffKVAttention`` (:func:`trtllm_diffkv.export.plugin_ops.run_layer_attention`): returns (out, pool, table, tokens).
 
     A failed step (token 0) or a failure here returns zeros and the input state (error recorded). Never raises.
     """
@@ -118,7 +118,7 @@ _ORT_TYPES = {"float32": "dt_float", "int64": "dt_int64", "int32": "dt_int32", "
 
 def _op_types(plugin: specs.PluginSpec) -> tuple[list, list, dict]:
     """onnxruntime-extensions input types, output types and attribute types of a composite plugin's node (fp32
-    activations: the exported graph's; the types from :mod:`trtllm_diffkv.trt.plugins.specs`)."""
+    activations: the exported graph's; the types from :mod:`trtllm_diffkv.export.plugin_specs`)."""
     from onnxruntime_extensions import PyCustomOpDef as P
 
     pick = lambda t: getattr(P, _ORT_TYPES["float32" if "float32" in t.dtypes else t.dtypes[0]])  # noqa: E731
@@ -167,8 +167,8 @@ that alias them back to fp16 around the node (exact both ways), the op converts 
 
 
 def _per_op(plugin: specs.PluginSpec):
-    """The onnxruntime op of ``prefill_attention`` / ``decode_attention``: :func:`trtllm_diffkv.trt.plugins.ops.run_prefill` /
-    :func:`trtllm_diffkv.trt.plugins.ops.run_decode` (torch ops path) on copies of the inputs, the aliased ones returned as the
+    """The onnxruntime op of ``prefill_attention`` / ``decode_attention``: :func:`trtllm_diffkv.export.plugin_ops.run_prefill` /
+    :func:`trtllm_diffkv.export.plugin_ops.run_decode` (torch ops path) on copies of the inputs, the aliased ones returned as the
     updated state. Never raises (module docstring): a failure is recorded, zeros and the input state returned."""
     run = plugin_ops.run_prefill if plugin is specs.PREFILL else plugin_ops.run_decode
     half = _HALF_INPUTS[plugin.name]
@@ -195,8 +195,8 @@ PLAN_PLUGINS = (specs.DECODE_DECIDE, specs.PAGE_UPDATE, specs.DECODE_LOCATE)
 
 
 def _plan_op(plugin: specs.PluginSpec):
-    """The onnxruntime op of a decode-plan node: :func:`trtllm_diffkv.trt.plugins.ops.run_decode_decide`,
-    :func:`trtllm_diffkv.trt.plugins.ops.run_page_update` or :func:`trtllm_diffkv.trt.plugins.ops.run_decode_locate` (Triton kernels: on the CPU under
+    """The onnxruntime op of a decode-plan node: :func:`trtllm_diffkv.export.plugin_ops.run_decode_decide`,
+    :func:`trtllm_diffkv.export.plugin_ops.run_page_update` or :func:`trtllm_diffkv.export.plugin_ops.run_decode_locate` (Triton kernels: on the CPU under
     ``TRITON_INTERPRET=1``; the moves' read/write on the torch ops path) on copies of the inputs, the aliased ones
     returned as the updated state. Never raises (module docstring): a failure is recorded, zeros and the input
     state returned."""
@@ -454,7 +454,7 @@ def _aot_half(node) -> set:
 
 def register_aot_ops(proto) -> None:
     """Register the AOT nodes of ``proto`` (``graph="aot"``) as onnxruntime-extensions Python ops: one per op type
-    (``aot_<wrapper>``), each running :func:`trtllm_diffkv.trt.plugins.ops.run_abi_kernel` (the node's TensorRT-convention wrapper
+    (``aot_<wrapper>``), each running :func:`trtllm_diffkv.export.plugin_ops.run_abi_kernel` (the node's TensorRT-convention wrapper
     through Triton's JIT with the argument list TensorRT would pass; on the CPU under ``TRITON_INTERPRET=1``).
 
     Raises:
@@ -488,7 +488,7 @@ def register_aot_ops(proto) -> None:
 
 
 def _aot_op(op_type: str):
-    """The onnxruntime op of an AOT node: :func:`trtllm_diffkv.trt.plugins.ops.run_abi_kernel` on copies of the inputs (fp16 ones
+    """The onnxruntime op of an AOT node: :func:`trtllm_diffkv.export.plugin_ops.run_abi_kernel` on copies of the inputs (fp16 ones
     arrive as fp32, see :func:`ort_model`); returns every input after the launch (the aliased outputs). Never raises
     (module docstring): a failure is recorded and the inputs returned."""
 

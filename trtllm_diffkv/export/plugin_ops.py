@@ -171,7 +171,7 @@ def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bo
         inputs: the tensors of :data:`.specs.DECODE`, in order.
         out: ``[B, H, D]`` attention output (written).
         scratch: the tensors this op otherwise allocates (the AOT graph's recording names them,
-            ``trt/aot_graph.py``): ``rows`` int64 ``[B, Hkv]`` (``row_ids`` as int64: the key-offset rows),
+            ``export/aot_graph.py``): ``rows`` int64 ``[B, Hkv]`` (``row_ids`` as int64: the key-offset rows),
             ``scores`` fp32 ``[B * Hkv]`` zeros (the new tokens' scores), ``workspace`` (a ``DecodeWorkspace``).
     """
     from trtllm_diffkv.paged import decode
@@ -308,26 +308,26 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
 
 def run_abi_kernel(tensors: list, attrs: dict) -> None:
     """``diffkv::aot_<wrapper>`` through Triton's JIT: launch the node's TensorRT-convention wrapper
-    (``trtllm_diffkv/trt/trt_abi.py``) with the argument list TensorRT passes - the inputs, the int32 extra args, the
+    (``trtllm_diffkv/export/trt_abi.py``) with the argument list TensorRT passes - the inputs, the int32 extra args, the
     outputs (the inputs again: aliased) - and the node's grid, warps and stages (CUDA, or the CPU under
     ``TRITON_INTERPRET=1``). The inputs are written in place.
 
     Args:
         tensors: the node's inputs (the launch's distinct buffers, in the wrapper's input order and dtypes; torch
             tensors, each its own memory).
-        attrs: the node's attributes (``trt/onnx_export.py::aot_node_attrs``; JSON strings or decoded): ``abi`` (the
+        attrs: the node's attributes (``export/onnx_export.py::aot_node_attrs``; JSON strings or decoded): ``abi`` (the
             wrapper), ``grid``, ``sizes``, ``dims``, ``extras``, ``constexprs``, ``num_warps``, ``num_stages``; the grid
-            and extras come from :func:`trtllm_diffkv.trt.trt_abi.launch_plan`, as TensorRT's ``aot_impl`` gets them.
+            and extras come from :func:`trtllm_diffkv.export.trt_abi.launch_plan`, as TensorRT's ``aot_impl`` gets them.
 
     Raises:
         ValueError: not as many tensors as the wrapper has inputs; an input whose dtype is not the wrapper's (or has
             no Triton element type); two inputs that share memory (the same ``data_ptr``, both non-empty: the inputs
             are distinct buffers updated in place, so an optimizer that merged two identical inputs - e.g.
             onnxruntime's common-subexpression elimination of two zero tensors - would make them one buffer);
-            as :func:`~trtllm_diffkv.trt.trt_abi.launch_plan`.
+            as :func:`~trtllm_diffkv.export.trt_abi.launch_plan`.
     """
-    from trtllm_diffkv.trt import trt_abi
-    from trtllm_diffkv.trt.aot import decode_constexpr
+    from trtllm_diffkv.export import trt_abi
+    from trtllm_diffkv.export.aot import decode_constexpr
 
     abi = trt_abi.AbiKernel.from_json(attrs["abi"])
     tensors = list(tensors)

@@ -15,9 +15,9 @@ Three per-operation plugins (namespace ``diffkv``):
   (``decision_kernel.locate_rows``, then the write ops' ``read_tokens`` / ``write_tokens``).
 
 ``decode_decide -> page_update -> decode_locate`` is ``paged/decode.py::plan_device`` as three nodes (the
-per-operation decode graph's plan, ``trt/onnx_export.py``).
+per-operation decode graph's plan, ``export/onnx_export.py``).
 
-and the two composite plugins the exported ONNX graph is made of (``trt/onnx_export.py``), which run
+and the two composite plugins the exported ONNX graph is made of (``export/onnx_export.py``), which run
 the paged cache's own per-layer code on a cache registered under a handle (:mod:`.ops`):
 
 * ``diffkv::DiffKVPageUpdate`` - the step's page-manager plan (``PagedDiffKVCache.plan``: prompt
@@ -60,7 +60,7 @@ CONFIG_FIELDS = {"high_key_bits": int, "high_value_bits": int, "high_key_groups"
                  "alpha_high": str, "alpha_low": str, "recent_window_tokens": int, "prompt_score_window_tokens": int,
                  "prompt_threshold_base": str, "center_keys": int, "compress": int, "key_rotation": str,
                  "rotation_seed": int, "score_pool_tokens": int, "kv_config_name": str}
-"""The DiffKV configuration as plugin fields (``trt/fields.py::kv_config_to_fields``; the thresholds as decimal
+"""The DiffKV configuration as plugin fields (``export/fields.py::kv_config_to_fields``; the thresholds as decimal
 strings, since ONNX float attributes are fp32)."""
 ATTENTION_FIELDS = {**SHAPE_FIELDS, **CONFIG_FIELDS}
 MANAGER_FIELDS = {"num_layers": int, "num_kv_heads": int, "head_dim": int, **CONFIG_FIELDS}
@@ -251,7 +251,7 @@ PLAN_KERNELS = {
     "decode_locate": (("_locate_kernel", "decode_plan"), ("_read_tokens_kernel", "read_high_move"),
                       ("_write_tokens_kernel", "write_low_move")),
 }
-"""The AOT kernels (manifest ``(kernel function, op)``, ``trt/aot.py``) each decode-plan plugin launches, in order:
+"""The AOT kernels (manifest ``(kernel function, op)``, ``export/aot.py``) each decode-plan plugin launches, in order:
 ``page_update`` runs ``_scan_kernel`` only when its block sums exceed one chunk (the manifest's ``select``);
 ``decode_locate``'s two move kernels only for a compressing preset (the fp16 preset moves nothing)."""
 

@@ -70,7 +70,7 @@ def load_source(model, kv_config, device, dtype):
     info = None
     if model is not None:
         try:
-            from ..trt.engine_dir import is_engine_dir, read_engine_dir
+            from ..export.engine_dir import is_engine_dir, read_engine_dir
         except ImportError:  # the build package is optional
             is_engine_dir = None
         if is_engine_dir is not None and is_engine_dir(model):
@@ -84,7 +84,7 @@ def load_source(model, kv_config, device, dtype):
     dtype = dtype if dtype is not None else default_dtype(device)
     net, tokenizer, model_config = load_model(model, device=device, dtype=dtype)
     if info is not None:
-        from ..trt.engine_dir import check_engine_matches_model
+        from ..export.engine_dir import check_engine_matches_model
 
         check_engine_matches_model(engine_dir, model_config)
     kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
@@ -226,7 +226,7 @@ class LLM:
 
         if model is not None:
             try:
-                from ..trt.engine_dir import is_engine_dir
+                from ..export.engine_dir import is_engine_dir
             except ImportError:  # the build package is optional
                 is_engine_dir = None
             if is_engine_dir is not None and is_engine_dir(model):

@@ -7,7 +7,7 @@ is off). The model is decoupled: ``execute`` hands each request to an asyncio lo
 returns at once; the loop sends the responses (``stream`` true: one per new piece of text, then
 the final flag; else one response with the whole text) and polls ``request.is_cancelled()``
 every 0.1 s: a cancelled request is aborted in the LLM, which frees its pages before its next
-step. Input/output tensors: :mod:`trtllm_diffkv.serve.triton_requests`. The LLM's statistics are
+step. Input/output tensors: :mod:`trtllm_diffkv.serve.tritonserver_requests`. The LLM's statistics are
 exported as Triton custom metrics (:mod:`trtllm_diffkv.serve.metrics`, labels ``model`` and
 ``version``) every 0.25 s.
 
@@ -114,12 +114,12 @@ class TritonPythonModel:
             sys.path.insert(0, params["python_path"])  # the trtllm_diffkv that wrote this repository
         _hide_packages_needing_numpy_2()
         from trtllm_diffkv.llmapi.llm import LLM
-        from trtllm_diffkv.serve import metrics, triton_requests
+        from trtllm_diffkv.serve import metrics, tritonserver_requests
 
-        self.requests_module, self.metrics_module = triton_requests, metrics
-        self.input_names = [spec.name for spec in triton_requests.INPUTS]
+        self.requests_module, self.metrics_module = tritonserver_requests, metrics
+        self.input_names = [spec.name for spec in tritonserver_requests.INPUTS]
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.llm = LLM(**triton_requests.llm_kwargs_from_parameters(params))
+        self.llm = LLM(**tritonserver_requests.llm_kwargs_from_parameters(params))
         self.shutdown_timeout_s = float(params.get("shutdown_timeout_s") or SHUTDOWN_TIMEOUT_S)
         self.live: set = set()  # handles of the requests in flight
         self.draining = self.shutdown_aborted = False

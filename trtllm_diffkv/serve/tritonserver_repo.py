@@ -2,8 +2,8 @@
 
 Layout (``write_repository``)::
 
-    <repository>/<name>/config.pbtxt     backend "python", decoupled, tensors of triton_requests
-    <repository>/<name>/1/model.py       a copy of trtllm_diffkv/serve/triton_model.py
+    <repository>/<name>/config.pbtxt     backend "python", decoupled, tensors of tritonserver_requests
+    <repository>/<name>/1/model.py       a copy of trtllm_diffkv/serve/tritonserver_model.py
 
 ``config.pbtxt`` declares ``max_batch_size`` (every tensor is ``[batch, ...]``, as in TensorRT-LLM's
 own models, so their clients send the same shapes) but no ``dynamic_batching``: Triton hands each
@@ -20,11 +20,11 @@ import re
 import shutil
 from pathlib import Path
 
-from .triton_requests import INPUTS, OUTPUTS, TensorSpec
+from .tritonserver_requests import INPUTS, OUTPUTS, TensorSpec
 
 __all__ = ["model_config_text", "write_repository", "MODEL_TEMPLATE"]
 
-MODEL_TEMPLATE = Path(__file__).with_name("triton_model.py")
+MODEL_TEMPLATE = Path(__file__).with_name("tritonserver_model.py")
 """The Python backend model file copied into each repository."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -65,7 +65,7 @@ def model_config_text(name: str, *, max_batch_size: int = 64, decoupled: bool = 
     outputs = ",\n".join(_tensor(spec, False) for spec in OUTPUTS)
     params = "".join(f"parameters: {{\n  key: {_quote(key)}\n  value: {{ string_value: {_quote(value)} }}\n}}\n"
                      for key, value in sorted((parameters or {}).items()))
-    return (f'# Written by trtllm-diffkv triton-repo. Tensors: trtllm_diffkv/serve/triton_requests.py\n'
+    return (f'# Written by trtllm-diffkv triton-repo. Tensors: trtllm_diffkv/serve/tritonserver_requests.py\n'
             f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
             f"model_transaction_policy {{\n  decoupled: {'true' if decoupled else 'false'}\n}}\n"
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"

@@ -7,7 +7,7 @@
 
 Importing a name needs TensorRT-LLM with its KV-cache compression framework (an ``ImportError`` says how
 to install it otherwise). NOT RUN against TensorRT-LLM, which cannot be installed on this project's
-machines: the tests drive it through ``tests/trt/trtllm_standin.py``, a stand-in reproducing the base
+machines: the tests drive it through ``tests/trtllm_backend/trtllm_standin.py``, a stand-in reproducing the base
 classes, the factory's validation and PyExecutor's call order from TensorRT-LLM's sources.
 """
 _LAZY = {

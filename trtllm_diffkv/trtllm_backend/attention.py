@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._bases import AttentionBackend, AttentionMetadata, PredefinedAttentionMask
+from .bases import AttentionBackend, AttentionMetadata, PredefinedAttentionMask
 from .manager import MANAGER_ATTRIBUTE
 
 

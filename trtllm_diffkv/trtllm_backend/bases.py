@@ -15,7 +15,7 @@ Raises:
 """
 from __future__ import annotations
 
-INSTALL_HINT = ("trtllm_diffkv.trt.tensorrt_llm needs TensorRT-LLM with the KV-cache compression framework "
+INSTALL_HINT = ("trtllm_diffkv.trtllm_backend needs TensorRT-LLM with the KV-cache compression framework "
                 "(tensorrt_llm.llmapi.llm_args.KvCacheCompressionConfig, "
                 "tensorrt_llm._torch.pyexecutor.resource_manager.KVCacheCompressionManager): install TensorRT-LLM "
                 "first (pip install tensorrt_llm, NVIDIA's index), then this package beside it "

@@ -9,7 +9,7 @@ Usage::
 
     from tensorrt_llm import LLM
     from tensorrt_llm.llmapi import KvCacheConfig
-    from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig  # registers the method (registration.py)
+    from trtllm_diffkv.trtllm_backend import DiffKVCompressionConfig  # registers the method (registration.py)
 
     llm = LLM(model_dir, attn_backend="DIFFKV", disable_overlap_scheduler=True, enable_chunked_prefill=False,
               kv_cache_config=KvCacheConfig(enable_block_reuse=False),
@@ -21,8 +21,8 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from ...config import DiffKVConfig, get_preset, load_kv_config_file
-from ._bases import KvCacheCompressionConfig
+from ..config import DiffKVConfig, get_preset, load_kv_config_file
+from .bases import KvCacheCompressionConfig
 
 
 

@@ -41,12 +41,12 @@ from collections.abc import Mapping
 
 import torch
 
-from ...model import ModelConfig
-from ...paged.cache import NONFINITE_KV_ERROR
-from ...runtime.request import Request
-from ...runtime.resource_manager import DiffKVResourceManager, ScheduledBatch
-from ...runtime.sampling import SamplingParams
-from ._bases import KVCacheCompressionManager
+from ..model import ModelConfig
+from ..paged.cache import NONFINITE_KV_ERROR
+from ..runtime.request import Request
+from ..runtime.resource_manager import DiffKVResourceManager, ScheduledBatch
+from ..runtime.sampling import SamplingParams
+from .bases import KVCacheCompressionManager
 
 MANAGER_ATTRIBUTE = "diffkv_compression_manager"
 """Attribute set on TensorRT-LLM's KV cache manager by :meth:`DiffKVCompressionManager.bind_kv_cache_managers`:
@@ -115,7 +115,7 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         if self.kv_config.key_rotation == "none":
             return None
         if self._rotations is None or self._rotations.device != device:
-            from ...model.rotation import key_rotation_matrices
+            from ..model.rotation import key_rotation_matrices
 
             mc = self.model_config
             self._rotations = key_rotation_matrices(mc.num_layers, mc.num_kv_heads, mc.head_dim,

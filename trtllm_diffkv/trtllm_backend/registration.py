@@ -10,11 +10,11 @@ time: ``KvCacheCreator`` calls the factory as a module global; ``create_attentio
 
     # _util.py, create_kv_cache_compression_manager(config, *, pretrained_config)
     if config.algorithm == "diffkv":
-        from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionManager
+        from trtllm_diffkv.trtllm_backend import DiffKVCompressionManager
         return DiffKVCompressionManager(config, pretrained_config=pretrained_config)
     # attention_backend/utils.py, get_attention_backend(backend_name)
     elif backend_name == "DIFFKV":
-        from trtllm_diffkv.trt.tensorrt_llm import DiffKVAttention
+        from trtllm_diffkv.trtllm_backend import DiffKVAttention
         return DiffKVAttention
 
 A third, for YAML only (``trtllm-serve --extra_llm_api_options``): ``DiffKVCompressionConfig`` in
@@ -22,7 +22,7 @@ A third, for YAML only (``trtllm-serve --extra_llm_api_options``): ``DiffKVCompr
 Python API passes an instance and needs no change). :func:`register` does it by widening the
 ``kv_cache_compression_config`` field of the pydantic argument models that have one and rebuilding them.
 
-``trtllm_diffkv.trt.tensorrt_llm.config`` calls :func:`register` when it is imported, so every process
+``trtllm_diffkv.trtllm_backend.config`` calls :func:`register` when it is imported, so every process
 that builds or unpickles a ``DiffKVCompressionConfig`` (TensorRT-LLM's executor worker included) has
 the patch.
 """
@@ -44,15 +44,15 @@ def register(config_cls=None) -> None:
         config_cls: ``DiffKVCompressionConfig`` (``None``: imported here).
 
     Raises:
-        ImportError: TensorRT-LLM is not importable (``_bases.INSTALL_HINT``).
+        ImportError: TensorRT-LLM is not importable (``bases.INSTALL_HINT``).
     """
-    from . import _bases  # the clear ImportError first
+    from . import bases  # the clear ImportError first
 
     if config_cls is None:
         from .config import DiffKVCompressionConfig as config_cls
     _extend_config_field(importlib.import_module("tensorrt_llm.llmapi.llm_args"), config_cls)
     util = importlib.import_module("tensorrt_llm._torch.pyexecutor._util")
-    attn_utils = _bases.attention_module("utils")
+    attn_utils = bases.attention_module("utils")
     if not getattr(util.create_kv_cache_compression_manager, _MARK, False):
         util.create_kv_cache_compression_manager = _wrap_factory(util.create_kv_cache_compression_manager)
     if not getattr(attn_utils.get_attention_backend, _MARK, False):

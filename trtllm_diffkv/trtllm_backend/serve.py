@@ -1,11 +1,11 @@
-"""``python -m trtllm_diffkv.trt.tensorrt_llm.serve``: TensorRT-LLM's ``trtllm-serve`` with DiffKV registered.
+"""``python -m trtllm_diffkv.trtllm_backend.serve``: TensorRT-LLM's ``trtllm-serve`` with DiffKV registered.
 
 ``trtllm-serve`` (``tensorrt_llm.commands.serve:main``, a click command) reads
 ``--extra_llm_api_options FILE.yaml`` into its LLM arguments before anything of ours is imported, so a
 ``kv_cache_compression_config: {algorithm: diffkv, ...}`` block needs :func:`~.registration.register`
 first. This launcher registers, then runs ``trtllm-serve`` with the same arguments::
 
-    python -m trtllm_diffkv.trt.tensorrt_llm.serve /models/Llama-3.1-8B-Instruct \\
+    python -m trtllm_diffkv.trtllm_backend.serve /models/Llama-3.1-8B-Instruct \\
         --backend pytorch --extra_llm_api_options examples/trtllm_serve_diffkv.yaml
 
 NOT RUN: TensorRT-LLM cannot be installed on this project's machines.
