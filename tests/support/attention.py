@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory.page_format import PageFormat
-from ..memory.pool import KVCachePool
-from ..kernels.interpreter import patch_interpreter_for_numpy_2_4  # noqa: F401 - re-exported for the tests
-from ..quant import dequantize, quantize
+from trtllm_diffkv.memory.page_format import PageFormat
+from trtllm_diffkv.memory.pool import KVCachePool
+from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4  # noqa: F401 - re-exported for the tests
+from trtllm_diffkv.quant import dequantize, quantize
 
 
 @dataclass

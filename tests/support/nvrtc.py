@@ -44,9 +44,9 @@ def partial_defines(preset: str, head_dim: int, group: int, q_bf16: int = 0) -> 
     """The partial kernel's macros as ``_resolve_partial`` makes them on an sm_90 device for ``preset`` (a name in
     :data:`~trtllm_diffkv.config.PRESETS`) at ``head_dim``, ``group`` query heads a KV head, the score update on, and
     ``Q_BF16`` for bf16 queries; the cap unpinned (``compile_defines``' preferred ``MIN_BLOCKS``)."""
-    from ..config import PRESETS
-    from ..kernels import cuda_decode as cd
-    from ..memory import PageFormat
+    from trtllm_diffkv.config import PRESETS
+    from trtllm_diffkv.kernels import cuda_decode as cd
+    from trtllm_diffkv.memory import PageFormat
 
     fmt = PageFormat.for_config(PRESETS[preset], head_dim)
     pmax = max(fmt.high_tokens_per_page, fmt.low_tokens_per_page)
@@ -92,7 +92,7 @@ def settled_cap(nvrtc: ctypes.CDLL, defines: dict[str, int], source: str | None 
     ``defines`` (:func:`~trtllm_diffkv.kernels.cuda_decode.compile_defines`' macros, plus ``Q_BF16`` for bf16
     queries), its kernels compiled by ``nvrtc`` from ``source`` (default: this tree's ``decode_partial.cu``; an
     earlier commit's text reproduces that commit where the macros still apply)."""
-    from ..kernels import cuda_decode as cd
+    from trtllm_diffkv.kernels import cuda_decode as cd
 
     text = cd.SOURCE_PATH.read_text() if source is None else source
 

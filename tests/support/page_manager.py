@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..memory.page_manager import PageManager, PageStatus, SlotState, StepStatus
+from trtllm_diffkv.memory.page_manager import PageManager, PageStatus, SlotState, StepStatus
 
 
 class Lockstep:

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.interpreter import patch_interpreter_for_numpy_2_4  # noqa: F401 - re-exported for the tests
+from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4  # noqa: F401 - re-exported for the tests
 
-from ..cache import DiffKVReferenceCache
-from ..policy import TIER_PRUNED
-from ..paged.cache import PagedDiffKVCache
+from trtllm_diffkv.cache import DiffKVReferenceCache
+from trtllm_diffkv.policy import TIER_PRUNED
+from trtllm_diffkv.paged.cache import PagedDiffKVCache
 from .paged_oracle import gather_request
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import TIER_HIGH, TIER_LOW
-from ..paged.gather import dequantize_tier, gather_tier
+from trtllm_diffkv.policy import TIER_HIGH, TIER_LOW
+from trtllm_diffkv.paged.gather import dequantize_tier, gather_tier
 
 
 @dataclass

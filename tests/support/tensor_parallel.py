@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..memory import PageFormat
-from ..paged.row_meta import RowMetadataFormat
-from ..runtime.resource_manager import pages_in_budget
+from trtllm_diffkv.memory import PageFormat
+from trtllm_diffkv.paged.row_meta import RowMetadataFormat
+from trtllm_diffkv.runtime.resource_manager import pages_in_budget
 
 
 def write_checkpoint(folder, model) -> Path:
@@ -115,7 +115,7 @@ def record_executor_run(executor, prompts, params, abort_after: dict | None = No
 
 
 def _scenario_executor(model, model_config, scenario, parallel=None, pages_scale: int = 1):
-    from ..runtime.executor import Executor
+    from trtllm_diffkv.runtime.executor import Executor
 
     kw = dict(scenario.get("executor_kwargs", {}))
     kw.setdefault("high_tokens_per_page", 4)
@@ -133,8 +133,8 @@ def tensor_parallel_runs(group, folder, scenarios) -> list[dict]:
     Each scenario: ``kv_config`` (the whole model's), ``num_pages`` (per rank), ``prompts``, ``params``,
     ``executor_kwargs`` (``max_batch_size``, ``max_seq_len`` required), optional ``abort_after``.
     """
-    from ..parallel.executor_hook import TensorParallelHook
-    from ..parallel.sharding import load_model_shard, local_kv_config
+    from trtllm_diffkv.parallel.executor_hook import TensorParallelHook
+    from trtllm_diffkv.parallel.sharding import load_model_shard, local_kv_config
 
     model, _tokenizer, local_config = load_model_shard(folder, group)
     out = []
@@ -148,7 +148,7 @@ def tensor_parallel_runs(group, folder, scenarios) -> list[dict]:
 def single_process_runs(folder, scenarios, tensor_parallel_size: int, device="cpu") -> list[dict]:
     """The same scenarios on the whole model in this process (on ``device``), each pool ``tensor_parallel_size``
     times a rank's pages (the ranks' pools together)."""
-    from ..model.loader import load_model
+    from trtllm_diffkv.model.loader import load_model
 
     model, _tokenizer, config = load_model(folder, device=device)
     return [record_executor_run(_scenario_executor(model, config, s, pages_scale=tensor_parallel_size),
@@ -156,7 +156,7 @@ def single_process_runs(folder, scenarios, tensor_parallel_size: int, device="cp
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, fn, args, results) -> None:
-    from ..parallel.groups import destroy_tensor_parallel, init_tensor_parallel
+    from trtllm_diffkv.parallel.groups import destroy_tensor_parallel, init_tensor_parallel
 
     try:
         torch.set_num_threads(1)
@@ -184,7 +184,7 @@ def run_ranks(fn, world_size: int, *args, device: str = "cpu", timeout_s: float 
     import os
     import queue as queue_module
 
-    from ..parallel.groups import local_init_method
+    from trtllm_diffkv.parallel.groups import local_init_method
 
     init_method = local_init_method()
     ctx = torch.multiprocessing.get_context("spawn")
