@@ -37,6 +37,7 @@ import os
 import shutil
 import sys
 import tempfile
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from .common import refuse_tp
@@ -46,6 +47,11 @@ STAGES = ("load the checkpoint", "write the model folder", "export the ONNX grap
           "compile the CUDA kernels", "export the ONNX graphs", "build the TensorRT engine", "write config.json")
 """The build's stages in order (:func:`build_engine_dir` announces each through ``stage``; the ONNX stages only
 run when their graph is asked for)."""
+
+PLUGIN_ENTRY_POINTS = "trtllm_diffkv.plugins"
+"""Entry-point group of the packages that register an engine's TensorRT plugins: ``--plugin NAME`` loads the entry
+point ``NAME`` (``diffkv``: ``trtllm_diffkv_plugins:register``, declared by pyproject.toml and installed from the folder
+``plugins/``). ``trtllm_diffkv`` never imports the plugin package itself."""
 
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
            "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -357,13 +363,30 @@ def _save_shared_onnx(protos: dict, folder: Path, files: dict, data_name: str, s
             onnx.save(proto, str(folder / files[key]))
 
 
+def plugin_register(name: str, find=None):
+    """The ``register`` function of the installed plugin package for ``--plugin name``: the entry point ``name`` of
+    :data:`PLUGIN_ENTRY_POINTS`, loaded (``find``: ``importlib.metadata.entry_points`` by default; tests pass their
+    own).
+
+    Raises:
+        RuntimeError: no installed package declares that entry point (the message says how to install one).
+    """
+    found = [ep for ep in (find or entry_points)(group=PLUGIN_ENTRY_POINTS) if ep.name == name]
+    if not found:
+        raise RuntimeError(f"no plugin package for --plugin {name} is installed (no entry point {name!r} in the group "
+                           f"{PLUGIN_ENTRY_POINTS!r}): install trtllm-diffkv from its checkout, which installs "
+                           "trtllm_diffkv_plugins from plugins/ (pip install -e .)")
+    return found[0].load()
+
+
 def _tensorrt_engine(folder: Path, onnx_file, graph: str = "composite") -> tuple[str | None, str]:
     """Serialize rank0.engine of the composite graph where TensorRT imports; else (None, the one line that says why
     not). The per-operation and AOT graphs (``onnx_file`` a dict) get no serialized engine from this command, whether
     or not TensorRT imports; their line says so and whether it does.
 
     Not run on this project's machines (TensorRT cannot be installed here): written against TensorRT
-    10.x's documented Python API (Builder, OnnxParser with the plugins of ``plugins/`` registered).
+    10.x's documented Python API (Builder, OnnxParser with the plugins registered by the installed plugin package,
+    found by :func:`plugin_register`: ``trtllm_diffkv_plugins``, the folder ``plugins/``).
     Never run (no TensorRT here). The graph's nodes are the composite plugins ``diffkv::DiffKVAttention``
     / ``diffkv::DiffKVPageUpdate``, registered by ``plugins/trt_plugins.py``; their implementations need
     the process's ``PagedDiffKVCache`` (docs/PLUGINS.md), so such an engine runs only inside Python.
@@ -380,9 +403,7 @@ def _tensorrt_engine(folder: Path, onnx_file, graph: str = "composite") -> tuple
         return None, f"{missing}; wrote the engine directory without a serialized engine (rank0.engine)"
     if onnx_file is None:
         return None, "no ONNX graph (--no-onnx): no serialized engine"
-    import importlib
-
-    importlib.import_module("trtllm_diffkv_plugins.trt_plugins")  # registers diffkv::* with tensorrt.plugin
+    plugin_register("diffkv")()  # registers diffkv::* with tensorrt.plugin
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
