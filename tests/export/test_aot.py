@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from trtllm_diffkv.export import aot  # noqa: E402
+from trtllm_diffkv.export import aot, launches  # noqa: E402
 from trtllm_diffkv.export.fields import EngineShape, kv_config_from_fields, kv_config_to_fields  # noqa: E402
 from trtllm_diffkv.config import PRESETS, get_preset  # noqa: E402
 
@@ -46,7 +46,7 @@ def test_every_family_compiles_for_both_targets(aot_dir):
     assert ops == {"write_high", "write_low_prompt", "write_low_move", "read_high_move", "decode_attention",
                    "prefill_scores", "page_manager", "decode_plan", "write_high_cache", "write_low_prompt_cache"}
     kernels = {k["kernel"].split(":")[1] for k in m["kernels"]}
-    assert set(aot.GRIDS) == kernels  # every kernel of the paged path, none forgotten
+    assert set(launches.GRIDS) == kernels  # every kernel of the paged path, none forgotten
     for k in m["kernels"]:
         for target in ("sm_80", "sm_90"):
             c = k["compiled"][target]
@@ -62,13 +62,13 @@ def test_every_family_compiles_for_both_targets(aot_dir):
 def test_manifest_signatures_match_the_kernels(aot_dir):
     """Argument names, order, constexpr-ness and the compiled parameter count come from the real kernels."""
     for k in _manifest(aot_dir)["kernels"]:
-        spec = aot.KernelSpec(**{f: k[f] for f in ("name", "op", "kernel", "arg_names", "signature", "constexprs",
+        spec = launches.KernelSpec(**{f: k[f] for f in ("name", "op", "kernel", "arg_names", "signature", "constexprs",
                                                     "grid", "sizes", "scalars", "options", "select")})
-        params = aot.kernel_parameters(spec.jit_function())
+        params = launches.kernel_parameters(spec.jit_function())
         assert k["arg_names"] == [n for n, _, _ in params], k["name"]
         # constexprs: the kernel's, plus engine-fixed ints equal to 1 (the JIT makes those constexpr too)
         ones = {n for n, c, _ in params if not c and n in k["constexprs"]}
-        assert ones <= set(aot.ENGINE_INTS.get(k["kernel"].split(":")[1], ())) and \
+        assert ones <= set(launches.ENGINE_INTS.get(k["kernel"].split(":")[1], ())) and \
             all(k["constexprs"][n] == 1 for n in ones), k["name"]
         assert {n for n, c, _ in params if c} | ones == set(k["constexprs"]) == \
             {n for n, t in k["signature"].items() if t == "constexpr"}, k["name"]
@@ -108,7 +108,7 @@ def test_recorded_launch_values_follow_the_page_format():
     assert c["H_TOKENS"] == fmt.high_tokens_per_page and c["H_KC"] == fmt.high.key_codes.offset_bytes
     assert c["DT"] == "tl.float16" and c["FAST"] is True  # bf16 queries enter fp16 products (decode_attention.py)
     assert partial.signature["q_ptr"] == "*bf16" and partial.signature["pool_ptr"] == "*u8"
-    assert aot.eval_grid(partial.grid, {**partial.sizes, "num_seqs": 3}, c)[0] == 3
+    assert launches.eval_grid(partial.grid, {**partial.sizes, "num_seqs": 3}, c)[0] == 3
     write = {s.op: s for s in by_kernel["_write_tokens_kernel"]}
     assert write["write_high"].signature["k_ptr"] == "*bf16" and write["write_low_move"].signature["k_ptr"] == "*fp32"
     assert write["write_high"].constexprs["HAS_OFFSET"] is True and write["write_low_move"].constexprs["HAS_OFFSET"] \
@@ -135,15 +135,15 @@ def test_grid_formula_mismatch_is_caught():
 
     fmt = TINY.page_format
     meta = lambda *shape, dtype=torch.int32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
-    with aot._Recorder([(qw, "_write_tokens_kernel")]) as rec:
+    with launches.Recorder([(qw, "_write_tokens_kernel")]) as rec:
         qw.write_tokens(meta(3, fmt.page_size_bytes, dtype=torch.uint8), fmt, "high", meta(4), meta(4),
                         meta(4, 64, dtype=torch.float16), meta(4, 64, dtype=torch.float16),
                         scores=meta(4, dtype=torch.float32), positions=meta(4))
     kernel, grid, args, kwargs = rec.launches[0]
     assert grid == (4,)
-    assert aot._spec(rec.launches[0], "write_high", {"n_rows": 4}).grid == ["n_rows"]
+    assert launches.spec_of_launch(rec.launches[0], "write_high", {"n_rows": 4}).grid == ["n_rows"]
     with pytest.raises(AssertionError, match="grid formula"):
-        aot._spec((kernel, (5,), args, kwargs), "write_high", {"n_rows": 4})
+        launches.spec_of_launch((kernel, (5,), args, kwargs), "write_high", {"n_rows": 4})
 
 
 def test_bad_shapes_and_targets_refused(tmp_path):
@@ -180,8 +180,8 @@ from trtllm_diffkv.export.fields import EngineShape
 shape, out_dir = EngineShape.from_fields(json.loads(sys.argv[1])), sys.argv[2]
 target = GPUTarget("cuda", 90, 32)
 backend = CUDABackend(target)
-launches, record = [], aot._spec
-aot._spec = lambda launch, *a, **k: (launches.append(launch), record(launch, *a, **k))[1]
+launches, record = [], aot.spec_of_launch
+aot.spec_of_launch = lambda launch, *a, **k: (launches.append(launch), record(launch, *a, **k))[1]
 specs = aot.kernel_specs(shape, tuple(sys.argv[3].split(",")))
 result = {}
 for spec, (kernel, grid, args, kwargs) in zip(specs, launches):
@@ -273,8 +273,8 @@ def test_decision_specs_follow_the_plan(preset):
     assert locate.constexprs == {"P_HIGH": fmt.high_tokens_per_page, "P_LOW": fmt.low_tokens_per_page,
                                  "MOVES": kv.compress, "BLOCK": dk.LOCATE_BLOCK}
     assert locate.signature["src_page_out"] == ("*i32" if kv.compress else "*i64")  # fp16: slots stand in
-    assert aot.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (3, 6)  # rows of 3 seqs
-    assert aot.eval_grid(locate.grid, {**locate.sizes, "bucket": 100}, locate.constexprs) == (3,)  # 600 items
+    assert launches.eval_grid(decide.grid, {**decide.sizes, "num_seqs": 3}, decide.constexprs) == (3, 6)  # rows of 3 seqs
+    assert launches.eval_grid(locate.grid, {**locate.sizes, "bucket": 100}, locate.constexprs) == (3,)  # 600 items
     assert set(locate.divisible) == {n for n in locate.params if n.endswith("_ptr") or n.endswith("_out")}
 
 
@@ -296,7 +296,7 @@ def test_decode_plan_plugins_kernels_are_in_the_aot_set(preset):
 def test_cache_write_variants_and_step_scalars_follow_the_launchers():
     """The paged cache passes the key-offset rows as int64 (prefill and decode): those write launches have their own
     entries (``write_high_cache``, ``write_low_prompt_cache``; the int32 ones stay for direct callers). The per-call
-    scalars (``aot.STEP_SCALARS``) are recorded as expressions that give the recorded values, and a wrong expression
+    scalars (``launches.STEP_SCALARS``) are recorded as expressions that give the recorded values, and a wrong expression
     stops the build (as a wrong grid formula does)."""
     import torch
 
@@ -308,20 +308,20 @@ def test_cache_write_variants_and_step_scalars_follow_the_launchers():
     apply = next(s for s in aot.kernel_specs(TINY, ("page_manager",)) if s.kernel.endswith(":_decode_apply_kernel"))
     assert apply.step_scalars == {"n_items": "num_slots * rows_per_slot",
                                   "num_blocks": "cdiv(num_slots * rows_per_slot, BLOCK)", "num_pages": "num_pages"}
-    assert aot.eval_grid([apply.step_scalars["n_items"]], {**apply.sizes, "num_slots": 7}, apply.constexprs) == (42,)
+    assert launches.eval_grid([apply.step_scalars["n_items"]], {**apply.sizes, "num_slots": 7}, apply.constexprs) == (42,)
     mgr = tpm.TritonPageManager(TINY.page_format, 64, 2, 3, 2, 128, device="meta")
     meta = lambda *shape, dtype=torch.int32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
-    with aot._Recorder([(tpm, k) for k in ("_count_kernel", "_scan_kernel", "_decode_apply_kernel")]) as rec:
+    with launches.Recorder([(tpm, k) for k in ("_count_kernel", "_scan_kernel", "_decode_apply_kernel")]) as rec:
         mgr.append_decode(meta(2, dtype=torch.int64), meta(2, 3, 2), meta(2, 3, 2))
     sizes = {"num_slots": 2, "rows_per_slot": 6}
-    assert aot._spec(rec.launches[0], "page_manager", sizes).step_scalars == {"n_items": "num_slots * rows_per_slot"}
-    saved = aot.STEP_SCALARS["_count_kernel"]
-    aot.STEP_SCALARS["_count_kernel"] = {"n_items": "num_slots"}
+    assert launches.spec_of_launch(rec.launches[0], "page_manager", sizes).step_scalars == {"n_items": "num_slots * rows_per_slot"}
+    saved = launches.STEP_SCALARS["_count_kernel"]
+    launches.STEP_SCALARS["_count_kernel"] = {"n_items": "num_slots"}
     try:
         with pytest.raises(AssertionError, match="scalar n_items"):
-            aot._spec(rec.launches[0], "page_manager", sizes)
+            launches.spec_of_launch(rec.launches[0], "page_manager", sizes)
     finally:
-        aot.STEP_SCALARS["_count_kernel"] = saved
+        launches.STEP_SCALARS["_count_kernel"] = saved
 
 
 # --------------------------------------------------------------------------- TensorRT's calling convention

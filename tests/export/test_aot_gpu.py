@@ -4,7 +4,7 @@ Triton JIT path's outputs bit for bit (write, read, paged decode attention parti
 prompt-score kernels, page-manager decode update, the decode plan's decision + locate kernels).
 
 How: each launcher (``write_tokens``, ``paged_decode_attention``, ``scored_prefill_attention``,
-``TritonPageManager.append_decode``, ``decision_kernel.decide_rows`` / ``locate_rows``) is called once under :class:`trtllm_diffkv.export.aot._Recorder`
+``TritonPageManager.append_decode``, ``decision_kernel.decide_rows`` / ``locate_rows``) is called once under :class:`trtllm_diffkv.export.launches.Recorder`
 (records, launches nothing) to get the real arguments; the launch must match a manifest entry exactly
 (signature, constexprs, options, and the JIT's divisibility specialization: this checks the CUDA-only launch
 choices and the specialization the manifest states); the
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy") if torch.cuda.is_available() else None
 
-from trtllm_diffkv.export import aot  # noqa: E402
+from trtllm_diffkv.export import aot, launches  # noqa: E402
 from trtllm_diffkv.export.fields import EngineShape  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 
@@ -40,9 +40,9 @@ def built(tmp_path_factory):
 
 
 def _entry(manifest, launch):
-    signature, constexprs, _, options = aot.launch_signature(launch)
+    signature, constexprs, _, options = launches.launch_signature(launch)
     name = getattr(launch[0], "fn", launch[0]).__name__
-    divisible = [n for n, v in aot.jit_specialization(launch).items() if v == "D"]  # the JIT's tt.divisibility
+    divisible = [n for n, v in launches.jit_specialization(launch).items() if v == "D"]  # the JIT's tt.divisibility
     found = [e for e in manifest["kernels"] if e["kernel"].endswith(":" + name) and e["signature"] == signature
              and e["constexprs"] == constexprs and e["options"] == options and e["divisible"] == divisible]
     assert len(found) == 1, f"{name}: the JIT launch matches {len(found)} manifest entries " \
@@ -92,7 +92,7 @@ def _launch_aot(out, manifest, cc, launch):
     c = entry["compiled"][f"sm_{cc}"]
     assert c["global_scratch_bytes"] == 0 and c["profile_scratch_bytes"] == 0
     kernel, grid, args, kwargs = launch
-    names = [n for n, _, _ in aot.kernel_parameters(kernel)]
+    names = [n for n, _, _ in launches.kernel_parameters(kernel)]
     bound = {**dict(zip(names, args)), **kwargs}
     if _MODE[0] == "manifest":
         values = []
@@ -115,7 +115,7 @@ def _aot_vs_jit(built, modules, run, buffers):
     """Record ``run(*buffers)``, launch the cubins on ``buffers``, rerun JIT on clones; compare bytewise."""
     _, out, manifest, cc = built
     clones = [b.clone() for b in buffers]
-    with aot._Recorder(modules) as rec:
+    with launches.Recorder(modules) as rec:
         run(*buffers)
     assert rec.launches
     for launch in rec.launches:
@@ -238,7 +238,7 @@ def test_page_manager_decode_update_bit_exact(built):
     # the recorded launches point at the manager's own state tensors: launch the cubins on them, keep the
     # result, restore the starting state, run the JIT path, compare.
     start = [t.clone() for t in state]
-    with aot._Recorder([(tpm, k) for k in ("_count_kernel", "_scan_kernel", "_decode_apply_kernel")]) as rec:
+    with launches.Recorder([(tpm, k) for k in ("_count_kernel", "_scan_kernel", "_decode_apply_kernel")]) as rec:
         mgr.append_decode(slots, dh, dh)
     for launch in rec.launches:
         _launch_aot(built[1], built[2], built[3], launch)

@@ -25,8 +25,8 @@ How the set is derived: :func:`kernel_specs` calls the real launchers
 kernels replaced by recorders, so the argument order, types, constexprs, grids
 and launch options are exactly those of the JIT path (nothing is restated by
 hand except three CUDA-only launch choices the launchers make from the tensor's
-device, :func:`_cuda_launch`), and each kernel is specialized as Triton's JIT
-specializes that launch (:func:`jit_specialization`: divisibility by 16 of the
+device, :func:`.launches.cuda_launch_choices`), and each kernel is specialized as Triton's JIT
+specializes that launch (:func:`.launches.jit_specialization`: divisibility by 16 of the
 pointers and the engine-fixed integers, engine-fixed integers equal to 1 as constexprs). :func:`compile_specs` then compiles each with
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32))``
 for sm_80 and sm_90 and writes PTX, cubin and ``manifest.json``.
@@ -63,315 +63,22 @@ use ``cdiv`` and the named sizes of ``sizes`` plus the constexprs. The ``trt_abi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import trt_abi
 from .fields import EngineShape
+from .launches import (KernelSpec, Recorder, cuda_launch_choices, decode_constexpr, spec_name,
+                       spec_of_launch)
 
 SUPPORTED_TARGETS = (80, 90)
 """Compute capabilities engines are compiled for (A100: sm_80; H100/H200: sm_90)."""
 
 MANIFEST_VERSION = 1
-DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3  # Triton's CUDA defaults when a launch passes none
-_OPTION_KEYS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
-
-ENGINE_INTS = {
-    "_write_tokens_kernel": ("PAGE_BYTES", "KC", "KM", "VC", "VM", "SC", "PO"),
-    "_read_tokens_kernel": ("PAGE_BYTES", "KC", "KM", "VC", "VM", "SC", "PO"),
-    "_decode_partial_kernel": ("num_kv_heads", "num_parts"),
-    "_decode_merge_kernel": ("num_kv_heads", "num_parts"),
-    "_decode_score_kernel": ("num_kv_heads",),
-    "_prompt_lse_kernel": ("num_scoring", "num_heads", "num_kv_heads"),
-    "_prompt_lse_merge_kernel": ("num_heads",),
-    "_prompt_score_kernel": ("num_scoring", "num_heads", "num_kv_heads"),
-    "_count_kernel": ("G", "S", "R", "P_HIGH", "P_LOW", "P_MIN"),
-    "_reserve_apply_kernel": ("G", "S", "R", "P_MIN"),
-    "_commit_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
-    "_decode_apply_kernel": ("G", "S", "R", "P_HIGH", "P_LOW"),
-    "_release_apply_kernel": ("G", "S", "R"),
-    "_decide_kernel": ("G", "R", "PAGE_BYTES", "H_SC", "H_PO", "L_SC", "L_PO", "W", "S"),
-    "_locate_kernel": ("G", "H", "R"),
-}
-"""Runtime integer arguments fixed by the engine (model shape, page format, workspace partitions), which the
-AOT kernels specialize exactly as Triton's JIT does for the recorded value (:func:`jit_specialization`).
-Other integers (row and item counts, chunk counts, strides, pool size) vary per call: compiled unspecialized."""
-
-GRIDS = {
-    "_write_tokens_kernel": ("n_rows",),
-    "_read_tokens_kernel": ("n_rows",),
-    "_decode_partial_kernel": ("num_seqs", "num_kv_heads", "num_partitions * NCHUNK"),
-    "_decode_merge_kernel": ("num_seqs", "num_kv_heads"),
-    "_decode_score_kernel": ("num_seqs", "num_kv_heads", "cdiv(R, POS_PER_PROG)"),
-    "_prompt_lse_kernel": ("num_seqs", "num_heads", "cdiv(max_len, CHUNK)"),
-    "_prompt_lse_merge_kernel": ("num_seqs", "num_heads"),
-    "_prompt_score_kernel": ("num_seqs", "num_kv_heads", "cdiv(max_len, BLOCK_N)"),
-    "_count_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
-    "_scan_kernel": ("1",),
-    "_reserve_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
-    "_commit_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
-    "_decode_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
-    "_release_apply_kernel": ("cdiv(num_slots * rows_per_slot, BLOCK)",),
-    "_decide_kernel": ("num_seqs", "cdiv(rows_per_slot, ROWS)"),
-    "_locate_kernel": ("cdiv(bucket * rows_per_slot, BLOCK)",),
-}
-"""Grid of every kernel as expressions of named sizes and constexprs (checked against recorded launches)."""
-
-
-_BLOCKS = "cdiv(num_slots * rows_per_slot, BLOCK)"
-STEP_SCALARS = {
-    "_count_kernel": {"n_items": "num_slots * rows_per_slot"},
-    "_reserve_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
-    "_commit_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
-    "_decode_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
-    "_release_apply_kernel": {"n_items": "num_slots * rows_per_slot", "num_blocks": _BLOCKS, "num_pages": "num_pages"},
-    "_locate_kernel": {"n": "num_seqs", "B": "bucket"},
-}
-"""Runtime scalars that change per call, as expressions of the named sizes and constexprs (as :data:`GRIDS`;
-checked against every recorded launch). The manifest's ``scalars`` hold the recorded values; ``step_scalars`` these
-expressions, which a launch evaluates for its own sizes (``export/trt_abi.py::launch_plan``, the AOT graph's
-nodes). ``_scan_kernel``'s ``num_blocks`` has none: the scan launch is only needed past one chunk of block sums,
-which the AOT decode graph refuses (``export/aot_graph.py``)."""
-
-
-def eval_grid(grid: list[str] | tuple[str, ...], sizes: dict, constexprs: dict) -> tuple[int, ...]:
-    """Evaluate grid expressions with ``sizes`` and ``constexprs`` (``cdiv`` available; nothing else:
-    :func:`.trt_abi.eval_expr`)."""
-    names = {**{k: v for k, v in constexprs.items() if isinstance(v, int)}, **sizes}
-    return tuple(int(trt_abi.eval_expr(expr, names)) for expr in grid)
-
-
-# --------------------------------------------------------------------------- specs
-
-
-@dataclass
-class KernelSpec:
-    """One kernel specialization of an engine (see the module docstring for the manifest fields)."""
-
-    name: str
-    op: str
-    kernel: str
-    arg_names: list[str]
-    signature: dict[str, str]
-    constexprs: dict
-    grid: list[str]
-    sizes: dict
-    scalars: dict
-    options: dict
-    select: str | None = None
-    divisible: list[str] = field(default_factory=list)
-    compiled: dict = field(default_factory=dict)
-    step_scalars: dict = field(default_factory=dict)
-    buffers: list = field(default_factory=list)
-
-    @property
-    def params(self) -> list[str]:
-        """Runtime arguments in the compiled kernel's parameter order (constexprs removed)."""
-        return [n for n in self.arg_names if self.signature[n] != "constexpr"]
-
-    def to_json(self) -> dict:
-        """The manifest entry (all fields plus ``params``)."""
-        return {**dataclasses.asdict(self), "params": self.params}
-
-    def jit_function(self):
-        """The ``triton.JITFunction`` this spec compiles."""
-        import importlib
-
-        module, attr = self.kernel.split(":")
-        return getattr(importlib.import_module(module), attr)
-
-
-def _encode(value):
-    """JSON form of a constexpr (Triton dtypes as ``"tl.float16"``)."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    import triton.language as tl
-
-    if isinstance(value, tl.dtype):
-        return "tl." + {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}.get(value.name, value.name)
-    if hasattr(value, "value"):  # tl.constexpr
-        return _encode(value.value)
-    raise TypeError(f"cannot encode constexpr {value!r}")
-
-
-def decode_constexpr(value):
-    """Inverse of :func:`_encode` (``"tl.float16"`` -> ``tl.float16``)."""
-    if isinstance(value, str) and value.startswith("tl."):
-        import triton.language as tl
-
-        return getattr(tl, value[3:])
-    return value
-
-
-def _arg_type(value) -> str:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return "*" + trt_abi.TORCH_TO_TRITON[str(value.dtype).removeprefix("torch.")]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton argument type for {type(value).__name__}")
-
-
-class _Recorder:
-    """Replaces kernels in their launcher modules by objects that record ``kernel[grid](*args, **kwargs)``."""
-
-    def __init__(self, targets: list[tuple[object, str]]) -> None:
-        self.targets, self.saved, self.launches = targets, [], []
-
-    def __enter__(self):
-        for module, attr in self.targets:
-            original = getattr(module, attr)
-            self.saved.append((module, attr, original))
-            setattr(module, attr, _Fake(original, self.launches))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for module, attr, original in reversed(self.saved):
-            setattr(module, attr, original)
-
-
-class _Fake:
-    def __init__(self, kernel, launches: list) -> None:
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((self.kernel, tuple(int(g) for g in grid), args, kwargs))
-        return launch
-
-
-def jit_specialization(launch) -> dict[str, str]:
-    """``{runtime argument: "D" | "1"}`` of a launch as Triton's JIT specializes it (``native_specialize_impl``,
-    the function ``JITFunction.run`` calls), for pointers and the :data:`ENGINE_INTS` integers.
-
-    ``"D"``: ``tt.divisibility=16`` (a pointer 16-byte aligned, an integer a multiple of 16); ``"1"``: an integer
-    equal to 1, which the JIT turns into the constexpr 1. Pointers of the ``meta`` tensors the specs are recorded
-    on count as aligned (``data_ptr() == 0``): the AOT kernels require 16-byte aligned buffers, as torch's CUDA
-    allocator and TensorRT hand out (the JIT compiles such launches with the same hint). Without these hints the
-    compiler picks other layouts (vector widths, reduction order), so the outputs differ in rounding.
-    """
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    kernel, _, args, kwargs = launch
-    name = getattr(kernel, "fn", kernel).__name__
-    params = kernel_parameters(kernel)
-    bound = {**dict(zip([n for n, _, _ in params], args)), **kwargs}
-    out = {}
-    for pname, is_constexpr, default in params:
-        value = bound.get(pname, default)
-        if is_constexpr or isinstance(value, (bool, float)):
-            continue
-        if not hasattr(value, "data_ptr") and pname not in ENGINE_INTS.get(name, ()):
-            continue
-        kind, attr = native_specialize_impl(CUDABackend, value, False, True, True)[:2]
-        if kind == "constexpr":
-            out[pname] = "1"
-        elif attr:
-            out[pname] = attr
-    return out
-
-
-def launch_signature(launch) -> tuple[dict, dict, dict, dict]:
-    """(signature, constexprs, runtime scalars, options) of one recorded launch ``(kernel, grid, args, kwargs)``.
-
-    An :data:`ENGINE_INTS` integer equal to 1 is a constexpr, as in the JIT (:func:`jit_specialization`).
-    """
-    kernel, grid, args, kwargs = launch
-    params = kernel_parameters(kernel)
-    names = [n for n, _, _ in params]
-    bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
-    ones = {n for n, v in jit_specialization(launch).items() if v == "1"}
-    signature, constexprs, scalars = {}, {}, {}
-    for pname, is_constexpr, default in params:
-        value = bound[pname] if pname in bound else default
-        if is_constexpr or pname in ones:
-            signature[pname] = "constexpr"
-            constexprs[pname] = _encode(value)
-        else:
-            signature[pname] = _arg_type(value)
-            if not signature[pname].startswith("*"):
-                scalars[pname] = value
-    options = {k: kwargs[k] for k in _OPTION_KEYS if k in kwargs}
-    options.setdefault("num_warps", DEFAULT_NUM_WARPS)
-    options.setdefault("num_stages", DEFAULT_NUM_STAGES)
-    return signature, constexprs, scalars, options
-
-
-def _spec(launch, op: str, sizes: dict, select: str | None = None) -> KernelSpec:
-    """A :class:`KernelSpec` from one recorded launch (kernel, grid, args, kwargs)."""
-    kernel, grid = launch[0], launch[1]
-    fn = getattr(kernel, "fn", kernel)
-    signature, constexprs, scalars, options = launch_signature(launch)
-    name = fn.__name__
-    expected = eval_grid(GRIDS[name], sizes, constexprs)
-    if expected != grid:  # the hand-written formula must describe what the launcher did
-        raise AssertionError(f"{name}: grid formula {GRIDS[name]} gives {expected}, the launcher used {grid}")
-    divisible = [n for n, v in jit_specialization(launch).items() if v == "D"]
-    step_scalars = {p: e for p, e in STEP_SCALARS.get(name, {}).items() if p in scalars}
-    for param, expr in step_scalars.items():  # the hand-written expressions must give the recorded values
-        got = eval_grid([expr], sizes, constexprs)[0]
-        if got != scalars[param]:
-            raise AssertionError(f"{name}: scalar {param} = {expr} gives {got}, the launcher passed {scalars[param]}")
-    return KernelSpec(name="", op=op, kernel=f"{fn.__module__}:{name}", arg_names=list(signature),
-                      signature=signature, constexprs=constexprs, grid=list(GRIDS[name]), sizes=dict(sizes),
-                      scalars=scalars, options=options, select=select, divisible=divisible, step_scalars=step_scalars,
-                      buffers=_buffers(launch, signature))
-
-
-def _buffers(launch, signature: dict) -> list[int]:
-    """For each pointer parameter of a recorded launch, in order: the index of its buffer among the launch's distinct
-    buffers (views of one tensor - the pool's ``uint8``/``fp16``/``fp32``/``int32`` views - are one buffer), in
-    first-use order: the binding TensorRT's calling convention needs (``export/trt_abi.py``)."""
-    kernel, _, args, kwargs = launch
-    bound = {**dict(zip([n for n, _, _ in kernel_parameters(kernel)], args)), **kwargs}
-    seen, out = {}, []
-    for p, t in signature.items():
-        if t.startswith("*"):
-            key = bound[p].untyped_storage()._cdata
-            out.append(seen.setdefault(key, len(seen)))
-    return out
-
-
-def kernel_parameters(fn) -> list[tuple[str, bool, object]]:
-    """``[(name, is_constexpr, default)]`` of a kernel's Python function, in order (JIT or interpreter)."""
-    import inspect
-
-    fn = getattr(fn, "fn", fn)
-    return [(p.name, str(p.annotation).endswith("constexpr"), p.default)
-            for p in inspect.signature(fn).parameters.values()]
-
-
-def _cuda_launch(spec: KernelSpec) -> KernelSpec:
-    """The launch choices the launchers make only for CUDA tensors (recorded on ``meta`` tensors).
-
-    * write/read kernels: ``enable_fp_fusion=False`` (``quant_write._launch_options``: bit-identical rounding);
-    * decode partial: ``FAST`` = the PTX code conversion for fp16 products, and the register cap
-      ``DEFAULT_MAX_REGISTERS`` at 4 warps with at most 16 stacked rows (``paged_decode_attention``).
-    """
-    name = spec.kernel.split(":")[1]
-    if name in ("_write_tokens_kernel", "_read_tokens_kernel"):
-        spec.options["enable_fp_fusion"] = False
-    if name == "_decode_partial_kernel":
-        from ..kernels import decode_attention as da
-
-        c = spec.constexprs
-        c["FAST"] = bool(da.FAST_CONVERT and c["DT"] == "tl.float16")
-        if spec.options.get("num_warps", 4) == 4 and max(c["H_NG"], c["L_NG"]) * c["GP2"] <= 16:
-            spec.options["maxnreg"] = da.DEFAULT_MAX_REGISTERS
-    return spec
 
 
 def _meta(shape, dtype):
@@ -404,14 +111,14 @@ def _write_read_specs(shape: EngineShape) -> list[KernelSpec]:
                   ("write_low_prompt_cache", "low", dt, {**rows64, **meta, **err})]
     specs = []
     for op, tier, kdt, kwargs in calls:
-        with _Recorder([(qw, "_write_tokens_kernel")]) as rec:
+        with Recorder([(qw, "_write_tokens_kernel")]) as rec:
             qw.write_tokens(pages, fmt, tier, i32(), i32(), _meta((n, D), kdt), _meta((n, D), kdt), **kwargs)
-        specs.append(_spec(rec.launches[0], op, {"n_rows": n}))
+        specs.append(spec_of_launch(rec.launches[0], op, {"n_rows": n}))
     if cfg.compress:
-        with _Recorder([(qw, "_read_tokens_kernel")]) as rec:
+        with Recorder([(qw, "_read_tokens_kernel")]) as rec:
             qw.read_tokens(pages, fmt, "high", i32(), i32(), _meta((n, D), torch.float32),
                            _meta((n, D), torch.float32), _meta((n,), torch.float32), i32())
-        specs.append(_spec(rec.launches[0], "read_high_move", {"n_rows": n}))
+        specs.append(spec_of_launch(rec.launches[0], "read_high_move", {"n_rows": n}))
     return specs
 
 
@@ -426,13 +133,13 @@ def _decode_specs(shape: EngineShape) -> list[KernelSpec]:
     rows = B * shape.num_layers * H
     ws = da.DecodeWorkspace.allocate(B, shape.num_heads, H, fmt, R, "meta", update_scores=shape.kv_config.compress)
     q = _meta((B, shape.num_heads, shape.head_dim), getattr(torch, shape.dtype))
-    with _Recorder([(da, "_decode_partial_kernel"), (da, "_decode_merge_kernel"), (da, "_decode_score_kernel")]) as rec:
+    with Recorder([(da, "_decode_partial_kernel"), (da, "_decode_merge_kernel"), (da, "_decode_score_kernel")]) as rec:
         da.paged_decode_attention(q, _meta((7, fmt.page_size_bytes), torch.uint8), fmt, _meta((rows, R), torch.int32),
                                   _meta((rows, 2), torch.int32), _meta((B, H), torch.int32), torch.empty_like(q),
                                   sm_scale=shape.head_dim ** -0.5, update_scores=shape.kv_config.compress, workspace=ws,
                                   backend="triton")  # the AOT set holds the Triton kernels
     sizes = dict(num_seqs=B, num_kv_heads=H, num_partitions=ws.num_partitions, R=R)
-    specs = [_spec(launch, "decode_attention", sizes) for launch in rec.launches]
+    specs = [spec_of_launch(launch, "decode_attention", sizes) for launch in rec.launches]
     specs[0].scalars["qk_scale"] = f"sm_scale * {LOG2E}"  # the recorded value for head_dim ** -0.5, as a formula
     return specs
 
@@ -468,7 +175,7 @@ def _prefill_specs(shape: EngineShape) -> list[KernelSpec]:
         k, v = (_meta((n, shape.num_kv_heads, shape.head_dim), dt) for _ in range(2))  # distinct (the buffers)
         saved_f, pa.F = pa.F, fake_f
         try:
-            with _Recorder([(pa, "_prompt_lse_kernel"), (pa, "_prompt_lse_merge_kernel"),
+            with Recorder([(pa, "_prompt_lse_kernel"), (pa, "_prompt_lse_merge_kernel"),
                             (pa, "_prompt_score_kernel")]) as rec:
                 pa.scored_prefill_attention(q, k, v, torch.tensor([0, n], dtype=torch.int32),
                                             sm_scale=shape.head_dim ** -0.5,
@@ -478,7 +185,7 @@ def _prefill_specs(shape: EngineShape) -> list[KernelSpec]:
         finally:
             pa.F = saved_f
         sizes = dict(num_seqs=1, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, max_len=n)
-        specs += [_spec(launch, "prefill_scores", sizes, select=f"{first} <= max_len <= {last}")
+        specs += [spec_of_launch(launch, "prefill_scores", sizes, select=f"{first} <= max_len <= {last}")
                   for launch in rec.launches]
     return specs
 
@@ -498,7 +205,7 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
     specs = []
     for scan_chunk in (tpm.SCAN_CHUNK, 0):  # fused (block sums fit one chunk), then the separate scan launch
         mgr.scan_chunk = scan_chunk
-        with _Recorder([(tpm, k) for k in kernels]) as rec:
+        with Recorder([(tpm, k) for k in kernels]) as rec:
             mgr.reserve_prompt(slots, _meta((n,), torch.int64))
             mgr.commit_prompt(slots, per_head(), per_head())
             mgr.append_decode(slots, per_head(), per_head())
@@ -507,7 +214,7 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
         for launch in rec.launches:
             fused = launch[3].get("FUSED")
             select = None if fused is None else ("num_blocks <= CHUNK" if fused else "num_blocks > CHUNK")
-            spec = _spec(launch, "page_manager", sizes, select)
+            spec = spec_of_launch(launch, "page_manager", sizes, select)
             if "CHUNK" in spec.constexprs:  # chunk 0 only forced the unfused path; the kernels use the real one
                 spec.constexprs["CHUNK"] = tpm.SCAN_CHUNK
             specs.append(spec)
@@ -536,7 +243,7 @@ def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
     located = (_meta((L, B, H), i64), _meta((L, B, H), i32), _meta((L, B, H), i32), _meta((L, B, H), i32),
                _meta((B * H,), i32), _meta((B * H,), i32))  # rows, row_ids, page, slot, positions, err_idx
     moves = tuple(_meta((m,), i32) for _ in range(4)) if cfg.compress else None
-    with _Recorder([(dk, "_decide_kernel"), (dk, "_locate_kernel")]) as rec:
+    with Recorder([(dk, "_decide_kernel"), (dk, "_locate_kernel")]) as rec:
         act = dk.decide_rows(_meta((7, fmt.page_size_bytes), torch.uint8), fmt, table, tokens, slots, pos,
                              _meta((B,), i64), _meta((2,), torch.float64), rows_per_slot=G,
                              recent_window_tokens=cfg.recent_window_tokens,
@@ -544,7 +251,7 @@ def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
                              compress=cfg.compress)
         dk.locate_rows(table, fmt, slots, pos, act, located, moves, num_kv_heads=H, rows_per_slot=G)
     sizes = dict(num_seqs=n, bucket=B, rows_per_slot=G)
-    return [_spec(launch, "decode_plan", sizes) for launch in rec.launches]
+    return [spec_of_launch(launch, "decode_plan", sizes) for launch in rec.launches]
 
 
 DEFAULT_OPS = ("write", "decode", "prefill", "page_manager", "decision")
@@ -570,7 +277,7 @@ def kernel_specs(shape: EngineShape, ops: tuple[str, ...] = DEFAULT_OPS) -> list
     out, seen = [], {}
     for op in ops:
         for spec in makers[op](shape):
-            spec = _cuda_launch(spec)
+            spec = cuda_launch_choices(spec)
             digest = spec_name(spec)
             if digest in seen:  # same kernel for another range of the longest prompt: widen its range
                 seen[digest].select = _merge_ranges(seen[digest].select, spec.select)
@@ -579,13 +286,6 @@ def kernel_specs(shape: EngineShape, ops: tuple[str, ...] = DEFAULT_OPS) -> list
             seen[digest] = spec
             out.append(spec)
     return out
-
-
-def spec_name(spec: KernelSpec) -> str:
-    """``<kernel>__<hash>``: the manifest name of a spec (hash of kernel, signature, constexprs, options and
-    specialization: what the compiled code depends on)."""
-    key = json.dumps([spec.kernel, spec.signature, spec.constexprs, spec.options, spec.divisible], sort_keys=True)
-    return f"{spec.kernel.split(':')[1].strip('_')}__{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def _merge_ranges(a: str | None, b: str | None) -> str | None:

@@ -13,48 +13,17 @@ or a per-layer slice. A pointer argument that is not (or is a view at an offset)
 Each launch becomes a :class:`Launch`: the manifest entry's name (the same ``<kernel>__<hash>`` as
 :func:`.aot.kernel_specs` gives for the engine: same recorder, same CUDA launch choices, same specialization), the
 tensor bound to every pointer parameter, every runtime scalar (the recorded value, or for the per-call ones an
-expression of the sizes, :data:`.aot.STEP_SCALARS`) and the sizes as expressions of the step's sequence count ``n``
+expression of the sizes, :data:`.launches.STEP_SCALARS`) and the sizes as expressions of the step's sequence count ``n``
 (``step_slots``' length), token count ``B`` (``positions``' length: sequences then padding) and pool size ``P``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from . import aot
 from .fields import EngineShape
+from .launches import Launch, Recorder, TensorInfo, eval_dim, launch_of, storage_id
 from ..kernels.sizes import next_pow2
 
 SYMBOLS = {"n": "num_seqs", "B": "num_tokens", "P": "num_pages"}
 """Step sizes: decode sequences, tokens (the bucket), pool pages; the ONNX dim names of the graph tensors."""
-
-
-class UnboundArgument(RuntimeError):
-    """A launch's pointer argument that no named tensor provides (or a view of one at an offset)."""
-
-
-@dataclass
-class TensorInfo:
-    """A named tensor of the AOT decode graph: ``dims`` (ints and expressions of ``n``, ``B``, ``P``), torch dtype
-    name, kind (``input``: a graph input; ``scratch``: zeros made by the graph each step; ``const``: an initializer
-    with ``value``; ``layer``: a per-layer tensor of the decoder or a per-layer slice of a plan tensor)."""
-
-    dims: tuple
-    dtype: str
-    kind: str
-    value: object = None
-
-
-@dataclass
-class Launch:
-    """One kernel launch of the decode step (one AOT node)."""
-
-    node: str  # the per-operation plugin it belongs to: decode_decide, page_update, decode_locate, decode_attention
-    entry: str  # manifest entry name
-    spec: aot.KernelSpec
-    pointers: list[str]  # pointer parameters, in kernel-parameter order
-    bindings: list[str]  # the named tensor of each
-    scalars: dict  # runtime scalar: value or expression (of sizes / constexprs)
-    sizes: dict = field(default_factory=dict)  # size name: expression of n, B, P, or int
 
 
 def dims_of(shape: EngineShape, num_partitions: int) -> dict[str, TensorInfo]:
@@ -114,24 +83,11 @@ def dims_of(shape: EngineShape, num_partitions: int) -> dict[str, TensorInfo]:
     return t
 
 
-def _storage(t) -> int:
-    """Identity of a tensor's storage (views of one tensor, dtype views included, share it; ``meta`` tensors
-    have no addresses)."""
-    return t.untyped_storage()._cdata
-
-
 
 def _max_blocks(rows: int) -> int:
     from ..memory.triton_page_manager import DECODE_BLOCK, ROW_BLOCK
 
     return -(-rows // min(ROW_BLOCK, DECODE_BLOCK))
-
-
-def eval_dim(dim, n: int, B: int, P: int) -> int:
-    """A dim of :class:`TensorInfo` for concrete step sizes."""
-    from .trt_abi import eval_expr
-
-    return dim if isinstance(dim, int) else int(eval_expr(dim, {"n": n, "B": B, "P": P}))
 
 
 def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None, P: int = 40):
@@ -163,7 +119,7 @@ def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None
     tensors, names = {}, {}
     for name, info in infos.items():
         t = torch.empty([eval_dim(d, n, B, P) for d in info.dims], dtype=getattr(torch, info.dtype), device="meta")
-        tensors[name], names[_storage(t)] = t, name
+        tensors[name], names[storage_id(t)] = t, name
     T = tensors
     targets = [(dk, "_decide_kernel"), (dk, "_locate_kernel"), (qw, "_write_tokens_kernel"),
                (qw, "_read_tokens_kernel"), (tpm, "_count_kernel"), (tpm, "_scan_kernel"),
@@ -171,12 +127,12 @@ def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None
                (da, "_decode_score_kernel")]
     recorded = []
     for node, fn in decode_calls(shape, T, ws.num_partitions):
-        with aot._Recorder(targets) as rec:
+        with Recorder(targets) as rec:
             fn()
         recorded.extend((node, launch) for launch in rec.launches)
     n_plan = sum(node != "decode_attention" for node, _ in recorded)
     sizes_of = _sizes(shape, ws.num_partitions)
-    launches = [_launch(node, launch, names, sizes_of, (n, B, P)) for node, launch in recorded]
+    launches = [launch_of(node, launch, names, sizes_of, (n, B, P)) for node, launch in recorded]
     return infos, launches[:n_plan], launches[n_plan:]
 
 
@@ -220,8 +176,8 @@ def decode_calls(shape: EngineShape, T: dict, num_partitions: int):
 
 
 def _sizes(shape: EngineShape, num_partitions: int):
-    """``(kernel, node) -> {size name: expression of n, B, P | int}`` (the sizes :data:`.aot.GRIDS` and
-    :data:`.aot.STEP_SCALARS` use)."""
+    """``(kernel, node) -> {size name: expression of n, B, P | int}`` (the sizes :data:`.launches.GRIDS` and
+    :data:`.launches.STEP_SCALARS` use)."""
     L, H = shape.num_layers, shape.num_kv_heads
     G = L * H
 
@@ -240,43 +196,6 @@ def _sizes(shape: EngineShape, num_partitions: int):
         return {"num_slots": "n", "rows_per_slot": G, "num_pages": "P"}
     return sizes
 
-
-_OPS = {("_write_tokens_kernel", "decode_locate"): "write_low_move", ("_read_tokens_kernel", "decode_locate"):
-        "read_high_move", ("_write_tokens_kernel", "decode_attention"): "write_high"}
-_FAMILY = {"decode_attention": "decode_attention", "decode_decide": "decode_plan", "decode_locate": "decode_plan",
-           "page_update": "page_manager", "prefill_attention": "write_high"}
-
-
-def _launch(node: str, launch, names: dict, sizes_of, nbp: tuple) -> Launch:
-    kernel, _grid, args, kwargs = launch
-    fn_name = getattr(kernel, "fn", kernel).__name__
-    params = [p for p, _, _ in aot.kernel_parameters(kernel)]
-    bound = {**dict(zip(params, args)), **kwargs}
-    sym = sizes_of(fn_name, node)
-    n, B, P = nbp
-    sizes = {k: eval_dim(v, n, B, P) for k, v in sym.items()}
-    select = None
-    if "FUSED" in kwargs:
-        select = "num_blocks <= CHUNK" if kwargs["FUSED"] else "num_blocks > CHUNK"
-    op = _OPS.get((fn_name, node), _FAMILY[node])
-    meta_launch = (kernel, _grid, args, kwargs)
-    spec = aot._cuda_launch(aot._spec(meta_launch, op, sizes, select))
-    spec.name = aot.spec_name(spec)
-    pointers, bindings = [], []
-    for p in spec.params:
-        if not spec.signature[p].startswith("*"):
-            continue
-        value = bound[p]
-        key = _storage(value)
-        if key not in names or value.storage_offset() != 0:
-            raise UnboundArgument(f"{node}: {fn_name} argument {p} ({tuple(value.shape)} {value.dtype}) is not a named "
-                                  "tensor of the AOT decode graph" + (" (a view at an offset)" if key in names
-                                                                       else ""))
-        pointers.append(p)
-        bindings.append(names[key])
-    scalars = {p: (spec.step_scalars[p] if p in spec.step_scalars else spec.scalars[p])
-               for p in spec.params if not spec.signature[p].startswith("*")}
-    return Launch(node, spec.name, spec, pointers, bindings, scalars, sym)
 
 
 def abi_of(launch: Launch, entry: dict, infos: dict):

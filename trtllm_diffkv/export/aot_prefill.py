@@ -21,10 +21,11 @@ Step sizes: ``n`` = prompts, ``B`` = tokens, ``P`` = pool pages (the graph's ``n
 """
 from __future__ import annotations
 
-from . import aot
 from ..kernels.sizes import next_pow2
-from .aot_graph import Launch, TensorInfo, _launch, _storage, eval_dim
+from .aot_graph import abi_of
 from .fields import EngineShape
+from .launches import (Launch, Recorder, TensorInfo, cuda_launch_choices, eval_dim, launch_of, spec_name,
+                       spec_of_launch, storage_id)
 
 
 def dims_of_prefill(shape: EngineShape) -> dict[str, TensorInfo]:
@@ -82,7 +83,7 @@ def record_prefill(shape: EngineShape, n: int = 2, B: int = 9, P: int = 40):
     fake_f = type("F", (), {"scaled_dot_product_attention": staticmethod(lambda q, k, v, **kw: torch.empty_like(q))})
     saved, pa.F = pa.F, fake_f
     try:
-        with aot._Recorder([(pa, "_prompt_lse_kernel"), (pa, "_prompt_lse_merge_kernel"),
+        with Recorder([(pa, "_prompt_lse_kernel"), (pa, "_prompt_lse_merge_kernel"),
                             (pa, "_prompt_score_kernel")]) as rec:
             pa.scored_prefill_attention(q, k, meta(Tm, H, D), torch.tensor([0, Tm], dtype=torch.int32),
                                         sm_scale=D ** -0.5, num_scoring_queries=cfg.prompt_score_window_tokens,
@@ -91,8 +92,8 @@ def record_prefill(shape: EngineShape, n: int = 2, B: int = 9, P: int = 40):
         pa.F = saved
     sizes = {"num_seqs": 1, "num_heads": shape.num_heads, "num_kv_heads": H, "max_len": Tm}
     for launch in rec.launches:
-        spec = aot._cuda_launch(aot._spec(launch, "prefill_scores", sizes))
-        spec.name = aot.spec_name(spec)
+        spec = cuda_launch_choices(spec_of_launch(launch, "prefill_scores", sizes))
+        spec.name = spec_name(spec)
         pointers = [p for p in spec.params if spec.signature[p].startswith("*")]
         launches.append(Launch("prefill_attention", spec.name, spec, pointers, [_SCORE_BINDINGS[p] for p in pointers],
                                {p: spec.scalars[p] for p in spec.params if p not in pointers}, dict(sym)))
@@ -100,10 +101,10 @@ def record_prefill(shape: EngineShape, n: int = 2, B: int = 9, P: int = 40):
     tensors, names = {}, {}
     for name, info in infos.items():
         t = torch.empty([eval_dim(d, n, B, P) for d in info.dims], dtype=getattr(torch, info.dtype), device="meta")
-        tensors[name], names[_storage(t)] = t, name
+        tensors[name], names[storage_id(t)] = t, name
     T = tensors
     centered = cfg.compress and cfg.center_keys
-    with aot._Recorder([(qw, "_write_tokens_kernel")]) as rec:
+    with Recorder([(qw, "_write_tokens_kernel")]) as rec:
         for tier in ("high", "low"):
             qw.write_tokens(T["kv_pool"], fmt, tier, T[f"w_page_{tier}"], T[f"w_slot_{tier}"], T["k"].reshape(-1, D),
                             T["v"].reshape(-1, D), key_offsets=T["key_offsets"] if centered else None,
@@ -111,7 +112,7 @@ def record_prefill(shape: EngineShape, n: int = 2, B: int = 9, P: int = 40):
                             positions=T["w_pos"], error_flags=T["error_flags"], error_index=T["err_idx"])
     write_sizes = lambda kernel, node: {"n_rows": f"B*{H}"}  # noqa: E731
     for launch, tier in zip(rec.launches, ("high", "low")):
-        w = _launch("prefill_attention", launch, names, write_sizes, (n, B, P))
+        w = launch_of("prefill_attention", launch, names, write_sizes, (n, B, P))
         w.spec.op = f"write_{tier}_prompt"
         launches.append(w)
     return infos, launches
@@ -120,8 +121,6 @@ def record_prefill(shape: EngineShape, n: int = 2, B: int = 9, P: int = 40):
 def prefill_graph_abi(shape: EngineShape, entries: dict) -> list:
     """The wrappers the AOT prefill graph of ``shape`` launches (``[]`` for an engine whose activations are not fp32,
     the graph's), as ``aot_graph.decode_graph_abi`` for the decode graph."""
-    from .aot_graph import abi_of
-
     if shape.dtype != "float32":
         return []
     infos, launches = record_prefill(shape)

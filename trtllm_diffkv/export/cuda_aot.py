@@ -60,7 +60,7 @@ Output files in ``out_dir``: ``NAME.cu`` (the generated source), ``NAME.sm<cc>.p
 that maximum); every extra is fixed by the engine, the CTAs a row too (``num_slots = 2 * num_partitions``, the
 workspace's capacity; the NVRTC path launches :func:`~trtllm_diffkv.kernels.cuda_decode.cuda_num_slots` of them for
 each batch, so the two agree bit for bit only where that count is the capacity). Grid expressions are evaluated like the Triton manifest's
-(:func:`~trtllm_diffkv.export.aot.eval_grid`: ``cdiv`` and the names of ``sizes`` and ``defines``).
+(:func:`~trtllm_diffkv.export.launches.eval_grid`: ``cdiv`` and the names of ``sizes`` and ``defines``).
 """
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ def _extra_spec(param: str, sizes: dict, defines: dict) -> tuple[str, int]:
 
 
 def _eval(expr: str, sizes: dict, defines: dict) -> int:
-    from .aot import eval_grid
+    from .launches import eval_grid
 
     return eval_grid([expr], {k: v for k, v in sizes.items() if isinstance(v, int)}, defines)[0]
 
@@ -507,7 +507,7 @@ def launch_args(entry: dict, buffers: dict, num_seqs: int) -> tuple[tuple[int, i
     if not 1 <= num_seqs <= entry["sizes"]["num_seqs"]:
         raise ValueError(f"num_seqs={num_seqs} outside 1..{entry['sizes']['num_seqs']} (the engine's batch)")
     sizes = {**entry["sizes"], "num_seqs": num_seqs}
-    from .aot import eval_grid
+    from .launches import eval_grid
 
     grid = eval_grid(entry["grid"], {k: v for k, v in sizes.items() if isinstance(v, int)}, entry["defines"])
     values = [np.uint64(buffers[n].data_ptr()) for n in entry["inputs"]]

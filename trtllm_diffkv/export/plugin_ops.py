@@ -326,15 +326,15 @@ def run_abi_kernel(tensors: list, attrs: dict) -> None:
             onnxruntime's common-subexpression elimination of two zero tensors - would make them one buffer);
             as :func:`~trtllm_diffkv.export.trt_abi.launch_plan`.
     """
-    from trtllm_diffkv.export import trt_abi
-    from trtllm_diffkv.export.aot import decode_constexpr
+    from . import trt_abi
+    from .launches import TORCH_TO_TRITON, decode_constexpr
 
     abi = trt_abi.AbiKernel.from_json(attrs["abi"])
     tensors = list(tensors)
     if len(tensors) != len(abi.input_dtypes):
         raise ValueError(f"{abi.name}: {len(tensors)} tensors for a wrapper of {len(abi.input_dtypes)} inputs")
     for j, (t, want) in enumerate(zip(tensors, abi.input_dtypes)):
-        have = trt_abi.TORCH_TO_TRITON.get(str(t.dtype).removeprefix("torch."))
+        have = TORCH_TO_TRITON.get(str(t.dtype).removeprefix("torch."))
         if have != want:
             raise ValueError(f"{abi.name}: input {j} is {t.dtype}, the wrapper takes {want}")
     first = {}
