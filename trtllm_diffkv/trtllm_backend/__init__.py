@@ -3,7 +3,8 @@
 - :class:`DiffKVCompressionConfig` (:mod:`.config`): ``kv_cache_compression_config`` for ``LLM`` / ``trtllm-serve``.
 - :class:`DiffKVCompressionManager` (:mod:`.manager`): the five compression hooks driving DiffKV's page pool.
 - :class:`DiffKVAttention`, :class:`DiffKVAttentionMetadata` (:mod:`.attention`): the ``"DIFFKV"`` attention backend.
-- :func:`register` (:mod:`.registration`): the smallest patch (factory branch, backend name).
+- :func:`register` (:mod:`.config`, which calls it on import; the patch is :mod:`.registration`'s): the smallest
+  patch (factory branch, backend name).
 
 Importing a name needs TensorRT-LLM with its KV-cache compression framework (an ``ImportError`` says how
 to install it otherwise). NOT RUN against TensorRT-LLM, which cannot be installed on this project's
@@ -12,7 +13,7 @@ classes, the factory's validation and PyExecutor's call order from TensorRT-LLM'
 """
 _LAZY = {
     "DiffKVCompressionConfig": ".config", "DiffKVCompressionManager": ".manager",
-    "DiffKVAttention": ".attention", "DiffKVAttentionMetadata": ".attention", "register": ".registration",
+    "DiffKVAttention": ".attention", "DiffKVAttentionMetadata": ".attention", "register": ".config",
 }
 __all__ = sorted(_LAZY)
 

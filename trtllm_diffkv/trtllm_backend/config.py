@@ -22,6 +22,7 @@ from typing import ClassVar, Literal, Optional
 from pydantic import Field, model_validator
 
 from ..config import DiffKVConfig, get_preset, load_kv_config_file
+from . import registration
 from .bases import KvCacheCompressionConfig
 
 
@@ -107,10 +108,14 @@ class DiffKVCompressionConfig(KvCacheCompressionConfig):
         return load_kv_config_file(self.calibration_path)
 
 
-def _register() -> None:
-    from .registration import register
+def register() -> None:
+    """Register DiffKV with TensorRT-LLM (:func:`.registration.register` with :class:`DiffKVCompressionConfig`;
+    idempotent: importing this module already did).
 
-    register(DiffKVCompressionConfig)
+    Raises:
+        ImportError: TensorRT-LLM is not importable (the message says how to install it).
+    """
+    registration.register(DiffKVCompressionConfig)
 
 
-_register()  # wherever this config is built or unpickled, TensorRT-LLM knows "diffkv" and "DIFFKV"
+register()  # wherever this config is built or unpickled, TensorRT-LLM knows "diffkv" and "DIFFKV"

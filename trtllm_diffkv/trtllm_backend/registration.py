@@ -22,9 +22,10 @@ A third, for YAML only (``trtllm-serve --extra_llm_api_options``): ``DiffKVCompr
 Python API passes an instance and needs no change). :func:`register` does it by widening the
 ``kv_cache_compression_config`` field of the pydantic argument models that have one and rebuilding them.
 
-``trtllm_diffkv.trtllm_backend.config`` calls :func:`register` when it is imported, so every process
-that builds or unpickles a ``DiffKVCompressionConfig`` (TensorRT-LLM's executor worker included) has
-the patch.
+``trtllm_diffkv.trtllm_backend.config`` calls :func:`register` with its ``DiffKVCompressionConfig`` when it is
+imported (its ``register()``, the package's), so every process that builds or unpickles a ``DiffKVCompressionConfig``
+(TensorRT-LLM's executor worker included) has the patch. This module never imports the config (it is handed the
+class): the arrow runs config -> registration only.
 """
 from __future__ import annotations
 
@@ -37,24 +38,23 @@ ALGORITHM = "diffkv"
 _MARK = "_diffkv_wrapped"
 
 
-def register(config_cls=None) -> None:
+def register(config_cls) -> None:
     """Wrap TensorRT-LLM's compression factory and attention-backend lookup, widen the config field (idempotent).
 
     Args:
-        config_cls: ``DiffKVCompressionConfig`` (``None``: imported here).
+        config_cls: ``DiffKVCompressionConfig`` (the factory builds the manager for its instances).
 
     Raises:
         ImportError: TensorRT-LLM is not importable (``bases.INSTALL_HINT``).
     """
     from . import bases  # the clear ImportError first
 
-    if config_cls is None:
-        from .config import DiffKVCompressionConfig as config_cls
     _extend_config_field(importlib.import_module("tensorrt_llm.llmapi.llm_args"), config_cls)
     util = importlib.import_module("tensorrt_llm._torch.pyexecutor._util")
     attn_utils = bases.attention_module("utils")
     if not getattr(util.create_kv_cache_compression_manager, _MARK, False):
-        util.create_kv_cache_compression_manager = _wrap_factory(util.create_kv_cache_compression_manager)
+        util.create_kv_cache_compression_manager = _wrap_factory(util.create_kv_cache_compression_manager,
+                                                                  config_cls)
     if not getattr(attn_utils.get_attention_backend, _MARK, False):
         attn_utils.get_attention_backend = _wrap_backend_lookup(attn_utils.get_attention_backend)
 
@@ -72,15 +72,14 @@ def _extend_config_field(llm_args, config_cls) -> None:
         setattr(model, _MARK, True)
 
 
-def _wrap_factory(factory):
+def _wrap_factory(factory, config_cls):
     @functools.wraps(factory)
     def create_kv_cache_compression_manager(config, *args, **kwargs):
         if getattr(config, "algorithm", None) != ALGORITHM:
             return factory(config, *args, **kwargs)
-        from .config import DiffKVCompressionConfig
         from .manager import DiffKVCompressionManager
 
-        if not isinstance(config, DiffKVCompressionConfig):
+        if not isinstance(config, config_cls):
             raise TypeError(f"algorithm 'diffkv' needs a DiffKVCompressionConfig, got {type(config).__name__}")
         return DiffKVCompressionManager(config, *args, **kwargs)
 
