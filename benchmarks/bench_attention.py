@@ -29,7 +29,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import repo_paths  # noqa: E402 (benchmarks/ is on the path: the script's folder, or a tool's insert)
+
+repo_paths.use_checkout()  # the package and tests/support
 
 from trtllm_diffkv.config import DiffKVConfig  # noqa: E402
 from trtllm_diffkv.kernels import DecodeWorkspace, decode_bytes, paged_decode_attention, scored_prefill_attention  # noqa: E402

@@ -29,7 +29,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import repo_paths  # noqa: E402
+
+repo_paths.use_checkout()  # the package and tests/support
 
 from trtllm_diffkv.evaluation.throughput import LLAMA3_8B_SHAPE, TINY_SHAPE, environment  # noqa: E402
 from support.tensor_parallel import run_ranks  # noqa: E402

@@ -228,7 +228,10 @@ def main(argv=None) -> int:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
-        sys.path.insert(0, str(ROOT / "tests"))
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import repo_paths
+
+        repo_paths.use_checkout()  # tests/: tiny_checkpoint
         from tiny_checkpoint import write_tiny_text_checkpoint
 
         args.model = str(write_tiny_text_checkpoint(Path(scratch.name) / "tiny"))

@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import repo_paths  # noqa: E402
+
+repo_paths.use_checkout()  # the package and tests/support
 
 from trtllm_diffkv.config import PRESETS  # noqa: E402
 from trtllm_diffkv.kernels import cuda_decode as cd  # noqa: E402
