@@ -506,7 +506,7 @@ MUTATIONS = [
       [("if out.dtype == q.dtype and q.device == out.device else None", "if True else None")],
       ["test_paged_robustness.py::test_a_decode_query_of_another_dtype_than_the_cache_is_refused"]),
     m("cuda-decode-spill-tolerance", CUDA_DECODE, "CUDA decode: the ring keeps its cap at any local memory",
-      [("partial.local_size_bytes <= LOCAL_BYTES_TOLERATED", "partial.local_size_bytes < 1 << 20")],
+      [("mb == floor or partial.local_size_bytes <= LOCAL_BYTES_TOLERATED", "mb == floor or partial.local_size_bytes < 1 << 20")],
       ["test_cuda_decode.py::test_the_ring_steps_down_to_a_spill_free_register_cap"]),
     m("cuda-decode-fused-slots-unchecked", CUDA_DECODE, "CUDA decode: a fused launch takes more CTAs a row than it holds",
       [("if not 1 <= num_slots <= min(self.max_slots, 2 * workspace.num_partitions):", "if num_slots < 1:")],
