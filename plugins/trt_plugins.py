@@ -1,16 +1,16 @@
 """TensorRT Python plugins (``tensorrt.plugin``, TensorRT 10.9+) for DiffKV. NOT RUN here: TensorRT cannot
 be installed on this project's machines; written against the documented API (``@trtp.register``,
 ``@trtp.impl``, ``@trtp.aot_impl``, ``TensorDesc.like()/aliased()``, ``KernelLaunchParams``,
-``SymIntExprs``), with its plain-Python parts (:mod:`.specs`) tested on the CPU.
+``SymIntExprs``), with its plain-Python parts (:mod:`trtllm_diffkv.export.plugin_specs`) tested on the CPU.
 
-Importing this module registers, for each plugin of :data:`.specs.PLUGINS` (the five per-operation
+Importing this module registers, for each plugin of :data:`trtllm_diffkv.export.plugin_specs.PLUGINS` (the five per-operation
 plugins - ``decode_decide``, ``page_update`` and ``decode_locate`` being the decode step's plan, whose outputs of
 new shapes are described with ``trtp.from_shape_expr`` - and the two composite ones the exported ONNX graph is made of, ``DiffKVPageUpdate`` and
 ``DiffKVAttention``, whose implementations run a ``PagedDiffKVCache`` registered in this process, so they
 need Python at run time and have no AOT form):
 
 * the descriptor (the attention output shaped like q, the state outputs aliased to their inputs, as
-  :func:`.specs.infer` states and tests);
+  :func:`trtllm_diffkv.export.plugin_specs.infer` states and tests);
 * the Python implementation (``@trtp.impl``): wraps TensorRT's device tensors as torch tensors and calls
   the project's Triton kernels (``kernels/``, ``memory/triton_page_manager.py``) - the JIT path;
 * for the AOT route (:func:`register_aot_plugins`), one plugin per TensorRT-convention wrapper of the manifest,
@@ -18,7 +18,7 @@ need Python at run time and have no AOT form):
   decode attention is three plugin nodes: partial, merge, score): it returns the wrapper's PTX, kernel name, grid and
   block, shared memory and the runtime scalar arguments as symbolic expressions, so the engine runs without Python.
 
-Node attributes (ONNX) / plugin fields: each plugin's ``fields`` (:mod:`.specs`: the model shape and the
+Node attributes (ONNX) / plugin fields: each plugin's ``fields`` (:mod:`trtllm_diffkv.export.plugin_specs`: the model shape and the
 DiffKV configuration, ``trtllm_diffkv.export.fields.kv_config_to_fields``).
 """
 from __future__ import annotations

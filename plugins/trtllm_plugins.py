@@ -26,16 +26,16 @@ function applied to the input shapes (ints, or ``DimensionExpr`` wrapped into a 
 builder; in the dtype-only call the shape is ``ShapeExpr(None, None)``, since ``DimensionExpr`` arithmetic with an
 int needs a builder).
 
-The classes register under the per-operation plugins' names of :mod:`.specs` (``diffkv::prefill_attention``,
+The classes register under the per-operation plugins' names of :mod:`trtllm_diffkv.export.plugin_specs` (``diffkv::prefill_attention``,
 ``diffkv::decode_attention``, ``diffkv::page_update``, ``diffkv::decode_decide``, ``diffkv::decode_locate``,
 version 1), the names ``trt_plugins`` registers; the composite ``DiffKVPageUpdate`` / ``DiffKVAttention`` have no
-class here. ``forward`` calls :mod:`.ops` as ``trt_plugins._impl`` does.
+class here. ``forward`` calls :mod:`trtllm_diffkv.export.plugin_ops` as ``trt_plugins._impl`` does.
 
 Known gaps, from reading the TensorRT-LLM source (not from running it):
 
 * no input/output aliasing: ``PluginBase`` is an ``IPluginV3OneBuild`` without ``get_aliased_input``, so the
   "aliased" state outputs (kv_pool, page table, ...) are separate buffers TensorRT allocates; ``forward`` updates
-  the *input* state in place (as :mod:`.ops` does) and leaves those outputs unwritten, and ``plugin(*torch_tensors)``
+  the *input* state in place (as :mod:`trtllm_diffkv.export.plugin_ops` does) and leaves those outputs unwritten, and ``plugin(*torch_tensors)``
   returns fresh ``torch.empty`` tensors for them. Writing an input is outside TensorRT's contract for a plugin
   without aliasing; a correct legacy node would copy the state into its outputs (a whole-pool copy per node) and
   update those instead.
@@ -53,7 +53,7 @@ from trtllm_diffkv.export import plugin_specs as specs
 
 
 def _infer(plugin: specs.PluginSpec, inputs, fields: dict) -> tuple:
-    """SymTensors of ``plugin``'s outputs (:func:`.specs.infer`'s rules): an aliased output like its input, a
+    """SymTensors of ``plugin``'s outputs (:func:`trtllm_diffkv.export.plugin_specs.infer`'s rules): an aliased output like its input, a
     ``new_outputs`` one with the spec's dtype and shape (``f(input shapes, fields)``), else like the first input.
 
     Raises:
@@ -104,7 +104,7 @@ class _DiffKVPlugin(PluginBase):
         self.fields = dict(fields)
 
     def forward(self, inputs, outputs):
-        """Run :mod:`.ops` on the tensors, as ``trt_plugins._impl`` does (state inputs updated in place)."""
+        """Run :mod:`trtllm_diffkv.export.plugin_ops` on the tensors, as ``trt_plugins._impl`` does (state inputs updated in place)."""
         from trtllm_diffkv.export.fields import kv_config_from_fields
 
         tensors = [_as_torch(t) for t in inputs]
@@ -129,7 +129,7 @@ def _register(spec: specs.PluginSpec):
 
 @_register(specs.PREFILL)
 class DiffKVPrefillAttentionPlugin(_DiffKVPlugin):
-    """``diffkv::prefill_attention`` (see :data:`.specs.PREFILL`)."""
+    """``diffkv::prefill_attention`` (see :data:`trtllm_diffkv.export.plugin_specs.PREFILL`)."""
 
     spec = specs.PREFILL
 
@@ -139,7 +139,7 @@ class DiffKVPrefillAttentionPlugin(_DiffKVPlugin):
 
 @_register(specs.DECODE)
 class DiffKVDecodeAttentionPlugin(_DiffKVPlugin):
-    """``diffkv::decode_attention`` (see :data:`.specs.DECODE`)."""
+    """``diffkv::decode_attention`` (see :data:`trtllm_diffkv.export.plugin_specs.DECODE`)."""
 
     spec = specs.DECODE
 
@@ -149,7 +149,7 @@ class DiffKVDecodeAttentionPlugin(_DiffKVPlugin):
 
 @_register(specs.PAGE_UPDATE)
 class DiffKVPageUpdatePlugin(_DiffKVPlugin):
-    """``diffkv::page_update`` (see :data:`.specs.PAGE_UPDATE`)."""
+    """``diffkv::page_update`` (see :data:`trtllm_diffkv.export.plugin_specs.PAGE_UPDATE`)."""
 
     spec = specs.PAGE_UPDATE
 
@@ -159,7 +159,7 @@ class DiffKVPageUpdatePlugin(_DiffKVPlugin):
 
 @_register(specs.DECODE_DECIDE)
 class DiffKVDecodeDecidePlugin(_DiffKVPlugin):
-    """``diffkv::decode_decide`` (see :data:`.specs.DECODE_DECIDE`): the decode step's tier decisions; every output
+    """``diffkv::decode_decide`` (see :data:`trtllm_diffkv.export.plugin_specs.DECODE_DECIDE`): the decode step's tier decisions; every output
     new (high/low deltas int32 ``[n, L, Hkv]``, new_index / move_from / move_to int64 ``[n * L * Hkv]``), sized by
     the fields ``num_layers`` / ``num_kv_heads``."""
 
@@ -171,7 +171,7 @@ class DiffKVDecodeDecidePlugin(_DiffKVPlugin):
 
 @_register(specs.DECODE_LOCATE)
 class DiffKVDecodeLocatePlugin(_DiffKVPlugin):
-    """``diffkv::decode_locate`` (see :data:`.specs.DECODE_LOCATE`): kv_pool (aliases input 7; the moves are
+    """``diffkv::decode_locate`` (see :data:`trtllm_diffkv.export.plugin_specs.DECODE_LOCATE`): kv_pool (aliases input 7; the moves are
     written into the input), then the decode_attention nodes' plan tensors (new, int32, sized by
     ``token_positions``' length and the fields)."""
 

@@ -1,4 +1,6 @@
-"""Helpers the tests and the device scripts share (not used by the product itself).
+"""Helpers the tests, benchmarks and tools share (not part of the product, in no wheel), imported as ``support``:
+the tests find it through pytest's pythonpath (``tests/``), benchmarks and tools through
+``benchmarks/repo_paths.py``.
 
 - :mod:`.attention`: hand-built paged rows and dense references for the attention kernels;
 - :mod:`.page_manager`: the page manager's lockstep driver (CPU oracle vs Triton) and call generators;

@@ -8,14 +8,14 @@ computes. ``use_triton``: the Triton kernels (CUDA; the TensorRT ``@trtp.impl`` 
 versions (``paged/torch_ops.py``; the CPU).
 
 The prompt's host-side plan (``PagedDiffKVCache.plan``: prompt reservation) is the executor's; its per-token
-tensors arrive as plugin inputs (:data:`.specs.PREFILL`). The decode step's plan can run as three plugins
+tensors arrive as plugin inputs (:data:`.plugin_specs.PREFILL`). The decode step's plan can run as three plugins
 (:func:`run_decode_decide`, :func:`run_page_update`, :func:`run_decode_locate`: ``paged/decode.py::plan_device``
-split where the graph needs the page update's result), whose outputs are the :data:`.specs.DECODE` plugin's
+split where the graph needs the page update's result), whose outputs are the :data:`.plugin_specs.DECODE` plugin's
 plan inputs; they launch the Triton kernels of ``kernels/decision_kernel.py`` and ``TritonPageManager`` (CUDA, or
 the CPU under ``TRITON_INTERPRET=1``).
 
-The composite plugins of the exported ONNX graph (:data:`.specs.STEP_PAGE_UPDATE`,
-:data:`.specs.LAYER_ATTENTION`) run a whole :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` registered
+The composite plugins of the exported ONNX graph (:data:`.plugin_specs.STEP_PAGE_UPDATE`,
+:data:`.plugin_specs.LAYER_ATTENTION`) run a whole :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` registered
 under an integer handle (:func:`register_cache`; the graph's ``cache_handle`` input): the step's ``plan``
 and one layer's ``forward``. The cache holds the state of record; the nodes' aliased state outputs receive
 copies of its pool, page table and tier counts after the node (what onnxruntime runs; under TensorRT the
@@ -74,7 +74,7 @@ def run_step_page_update(inputs: list, step_token: torch.Tensor) -> None:
     """``diffkv::DiffKVPageUpdate``: ``PagedDiffKVCache.plan`` of the step on the registered cache.
 
     Args:
-        inputs: the tensors of :data:`.specs.STEP_PAGE_UPDATE`, in order; page_table and tier_tokens (aliased
+        inputs: the tensors of :data:`.plugin_specs.STEP_PAGE_UPDATE`, in order; page_table and tier_tokens (aliased
             outputs) receive the cache's state after the plan.
         step_token: int64 ``[1]``, set to 1.
 
@@ -97,7 +97,7 @@ def run_layer_attention(inputs: list, out: torch.Tensor, attrs: dict) -> None:
     its last layer, so this op is the one place that knows the step's layers have all run.
 
     Args:
-        inputs: the tensors of :data:`.specs.LAYER_ATTENTION`, in order; kv_pool, page_table and tier_tokens
+        inputs: the tensors of :data:`.plugin_specs.LAYER_ATTENTION`, in order; kv_pool, page_table and tier_tokens
             (aliased outputs) receive the cache's state after the layer.
         out: ``[T, H, D]`` attention output (written, converted to its dtype).
 
@@ -146,7 +146,7 @@ def run_prefill(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: b
     """``diffkv::prefill_attention``: scored prefill, prompt tiers, tokens quantized into the reserved pages.
 
     Args:
-        inputs: the tensors of :data:`.specs.PREFILL`, in order.
+        inputs: the tensors of :data:`.plugin_specs.PREFILL`, in order.
         out: ``[T, H, D]`` attention output (written).
         cfg: the :class:`~trtllm_diffkv.config.DiffKVConfig`; attrs: the plugin fields (``layer_idx``, shape, ``sm_scale``).
     """
@@ -168,7 +168,7 @@ def run_decode(inputs: list, out: torch.Tensor, cfg, attrs: dict, use_triton: bo
     attention with the score update.
 
     Args:
-        inputs: the tensors of :data:`.specs.DECODE`, in order.
+        inputs: the tensors of :data:`.plugin_specs.DECODE`, in order.
         out: ``[B, H, D]`` attention output (written).
         scratch: the tensors this op otherwise allocates (the AOT graph's recording names them,
             ``export/aot_graph.py``): ``rows`` int64 ``[B, Hkv]`` (``row_ids`` as int64: the key-offset rows),
@@ -227,7 +227,7 @@ def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict, alphas: tor
     ``paged/decisions.py::decide``).
 
     Args:
-        inputs: the tensors of :data:`.specs.DECODE_DECIDE`: slots, positions int64 ``[n]``, kv_pool uint8,
+        inputs: the tensors of :data:`.plugin_specs.DECODE_DECIDE`: slots, positions int64 ``[n]``, kv_pool uint8,
             page_table / tier_tokens int32 (the state before the step), prompt_len int64 ``[max_slots]``.
         outputs: high_delta, low_delta int32 ``[n, L, Hkv]``, new_index, move_from, move_to int64 ``[n * L * Hkv]``
             (written; contiguous).
@@ -258,7 +258,7 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
     ``paged/decode.py::plan_device``).
 
     Args:
-        inputs: the tensors of :data:`.specs.DECODE_LOCATE`: slots, positions int64 ``[n]``, token_positions int64
+        inputs: the tensors of :data:`.plugin_specs.DECODE_LOCATE`: slots, positions int64 ``[n]``, token_positions int64
             ``[B]`` (only ``B``, the bucket, is used), new_index / move_from / move_to int64 ``[n * L * Hkv]``,
             page_table int32 (after the page update), kv_pool uint8 (moves written in place).
         outputs: kv_pool (the input itself), row_ids int32 ``[L, B, Hkv]``, dest_page / dest_slot int32

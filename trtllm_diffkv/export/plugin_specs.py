@@ -18,7 +18,7 @@ Three per-operation plugins (namespace ``diffkv``):
 per-operation decode graph's plan, ``export/onnx_export.py``).
 
 and the two composite plugins the exported ONNX graph is made of (``export/onnx_export.py``), which run
-the paged cache's own per-layer code on a cache registered under a handle (:mod:`.ops`):
+the paged cache's own per-layer code on a cache registered under a handle (:mod:`.plugin_ops`):
 
 * ``diffkv::DiffKVPageUpdate`` - the step's page-manager plan (``PagedDiffKVCache.plan``: prompt
   reservation, decode decisions, one ``append_decode``, moves to the low tier);
