@@ -214,7 +214,7 @@ def test_aot_graph_build(built, tmp_path, capsys):
 def test_graph_help_lists_the_choices():
     """``--graph``'s help and usage list every graph form ``onnx_export`` writes (the values are checked by the
     command, so a bad one is its one-line error: test_bad_arguments_fail_in_one_line_and_leave_nothing)."""
-    from trtllm_diffkv import trt as build_pkg
+    from trtllm_diffkv import export as build_pkg
     from trtllm_diffkv.export import onnx_export
     from trtllm_diffkv.export.onnx_export import EXPORT_GRAPHS
 

@@ -403,13 +403,36 @@ def test_test_modules_import_helpers_of_their_own_folder_or_the_root():
     assert bad == []
 
 
+def _names_of_package(path: Path) -> set[str]:
+    """Every identifier and string constant of a package's ``__init__.py``: the names it defines, imports or lists
+    for lazy import (``_LAZY`` keys, ``__all__``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return names
+
+
 def test_every_imported_package_module_exists():
     """Tests, tools, benchmarks and examples import package modules that exist (also inside functions, which
-    collection never runs: a test skipped here can still import an old path on the GPU machine)."""
-    modules = set(_modules())
+    collection never runs: a test skipped here can still import an old path on the GPU machine); ``from pkg import
+    name`` names a submodule of ``pkg`` or a name its ``__init__`` provides."""
+    modules = _modules()
     bad = []
     for folder in ("tests", "tools", "benchmarks", "examples"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             bad += [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in _absolute_imports(path)
                     if name.split(".")[0] in PACKAGES and name not in modules]
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.ImportFrom) and not node.level and node.module in modules
+                        and modules[node.module].name == "__init__.py"):
+                    provided = _names_of_package(modules[node.module])
+                    bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}" for alias in node.names
+                            if f"{node.module}.{alias.name}" not in modules and alias.name not in provided]
     assert bad == []
