@@ -420,11 +420,13 @@ def _names_of_package(path: Path) -> set[str]:
 
 
 def test_every_imported_package_module_exists():
-    """Tests, tools, benchmarks and examples import package modules that exist (also inside functions, which
-    collection never runs: a test skipped here can still import an old path on the GPU machine); ``from pkg import
-    name`` names a submodule of ``pkg`` or a name its ``__init__`` provides."""
+    """The packages, tests, tools, benchmarks and examples import package modules that exist (also inside functions,
+    which collection never runs: a test skipped here can still import an old path on the GPU machine, and an editable
+    install of another checkout can quietly supply a module this one no longer has); ``from pkg import name`` names
+    a submodule of ``pkg`` or a name its ``__init__`` provides."""
     modules = _modules()
-    bad = []
+    bad = [f"{module}:{line}: {target}" for module, path in modules.items() for line, target in
+           _imports(module, path, modules) if target.split(".")[0] in PACKAGES and target not in modules]
     for folder in ("tests", "tools", "benchmarks", "examples"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             bad += [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in _absolute_imports(path)
