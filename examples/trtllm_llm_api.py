@@ -1,8 +1,8 @@
 """DiffKV inside TensorRT-LLM's PyTorch backend, through TensorRT-LLM's own ``LLM`` API.
 
 NOT RUN: TensorRT-LLM cannot be installed on this project's machines (the adapter is tested through
-``tests/trt/trtllm_standin.py``). Needs TensorRT-LLM 1.4.0rc or later (docs/RUNTIME.md); PyPI's tensorrt_llm stops at
-1.2.1, a placeholder without the compression framework:
+``tests/trtllm_backend/trtllm_standin.py``). Needs TensorRT-LLM 1.4.0rc or later (docs/RUNTIME.md); PyPI's
+tensorrt_llm stops at 1.2.1, a placeholder without the compression framework:
 
     pip install --pre --extra-index-url https://pypi.nvidia.com "tensorrt_llm>=1.4.0rc1"   # or NVIDIA's container
     pip install --no-deps -e /path/to/trtllm-diffkv   # this package's checkout (TensorRT-LLM already brings torch, triton)
@@ -12,7 +12,7 @@ Usage: ``python examples/trtllm_llm_api.py /path/to/hf_checkpoint``
 import sys
 
 # first: without TensorRT-LLM it says what to install (importing it registers "diffkv" / "DIFFKV")
-from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig
+from trtllm_diffkv.trtllm_backend import DiffKVCompressionConfig
 
 from tensorrt_llm import LLM, SamplingParams  # noqa: E402
 from tensorrt_llm.llmapi import KvCacheConfig  # noqa: E402
