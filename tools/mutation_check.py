@@ -77,6 +77,7 @@ CUSTOM_OPS = "trtllm_diffkv/kernels/custom_ops.py"
 CUDA_DECODE = "trtllm_diffkv/kernels/cuda_decode.py"
 PAGED_CACHE = "trtllm_diffkv/paged/cache.py"
 PLUGIN_OPS = "trtllm_diffkv/export/plugin_ops.py"
+TRTLLM_MANAGER = "trtllm_diffkv/trtllm_backend/manager.py"
 
 # Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure. A test is named
 # by its file name (found anywhere under tests/, so that moving tests into subfolders keeps the check working),
@@ -583,6 +584,23 @@ MUTATIONS = [
       "in-place rotation rebinds v_proj instead of writing it (the fused q/k/v rows stay unrotated)",
       [("            attn.v_proj.weight.copy_(wv)\n", "            attn.v_proj.weight.data = wv\n")],
       ["test_key_rotation.py::test_in_place_rotation_equals_the_copy_and_keeps_one_set_of_weights"]),
+    # ------------------------------------------------------------------ TensorRT-LLM adapter (issue 42)
+    m("trtllm-adapter-rotation-seed-dropped", TRTLLM_MANAGER,
+      "TensorRT-LLM adapter: the backend rotates with seed 0 whatever the config's rotation_seed",
+      [("key_rotation_matrices(mc.num_layers, mc.num_kv_heads, mc.head_dim,\n"
+        "                                                    self.kv_config.rotation_seed)",
+        "key_rotation_matrices(mc.num_layers, mc.num_kv_heads, mc.head_dim)")],
+      ["test_trtllm_compression_adapter.py::test_rotation_inside_tensorrt_llm_equals_the_folded_model"]),
+    m("trtllm-adapter-exact-fit-pool-refused", TRTLLM_MANAGER,
+      "TensorRT-LLM adapter: a pool that exactly fits one max_seq_len prefill is refused at bind (>= for >)",
+      [("        if need > total:  # else a prompt TensorRT-LLM admits",
+        "        if need >= total:  # else a prompt TensorRT-LLM admits")],
+      ["test_trtllm_compression_adapter.py::test_a_pool_that_exactly_fits_one_max_seq_len_prefill_is_accepted"]),
+    m("trtllm-adapter-context-parallel-accepted", TRTLLM_MANAGER,
+      "TensorRT-LLM adapter: cp_size left out of the parallelism refusal (context parallelism accepted)",
+      [('for name in ("tp_size", "pp_size", "cp_size"):', 'for name in ("tp_size", "pp_size"):')],
+      ["test_trtllm_compression_adapter.py::test_only_the_unsupported_parallel_size_is_refused",
+       "test_trtllm_compression_adapter.py::test_refused_at_admission"]),
 ]
 
 

@@ -5,15 +5,23 @@ with ``algorithm = "diffkv"``. The method's own fields select the DiffKV policy 
 :data:`trtllm_diffkv.config.PRESETS`, or a calibration file holding the thresholds and tier
 formats) and size DiffKV's page pool, which DiffKV owns beside TensorRT-LLM's KV cache manager.
 
-Usage::
+Usage (TensorRT-LLM 1.4.0rc or later; docs/RUNTIME.md)::
 
     from tensorrt_llm import LLM
     from tensorrt_llm.llmapi import KvCacheConfig
     from trtllm_diffkv.trtllm_backend import DiffKVCompressionConfig  # registers the method (registration.py)
 
     llm = LLM(model_dir, attn_backend="DIFFKV", disable_overlap_scheduler=True, enable_chunked_prefill=False,
-              kv_cache_config=KvCacheConfig(enable_block_reuse=False),
-              kv_cache_compression_config=DiffKVCompressionConfig(preset="llama3-8b", kv_memory_fraction=0.5))
+              cuda_graph_config=None,
+              kv_cache_config=KvCacheConfig(enable_block_reuse=False, use_kv_cache_manager_v2=True,
+                                            free_gpu_memory_fraction=0.1),
+              kv_cache_compression_config=DiffKVCompressionConfig(preset="llama3-8b", kv_memory_fraction=0.8))
+
+Each setting is required: the compression framework binds only KVCacheManagerV2 (``use_kv_cache_manager_v2``
+defaults to ``"auto"``, V1 for Llama); DiffKV plans each step on the host, which a CUDA graph replay skips
+(``cuda_graph_config`` is on by default); the overlap scheduler plans a step before the previous one ended; block
+reuse is on by default. Each is refused by name before DiffKV's pool is allocated: by the DiffKV factory branch
+(``registration.py``), or, for a V1 manager that ``"auto"`` chose, when the manager is bound.
 """
 from __future__ import annotations
 
@@ -24,7 +32,6 @@ from pydantic import Field, model_validator
 from ..config import DiffKVConfig, get_preset, load_kv_config_file
 from . import registration
 from .bases import KvCacheCompressionConfig
-
 
 
 class DiffKVCompressionConfig(KvCacheCompressionConfig):
@@ -44,8 +51,9 @@ class DiffKVCompressionConfig(KvCacheCompressionConfig):
         dtype: the attention dtype of the cache output (``"auto"``: the model's ``torch_dtype``;
             else float32 on the CPU, bfloat16 on CUDA).
 
-    Capabilities (TensorRT-LLM's admission predicates, checked by
-    ``validate_kv_cache_compression_compatibility`` before the manager is built):
+    Capabilities (TensorRT-LLM's admission predicates; the DiffKV factory branch runs TensorRT-LLM's
+    ``validate_kv_cache_compression_compatibility`` on them before it builds the manager, as each shipped
+    method's branch does):
         ``changes_physical_kv_length = True``: every (layer, KV head) keeps its own number of
         tokens (paper section 4), so the physical KV length is not the logical one.
 

@@ -29,7 +29,13 @@ Where TensorRT-LLM's order differs from our executor's, this adapter adapts (the
   message (``disable_overlap_scheduler=True``);
 * a step whose forward failed leaves our plan open; ``on_request_finish`` discards it before it frees; a request
   freed after its step ended and before ``update_resources`` (PyExecutor's order: responses and cancellations
-  first) is left out of that step's ``update_resources``.
+  first) is left out of that step's ``update_resources``;
+* TensorRT-LLM builds the manager twice: for its memory estimation (``estimating_kv_cache``: no pool, every hook
+  passes, the estimation's dummy requests are served outside any pool) and for serving; its teardown calls
+  :meth:`~DiffKVCompressionManager.shutdown`, which releases the pool;
+* the model engine's warm-up forwards run dummy requests that never reach the hooks (added through the KV cache
+  manager alone): :meth:`~DiffKVCompressionManager.check_step` tells them from planned steps, and the attention
+  backend serves them outside the pool.
 
 Not expressible in the framework (written down in docs/RUNTIME.md): the scheduler admits by
 TensorRT-LLM's own KV cache manager, not by DiffKV's free pages (the base class's resource counts are
@@ -76,25 +82,41 @@ def model_config_from_pretrained(pretrained_config) -> ModelConfig:
 class DiffKVCompressionManager(KVCacheCompressionManager):
     """DiffKV's compression manager: owns DiffKV's page pool (a :class:`DiffKVResourceManager`).
 
+    Built by the DiffKV branch of TensorRT-LLM's factory (:func:`~.registration.create_diffkv_manager`), once with
+    ``estimating=True`` for TensorRT-LLM's memory estimation (no pool: the estimation's dummy requests are served
+    by :class:`~.attention.DiffKVAttention`'s warm-up path, outside the pool) and once for serving; TensorRT-LLM's
+    teardown calls :meth:`shutdown` between them.
+
     Args:
         config: a :class:`~.config.DiffKVCompressionConfig`.
-        pretrained_config: the model's config (keyword, as TensorRT-LLM's factory passes it).
+        pretrained_config: the model's config (a transformers config or its dict; the factory passes
+            ``model_engine.model.model_config.pretrained_config``).
+        mapping: the parallel layout (``model_engine.mapping``; ``None``: one device).
+        estimating: TensorRT-LLM's ``estimating_kv_cache``: bind no pool, let every hook pass.
 
     Attributes:
         kv_config, model_config: the DiffKV policy and the model shape.
-        rm: the :class:`DiffKVResourceManager` (after :meth:`bind_kv_cache_managers`).
+        rm: the :class:`DiffKVResourceManager` (after :meth:`bind_kv_cache_managers`; ``None`` while estimating and
+            after :meth:`shutdown`).
         request_errors: ``{request_id: message}`` of requests whose keys or values were not finite
             (edge case 1); TensorRT-LLM gives a resource manager no way to fail one request.
 
     Raises:
         FileNotFoundError, ValueError: a missing or mismatched calibration file, a model DiffKV does
-            not serve (:func:`model_config_from_pretrained`), a head_dim the tier formats refuse.
+            not serve (:func:`model_config_from_pretrained`), a head_dim the tier formats refuse, a parallel
+            layout (tensor / pipeline / context parallelism, attention data parallelism).
     """
 
     uses_iteration_lifecycle = True
 
-    def __init__(self, config, *, pretrained_config=None, **kwargs) -> None:
-        super().__init__(config, pretrained_config=pretrained_config, **kwargs)
+    def __init__(self, config, *, pretrained_config, mapping=None, estimating: bool = False) -> None:
+        # a variant seen in TensorRT-LLM's index (tests/trtllm_backend/trtllm_manifest.py)
+        if _base_takes("pretrained_config"):
+            super().__init__(config, pretrained_config=pretrained_config)
+        else:
+            super().__init__(config)
+        _check_mapping(mapping)
+        self.pretrained_config, self.estimating = pretrained_config, bool(estimating)
         self.model_config = model_config_from_pretrained(pretrained_config)
         self.kv_config = config.to_kv_config()
         mc = self.model_config
@@ -124,23 +146,28 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
 
     # ------------------------------------------------------------------ binding
     def bind_kv_cache_managers(self, kv_cache_manager, draft_kv_cache_manager=None) -> None:
-        """Bind TensorRT-LLM's KV cache manager (base class), refuse what DiffKV cannot serve, build the pool.
+        """Bind TensorRT-LLM's KV cache manager (base class: V2 only), refuse what DiffKV cannot serve, build the pool.
 
         The pool is sized by the config's budget for TensorRT-LLM's ``max_batch_size`` requests of
-        ``max_seq_len`` tokens, ``max_num_tokens`` per step (read from the KV cache manager).
+        ``max_seq_len`` tokens, ``max_num_tokens`` per step (read from the KV cache manager, after it has lowered
+        ``max_seq_len`` to what its own pool holds). While estimating no pool is built.
 
         Raises:
-            ValueError: a draft KV cache (speculative decoding), tensor / pipeline / context
-                parallelism or attention data parallelism, block reuse on, or a pool that cannot hold one
-                prefill of ``max_seq_len`` tokens (TensorRT-LLM admits any prompt up to it, and a refusal
-                inside a hook fails every request of the iteration).
+            TypeError: a V1 KV cache manager (the message names ``use_kv_cache_manager_v2=True``).
+            ValueError: a draft KV cache (speculative decoding), or a pool that cannot hold one prefill of
+                ``max_seq_len`` tokens (TensorRT-LLM admits any prompt up to it, and a refusal inside a hook fails
+                every request of the iteration).
         """
-        super().bind_kv_cache_managers(kv_cache_manager, draft_kv_cache_manager)
+        try:
+            super().bind_kv_cache_managers(kv_cache_manager, draft_kv_cache_manager)
+        except TypeError as exc:
+            raise TypeError(f"{exc}: DiffKV needs kv_cache_config=KvCacheConfig(use_kv_cache_manager_v2=True) "
+                            f"(got {type(kv_cache_manager).__name__}; 'auto' selects V1 for Llama)") from exc
         if draft_kv_cache_manager is not None:
             raise ValueError("DiffKV does not support speculative decoding (a draft KV cache was bound)")
-        _check_mapping(getattr(kv_cache_manager, "mapping", None))
-        if getattr(kv_cache_manager, "enable_block_reuse", False):
-            raise ValueError("DiffKV does not support block reuse: set KvCacheConfig(enable_block_reuse=False)")
+        setattr(kv_cache_manager, MANAGER_ATTRIBUTE, self)
+        if self.estimating:
+            return
         config = self.config
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.rm = DiffKVResourceManager(
@@ -151,10 +178,21 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
             high_tokens_per_page=config.high_tokens_per_page)
         need, total = self.rm.prefill_pages_needed(kv_cache_manager.max_seq_len), self.rm.get_max_resource_count()
         if need > total:  # else a prompt TensorRT-LLM admits could only fail every request of its iteration
+            self.shutdown()
             raise ValueError(f"DiffKV's pool ({total} pages) cannot hold one prefill of max_seq_len="
                              f"{kv_cache_manager.max_seq_len} tokens ({need} pages): raise kv_memory_bytes / "
                              "kv_memory_fraction or lower max_seq_len")
-        setattr(kv_cache_manager, MANAGER_ATTRIBUTE, self)
+
+    def shutdown(self) -> None:
+        """TensorRT-LLM's teardown (``teardown_managers``, after estimation and at exit): forget every request and
+        the planned step, release DiffKV's pool (the cache's tensors go with :attr:`rm`), detach from the KV cache
+        manager. The hooks then raise "not bound"."""
+        self._requests.clear()
+        self._batch, self.rm, self._rotations = None, None, None
+        if self.kv_cache_manager is not None and \
+                getattr(self.kv_cache_manager, MANAGER_ATTRIBUTE, None) is self:
+            delattr(self.kv_cache_manager, MANAGER_ATTRIBUTE)
+        super().shutdown()
 
     # ------------------------------------------------------------------ the five hooks
     def on_request_init(self, request, **kwargs) -> None:
@@ -169,6 +207,8 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
                 once: ``enable_chunked_prefill=False``), or a request whose prefill needs more pages
                 than DiffKV's whole pool.
         """
+        if self.estimating:
+            return
         rm = self._bound()
         n = int(request.prompt_len)
         chunk = getattr(request, "context_chunk_size", n)
@@ -195,6 +235,8 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
                 ``disable_overlap_scheduler=True``), or a request without ``on_request_init``.
             OutOfPagesError: DiffKV's pool cannot hold the step's worst case (nothing changed).
         """
+        if self.estimating:
+            return
         rm = self._bound()
         if self._batch is not None:
             raise RuntimeError("DiffKV plans a step after the previous step ended; TensorRT-LLM's overlap scheduler "
@@ -212,6 +254,8 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
             RuntimeError: a prompt not stored (the layers were not served by ``DiffKVAttention``:
                 ``attn_backend="DIFFKV"``).
         """
+        if self.estimating:
+            return
         cache = self._bound().cache
         for request in requests:
             ours = self._requests.get(request.py_request_id)
@@ -268,8 +312,12 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
         self.rm.free_resources(ours)
 
     # ------------------------------------------------------------------ for the attention backend
-    def check_step(self, request_ids, seq_lens, num_contexts: int) -> None:
-        """Refuse attention metadata that disagrees with the planned step (called by ``DiffKVAttentionMetadata``).
+    def check_step(self, request_ids, seq_lens, num_contexts: int) -> bool:
+        """Whether a forward's attention metadata is DiffKV's planned step (called by ``DiffKVAttentionMetadata``).
+
+        ``False`` for the forwards DiffKV serves outside its pool: TensorRT-LLM's memory estimation (this manager
+        built with ``estimating``) and the model engine's warm-up batches (dummy requests added through the KV cache
+        manager alone: no step planned, none of their ids ever reached ``on_request_init``).
 
         Args:
             request_ids: the step's request ids, context requests first.
@@ -277,19 +325,26 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
             num_contexts: how many of them are context requests.
 
         Raises:
-            RuntimeError: no step planned (the compression manager did not run ``prepare_resources``), or
-                requests, their order or their token counts differ from the plan.
+            RuntimeError: no step planned for requests DiffKV knows (the compression manager's
+                ``prepare_resources`` did not run), or requests, their order or their token counts differ from the
+                plan.
         """
+        if self.estimating:
+            return False
         batch = self._batch
         if batch is None:
-            raise RuntimeError("no DiffKV step is planned: the DiffKV compression manager's prepare_resources must "
-                               "run before the forward")
+            known = [rid for rid in request_ids if rid in self._requests]
+            if not known:
+                return False
+            raise RuntimeError(f"no DiffKV step is planned for requests {known}: the DiffKV compression manager's "
+                               "prepare_resources must run before the forward")
         want = [r.request_id for r in batch.all_requests]
         lens = [int(x) for x in seq_lens]
         want_lens = [len(r.prefill_token_ids) for r in batch.context_requests] + [1] * len(batch.generation_requests)
         if list(request_ids) != want or lens != want_lens or num_contexts != len(batch.context_requests):
             raise RuntimeError(f"attention metadata (requests {list(request_ids)}, seq_lens {lens}, {num_contexts} "
                                f"contexts) disagrees with DiffKV's plan (requests {want}, seq_lens {want_lens})")
+        return True
 
     def request_stats(self, request_id):
         """The request's tier counts and pool bytes now (:meth:`PagedDiffKVCache.request_stats`; a device read)."""
@@ -308,8 +363,19 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
             raise RuntimeError(f"request {request.py_request_id} reached DiffKV without on_request_init") from None
 
 
+def _base_takes(keyword: str) -> bool:
+    """Whether TensorRT-LLM's ``KVCacheCompressionManager.__init__`` has the parameter ``keyword``."""
+    import inspect
+
+    return keyword in inspect.signature(KVCacheCompressionManager.__init__).parameters
+
+
 def _check_mapping(mapping) -> None:
-    """Refuse parallel layouts: DiffKV's pool holds every KV head of every layer on one device."""
+    """Refuse parallel layouts: DiffKV's pool holds every KV head of every layer on one device.
+
+    Raises:
+        ValueError: ``tp_size``, ``pp_size`` or ``cp_size`` above 1, or ``enable_attention_dp``, naming it.
+    """
     if mapping is None:
         return
     for name in ("tp_size", "pp_size", "cp_size"):
