@@ -367,7 +367,7 @@ def _merge_kernel(defines: tuple[tuple[str, int], ...], arch: str, device: int |
 def clear_compiled_kernels() -> None:
     """Drop every compiled kernel this module holds (:func:`_kernel`, :func:`_cap_kernel`, :func:`_spill_free_kernel`,
     :func:`_merge_kernel`): the next launch or resolve compiles again. For whoever swaps the compiler underneath
-    (tests with a faked CuPy, :mod:`trtllm_diffkv.testing.nvrtc`); a running process never needs it."""
+    (tests with a faked CuPy, ``tests/support/nvrtc.py``); a running process never needs it."""
     for cache in (_kernel, _cap_kernel, _spill_free_kernel, _merge_kernel):
         cache.cache_clear()
 
@@ -378,7 +378,7 @@ HELPERS_END = "// (end of the helpers cuda/decode_merge.cu is compiled after"
 def merge_source(merge_text: str | None = None) -> str:
     """The merge kernel's translation unit: ``decode_partial.cu``'s leading helpers (types, PTX wrappers; no
     macros needed), then ``decode_merge.cu`` (or ``merge_text``: another version of that file, e.g. an earlier
-    commit's, which ``scripts/sweep_kv_gpu.py`` times beside this one)."""
+    commit's, which ``tools/sweep_kv_gpu.py`` times beside this one)."""
     partial = SOURCE_PATH.read_text()
     merge = MERGE_SOURCE_PATH.read_text() if merge_text is None else merge_text
     return partial[:partial.index(HELPERS_END)] + merge
@@ -533,7 +533,7 @@ class CudaDecodeKernels:
 FUSED_MERGE = 0
 """0 (default): the CUDA backend launches ``diffkv_decode_partial`` then ``diffkv_decode_merge`` (merge and score
 update); 1: one launch, ``diffkv_decode_attend``, whose row's last CTA merges. Measured slower (H100, 2026-12-06,
-``scripts/sweep_kv_gpu.py``, ``benchmarks/results/sweep_kv.json`` (``fused``): Llama-3-8B 48 x 4096 one layer 180.7 against
+``tools/sweep_kv_gpu.py``, ``benchmarks/results/sweep_kv.json`` (``fused``): Llama-3-8B 48 x 4096 one layer 180.7 against
 168.6 us, 16 x 1024 39.7 against 28.9): the last CTA updates every score of its row alone, where the merge kernel
 spreads them over many CTAs. Kept as the A/B variant (equal bit for bit, ``tests/kernels/test_fused_decode_gpu.py``).
 Since its merging CTA shares the merge's functions (without the merge's early loads) nvcc 13.0 (sm_90a) spills 20 bytes
@@ -706,7 +706,7 @@ SCORE_WARPS = 4
 def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, workspace, num_seqs, num_kv_heads,
                    device) -> None:
     """The separate score update after a merge has written ``workspace.lse``: the TensorRT AOT path's launch
-    (``trt/cuda_aot.py`` builds ``diffkv_decode_scores`` with this grid); the NVRTC path folds it into the merge."""
+    (``export/cuda_aot.py`` builds ``diffkv_decode_scores`` with this grid); the NVRTC path folds it into the merge."""
     import numpy as np
 
     ptr = _ptr
