@@ -224,7 +224,7 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
 def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
     """The decode plan's two kernels (``kernels/decision_kernel.py``), recorded as ``paged/decode.py::plan_device``
     launches them: ``decide_rows`` (the DiffKV tier decisions of every row; ``COMPRESS`` = the preset's) and
-    ``locate_rows`` (token and move locations; ``MOVES`` = the preset compresses) for a bucket of
+    ``locate_rows`` (token and move locations; ``MOVES`` = the preset tiers its tokens) for a bucket of
     ``max_batch_size`` sequences. The moves themselves are the write family's ``read_high_move`` /
     ``write_low_move``."""
     import torch

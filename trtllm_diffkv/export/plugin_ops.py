@@ -236,7 +236,7 @@ def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict, alphas: tor
         alphas: fp64 ``[2]`` (``decision_kernel.alpha_tensor`` of the configuration; default: made here).
 
     Raises:
-        ValueError: outputs too small, or a compressing preset whose pool format has no token metadata.
+        ValueError: outputs too small, or a tiered preset whose pool format has no token metadata.
     """
     from trtllm_diffkv.kernels import decision_kernel
 
