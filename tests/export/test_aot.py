@@ -91,9 +91,10 @@ def test_manifest_signatures_match_the_kernels(aot_dir):
 
 
 def test_recorded_launch_values_follow_the_page_format():
-    """Specs of a second shape (GQA 4, head_dim 128, bf16, quantization-only preset): constexprs are the
-    page format's and the kernels' launch rules, not defaults."""
-    shape = EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, kv_config=get_preset("k8v4"),
+    """Specs of a second shape (GQA 4, head_dim 128, bf16, K8V4 in both tiers, tiered by alpha_high = 1 so the
+    low-tier moves exist): constexprs are the page format's and the kernels' launch rules, not defaults."""
+    kv_config = get_preset("k8v4").replace(alpha_high=1.0)
+    shape = EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, kv_config=kv_config,
                         dtype="bfloat16", max_batch_size=4, max_seq_len=1000)
     specs = aot.kernel_specs(shape)
     fmt = shape.page_format

@@ -74,7 +74,8 @@ def test_entries_take_inputs_extras_outputs_in_manifest_order(builds, name):
     manifest = json.loads((out / cuda_aot.MANIFEST_NAME).read_text())
     assert manifest["cuda_kernels"] == entries
     assert manifest["engine"] == SHAPES[name][0].to_fields()
-    assert [e["source_kernel"] for e in entries] == ["diffkv_decode_partial", "diffkv_decode_scores"]
+    scored = SHAPES[name][0].kv_config.tiered  # uniform formats (k8v4) keep no scores: no score kernel
+    assert [e["source_kernel"] for e in entries] == ["diffkv_decode_partial"] + ["diffkv_decode_scores"] * scored
     for e in entries:
         assert e["kernel_name"] == "diffkv_trt_" + e["source_kernel"].removeprefix("diffkv_")
         assert len(set(e["inputs"])) == len(e["inputs"])  # each buffer once as an input
@@ -95,11 +96,15 @@ def test_entries_take_inputs_extras_outputs_in_manifest_order(builds, name):
             kinds = ["ptr" if t in ("u64", "b64") else "i32" if t in ("u32", "b32", "s32") else t for t, _ in params]
             n_in, n_x, n_out = len(e["inputs"]), len(e["extras"]), len(e["outputs"])
             assert kinds == ["ptr"] * n_in + ["i32"] * n_x + ["ptr"] * n_out, (target, params)
-    partial, scores = entries
+    partial = entries[0]
+    probs = ["page_probs", "page_max"] * scored  # what the score update reads: written only where scores are kept
     assert partial["inputs"] == ["q", "pool", "table", "tier_tokens", "row_ids", "part_m", "part_l", "part_acc",
                                  "page_probs", "page_max"]
     assert [x["name"] for x in partial["extras"]] == ["qk_scale_bits", "num_kv_heads", "num_slots", "R"]
-    assert partial["outputs"] == ["part_m", "part_l", "part_acc", "page_probs", "page_max"]
+    assert partial["outputs"] == ["part_m", "part_l", "part_acc", *probs]
+    if not scored:
+        return
+    scores = entries[1]
     assert scores["inputs"] == ["pool", "table", "tier_tokens", "row_ids", "page_probs", "page_max", "lse"]
     assert [x["name"] for x in scores["extras"]] == ["num_kv_heads", "R"]
     assert scores["outputs"] == ["pool"]  # the score segments, updated in place

@@ -95,7 +95,7 @@ def random_state(cfg, seed, num_seqs=6, num_layers=2, num_kv_heads=3, head_dim=6
 
 
 def check_kernel_equals_reference(seeds=(0, 1)) -> int:
-    """Kernel actions == ``decisions.decide`` for every compressing preset; returns the rows compared."""
+    """Kernel actions == ``decisions.decide`` for every tiered preset; returns the rows compared."""
     from trtllm_diffkv.config import PRESETS, DiffKVConfig
     from trtllm_diffkv.kernels.decision_kernel import alpha_tensor, decide_rows
     from trtllm_diffkv.paged import decisions
@@ -106,7 +106,7 @@ def check_kernel_equals_reference(seeds=(0, 1)) -> int:
     for c in PRESETS.values():
         c = c.replace(recent_window_tokens=min(c.recent_window_tokens, 3),
                       prompt_score_window_tokens=min(c.prompt_score_window_tokens, 5), key_rotation="none")
-        if c.compress and all(c.replace(name=o.name) != o for o in configs):
+        if c.tiered and all(c.replace(name=o.name) != o for o in configs):  # uniform presets decide nothing
             configs.append(c)
     configs.append(DiffKVConfig(recent_window_tokens=0, prompt_score_window_tokens=3, alpha_high=1.0, alpha_low=0.3))
     compared = 0

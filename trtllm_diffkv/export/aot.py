@@ -102,7 +102,7 @@ def _write_read_specs(shape: EngineShape) -> list[KernelSpec]:
     err = dict(error_flags=_meta((n,), torch.int32), error_index=i32())
     offsets = dict(key_offsets=_meta((n, D), torch.float16), offset_rows=i32()) if centered else {}
     calls = [("write_high", "high", dt, {**offsets, **meta, **err})]  # prompt and decode tokens (int32 offset rows)
-    if cfg.compress:
+    if cfg.tiered:
         calls += [("write_low_prompt", "low", dt, {**offsets, **meta, **err}),  # low-tier prompt tokens
                   ("write_low_move", "low", torch.float32, meta)]  # demotions: dequantized fp32 rows
     if centered:  # the offset rows as PagedDiffKVCache passes them (int64 table rows: prefill and decode)
@@ -114,7 +114,7 @@ def _write_read_specs(shape: EngineShape) -> list[KernelSpec]:
         with Recorder([(qw, "_write_tokens_kernel")]) as rec:
             qw.write_tokens(pages, fmt, tier, i32(), i32(), _meta((n, D), kdt), _meta((n, D), kdt), **kwargs)
         specs.append(spec_of_launch(rec.launches[0], op, {"n_rows": n}))
-    if cfg.compress:
+    if cfg.tiered:
         with Recorder([(qw, "_read_tokens_kernel")]) as rec:
             qw.read_tokens(pages, fmt, "high", i32(), i32(), _meta((n, D), torch.float32),
                            _meta((n, D), torch.float32), _meta((n,), torch.float32), i32())
@@ -131,12 +131,12 @@ def _decode_specs(shape: EngineShape) -> list[KernelSpec]:
     fmt, R = shape.page_format, shape.max_pages_per_row
     B, H = shape.max_batch_size, shape.num_kv_heads
     rows = B * shape.num_layers * H
-    ws = da.DecodeWorkspace.allocate(B, shape.num_heads, H, fmt, R, "meta", update_scores=shape.kv_config.compress)
+    ws = da.DecodeWorkspace.allocate(B, shape.num_heads, H, fmt, R, "meta", update_scores=shape.kv_config.tiered)
     q = _meta((B, shape.num_heads, shape.head_dim), getattr(torch, shape.dtype))
     with Recorder([(da, "_decode_partial_kernel"), (da, "_decode_merge_kernel"), (da, "_decode_score_kernel")]) as rec:
         da.paged_decode_attention(q, _meta((7, fmt.page_size_bytes), torch.uint8), fmt, _meta((rows, R), torch.int32),
                                   _meta((rows, 2), torch.int32), _meta((B, H), torch.int32), torch.empty_like(q),
-                                  sm_scale=shape.head_dim ** -0.5, update_scores=shape.kv_config.compress, workspace=ws,
+                                  sm_scale=shape.head_dim ** -0.5, update_scores=shape.kv_config.tiered, workspace=ws,
                                   backend="triton")  # the AOT set holds the Triton kernels
     sizes = dict(num_seqs=B, num_kv_heads=H, num_partitions=ws.num_partitions, R=R)
     specs = [spec_of_launch(launch, "decode_attention", sizes) for launch in rec.launches]
@@ -224,7 +224,7 @@ def _page_manager_specs(shape: EngineShape) -> list[KernelSpec]:
 def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
     """The decode plan's two kernels (``kernels/decision_kernel.py``), recorded as ``paged/decode.py::plan_device``
     launches them: ``decide_rows`` (the DiffKV tier decisions of every row; ``COMPRESS`` = the preset's) and
-    ``locate_rows`` (token and move locations; ``MOVES`` = the preset compresses) for a bucket of
+    ``locate_rows`` (token and move locations; ``MOVES`` = the preset tiers its tokens) for a bucket of
     ``max_batch_size`` sequences. The moves themselves are the write family's ``read_high_move`` /
     ``write_low_move``."""
     import torch
@@ -242,13 +242,13 @@ def _decision_specs(shape: EngineShape) -> list[KernelSpec]:
     actions = (_meta((m,), i32), _meta((m,), i32), _meta((m,), i64), _meta((m,), i64), _meta((m,), i64))
     located = (_meta((L, B, H), i64), _meta((L, B, H), i32), _meta((L, B, H), i32), _meta((L, B, H), i32),
                _meta((B * H,), i32), _meta((B * H,), i32))  # rows, row_ids, page, slot, positions, err_idx
-    moves = tuple(_meta((m,), i32) for _ in range(4)) if cfg.compress else None
+    moves = tuple(_meta((m,), i32) for _ in range(4)) if cfg.tiered else None
     with Recorder([(dk, "_decide_kernel"), (dk, "_locate_kernel")]) as rec:
         act = dk.decide_rows(_meta((7, fmt.page_size_bytes), torch.uint8), fmt, table, tokens, slots, pos,
                              _meta((B,), i64), _meta((2,), torch.float64), rows_per_slot=G,
                              recent_window_tokens=cfg.recent_window_tokens,
                              prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=actions,
-                             compress=cfg.compress)
+                             compress=cfg.tiered)
         dk.locate_rows(table, fmt, slots, pos, act, located, moves, num_kv_heads=H, rows_per_slot=G)
     sizes = dict(num_seqs=n, bucket=B, rows_per_slot=G)
     return [spec_of_launch(launch, "decode_plan", sizes) for launch in rec.launches]

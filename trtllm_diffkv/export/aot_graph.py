@@ -76,8 +76,8 @@ def dims_of(shape: EngineShape, num_partitions: int) -> dict[str, TensorInfo]:
         "ws_part_m": TensorInfo((*ws_rows, num_partitions, 2, gp), "float32", "scratch"),
         "ws_part_l": TensorInfo((*ws_rows, num_partitions, 2, gp), "float32", "scratch"),
         "ws_part_acc": TensorInfo((*ws_rows, num_partitions, 2, gp, bd), "float32", "scratch"),
-        "ws_page_probs": TensorInfo((*ws_rows, R, group, pmax) if cfg.compress else (1,), "float16", "scratch"),
-        "ws_page_max": TensorInfo((*ws_rows, R, group) if cfg.compress else (1,), "float32", "scratch"),
+        "ws_page_probs": TensorInfo((*ws_rows, R, group, pmax) if cfg.tiered else (1,), "float16", "scratch"),
+        "ws_page_max": TensorInfo((*ws_rows, R, group) if cfg.tiered else (1,), "float32", "scratch"),
         "ws_lse": TensorInfo((*ws_rows, gp), "float32", "scratch"),
     }
     return t
@@ -114,7 +114,7 @@ def record_decode(shape: EngineShape, n: int | None = None, B: int | None = None
         raise ValueError(f"{shape.max_batch_size} sequences x {G} rows need the page manager's separate scan launch, "
                          "which the AOT decode graph does not have")
     ws = da.DecodeWorkspace.allocate(shape.max_batch_size, shape.num_heads, H, shape.page_format,
-                                     shape.max_pages_per_row, "meta", update_scores=shape.kv_config.compress)
+                                     shape.max_pages_per_row, "meta", update_scores=shape.kv_config.tiered)
     infos = dims_of(shape, ws.num_partitions)
     tensors, names = {}, {}
     for name, info in infos.items():

@@ -235,7 +235,7 @@ def cuda_kernel_defines(shape: EngineShape) -> tuple[dict[str, int], dict]:
 
     The workspace is :meth:`DecodeWorkspace.allocate` for ``max_batch_size`` sequences and
     ``max_pages_per_row`` on the ``meta`` device (as ``export/aot.py::_decode_specs``: default partition count),
-    ``update_scores`` = the preset compresses; ``group_pad`` / ``block_d`` are the workspace's last dims,
+    ``update_scores`` = the preset tiers its tokens (``DiffKVConfig.tiered``); ``group_pad`` / ``block_d`` are the workspace's last dims,
     ``pmax`` the larger tier's tokens per page, the register cap ``compile_defines``' default. Sizes:
     ``num_seqs`` (the maximum), ``num_heads``, ``num_kv_heads``, ``head_dim``, ``num_partitions``, ``R``,
     ``sm_scale`` (``head_dim ** -0.5``, the engine's softmax scale as in ``_decode_specs``).
@@ -253,7 +253,7 @@ def cuda_kernel_defines(shape: EngineShape) -> tuple[dict[str, int], dict]:
     if reason is not None:
         raise ValueError(f"the CUDA decode kernel does not cover this engine: {reason}")
     B, H, R = shape.max_batch_size, shape.num_kv_heads, shape.max_pages_per_row
-    update_scores = bool(shape.kv_config.compress)
+    update_scores = bool(shape.kv_config.tiered)
     ws = da.DecodeWorkspace.allocate(B, shape.num_heads, H, fmt, R, "meta", update_scores=update_scores)
     group = shape.num_heads // H
     group_pad, block_d = ws.part_m.shape[-1], ws.part_acc.shape[-1]  # as launch_partial reads them
@@ -391,7 +391,7 @@ def build_cuda_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTE
     (module docstring: entry format, ABI, nvcc commands). Everything is compiled in a temporary subdirectory of
     ``out_dir`` (``.cuda_aot.*``, removed afterwards) and moved into ``out_dir`` only when every step succeeded, the
     manifest last: a failed build leaves the files of ``out_dir`` as they were (``out_dir`` itself is created).
-    Kernels: ``diffkv_decode_partial`` (always) and ``diffkv_decode_scores`` (when the preset compresses: the score
+    Kernels: ``diffkv_decode_partial`` (always) and ``diffkv_decode_scores`` (when the preset tiers its tokens: the score
     update), each as its ABI entry
     ``diffkv_trt_decode_partial`` / ``diffkv_trt_decode_scores``. Parameter order of an entry: ``inputs``
     (``.u64`` pointers), ``extras`` (``.u32``: int32), ``outputs`` (``.u64`` pointers aliased to inputs) - the
@@ -451,7 +451,7 @@ def build_cuda_kernels(shape: EngineShape, out_dir: str | Path, targets=SUPPORTE
 
 def cuda_kernel_entries(shape: EngineShape) -> list[dict]:
     """The manifest entries of ``shape`` without compiling (``compiled`` empty): what :func:`build_cuda_kernels`
-    fills in. ``diffkv_decode_partial`` always, ``diffkv_decode_scores`` when the preset compresses.
+    fills in. ``diffkv_decode_partial`` always, ``diffkv_decode_scores`` when the preset tiers its tokens.
 
     Raises:
         ValueError: as :func:`cuda_kernel_defines`.

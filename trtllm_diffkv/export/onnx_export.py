@@ -688,7 +688,7 @@ def export_aot(model, kv_config: DiffKVConfig, manifest: dict, path: str | Path 
     ``trtllm_diffkv/export/plugin_ops.py`` with ``use_triton=True`` recorded on ``meta`` tensors), in launch order:
     ``decode_decide`` -> ``_decide_kernel``; ``page_update`` -> ``_count_kernel``, ``_decode_apply_kernel`` (the fused
     scan); ``decode_locate`` -> ``_locate_kernel`` (+ ``_read_tokens_kernel``, ``_write_tokens_kernel`` for the moves
-    of a compressing preset); per layer ``decode_attention`` -> ``_write_tokens_kernel`` (the new token), then
+    of a tiered preset); per layer ``decode_attention`` -> ``_write_tokens_kernel`` (the new token), then
     ``_decode_partial_kernel``, ``_decode_merge_kernel`` (+ ``_decode_score_kernel`` when scores are updated).
 
     Each node is a launch in TensorRT's AOT calling convention (``export/trt_abi.py``): op type
@@ -855,7 +855,7 @@ def export_aot_prefill(model, kv_config: DiffKVConfig, manifest: dict, path: str
             cur["key_offsets"] = op("ScatterND", [cur["key_offsets"], op("Unsqueeze", [first_rows, c("ax2", [2])]),
                                                   op("Cast", [mean], {"to": F16})], dtype=np.float16,
                                     shape=list(STATE_INPUTS["key_offsets"][1]))
-        if cfgkv.compress:
+        if cfgkv.tiered:
             importance = op("Div", [sums, count])
             high = op("Or", [op("Greater", [importance, thr_h]), window])
             low = op("And", [op("Not", [high]), op("GreaterOrEqual", [importance, thr_l])])

@@ -236,7 +236,7 @@ def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict, alphas: tor
         alphas: fp64 ``[2]`` (``decision_kernel.alpha_tensor`` of the configuration; default: made here).
 
     Raises:
-        ValueError: outputs too small, or a compressing preset whose pool format has no token metadata.
+        ValueError: outputs too small, or a tiered preset whose pool format has no token metadata.
     """
     from trtllm_diffkv.kernels import decision_kernel
 
@@ -248,7 +248,7 @@ def run_decode_decide(inputs: list, outputs: list, cfg, attrs: dict, alphas: tor
     decision_kernel.decide_rows(pool, fmt, table, tokens, slots, positions, prompt_len, alphas, rows_per_slot=G,
                                 recent_window_tokens=cfg.recent_window_tokens,
                                 prompt_score_window_tokens=cfg.prompt_score_window_tokens,
-                                out=(dh.view(-1), dl.view(-1), new, move_from, move_to), compress=cfg.compress)
+                                out=(dh.view(-1), dl.view(-1), new, move_from, move_to), compress=cfg.tiered)
 
 
 def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton: bool,
@@ -289,7 +289,7 @@ def run_decode_locate(inputs: list, outputs: list, cfg, attrs: dict, use_triton:
                row_ids, page.view(L, B, H), slot.view(L, B, H), dpos, err_idx)  # DecodeBuffers.located's order
     m = n * G
     moves = None
-    if cfg.compress:
+    if cfg.tiered:
         moves = scratch.get("moves") or tuple(torch.empty(m, dtype=torch.int32, device=pool.device) for _ in range(4))
     decision_kernel.locate_rows(table, fmt, slots, positions, (None, None, new, move_from, move_to), located, moves,
                                 num_kv_heads=H, rows_per_slot=G)

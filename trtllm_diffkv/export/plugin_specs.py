@@ -253,7 +253,7 @@ PLAN_KERNELS = {
 }
 """The AOT kernels (manifest ``(kernel function, op)``, ``export/aot.py``) each decode-plan plugin launches, in order:
 ``page_update`` runs ``_scan_kernel`` only when its block sums exceed one chunk (the manifest's ``select``);
-``decode_locate``'s two move kernels only for a compressing preset (the fp16 preset moves nothing)."""
+``decode_locate``'s two move kernels only for a tiered preset (fp16 and the uniform formats move nothing)."""
 
 PLUGINS = {p.full_name: p for p in (PREFILL, DECODE, PAGE_UPDATE, DECODE_DECIDE, DECODE_LOCATE, STEP_PAGE_UPDATE,
                                     LAYER_ATTENTION)}

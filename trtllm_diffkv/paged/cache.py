@@ -540,12 +540,12 @@ class PagedDiffKVCache:
     def decode_pages_needed(self, num_requests: int) -> int:
         """Most pages one decode step of ``num_requests`` requests can take under this cache's policy
         (:meth:`~trtllm_diffkv.memory.PageManager.worst_case_decode_pages`: one per tier per row; one per row
-        for a policy that never moves a token to the low tier, ``config.compress`` false, e.g. ``fp16``)."""
-        return self.manager.worst_case_decode_pages(num_requests, low_tier_grows=self.config.compress)
+        for a policy that never moves a token to the low tier: ``config.tiered`` false, e.g. ``fp16``, ``k8v4``)."""
+        return self.manager.worst_case_decode_pages(num_requests, low_tier_grows=self.config.tiered)
 
     def staging_bytes_for(self, prompt_tokens: int) -> int:
         """Staging bytes a prompt of ``prompt_tokens`` tokens holds while prefilled in chunks (:mod:`.staging`)."""
-        scoring = self.config.prompt_score_window_tokens if self.config.compress else 0
+        scoring = self.config.prompt_score_window_tokens if self.config.tiered else 0
         return staging_bytes(self.num_layers, self.num_kv_heads, self.num_heads, self.head_dim, prompt_tokens,
                              scoring, self.dtype)
 

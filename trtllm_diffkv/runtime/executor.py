@@ -490,7 +490,7 @@ class Executor:
         need, total = self.rm.prefill_pages_needed(n), self.rm.get_max_resource_count()
         if need > total:
             raise OutOfPagesError(f"the prompt needs {need} pages at prefill; the whole pool has {total}")
-        if not self.kv_config.compress and params.max_tokens > 1:  # no tiers: the end is known exactly
+        if not self.kv_config.tiered and params.max_tokens > 1:  # no tiers: the end is known exactly
             fmt, rows, last = self.cache.page_format, self.cache.rows_per_slot, n + params.max_tokens - 1
             need = rows * fmt.pages_for_tokens("high", last - 1) + self.rm.decode_pages_needed(1)
             if need > total:  # its last decode step could never be planned, even alone

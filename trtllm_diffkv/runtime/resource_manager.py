@@ -249,7 +249,7 @@ class DiffKVResourceManager:
         low tier usually need far fewer: the executor admits by the step's need instead.
         """
         fmt, n = self.cache.page_format, len(request.prompt_token_ids) + request.sampling_params.max_tokens
-        per_row = fmt.pages_for_tokens("high", n) + (fmt.pages_for_tokens("low", n) if self.kv_config.compress else 0)
+        per_row = fmt.pages_for_tokens("high", n) + (fmt.pages_for_tokens("low", n) if self.kv_config.tiered else 0)
         per_row = max(per_row, fmt.prompt_reserve_pages(max(1, len(request.prompt_token_ids))))
         return self.cache.rows_per_slot * per_row
 
