@@ -1,7 +1,7 @@
 """DiffKV inside TensorRT-LLM's PyTorch backend, through TensorRT-LLM's own ``LLM`` API.
 
 NOT RUN: TensorRT-LLM cannot be installed on this project's machines (the adapter is tested through
-``tests/trt/trtllm_standin.py``). Install, beside TensorRT-LLM:
+``tests/trtllm_backend/trtllm_standin.py``). Install, beside TensorRT-LLM:
 
     pip install tensorrt_llm                    # NVIDIA's index: a release with kv_cache_compression_config
     pip install --no-deps -e /path/to/trtllm-diffkv   # this package's checkout (TensorRT-LLM already brings torch, triton)
@@ -11,7 +11,7 @@ Usage: ``python examples/trtllm_llm_api.py /path/to/hf_checkpoint``
 import sys
 
 # first: without TensorRT-LLM it says what to install (importing it registers "diffkv" / "DIFFKV")
-from trtllm_diffkv.trt.tensorrt_llm import DiffKVCompressionConfig
+from trtllm_diffkv.trtllm_backend import DiffKVCompressionConfig
 
 from tensorrt_llm import LLM, SamplingParams  # noqa: E402
 from tensorrt_llm.llmapi import KvCacheConfig  # noqa: E402

@@ -218,7 +218,7 @@ def check_full_run() -> None:
     """The cache's kernel path in lockstep with the reference cache."""
     from conftest import random_llama
     from trtllm_diffkv.config import DiffKVConfig, get_preset
-    from trtllm_diffkv.testing.paged import run_lockstep
+    from support.paged import run_lockstep
 
     model = random_llama(3, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                          num_kv_heads=1, head_dim=64, max_position_embeddings=128)

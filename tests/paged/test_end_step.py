@@ -134,7 +134,7 @@ def test_a_failed_composite_layer_op_discards_its_step():
     """Review finding: when ``DiffKVAttention`` (the TensorRT / ORT composite op) raised for a bad input, the step
     stayed planned and every later ``DiffKVPageUpdate`` was refused: a stalled engine. The failed op now discards
     the step; after the caller releases the request, the next step plans and runs."""
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
 
     cache = _cache()
     handle = torch.tensor([ops.register_cache(cache)])

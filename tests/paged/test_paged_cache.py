@@ -2,7 +2,7 @@
 
 Every step of every request compares kept positions, tiers, the page
 manager's tier counts and pages, the paged oracle's dequantized K/V and the
-logits with :class:`DiffKVReferenceCache` (``trtllm_diffkv.testing.paged``).
+logits with :class:`DiffKVReferenceCache` (``support.paged``).
 Small windows (W = 4, S = 8) and a model with peaked attention make tiers
 change (demotions, pruning, low victims) within a few steps.
 """
@@ -13,8 +13,8 @@ from conftest import peaked_tiny_llama, random_llama, tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, get_preset
 from trtllm_diffkv.model.attention_api import DenseCausalAttention
 from trtllm_diffkv.paged import OutOfPagesError, PagedDiffKVCache
-from trtllm_diffkv.testing.paged_oracle import gather_request
-from trtllm_diffkv.testing.paged import run_lockstep
+from support.paged_oracle import gather_request
+from support.paged import run_lockstep
 
 CFG = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
 KV_ATOL = 1e-4  # beyond one quantization step: a demoted token requantized from rounding-different values

@@ -18,7 +18,7 @@ from trtllm_diffkv.config import DiffKVConfig, get_preset
 from trtllm_diffkv.model import ModelConfig
 from trtllm_diffkv.parallel.sharding import WeightShard, check_tensor_parallel, local_kv_config
 from trtllm_diffkv.runtime.sampling import SamplingParams
-from trtllm_diffkv.testing.tensor_parallel import (run_ranks, single_process_runs, tensor_parallel_runs,
+from support.tensor_parallel import (run_ranks, single_process_runs, tensor_parallel_runs,
                                                    write_checkpoint)
 
 TP = 2

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_diffkv.runtime.sampling import Sampler, SamplingParams, StopChecker, prompt_logprobs
+from trtllm_diffkv.runtime.sampling import Sampler, SamplingParams, prompt_logprobs
+from trtllm_diffkv.runtime.stop_checker import StopChecker
 
 
 # ---------------------------------------------------------------------------------------------

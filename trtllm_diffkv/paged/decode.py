@@ -239,7 +239,7 @@ def decode_runner(cache, q_dtype: torch.dtype):
     path, or a caller's stand-in), which then runs per call."""
     from ..kernels import decode_attention as da
 
-    runners = getattr(cache, "decode_runners", None)  # None: a stand-in view (trt/plugins/ops.py): checked per call
+    runners = getattr(cache, "decode_runners", None)  # None: a stand-in view (export/plugin_ops.py): checked per call
     if runners is None or cache.decode_attention is not da.paged_decode_attention:
         return None
     runner = runners.get(q_dtype)

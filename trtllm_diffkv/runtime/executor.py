@@ -22,7 +22,7 @@
 5. ONE device-to-host copy (into a pinned buffer, ``non_blocking`` + an event on CUDA) of the
    sampled tokens, the per-slot non-finite K/V flags and the ring counters;
 6. ``update_resources``: requests with non-finite K/V fail alone; stop ids, stop strings and
-   ``max_tokens`` (:class:`~.sampling.StopChecker`); finished and failed requests free every
+   ``max_tokens`` (:class:`~.stop_checker.StopChecker`); finished and failed requests free every
    page in this same step (``free_resources``).
 
 Overlap (``disable_overlap_scheduler``; TensorRT-LLM's overlap scheduler): a decode-only step whose requests'
@@ -68,8 +68,9 @@ from ..paged.cache import OutOfPagesError
 from ..paged.staging import staging_bytes, staging_fits
 from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
-from .sampling import Sampler, SamplingParams, StopChecker, prompt_logprobs
+from .sampling import Sampler, SamplingParams, prompt_logprobs
 from .scheduler import Scheduler
+from .stop_checker import StopChecker
 
 
 DEFAULT_MAX_NUM_TOKENS = 8192
