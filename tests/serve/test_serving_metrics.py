@@ -1,7 +1,7 @@
 """The OpenAI server's latency histograms (``serve/metrics.py``'s ``ServingMetrics.observe``) on real request handles.
 
 An :class:`~trtllm_diffkv.llmapi.outputs.AsyncRequest` is fed events stamped at chosen times (the loop thread's
-``_Event.time``), so TTFT, TPOT and end-to-end latency are known here: TTFT = first token - arrival, TPOT =
+``RequestEvent.time``), so TTFT, TPOT and end-to-end latency are known here: TTFT = first token - arrival, TPOT =
 (end - first token) / (tokens - 1), the first token excluded as vLLM defines it (``vllm/v1/metrics``), e2e =
 end - arrival. The boundary is the token count: one token has no TPOT, two tokens have one interval.
 """
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from trtllm_diffkv.llmapi.outputs import AsyncRequest, _Event  # noqa: E402
+from trtllm_diffkv.llmapi.outputs import AsyncRequest, RequestEvent  # noqa: E402
 from trtllm_diffkv.runtime.sampling import SamplingParams  # noqa: E402
 from trtllm_diffkv.serve.metrics import ServingMetrics  # noqa: E402
 
@@ -25,8 +25,8 @@ def _handle(arrival_s: float, token_times_s: list[float], kv_memory_fraction=Non
     handle.arrival_time = arrival_s
     for i, t in enumerate(token_times_s):
         last = i == len(token_times_s) - 1
-        handle._channel.put(_Event([100 + i], finished=last, finish_reason="length" if last else None, time=t,
-                                   metrics={"kv_memory_fraction": kv_memory_fraction} if last else None))
+        handle._channel.put(RequestEvent([100 + i], finished=last, finish_reason="length" if last else None, time=t,
+                                         metrics={"kv_memory_fraction": kv_memory_fraction} if last else None))
     handle.result(timeout=0)
     return handle
 
@@ -56,7 +56,7 @@ def test_a_request_without_tokens_is_not_observed():
     """A request that failed before its first token (one finishing event, no ids) adds to no histogram."""
     llm = SimpleNamespace(tokenizer=None, abort=lambda request_id: None)
     handle = AsyncRequest(llm, 0, None, [1], SamplingParams(max_tokens=2), False, set())
-    handle._channel.put(_Event([], finished=True, finish_reason="error", error="bad", time=3.0))
+    handle._channel.put(RequestEvent([], finished=True, finish_reason="error", error="bad", time=3.0))
     handle.result(timeout=0)
     metrics = ServingMetrics(SimpleNamespace(stats=dict), "tiny")
     metrics.observe(handle)
