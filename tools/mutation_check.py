@@ -78,6 +78,11 @@ CUDA_DECODE = "trtllm_diffkv/kernels/cuda_decode.py"
 PAGED_CACHE = "trtllm_diffkv/paged/cache.py"
 PLUGIN_OPS = "trtllm_diffkv/export/plugin_ops.py"
 TRTLLM_MANAGER = "trtllm_diffkv/trtllm_backend/manager.py"
+STAGING = "trtllm_diffkv/paged/staging.py"
+METRICS = "trtllm_diffkv/serve/metrics.py"
+BASELINES = "trtllm_diffkv/evaluation/baselines.py"
+CALIBRATION = "trtllm_diffkv/evaluation/calibration.py"
+TP_HOOK = "trtllm_diffkv/parallel/executor_hook.py"
 
 # Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure. A test is named
 # by its file name (found anywhere under tests/, so that moving tests into subfolders keeps the check working),
@@ -114,11 +119,27 @@ DECISION_TESTS = ["test_decision_kernel.py::test_decision_kernel_equals_referenc
 DECODE_KERNEL_TESTS = ["test_kernels_decode_attention.py"]
 PREFILL_KERNEL_TESTS = ["test_kernels_prefill_scores.py"]
 WRITE_KERNEL_TESTS = ["test_kernels_quant_write.py::test_triton_write_path_bit_exact_under_interpreter"]
+# issue 43's survivors: each names the boundary test written for it
+STAGING_TESTS = ["test_chunked_prefill_cache.py::test_a_second_staging_that_exactly_fills_the_limit_is_planned",
+                 "test_chunked_prefill.py::test_a_prompt_whose_staging_exactly_fills_the_limit_runs_beside_the_decodes",
+                 "test_chunked_prefill.py::test_a_second_chunked_prompt_that_exactly_fills_what_is_left_starts_beside_the_first"]
+CHOICE_TESTS = ["test_openai_choice_rules.py"]
+BASELINE_TESTS = ["test_eval_baselines.py"]
+CALIBRATION_TESTS = ["test_calibrate_command.py::test_choose_keeps_a_setting_exactly_at_each_tolerance",
+                     "test_calibrate_command.py::test_sweep_grid_keeps_alpha_low_equal_to_alpha_high",
+                     "test_calibrate_command.py::test_choose_takes_the_lowest_memory_within_the_tolerances"]
+TP_STATUS_TESTS = ["test_tensor_parallel.py::test_step_status_takes_rank_0_tokens_every_rank_flag_and_the_fewest_free_pages",
+                   "test_tensor_parallel.py::test_a_non_finite_key_on_rank_1_only_fails_its_request_on_rank_0"]
+FAILED_PLAN_TESTS = ["test_end_step.py::test_a_failed_plan_gives_back_its_new_prompts_and_leaves_its_decoding_slots_to_the_caller",
+                     "test_end_step.py::test_a_plan_failing_after_its_reservation_gives_the_new_prompts_back"]
+REFUSED_STEP_TESTS = ["test_executor.py::test_a_step_the_cache_refuses_fails_its_requests_and_the_executor_goes_on",
+                      "test_executor.py::test_a_step_refused_for_pages_is_retried_and_loses_nothing"]
 
 AREAS = {"policy": "policy", "cache": "reference cache", "quant": "quantizer", "pages": "page manager",
          "runtime": "runtime (scheduler, executor, sampler, stop checks, resource manager)",
          "serve": "OpenAI server", "paged": "paged cache (decisions, decode planning and moves, gather, row metadata)",
-         "kernels": "Triton kernels (decode attention, decision, write, prompt scores; interpreter)"}
+         "kernels": "Triton kernels (decode attention, decision, write, prompt scores; interpreter)",
+         "eval": "evaluation baselines and calibration", "parallel": "tensor parallelism (the executor hook)"}
 """Areas (``--area``): a mutation's area is its id's first word."""
 
 
@@ -540,11 +561,11 @@ MUTATIONS = [
       [("        return head > self.free_estimate + in_flight_pages",
         "        return True")],
       ["test_overlap.py::test_a_request_arriving_during_the_overlap_is_admitted_at_once"]),
-    m("runtime-fp16-two-pages-per-row", PAGED_CACHE, "decode worst case: fp16 counted at two pages per row (preempts early)",
-      [("low_tier_grows=self.config.compress)", "low_tier_grows=True)")],
+    m("runtime-fp16-two-pages-per-row", PAGED_CACHE, "decode worst case: fp16 and uniform formats counted at two pages per row (preempts early)",
+      [("low_tier_grows=self.config.tiered)", "low_tier_grows=True)")],
       ["test_executor.py::test_fp16_decode_worst_case_is_one_page_per_row"]),
-    m("runtime-one-page-per-row-for-all", PAGED_CACHE, "decode worst case: one page per row for compressing presets too",
-      [("low_tier_grows=self.config.compress)", "low_tier_grows=False)")],
+    m("runtime-one-page-per-row-for-all", PAGED_CACHE, "decode worst case: one page per row for tiered presets too",
+      [("low_tier_grows=self.config.tiered)", "low_tier_grows=False)")],
       ["test_executor.py::test_fp16_decode_worst_case_is_one_page_per_row"]),
     m("policy-uncompressed-keeps-quantized-tiers", "trtllm_diffkv/config.py",
       "compress=False with quantized tiers lays pages out quantized",
@@ -575,6 +596,94 @@ MUTATIONS = [
     m("kernels-prefill-lse-not-causal", PREFILL_KERNELS, "prompt log-sum-exp over every key (no causal mask)",
       [("keep = i_mask[:, None] & (t[None, :] <= pos[:, None]) & (t < k_end)[None, :]",
         "keep = i_mask[:, None] & (t < k_end)[None, :]")], PREFILL_KERNEL_TESTS),
+    # ------------------------------------------------------------------ issue 43: survivors of an outside round
+    m("paged-staging-exact-fill-refused", STAGING, "chunked staging: a prompt whose staging exactly fills "
+      "chunk_staging_bytes is refused (<= became <, in the one shared rule)",
+      [("    return held_bytes + new_bytes <= limit_bytes\n", "    return held_bytes + new_bytes < limit_bytes\n")],
+      STAGING_TESTS),
+    m("paged-staging-plan-own-rule", PAGED_CACHE, "chunked staging: the cache's plan refuses an exact fill that the "
+      "scheduler admits (its own check, > became >=): the step is retried forever, every decode stalls",
+      [("        if staged and not self.staging_fits(staged):\n",
+        "        if staged and self.staging_bytes_used() + staged >= self.staging_limit_bytes:\n")],
+      STAGING_TESTS[1:] + STAGING_TESTS[:1]),
+    m("runtime-staging-admission-own-rule", SCHEDULER, "chunked staging: the scheduler refuses an exact fill that the "
+      "cache would plan (its own check): the prompt waits forever",
+      [("                if not self.rm.staging_fits(staging):",
+        "                if staging >= self.rm.cache.staging_limit_bytes - self.rm.cache.staging_bytes_used():")],
+      STAGING_TESTS[1:]),
+    m("runtime-top-alternative-ranks-0-based", SAMPLING, "logprobs: the top alternatives ranked from 0 (the sampled "
+      "token from 1)", [("entry.setdefault(alternative, Logprob(top_logprobs[j], j + 1))",
+                         "entry.setdefault(alternative, Logprob(top_logprobs[j], j))")],
+      ["test_sampling.py::test_every_rank_is_the_1_based_place_in_a_sort_of_the_whole_distribution"]),
+    m("serve-chat-top-logprobs-unsorted", SERVER, "chat top_logprobs in entry order: a sampled token first, the k-th "
+      "alternative dropped", [("        tops = sorted(entry.items(), key=_rank)[:top]\n",
+                               "        tops = list(entry.items())[:top]\n")],
+      ["test_openai_choice_rules.py::test_a_sampled_chat_choice_lists_the_k_most_likely_tokens_in_rank_order"]),
+    m("runtime-best-of-metrics-first-child", OUTPUTS, "best_of: the group reports the first child's metrics, a dropped "
+      "sequence's", [("chosen = failed if failed is not None else finals[order[0]]",
+                      "chosen = failed if failed is not None else finals[0]")], ["test_request_group.py"]),
+    m("serve-best-of-index-stride", SERVER, "best_of > n over several prompts: choice indices stride by best_of",
+      [('choices.append({"index": p * params.n + j,', 'choices.append({"index": p * k + j,')], CHOICE_TESTS),
+    m("serve-best-of-usage-per-sequence", SERVER, "best_of = 4, n = 1: prompt_tokens counts each prompt 4 times",
+      [("usage = request.state.usage = _usage(finals, len(finals) if prompt_only else 0, k)",
+        "usage = request.state.usage = _usage(finals, len(finals) if prompt_only else 0, params.n)")], CHOICE_TESTS),
+    m("serve-stream-usage-per-sequence", SERVER, "streamed usage with n > 1 counts the prompt once per sequence",
+      [("                                     sequences_per_prompt=len(children))",
+        "                                     sequences_per_prompt=1)")],
+      ["test_openai_choice_rules.py::test_streamed_usage_equals_the_unstreamed_usage"]),
+    m("serve-echo-usage-counts-dropped", SERVER, "echo with max_tokens 0 counts the dropped generated tokens",
+      [("usage = request.state.usage = _usage(finals, len(finals) if prompt_only else 0, k)",
+        "usage = request.state.usage = _usage(finals, 0, k)")],
+      ["test_openai_choice_rules.py::test_echo_with_max_tokens_zero_counts_no_completion_token"]),
+    m("serve-usage-tier-fractions-averaged", SERVER, "usage: tier fractions of several sequences averaged, not "
+      "weighted by FP16 bytes", [("        usage[name] = (sum(v * w for v, w in zip(values, fp16)) / sum(fp16)",
+                                  "        usage[name] = (sum(values) / len(values)")], CHOICE_TESTS),
+    m("serve-tpot-divides-by-tokens", METRICS, "TPOT histogram divides by the tokens, not the intervals after the "
+      "first", [("self.tpot.observe((end - first) / (tokens - 1))", "self.tpot.observe((end - first) / tokens)")],
+      ["test_serving_metrics.py"]),
+    m("eval-budget-floored", BASELINES, "eviction baselines: a non-integer budget floored (int) instead of rounded",
+      [("max(minimum_tokens, round(budget_fraction * prompt_len))",
+        "max(minimum_tokens, int(budget_fraction * prompt_len))")], BASELINE_TESTS),
+    m("eval-h2o-chunk-offset-lost", BASELINES, "chunked causal probabilities lose the chunk offset (H2O wrong past "
+      "256 prompt tokens)", [("rows = torch.arange(first_query_pos + start, first_query_pos + start + qc.shape[1],",
+                              "rows = torch.arange(first_query_pos, first_query_pos + qc.shape[1],")],
+      BASELINE_TESTS),
+    m("eval-calibration-top1-tolerance-strict", CALIBRATION, "calibration: a setting exactly at the top-1 tolerance "
+      "is excluded (>= became >)", [('r["teacher_forced_top1"] >= yard["teacher_forced_top1"] - max_top1_drop',
+                                     'r["teacher_forced_top1"] > yard["teacher_forced_top1"] - max_top1_drop')],
+      CALIBRATION_TESTS),
+    m("eval-calibration-kl-tolerance-strict", CALIBRATION, "calibration: a setting exactly at the KL tolerance is "
+      "excluded (<= became <)", [('and r["mean_kl_nats"] <= max_kl_nats', 'and r["mean_kl_nats"] < max_kl_nats')],
+      CALIBRATION_TESTS),
+    m("eval-calibration-grid-drops-equal", CALIBRATION, "calibration grid: alpha_low == alpha_high silently dropped",
+      [("        if al <= ah:\n", "        if al < ah:\n")], CALIBRATION_TESTS),
+    m("parallel-nonfinite-rank-0-only", TP_HOOK, "tensor parallelism: non-finite flags from rank 0 only (a NaN in "
+      "rank 1's KV heads no longer fails the request)",
+      [("tokens, flags = gathered[0, :n], gathered[:, n:-2].amax(0)",
+        "tokens, flags = gathered[0, :n], gathered[0, n:-2]")], TP_STATUS_TESTS),
+    m("policy-threshold-fp32-division", POLICY, "thresholds alpha / N divided in fp32 (one ulp off the decision "
+      "kernel's fp64 quotient)", [("return (alpha / torch.as_tensor(length, dtype=torch.float64)).float()",
+                                   "return (alpha / torch.as_tensor(length, dtype=torch.float32)).float()")],
+      ["test_policy.py::test_an_importance_exactly_on_a_threshold_is_tiered_by_the_fp64_quotient"] + DECISION_TESTS),
+    m("kernels-write-round-half-up", WRITE_KERNEL, "write kernel: a code exactly half-way rounds up, not to even",
+      [("    up = (d > 0.5) | ((d == 0.5) & odd)\n", "    up = d >= 0.5\n")], WRITE_KERNEL_TESTS),
+    m("paged-failed-plan-keeps-reservation", PAGED_CACHE, "a plan failing after its reservation keeps the new "
+      "prompts' pages and staging", [("            self.release([slots[i] for i in first_chunks])\n",
+                                      "            pass\n")], FAILED_PLAN_TESTS),
+    m("paged-failed-plan-releases-decoding", PAGED_CACHE, "a failed plan also frees its decoding slots (their "
+      "callers' to release)", [("            self.release([slots[i] for i in first_chunks])\n",
+                                "            self.release(slots)\n")], FAILED_PLAN_TESTS),
+    m("runtime-refused-step-retried", EXECUTOR, "a step the cache refuses (not for pages) is put back and retried "
+      "instead of failing its requests",
+      [("        except Exception as exc:  # noqa: BLE001 - the cache refused the step (nothing changed): its requests fail\n"
+        "            for request in requests:\n                fail(request, exc)\n",
+        "        except Exception as exc:  # noqa: BLE001 - the cache refused the step (nothing changed): its requests fail\n"
+        "            self.scheduler.unschedule(batch)\n")], REFUSED_STEP_TESTS),
+    m("runtime-out-of-pages-step-kept", EXECUTOR, "a step refused for pages leaves its new prompts running (never "
+      "prefilled)", [("        except OutOfPagesError:  # the estimate was stale: retry next step, nothing changed\n"
+                      "            self.scheduler.unschedule(batch)\n",
+                      "        except OutOfPagesError:  # the estimate was stale: retry next step, nothing changed\n")],
+      REFUSED_STEP_TESTS[1:]),
     # ------------------------------------------------------------------ key rotation
     m("rotation-shard-first-head-zero", "trtllm_diffkv/parallel/sharding.py",
       "tensor parallelism: every rank rotates with global KV head 0's matrices",

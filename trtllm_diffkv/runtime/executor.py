@@ -65,7 +65,7 @@ from ..generation.prompts import check_prompt_ids, position_limit
 from ..generation.results import PagedGenerationResult, result_fields
 from ..model.rotation import model_for_kv_config
 from ..paged.cache import OutOfPagesError
-from ..paged.staging import staging_bytes
+from ..paged.staging import staging_bytes, staging_fits
 from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
 from .sampling import Sampler, SamplingParams, prompt_logprobs
@@ -483,7 +483,7 @@ class Executor:
                                  f"{self.max_num_tokens} (the most tokens one step carries; enable_chunked_prefill "
                                  "is off)")
             staged, limit = self.rm.staging_bytes_needed(longest), self.cache.staging_limit_bytes
-            if staged > limit:
+            if not staging_fits(staged, 0, limit):  # alone in an empty staging: the cache's rule
                 raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) - 1 is more than one step's "
                                  f"max_num_tokens={self.max_num_tokens}, and prefilled in chunks it would stage "
                                  f"{staged} bytes, more than chunk_staging_bytes={limit}")
