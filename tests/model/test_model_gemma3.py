@@ -14,6 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_checkpoint import write_gguf_tensors  # noqa: E402
 from tiny_gemma import SLIDING_WINDOW, hf_config, save_tiny_gemma3  # noqa: E402
 from trtllm_diffkv.model import DenseCausalAttention, Gemma3Config, Gemma3ForCausalLM, ModelConfig, load_model  # noqa: E402
 from trtllm_diffkv.model.attention_api import causal_attention  # noqa: E402
@@ -155,7 +156,6 @@ def _write_gemma3_gguf(hf, path, sliding_window: int) -> None:
     """Write ``hf`` (a transformers Gemma 3 text model) as an F32 GGUF laid out as llama.cpp's converter lays it out:
     ``gemma3`` tensor names, norm weights stored as ``1 + w``, q/k unpermuted (NeoX RoPE); no tokenizer."""
     gguf = pytest.importorskip("gguf")
-    import numpy as np
 
     c = hf.config
     w = gguf.GGUFWriter(str(path), "gemma3")
@@ -178,12 +178,7 @@ def _write_gemma3_gguf(hf, path, sliding_window: int) -> None:
         for hf_name, gguf_name in names.items():
             t = sd[f"model.layers.{i}.{hf_name}.weight"]
             tensors[f"blk.{i}.{gguf_name}.weight"] = t + 1 if "norm" in hf_name else t
-    for name, array in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(array))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, tensors)
 
 
 def test_gemma3_gguf_converts_with_llama_cpp_layer_pattern_and_scale(tmp_path, monkeypatch):

@@ -98,7 +98,7 @@ def test_decode_kernel_at_gemma3_270m_shape_long_rows(preset):
     from trtllm_diffkv.config import PRESETS
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
     from trtllm_diffkv.memory import PageFormat
-    from trtllm_diffkv.testing.attention import build_paged_rows, decode_reference, rel_err
+    from support.attention import build_paged_rows, decode_reference, rel_err
 
     fmt = PageFormat.for_config(PRESETS[preset], 256)
     rows = build_paged_rows(fmt, [(512, 0), (700, 1300)], seed=3, device="cuda")

@@ -252,16 +252,21 @@ class DiffKVReferenceCache:
         check_finite(vh, "value", layer_idx)
         self.prompt_len = n
         window = self.sliding_windows[layer_idx]
+        if not cfg.tiered:  # fp16 and uniform quantization: every token high (but those out of a layer's window)
+            untiered = torch.full((self.num_kv_heads, n), TIER_HIGH, dtype=torch.int8, device=kh.device) \
+                if window is None else policy.sliding_window_prompt_tiers(self.num_kv_heads, n, window, kh.device)
         if not cfg.compress:
-            keep = torch.ones(n, dtype=torch.bool, device=kh.device) if window is None else \
-                policy.sliding_window_prompt_tiers(1, n, window, kh.device)[0] == TIER_HIGH
-            self.keys[layer_idx, :, :n] = (kh * keep[:, None]).to(self.keys.dtype)
-            self.values[layer_idx, :, :n] = (vh * keep[:, None]).to(self.values.dtype)
-            self.tiers[layer_idx, :, :n] = torch.where(keep, TIER_HIGH, TIER_PRUNED).to(torch.int8)
+            keep = (untiered != TIER_PRUNED)[..., None]
+            self.keys[layer_idx, :, :n] = (kh * keep).to(self.keys.dtype)
+            self.values[layer_idx, :, :n] = (vh * keep).to(self.values.dtype)
+            self.tiers[layer_idx, :, :n] = untiered
             return kh, vh
         qh = q.transpose(0, 1)
         if cfg.center_keys:
             self.key_offsets[layer_idx] = kh.float().mean(1).to(torch.float16).float()
+        if not cfg.tiered:  # uniform quantization: the high tier's format, no scores
+            self._store_tiered(layer_idx, n, kh, vh, untiered)
+            return kh, vh
         num_scoring = min(cfg.prompt_score_window_tokens, n)
         probs = _causal_probs(qh[:, n - num_scoring:].float(), kh.float(), group, n - num_scoring, window)
         scores = policy.prompt_score_sums(probs, self.num_kv_heads)
@@ -281,9 +286,9 @@ class DiffKVReferenceCache:
         check_finite(vh, "value", layer_idx, first_token=pos)
         if self.sliding_windows[layer_idx] is not None:
             self._slide(layer_idx, pos)  # the token leaving the window: no later query reaches it
+        elif cfg.tiered:
+            self._compact(layer_idx, pos)  # decide from the scores through the previous step
         if cfg.compress:
-            if self.sliding_windows[layer_idx] is None:
-                self._compact(layer_idx, pos)  # decide from the scores through the previous step
             self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high, first_token=pos)[:, 0]
             self.values[layer_idx, :, pos] = self._quantized_values(layer_idx, vh, cfg.high)[:, 0]
         else:
@@ -293,7 +298,7 @@ class DiffKVReferenceCache:
         keys, values = self.keys[layer_idx, :, :seq_len], self.values[layer_idx, :, :seq_len]
         kept = self.tiers[layer_idx, :, :seq_len] != TIER_PRUNED
         out, probs = attend_kept(q[0], keys, values, kept)
-        if cfg.compress:
+        if cfg.tiered:
             # Pruned tokens are masked out of the softmax: their probability is exactly 0.
             self.scores[layer_idx, :, :seq_len] += policy.merge_query_heads(probs, self.num_kv_heads)
         return out[None].to(q.dtype)

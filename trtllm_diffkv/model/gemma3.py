@@ -51,10 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused as _fused_ops
 from .attention_api import AttentionBackend, check_backend_windows
 from .fused import rotate_heads
-from .llama import MLP, Attention, CausalLM, ModelConfig, _is_concat_of
+from .llama import MLP, Attention, CausalLM, ModelConfig
 from .rope import RotaryEmbedding, apply_rope
 
 GEMMA3_ARCHITECTURE = "Gemma3ForCausalLM"
@@ -257,8 +256,7 @@ class Gemma3MLP(MLP):
     """``down(gelu_tanh(gate(x)) * up(x))``; one gate/up product over the concatenated weight on CUDA."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_ops.use_fused_kernels(x) and self._gate_up_weight is not None and \
-                _is_concat_of(self._gate_up_weight, [self.gate_proj, self.up_proj], "weight"):
+        if self._fused(x):
             gate, up = F.linear(x, self._gate_up_weight).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

@@ -150,13 +150,22 @@ class ModelConfig:
         local layers in :class:`~trtllm_diffkv.model.gemma3.Gemma3Config`."""
         return (None,) * self.num_layers
 
+    @staticmethod
+    def describes(hf: Mapping[str, Any]) -> bool:
+        """Whether a HF ``config.json`` dict belongs to a subclass's family (:meth:`from_hf_dict` asks each
+        subclass); the Llama family is what no subclass describes."""
+        return False
+
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
         """Parse a Hugging Face ``config.json`` dict.
 
-        A Gemma 3 text config (``Gemma3ForCausalLM`` / ``gemma3_text``) gives a
-        :class:`~trtllm_diffkv.model.gemma3.Gemma3Config`
-        (:meth:`~trtllm_diffkv.model.gemma3.Gemma3Config.from_hf_dict`).
+        A config another family's subclass :meth:`describes` is parsed by that
+        subclass: a Gemma 3 text config (``Gemma3ForCausalLM`` / ``gemma3_text``)
+        gives a :class:`~trtllm_diffkv.model.gemma3.Gemma3Config`
+        (:meth:`~trtllm_diffkv.model.gemma3.Gemma3Config.from_hf_dict`; the
+        subclasses are found as such, not imported, so ``trtllm_diffkv.model``
+        must be imported, which importing this module does).
 
         Accepts both the transformers<5 layout (top-level ``rope_theta`` and
         ``rope_scaling``) and the transformers>=5 layout (``rope_parameters``
@@ -170,10 +179,9 @@ class ModelConfig:
                 required keys.
         """
         if cls is ModelConfig:
-            from .gemma3 import Gemma3Config
-
-            if Gemma3Config.describes(hf):
-                return Gemma3Config.from_hf_dict(hf)
+            for family in cls.__subclasses__():  # another family's config parses its own (no import: no circle)
+                if family.describes(hf):
+                    return family.from_hf_dict(hf)
         architecture = _architecture_of(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
@@ -213,10 +221,8 @@ def _architecture_of(hf: Mapping[str, Any]) -> str:
     else:
         arch = f"<model_type {hf.get('model_type')!r}>"
     if arch not in SUPPORTED_ARCHITECTURES:
-        from .gemma3 import GEMMA3_ARCHITECTURE
-
-        raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                         f"{list(SUPPORTED_ARCHITECTURES) + [GEMMA3_ARCHITECTURE]}")
+        others = [a for family in ModelConfig.__subclasses__() for a in family.ARCHITECTURES]
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES) + others}")
     return arch
 
 
@@ -369,9 +375,13 @@ class MLP(nn.Module):
         """Concatenate the gate/up weights into one buffer; the parameters become its row views."""
         self._gate_up_weight = _concat_rows([self.gate_proj, self.up_proj], "weight")
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the gate/up product runs as one over the concatenated weight (CUDA; still its row views)."""
+        return (_fused_ops.use_fused_kernels(x) and self._gate_up_weight is not None
+                and _is_concat_of(self._gate_up_weight, [self.gate_proj, self.up_proj], "weight"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_ops.use_fused_kernels(x) and self._gate_up_weight is not None and \
-                _is_concat_of(self._gate_up_weight, [self.gate_proj, self.up_proj], "weight"):
+        if self._fused(x):
             return self.down_proj(silu_mul(F.linear(x, self._gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
