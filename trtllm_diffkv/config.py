@@ -313,6 +313,9 @@ PRESETS: dict[str, DiffKVConfig] = {
     "qwq-32b": _preset("qwq-32b", alpha_low=0.0, alpha_high=3.0),
     # Quantization only: every token high precision (K8V4), nothing pruned.
     "k8v4": _preset("k8v4", low=HIGH_K8V4, alpha_low=0.0, alpha_high=0.0),
+    # Uniform INT8 keys and values (one group each), every token, nothing pruned: the 8-bit baseline of the
+    # quality tables (issue 41) beside k8v4.
+    "k8v8": _preset("k8v8", high=TierConfig(8, 8), low=TierConfig(8, 8), alpha_low=0.0, alpha_high=0.0),
     # No compression at all: the reference for accuracy and memory.
     "fp16": _preset("fp16", high=FP16_TIER, low=FP16_TIER, alpha_low=0.0, alpha_high=0.0, compress=False),
 }
