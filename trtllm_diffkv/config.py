@@ -288,15 +288,29 @@ class DiffKVConfig:
             self.high.validate_for_head_dim(head_dim)
             self.low.validate_for_head_dim(head_dim)
 
+    @property
+    def tiered(self) -> bool:
+        """Whether tokens are tiered by the attention they receive (paper section 4.2).
+
+        ``compress`` and ``alpha_high > 0``. Otherwise (``fp16``; uniform quantization such as ``k8v4`` and
+        ``k8v8``, whose ``alpha_high`` and ``alpha_low`` are 0) every token stays in the high tier for good:
+        no prompt scoring, no decode decisions, no score updates, no low-tier pages, and no per-token score
+        and position in the pages (:data:`TOKEN_METADATA_BYTES`), as a uniform INT8/INT4 cache would store
+        it. With ``alpha_high == 0`` every importance is ``> 0 / N`` or ties it, so the tiered rules would
+        keep every token at the high tier's format anyway: the outputs are the same, the work and bytes are not.
+        """
+        return self.compress and self.alpha_high > 0
+
     def token_bytes(self, tier: str, head_dim: int) -> int:
         """Bytes per token per KV head in ``tier`` ("high" or "low"), metadata included.
 
-        Without compression every token is FP16 keys and values, whatever the tiers say.
+        Without compression every token is FP16 keys and values, whatever the tiers say. The per-token score
+        and position (:data:`TOKEN_METADATA_BYTES`) count only where tokens are :attr:`tiered`.
         """
         if not self.compress:
             return FP16_TIER.token_bytes(head_dim)
         fmt = {"high": self.high, "low": self.low}[tier]
-        return fmt.token_bytes(head_dim) + TOKEN_METADATA_BYTES
+        return fmt.token_bytes(head_dim) + (TOKEN_METADATA_BYTES if self.tiered else 0)
 
 
 def _preset(name: str, **kw) -> DiffKVConfig:
@@ -313,8 +327,7 @@ PRESETS: dict[str, DiffKVConfig] = {
     "qwq-32b": _preset("qwq-32b", alpha_low=0.0, alpha_high=3.0),
     # Quantization only: every token high precision (K8V4), nothing pruned.
     "k8v4": _preset("k8v4", low=HIGH_K8V4, alpha_low=0.0, alpha_high=0.0),
-    # Uniform INT8 keys and values (one group each), every token, nothing pruned: the 8-bit baseline of the
-    # quality tables (issue 41) beside k8v4.
+    # Uniform INT8 keys and values (LMDeploy's quant_policy 8, vLLM's int8 KV): the other uniform baseline.
     "k8v8": _preset("k8v8", high=TierConfig(8, 8), low=TierConfig(8, 8), alpha_low=0.0, alpha_high=0.0),
     # No compression at all: the reference for accuracy and memory.
     "fp16": _preset("fp16", high=FP16_TIER, low=FP16_TIER, alpha_low=0.0, alpha_high=0.0, compress=False),

@@ -99,11 +99,11 @@ def test_a_byte_order_mark_is_ignored(tmp_path):
 
 
 def test_cli_llm_triton_repo_and_build_accept_a_file(tmp_path):
-    from trtllm_diffkv.trt.fields import EngineShape, kv_config_from_fields, kv_config_to_fields
+    from trtllm_diffkv.export.fields import EngineShape, kv_config_from_fields, kv_config_to_fields
     from trtllm_diffkv.commands.build import build_engine_dir
     from trtllm_diffkv.cli import build_parser
     from trtllm_diffkv.llmapi.llm import LLM
-    from trtllm_diffkv.serve.triton_repo import write_repository
+    from trtllm_diffkv.serve.tritonserver_repo import write_repository
 
     path, _ = _good(tmp_path)
     for argv in (["generate", "--kv-config", str(path)], ["serve", "--kv-config", str(path)],

@@ -1,6 +1,6 @@
 """Paged decode attention (Triton, run by the CPU interpreter) against float64 dense attention.
 
-Pages are built by hand (``trtllm_diffkv/testing/attention.py``: ``quant.quantize`` into
+Pages are built by hand (``tests/support/attention.py``: ``quant.quantize`` into
 ``KVCachePool.segment`` views, shuffled page ids); the reference is float64
 softmax attention over the dequantized stored tokens, and the score deltas
 are float64 max-over-group probabilities. Covers every preset tier format,
@@ -24,7 +24,7 @@ from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4  #
 patch_interpreter_for_numpy_2_4()
 
 from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention  # noqa: E402
-from trtllm_diffkv.testing.attention import build_paged_rows, decode_reference, read_scores, rel_err  # noqa: E402
+from support.attention import build_paged_rows, decode_reference, read_scores, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}

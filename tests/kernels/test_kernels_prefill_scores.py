@@ -21,7 +21,7 @@ from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4  #
 patch_interpreter_for_numpy_2_4()
 
 from trtllm_diffkv.kernels import scored_prefill_attention  # noqa: E402
-from trtllm_diffkv.testing.attention import prefill_reference as reference, rel_err  # noqa: E402
+from support.attention import prefill_reference as reference, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -250,6 +250,10 @@ class DiffKVReferenceCache:
         qh = q.transpose(0, 1)
         if cfg.center_keys:
             self.key_offsets[layer_idx] = kh.float().mean(1).to(torch.float16).float()
+        if not cfg.tiered:  # uniform quantization: every token in the high tier's format, no scores
+            self._store_tiered(layer_idx, n, kh, vh, torch.full((self.num_kv_heads, n), TIER_HIGH, dtype=torch.int8,
+                                                                device=kh.device))
+            return kh, vh
         num_scoring = min(cfg.prompt_score_window_tokens, n)
         probs = _causal_probs(qh[:, n - num_scoring:].float(), kh.float(), group, n - num_scoring)
         scores = policy.prompt_score_sums(probs, self.num_kv_heads)
@@ -266,8 +270,9 @@ class DiffKVReferenceCache:
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, 1, head_dim]
         check_finite(kh, "key", layer_idx, first_token=pos)  # refused before anything changes
         check_finite(vh, "value", layer_idx, first_token=pos)
-        if cfg.compress:
+        if cfg.tiered:
             self._compact(layer_idx, pos)  # decide from the scores through the previous step
+        if cfg.compress:
             self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high, first_token=pos)[:, 0]
             self.values[layer_idx, :, pos] = self._quantized_values(layer_idx, vh, cfg.high)[:, 0]
         else:
@@ -277,7 +282,7 @@ class DiffKVReferenceCache:
         keys, values = self.keys[layer_idx, :, :seq_len], self.values[layer_idx, :, :seq_len]
         kept = self.tiers[layer_idx, :, :seq_len] != TIER_PRUNED
         out, probs = attend_kept(q[0], keys, values, kept)
-        if cfg.compress:
+        if cfg.tiered:
             # Pruned tokens are masked out of the softmax: their probability is exactly 0.
             self.scores[layer_idx, :, :seq_len] += policy.merge_query_heads(probs, self.num_kv_heads)
         return out[None].to(q.dtype)

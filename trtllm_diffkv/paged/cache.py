@@ -51,7 +51,7 @@ from ..memory import CpuPageManager, KVCachePool, PageFormat
 from . import decode, prefill, torch_ops
 from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
-from .staging import staging_bytes
+from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
 
 
@@ -305,7 +305,7 @@ class PagedDiffKVCache:
             raise ValueError(f"the step carries {num_tokens} tokens, more than max_num_tokens={self.max_num_tokens}")
         first_chunks = [i for i in range(n_pre) if positions[i] == 0]
         staged = sum(self.staging_bytes_for(prompt_lens[i]) for i in first_chunks if seq_lens[i] < prompt_lens[i])
-        if staged and self.staging_bytes_used() + staged > self.staging_limit_bytes:
+        if staged and not self.staging_fits(staged):
             raise OutOfPagesError(f"the step's new chunked prompts need {staged} staging bytes; "
                                   f"{self.staging_limit_bytes - self.staging_bytes_used()} of "
                                   f"staging_limit_bytes={self.staging_limit_bytes} are free")
@@ -540,14 +540,19 @@ class PagedDiffKVCache:
     def decode_pages_needed(self, num_requests: int) -> int:
         """Most pages one decode step of ``num_requests`` requests can take under this cache's policy
         (:meth:`~trtllm_diffkv.memory.PageManager.worst_case_decode_pages`: one per tier per row; one per row
-        for a policy that never moves a token to the low tier, ``config.compress`` false, e.g. ``fp16``)."""
-        return self.manager.worst_case_decode_pages(num_requests, low_tier_grows=self.config.compress)
+        for a policy that never moves a token to the low tier: ``config.tiered`` false, e.g. ``fp16``, ``k8v4``)."""
+        return self.manager.worst_case_decode_pages(num_requests, low_tier_grows=self.config.tiered)
 
     def staging_bytes_for(self, prompt_tokens: int) -> int:
         """Staging bytes a prompt of ``prompt_tokens`` tokens holds while prefilled in chunks (:mod:`.staging`)."""
-        scoring = self.config.prompt_score_window_tokens if self.config.compress else 0
+        scoring = self.config.prompt_score_window_tokens if self.config.tiered else 0
         return staging_bytes(self.num_layers, self.num_kv_heads, self.num_heads, self.head_dim, prompt_tokens,
                              scoring, self.dtype)
+
+    def staging_fits(self, new_bytes: int) -> bool:
+        """Whether prompts staging ``new_bytes`` more may start beside the half-prefilled ones now
+        (:func:`~.staging.staging_fits` against :attr:`staging_limit_bytes`: an exact fill fits)."""
+        return staging_fits(new_bytes, self.staging_bytes_used(), self.staging_limit_bytes)
 
     def staging_bytes_used(self) -> int:
         """Bytes the staging of half-prefilled prompts holds now (host bookkeeping)."""

@@ -73,7 +73,7 @@ def plan_prefill(cache, step, inputs: list[torch.Tensor]) -> None:
     first_slots, first_totals, slots, lens_t, reserved_pages = inputs
     if first:
         cache.manager.reserve_prompt(first_slots, first_totals)
-    scoring = cfg.prompt_score_window_tokens if cfg.compress else 0
+    scoring = cfg.prompt_score_window_tokens if cfg.tiered else 0
     for i in first:
         if ends[i] < totals[i]:
             cache.staging[slots_host[i]] = PromptStaging(cache.num_layers, cache.num_kv_heads, cache.num_heads,
@@ -205,7 +205,7 @@ def _chunk_attention(cache, p: PrefillPlan, layer, q, k, v, out):
         kf, vf = st.keys[layer, :end], st.values[layer, :end]  # never the unwritten rows past the chunk
         out[cs:ce] = chunk_causal_attention(qi, kf, vf, start, cache.sm_scale)
         if end == n:  # the final chunk: the last S queries of the WHOLE prompt score every token
-            if cfg.compress:
+            if cfg.tiered:
                 s = cache.prompt_scores(st.scoring_queries(layer), kf, torch.tensor([0, n], dtype=torch.int32),
                                         sm_scale=cache.sm_scale, num_scoring_queries=S)
             else:
@@ -249,10 +249,10 @@ def _tier_and_write(cache, p: PrefillPlan, first_layer, k, v, sums) -> None:
     dev = cache.device
     layers = torch.arange(first_layer, first_layer + G, device=dev)
     rows = p.row_base[None, :, None] + (layers * H)[:, None, None] + torch.arange(H, device=dev)  # [G, Tp, H]
-    if cfg.compress:
-        if cfg.center_keys:
-            for s, e in zip(p.cu_host, p.cu_host[1:]):  # host bounds: no sync
-                cache.row_meta.key_offsets[rows[:, s]] = k[:, s:e].transpose(1, 2).float().mean(2).to(torch.float16)
+    if cfg.compress and cfg.center_keys:
+        for s, e in zip(p.cu_host, p.cu_host[1:]):  # host bounds: no sync
+            cache.row_meta.key_offsets[rows[:, s]] = k[:, s:e].transpose(1, 2).float().mean(2).to(torch.float16)
+    if cfg.tiered:
         importance = sums / p.count[:, None]  # [G, Tp, H]
         if cfg.score_pool_tokens > 1:  # per request (host bounds: no sync), policy.pool_importance
             importance = torch.cat([policy.pool_importance(importance[:, s:e].transpose(1, 2).reshape(G * H, e - s),

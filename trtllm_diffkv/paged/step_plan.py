@@ -10,7 +10,7 @@ layers); each layer's ``forward`` only reads it (launches, no host work beyond i
   rows the decode attention reads, layer-major; with ``pad_to`` the cache's persistent buffers of that
   bucket (fixed addresses: CUDA-graph inputs).
 
-The TensorRT layer's plugin ops build the same classes over their input tensors (``trt/plugins/ops.py``).
+The TensorRT layer's plugin ops build the same classes over their input tensors (``export/plugin_ops.py``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-request sampling for the in-flight batching executor: parameters, a batched sampler, stop checks.
+"""Per-request sampling for the in-flight batching executor: parameters and a batched sampler.
 
 - :class:`SamplingParams`: one request's sampling settings, field names as TensorRT-LLM's LLM API
   ``SamplingParams`` (``tensorrt_llm/sampling_params.py``: ``max_tokens``, ``temperature``,
@@ -13,8 +13,9 @@
 - :func:`prompt_logprobs`: the log-probabilities of a prompt's tokens from the prefill's per-position logits.
 - :meth:`SamplingParams.child_params` and :func:`best_of_order`: ``n > 1`` / ``best_of`` as independent
   requests with derived seeds, the best picked by cumulative log-probability.
-- :class:`StopChecker` (defined in :mod:`.stop_checker`, re-exported here): per request, after
-  each new token: stop ids, stop strings in the incrementally decoded text, ``max_tokens``.
+
+The stop checks after each new token (stop ids, stop strings, ``max_tokens``) read these parameters:
+:class:`.stop_checker.StopChecker`.
 
 The filtering rules are those of Hugging Face transformers' logits processors, in their order:
 ``RepetitionPenaltyLogitsProcessor`` (the CTRL rule: a logit ``x`` of a token already in the
@@ -34,9 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .stop_checker import StopChecker
-
-__all__ = ["SamplingParams", "Sampler", "StopChecker", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
+__all__ = ["SamplingParams", "Sampler", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
            "StepLogprobs", "prompt_logprobs", "best_of_order", "child_seed", "MAX_LOGPROBS"]
 
 _SEED_LIMIT = 2 ** 64
