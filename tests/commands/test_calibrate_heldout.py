@@ -122,14 +122,14 @@ def test_held_out_check_flags_a_choice_that_misses_on_held_out_prompts(tiny, tmp
     chosen_on, held = cal.split_cases(2, 0.5, seed)
     between = (kl[chosen_on[0]] + kl[held[0]]) / 2
 
-    def calibrate(max_kl):
+    def calibrate(max_kl, *extra):
         table = tmp_path / f"table{max_kl}.json"
         assert main(["calibrate", "--model", str(folder), "--output", str(tmp_path / "kv.json"), "--table",
                      str(table), "--alpha-high", "1000", "--alpha-low", "1000", "--low-tier", "k4v2",
                      "--num-prompts", "2", "--prompt-tokens", "160", "--span-tokens", "6", "--held-out-fraction",
                      "0.5", "--split-seed", str(seed), "--generation-tokens", str(GENERATION_TOKENS),
                      "--max-top1-drop", "1", "--max-identical-drop", "1", "--max-prefix-drop", "1",
-                     "--max-kl", repr(max_kl), "--threads", "1"]) == 0
+                     "--max-kl", repr(max_kl), "--threads", "1", *extra]) == 0
         return json.loads(table.read_text()), capsys.readouterr()
 
     record, out = calibrate(between)
@@ -146,3 +146,8 @@ def test_held_out_check_flags_a_choice_that_misses_on_held_out_prompts(tiny, tmp
     record, out = calibrate(max(kl) + 1.0)
     assert record["chosen"] == PRUNE_ALL and record["held_out"]["pass"] is True
     assert "HELD-OUT LOSS" not in out.out + out.err
+    # The greedy tolerances reach the choice: at 0, the candidate's shorter greedy prefix rejects it.
+    lossy, yard = rows[PRUNE_ALL]["greedy_prefix_tokens"], rows["k8v4"]["greedy_prefix_tokens"]
+    assert lossy[chosen_on[0]] < yard[chosen_on[0]]
+    record, _ = calibrate(max(kl) + 1.0, "--max-prefix-drop", "0")
+    assert record["chosen"] == "k8v4"
