@@ -130,6 +130,7 @@ BASELINE_TESTS = ["test_eval_baselines.py"]
 CALIBRATION_TESTS = ["test_calibrate_command.py::test_choose_keeps_a_setting_exactly_at_each_tolerance",
                      "test_calibrate_command.py::test_sweep_grid_keeps_alpha_low_equal_to_alpha_high",
                      "test_calibrate_command.py::test_choose_takes_the_lowest_memory_within_the_tolerances"]
+HELD_OUT_TESTS = ["test_calibrate_heldout.py"]
 TP_STATUS_TESTS = ["test_tensor_parallel.py::test_step_status_takes_rank_0_tokens_every_rank_flag_and_the_fewest_free_pages",
                    "test_tensor_parallel.py::test_a_non_finite_key_on_rank_1_only_fails_its_request_on_rank_0"]
 FAILED_PLAN_TESTS = ["test_end_step.py::test_a_failed_plan_gives_back_its_new_prompts_and_leaves_its_decoding_slots_to_the_caller",
@@ -656,14 +657,27 @@ MUTATIONS = [
                               "rows = torch.arange(first_query_pos, first_query_pos + qc.shape[1],")],
       BASELINE_TESTS),
     m("eval-calibration-top1-tolerance-strict", CALIBRATION, "calibration: a setting exactly at the top-1 tolerance "
-      "is excluded (>= became >)", [('r["teacher_forced_top1"] >= yard["teacher_forced_top1"] - max_top1_drop',
-                                     'r["teacher_forced_top1"] > yard["teacher_forced_top1"] - max_top1_drop')],
+      "is excluded (< became <=)", [('if row["teacher_forced_top1"] < yard["teacher_forced_top1"] - max_top1_drop:',
+                                     'if row["teacher_forced_top1"] <= yard["teacher_forced_top1"] - max_top1_drop:')],
       CALIBRATION_TESTS),
     m("eval-calibration-kl-tolerance-strict", CALIBRATION, "calibration: a setting exactly at the KL tolerance is "
-      "excluded (<= became <)", [('and r["mean_kl_nats"] <= max_kl_nats', 'and r["mean_kl_nats"] < max_kl_nats')],
+      "excluded (> became >=)", [('if row["mean_kl_nats"] > max_kl_nats:', 'if row["mean_kl_nats"] >= max_kl_nats:')],
       CALIBRATION_TESTS),
     m("eval-calibration-grid-drops-equal", CALIBRATION, "calibration grid: alpha_low == alpha_high silently dropped",
       [("        if al <= ah:\n", "        if al < ah:\n")], CALIBRATION_TESTS),
+    m("eval-calibration-greedy-prefix-off-by-one", CALIBRATION, "calibration: the greedy common prefix counts the "
+      "first differing token", [("return differs[0] if differs else", "return differs[0] + 1 if differs else")],
+      HELD_OUT_TESTS),
+    m("eval-calibration-prefix-criterion-dropped", CALIBRATION, "calibration: the greedy prefix tolerance never "
+      "rejects", [('        failed.append("greedy_prefix_fraction")', "        pass")], HELD_OUT_TESTS),
+    m("eval-calibration-identical-any-prefix", CALIBRATION, "calibration: a prompt counts as greedy-identical once "
+      "its first token agrees", [("float(p == t)", "float(p > 0)")], HELD_OUT_TESTS),
+    m("eval-calibration-split-overlaps", CALIBRATION, "calibration: the held-out prompts stay in the chosen-on part",
+      [("return [i for i in range(count) if i not in held], sorted(held)", "return list(range(count)), sorted(held)")],
+      HELD_OUT_TESTS),
+    m("eval-calibration-held-out-never-fails", CALIBRATION, "calibration: the held-out check passes whatever it "
+      "measures", [('return {**figures, "failed": failed, "pass": not failed}',
+                    'return {**figures, "failed": failed, "pass": True}')], HELD_OUT_TESTS),
     m("parallel-nonfinite-rank-0-only", TP_HOOK, "tensor parallelism: non-finite flags from rank 0 only (a NaN in "
       "rank 1's KV heads no longer fails the request)",
       [("tokens, flags = gathered[0, :n], gathered[:, n:-2].amax(0)",
