@@ -234,6 +234,7 @@ def _caches(model, kv_config, prompts, decode_steps, num_pages, use_triton, high
             read_path):
     mc = model.config
     device, dtype = model.device, model.dtype
+    kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any
     max_len = max(len(p) for p in prompts) + decode_steps
     cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=num_pages,
                              max_slots=len(prompts), max_seq_len_tokens=max_len, device=device, dtype=dtype,

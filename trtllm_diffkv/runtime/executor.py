@@ -230,6 +230,7 @@ class Executor:
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
         param = next(model.parameters())
+        kv_config = kv_config.for_model(model_config)  # the model's sliding-window layers, if any
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
         self.device = torch.device(device) if device is not None else param.device
         self.parallel = SingleProcess() if parallel is None else parallel
@@ -259,7 +260,8 @@ class Executor:
                 staging_limit_bytes=chunk_staging_bytes if enable_chunked_prefill else 0)
         self.rm = resource_manager
         self.cache = resource_manager.cache
-        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
+                                     model_config.num_layers)
         self.model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy
         self.decode_backend = self._decode_backend(param.dtype)
         self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens

@@ -138,7 +138,8 @@ class DiffKVResourceManager:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} must be a positive integer")
         self.budget_bytes = kv_budget_bytes(kv_memory_bytes, kv_memory_fraction, device)
-        kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads)
+        kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any
+        kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads, mc.num_layers)
         fmt = PageFormat.for_config(kv_config, mc.head_dim, high_tokens_per_page)
         rows_per_slot = mc.num_layers * mc.num_kv_heads
         num_pages = pages_in_budget(self.budget_bytes, fmt, max_slots=max_batch_size, rows_per_slot=rows_per_slot,
