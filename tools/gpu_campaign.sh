@@ -19,7 +19,7 @@
 # Settings (environment): CAMPAIGN_DIR (/tmp/campaign), DIFFKV_SITE (/tmp/diffkv_site),
 # CAMPAIGN_TESTS, CAMPAIGN_THROUGHPUT, CAMPAIGN_QUALITY_SMOL, CAMPAIGN_QUALITY_GEMMA (the job commands; defaults
 # below), CAMPAIGN_THROUGHPUT_S (its time limit), CAMPAIGN_POINTS, CAMPAIGN_LEVERS (';'-separated custom points),
-# CAMPAIGN_CASES (per task), CAMPAIGN_QUALITY_S (no point starts after it). Set them in call 1's command: the queue
+# CAMPAIGN_CASES (per task), CAMPAIGN_SHARDS (eval processes per model), CAMPAIGN_QUALITY_S (no point starts after it). Set them in call 1's command: the queue
 # inherits them.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -72,6 +72,7 @@ quality() {  # MODEL NAME: one model's generation-level run (tools/quality_gpu.s
     IFS=';' read -ra levers <<<"$LEVERS"
     for lever in "${levers[@]}"; do args+=(--point "$lever"); done
     DIFFKV_COMMIT=$(git -C "$root" rev-parse --short HEAD 2>/dev/null) QUALITY_GPU_WORK="$dir/work_$2" \
+        QUALITY_GPU_SHARDS=${CAMPAIGN_SHARDS:-2} \
         QUALITY_GPU_TIME_LIMIT_S=${CAMPAIGN_QUALITY_S:-200} bash "$root/tools/quality_gpu.sh" "$dir/out/$2" "$1" \
         "$POINTS" --num-cases "${CAMPAIGN_CASES:-100}" "${args[@]}"
 }
