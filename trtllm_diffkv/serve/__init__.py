@@ -20,3 +20,10 @@ def is_server_fault(output) -> bool:
     is always the request's fault."""
     error = output.error or ""
     return bool(output.prompt_token_ids) and any(marker in error for marker in SERVER_FAULTS)
+
+DRAINING_MESSAGE = "trtllm-diffkv: shutting down"
+"""What the Triton model logs when its shutdown drain begins (``: N request(s) in flight get T s`` follows)."""
+
+DRAINED_MESSAGE = "trtllm-diffkv: drained: every request ended"
+"""What the Triton model logs once its shutdown drain is over (``; KV pool pages held: N`` follows); the launcher
+(:meth:`~trtllm_diffkv.serve.triton_server.TritonServer.stop`) reads it in the server's log."""
