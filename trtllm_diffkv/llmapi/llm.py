@@ -26,7 +26,10 @@ from dataclasses import asdict, is_dataclass
 
 from .outputs import AsyncRequest, CompletionOutput, RequestGroup, RequestOutput, _Event
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup", "UNAVAILABLE"]
+
+UNAVAILABLE = "the LLM cannot serve requests"
+"""How the error of a request refused by an LLM that cannot serve (:meth:`LLM.health`) begins."""
 
 DEFAULT_CPU_KV_MEMORY_BYTES = 256 << 20
 """KV budget on the CPU when neither ``kv_memory_bytes`` nor ``kv_memory_fraction`` is given (a fraction
@@ -326,6 +329,14 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         from ..runtime.sampling import SamplingParams
 
+        problem = self.health()
+        if problem is not None:  # the request's content is not at fault: a server answers 503
+            request = AsyncRequest(self, next(self._ids), prompt if isinstance(prompt, str) else None, [],
+                                   sampling_params, streaming, self.stop_token_ids, _listener)
+            request._channel.put(_Event([], True, "error", f"{UNAVAILABLE}: {problem}"))
+            self._count("requests_submitted", "requests_failed")
+            return request
+
         params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams) and params.num_sequences != 1 and _valid(params, self.model_config):
             if not streaming:
@@ -348,7 +359,7 @@ class LLM:
                                  "are known only at the end; use streaming=False)")
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)
-            request._channel.put(_Event([], True, "error", _message(exc)))
+            request._channel.put(_Event([], True, "error", self._failure(exc)))
             self._count("requests_submitted", "requests_failed")
             return request
         request = AsyncRequest(self, rid, text, ids, params, streaming, self.stop_token_ids, _listener)
@@ -387,6 +398,27 @@ class LLM:
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)  # checked by check_prompt_ids
+
+    def health(self) -> str | None:
+        """``None`` while this LLM can serve, else why not: its generation loop stopped, or its executor cannot step
+        again (a tensor-parallel group whose rank failed or exited:
+        :attr:`~trtllm_diffkv.parallel.TensorParallelExecutor.broken`). Cheap (no step is waited for): servers
+        answer ``/health`` with it. From then on every request fails at once with an error starting with
+        :data:`UNAVAILABLE` (``trtllm-diffkv serve``: a 503); create a new ``LLM``."""
+        if self._closed:
+            return "the LLM was shut down"
+        if not self._thread.is_alive():
+            return "the generation loop is not running"
+        broken = getattr(self.executor, "broken", None)
+        if broken is not None:
+            return f"the tensor-parallel group is broken: {broken}"
+        return None
+
+    def _failure(self, exc: Exception) -> str:
+        """The error message of a request that ``exc`` refused: :data:`UNAVAILABLE` and why when the LLM cannot
+        serve any more (the executor raised because its group broke), else the exception's own."""
+        problem = self.health()
+        return f"{UNAVAILABLE}: {problem}" if problem is not None else _message(exc)
 
     def abort(self, request_id: int) -> None:
         """Cancel a request: it finishes with ``finish_reason == "cancelled"``; its pages are freed by the
@@ -451,7 +483,7 @@ class LLM:
             self.executor.add_request(request.prompt_token_ids, request.sampling_params,
                                       request_id=request.request_id)
         except Exception as exc:  # noqa: BLE001 - the request fails alone
-            self._finish_aborted(request.request_id, _message(exc))
+            self._finish_aborted(request.request_id, self._failure(exc))
 
     def _step(self) -> None:
         if not self.executor.has_unfinished():  # nothing left to run for requests still waiting here

@@ -51,7 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from . import is_server_fault
+from . import is_server_fault, is_unavailable
 from .metrics import ServingMetrics
 from ..runtime.detokenizer import token_texts
 from ..runtime.sampling import best_of_order
@@ -433,9 +433,9 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
 
     @app.get("/health")
     async def health():
-        thread = getattr(llm, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            return _error("the LLM's generation loop is not running", status=503)
+        problem = llm.health() if hasattr(llm, "health") else None
+        if problem is not None:  # a broken tensor-parallel group, a stopped loop: restart the server
+            return _error(f"the server cannot serve requests: {problem}", status=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -638,7 +638,7 @@ def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
             server_side = is_server_fault(final)  # a failed executor step, a shutdown: not the request's fault
             if server_side:
                 LOG.error("request failed in the LLM: %s", final.error)
-            raise BadRequest(final.error, None, 500 if server_side else 400)
+            raise BadRequest(final.error, None, 503 if is_unavailable(final) else 500 if server_side else 400)
 
 
 async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain: Drain, observe, render,
