@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "UsageInfo", "ErrorBody", "new_id",
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "UsageInfo", "ErrorBody", "new_id",
            "NEUTRAL", "CHAT_NEUTRAL", "UNSUPPORTED", "CHAT_UNSUPPORTED", "is_neutral"]
 
 NEUTRAL = {"logit_bias": (None, {}), "suffix": (None, "")}
@@ -55,6 +55,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a JSON boolean: ``"false"`` is a 400, as OpenAI answers, never
+    truthy) adds a usage chunk before ``[DONE]``; vLLM's ``continuous_usage_stats`` is refused unless false
+    (no per-chunk usage here). Unknown keys are ignored, as in the request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -68,7 +79,8 @@ class _Request(BaseModel):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: StrictBool = False
-    stream_options: dict | None = Field(default=None, description='{"include_usage": true} adds a usage chunk')
+    stream_options: StreamOptions | None = Field(default=None, description='{"include_usage": true} adds a usage '
+                                                 'chunk')
     ignore_eos: StrictBool = False
     n: StrictInt | None = Field(default=None, description="choices per prompt (independent requests, seeds "
                                 "derived from seed); default 1")

@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import is_server_fault, is_unavailable
+from .http_limits import host_allowed
 from .metrics import ServingMetrics
 from ..runtime.detokenizer import token_texts
 from ..runtime.sampling import best_of_order
@@ -134,14 +135,18 @@ class Drain:
 
 
 class _Guard:
-    """Pure ASGI middleware: the body cap (413), the draining state (503) and the access log.
+    """Pure ASGI middleware: the ``Host`` rule (400), the body cap (413), the body's deadline (408), UTF-8 bodies
+    (400), the draining state (503) and the access log.
 
     The body cap checks ``Content-Length`` before anything is read and counts the bytes of a chunked
-    body as they arrive, so an oversized request never reaches JSON parsing.
+    body as they arrive, so an oversized request never reaches JSON parsing. ``allowed_hosts``: the
+    :func:`~trtllm_diffkv.serve.http_limits.host_allowed` patterns (``None``: any host); ``receive_timeout_s``: the
+    body must be in within this many seconds of the request head (``None``: no deadline).
     """
 
-    def __init__(self, app, drain: Drain, max_body_bytes: int):
+    def __init__(self, app, drain: Drain, max_body_bytes: int, allowed_hosts=None, receive_timeout_s=None):
         self.app, self.drain, self.max_body_bytes = app, drain, max_body_bytes
+        self.allowed_hosts, self.receive_timeout_s = allowed_hosts, receive_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -163,17 +168,29 @@ class _Guard:
                             usage.get("completion_tokens", "-"))
 
     async def _guarded(self, scope, receive, send):
+        headers = dict(scope.get("headers") or ())
+        host = headers.get(b"host")
+        if not host_allowed(None if host is None else host.decode("latin-1"), self.allowed_hosts):
+            return await _send_json(send, 400, _error_body(
+                f"Host {host.decode('latin-1')!r} is not served here (allowed: {', '.join(self.allowed_hosts)}; "
+                "trtllm-diffkv serve --allowed-hosts adds names)"))
         if self.drain.draining and scope["path"].startswith("/v1/") and scope["method"] == "POST":
             return await _send_json(send, 503, _error_body(SHUTDOWN_MESSAGE, status=503))
-        length = dict(scope.get("headers") or ()).get(b"content-length")
+        length = headers.get(b"content-length")
         too_big = _error_body(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_json(send, 413, too_big)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = None if self.receive_timeout_s is None else time.monotonic() + self.receive_timeout_s
         while True:  # read the body here, counting: a chunked body has no Content-Length
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), None if deadline is None else
+                                                 max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await _send_json(send, 408, _error_body(
+                    f"the request body did not arrive within {self.receive_timeout_s:g} s", status=408))
             if message["type"] != "http.request":
                 return  # the client left
             chunks.append(message.get("body", b""))
@@ -183,6 +200,9 @@ class _Guard:
             if not message.get("more_body"):
                 break
         body, sent = b"".join(chunks), [False]
+        if body and json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):  # json.loads would take UTF-16/32
+            return await _send_json(send, 400, _error_body(
+                f"the request body is not UTF-8 JSON (it reads as {json.detect_encoding(body).upper()})"))
 
         async def replay():
             if not sent[0]:
@@ -234,6 +254,9 @@ def _sampling_params(body, max_tokens: int):
         if name in type(body).model_fields and not is_neutral(name, getattr(body, name), table):
             allowed = " or ".join(repr(v) if v is not None else "null" for v in neutrals)
             raise BadRequest(f"'{name}' = {getattr(body, name)!r} is not supported (only {allowed})", name)
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise BadRequest("'stream_options.continuous_usage_stats' is not supported (usage comes in one chunk at the "
+                         "end with include_usage)", "stream_options.continuous_usage_stats")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
@@ -378,27 +401,37 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts=None,
+               receive_timeout_s: float | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` under the model id ``model_name``.
 
     Args:
         llm: an :class:`~trtllm_diffkv.llmapi.llm.LLM` (or an object with its ``generate_async``, ``tokenizer``,
-            ``max_seq_len`` and ``stats``).
+            ``max_seq_len`` and ``stats``; ``health()`` when it has one).
         model_name: the id clients send as ``model``.
         max_body_bytes: request bodies above this get a 413 (read no further).
+        allowed_hosts: ``Host`` header values answered (names, IP addresses, networks, ``"*"``; any port:
+            :func:`~trtllm_diffkv.serve.http_limits.host_allowed`); others get a 400. ``None``: any host.
+        receive_timeout_s: a request body not in within this many seconds of its head gets a 408 (``None``: no
+            deadline; the head's deadline is the HTTP protocol's: :func:`~trtllm_diffkv.serve.http_limits.http_protocol`).
 
     The app does not own ``llm``: the caller shuts it down (``trtllm-diffkv serve`` does after uvicorn exits).
     ``app.state.drain`` is its :class:`Drain`.
 
     Raises:
-        ValueError: ``max_body_bytes`` < 1.
+        ValueError: ``max_body_bytes`` < 1, a bad ``allowed_hosts`` entry.
     """
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     app = FastAPI(title="trtllm-diffkv OpenAI-compatible server")
     drain = app.state.drain = Drain()
     serving_metrics = app.state.metrics = ServingMetrics(llm, model_name)
-    app.add_middleware(_Guard, drain=drain, max_body_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        from .http_limits import check_allowed_hosts
+
+        allowed_hosts = check_allowed_hosts(allowed_hosts)
+    app.add_middleware(_Guard, drain=drain, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts,
+                       receive_timeout_s=receive_timeout_s)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -654,7 +687,7 @@ async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain
     except BaseException:
         drain.discard(handles)
         raise
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
 
     async def events():
         outputs, pending, ready = list(firsts), {}, list(range(len(handles)))
