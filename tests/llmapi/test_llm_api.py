@@ -96,6 +96,17 @@ def test_bad_requests_fail_alone_and_free_everything(tiny):
     assert _free(llm)
 
 
+def test_whitespace_is_a_prompt_and_only_the_empty_string_is_empty(text_llm):
+    """Issue 44: whitespace-only prompts were refused as "empty"; OpenAI and vLLM take them (they are tokens).
+    ``""`` is still refused (no token at all)."""
+    outs = text_llm.generate([" ", "\n\t ", ""], GREEDY(3))
+    for prompt, out in zip((" ", "\n\t "), outs):
+        assert out.error is None and out.prompt_token_ids == text_llm.tokenizer(prompt)["input_ids"]
+        assert len(out.outputs[0].token_ids) >= 1
+    assert "empty prompt" in outs[2].error and outs[2].outputs[0].finish_reason == "error"
+    assert _free(text_llm)
+
+
 def test_stream_deltas_concatenate_to_the_final_text_and_ids(text_llm, monkeypatch):
     tokenizer = text_llm.tokenizer
     step = text_llm.executor.step

@@ -87,7 +87,7 @@ def test_concurrent_requests_give_the_same_greedy_text(client, reference):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"prompt": " ", "max_tokens": 4}, "empty prompt"),
+    ({"prompt": "", "max_tokens": 4}, "empty prompt"),
     ({"prompt": "hi", "temperature": -1.0}, "temperature"),
     ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of must be None or an int >= n (2)"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),

@@ -253,7 +253,7 @@ def test_http_infer_generate_and_generate_stream(server, reference):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"text_input": " ", "max_tokens": 4}, "empty prompt"),
+    ({"text_input": "", "max_tokens": 4}, "empty prompt"),
     ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature"),
     ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "beam_width"),
     ({"text_input": "hi", "max_tokens": 100000}, "exceeds"),
@@ -270,7 +270,7 @@ def test_bad_request_gets_an_error_and_the_next_succeeds(server, reference, body
 
 
 @pytest.mark.parametrize("prompt, extra, message", [
-    (" ", {}, "empty prompt"),
+    ("", {}, "empty prompt"),
     ("hi", {"max_tokens": _column([0], np.int32)}, "max_tokens"),
     ("hi", {"beam_width": _column([2], np.int32)}, "beam_width"),
 ])

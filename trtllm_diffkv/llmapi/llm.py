@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import weakref
 from dataclasses import asdict, is_dataclass
 
 from .outputs import AsyncRequest, CompletionOutput, RequestGroup, RequestOutput, _Event
@@ -266,6 +267,7 @@ class LLM:
         self._counts = {"requests_submitted": 0, "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
                         "step_errors": 0, "prompt_tokens": 0}
         self._counts_lock = threading.Lock()
+        self._groups = weakref.WeakValueDictionary()  # group request id -> RequestGroup, while its caller holds it
         self._closed = False
         self._max_prompt_chars = None
         self._submit_lock = threading.Lock()
@@ -340,14 +342,14 @@ class LLM:
         params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams) and params.num_sequences != 1 and _valid(params, self.model_config):
             if not streaming:
-                return RequestGroup([self.generate_async(prompt, child, chat_template=chat_template,
-                                                         _listener=_listener) for child in params.child_params()],
-                                    params)
+                return self._group(RequestGroup([self.generate_async(prompt, child, chat_template=chat_template,
+                                                                     _listener=_listener)
+                                                 for child in params.child_params()], params))
             if params.best_of in (None, params.n):
                 listener = queue.Queue()
-                return RequestGroup([self.generate_async(prompt, child, streaming=True, chat_template=chat_template,
-                                                         _listener=listener) for child in params.child_params()],
-                                    params, listener=listener)
+                return self._group(RequestGroup([self.generate_async(prompt, child, streaming=True,
+                                                                     chat_template=chat_template, _listener=listener)
+                                                 for child in params.child_params()], params, listener=listener))
         rid = next(self._ids)
         text = prompt if isinstance(prompt, str) else None
         try:
@@ -383,9 +385,10 @@ class LLM:
         return self._max_prompt_chars
 
     def _prompt_ids(self, prompt, chat_template: bool) -> list[int]:
+        from ..generation.prompts import check_prompt_text
+
         if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("empty prompt: at least one non-blank character is needed")
+            check_prompt_text(prompt)  # "" is empty; whitespace is a prompt (OpenAI and vLLM take it)
             if self.tokenizer is None:
                 raise ValueError("the model has no tokenizer files: give prompts as lists of token ids")
             limit = self.max_prompt_chars()
@@ -420,11 +423,23 @@ class LLM:
         problem = self.health()
         return f"{UNAVAILABLE}: {problem}" if problem is not None else _message(exc)
 
+    def _group(self, group: RequestGroup) -> RequestGroup:
+        """Remember ``group`` under its ``request_id`` (its first child's) while the caller holds it, so that
+        :meth:`abort` of that id cancels every child."""
+        with self._counts_lock:
+            self._groups[group.request_id] = group
+        return group
+
     def abort(self, request_id: int) -> None:
         """Cancel a request: it finishes with ``finish_reason == "cancelled"``; its pages are freed by the
-        loop thread before its next step. A finished or unknown id is ignored."""
-        if not self._closed:
-            self._commands.put(("abort", request_id))
+        loop thread before its next step. The ``request_id`` of a :class:`RequestGroup` (``n > 1`` /
+        ``best_of``) cancels every child, as ``group.abort()``. A finished or unknown id is ignored."""
+        if self._closed:
+            return
+        with self._counts_lock:
+            group = self._groups.get(request_id)
+        for rid in [request_id] if group is None else [child.request_id for child in group.children]:
+            self._commands.put(("abort", rid))
 
     def stats(self) -> dict:
         """LLM counters (``requests_submitted``, ``requests_finished``, ``requests_failed``,
