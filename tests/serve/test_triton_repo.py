@@ -111,6 +111,8 @@ def test_parse_request_maps_inputs_to_sampling_params():
     assert only.sampling_params == SamplingParams(max_tokens=64, seed=4) and not only.stream
     no_end = parse_request({"text_input": _column([b"x"]), "end_id": _column([-1], np.int32)})[0]
     assert no_end.sampling_params == SamplingParams(ignore_eos=True)  # TensorRT-LLM's "no end token"
+    at_least = parse_request({"text_input": _column([b"x"]), "min_tokens": _column([6], np.int32)})[0]
+    assert at_least.sampling_params == SamplingParams(min_tokens=6)  # issue 44: was refused unless 0
 
 
 def test_parse_request_takes_log_probs_and_penalties():

@@ -11,7 +11,9 @@ unless absent or ``null`` (:data:`UNSUPPORTED`). Where OpenAI's API says integer
 is accepted: ``true`` or ``"3"`` is a 400 naming the field, never coerced (pydantic's strict types);
 number fields take integers and floats but not booleans or strings. ``top_k``,
 ``repetition_penalty`` and ``ignore_eos`` are extensions (vLLM and TensorRT-LLM's
-``trtllm-serve`` accept the same names). Unknown fields are ignored, as OpenAI's SDK may add some.
+``trtllm-serve`` accept the same names), and so are vLLM's ``stop_token_ids``, ``min_tokens`` and
+``include_stop_str_in_output`` (implemented as vLLM's rules:
+:class:`~trtllm_diffkv.runtime.sampling.SamplingParams`). Unknown fields are ignored, as OpenAI's SDK may add some.
 """
 from __future__ import annotations
 
@@ -87,6 +89,12 @@ class _Request(BaseModel):
     presence_penalty: StrictFloat | None = Field(default=None, description="OpenAI's, in [-2, 2]")
     frequency_penalty: StrictFloat | None = Field(default=None, description="OpenAI's, in [-2, 2]")
     logit_bias: dict | None = None
+    stop_token_ids: list[StrictInt] | None = Field(default=None, description="extension (vLLM): token ids that "
+                                                   "stop generation besides the model's end ids")
+    min_tokens: StrictInt | None = Field(default=None, description="extension (vLLM): no stop id or stop string "
+                                         "before this many tokens")
+    include_stop_str_in_output: StrictBool | None = Field(default=None, description="extension (vLLM): keep the "
+                                                          "matched stop string (or stop id's text) in the text")
     user: str | None = None
     tools: object = None
     tool_choice: object = None

@@ -271,7 +271,9 @@ def _sampling_params(body, max_tokens: int):
                             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                             seed=body.seed, stop=[s for s in stop if s] or None if stop else None,
                             ignore_eos=body.ignore_eos, n=1 if body.n is None else body.n, best_of=best_of,
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=body.stop_token_ids,
+                            min_tokens=body.min_tokens,
+                            include_stop_str_in_output=bool(body.include_stop_str_in_output))
     try:
         params.validate()
     except ValueError as exc:  # the message starts with the field's name
@@ -553,11 +555,12 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES, al
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
         _check_text(body.model_dump(), "")
-        params = _sampling_params(body, 1)  # refuses unsupported fields before the chat template runs
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        # refuses unsupported fields and bad values before the chat template runs
+        params = _sampling_params(body, llm.max_seq_len if max_tokens is None else max_tokens)
         _check_prompt_chars(llm, [m.content if isinstance(m.content, str) else json.dumps(m.content)
                                   for m in body.messages], "messages")
         ids = await asyncio.to_thread(_chat_prompt_ids, llm, body)  # the template and tokenizer: off the loop
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max(1, llm.max_seq_len - len(ids)) if max_tokens is None else max_tokens)
         handles = [llm.generate_async(ids, child, streaming=body.stream) for child in params.child_params()]
         drain.add(handles)
