@@ -42,6 +42,7 @@ goes to the ``trtllm_diffkv.serve.access`` logger at INFO.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import time
@@ -54,7 +55,7 @@ from starlette.exceptions import HTTPException
 from . import is_server_fault, is_unavailable
 from .http_limits import host_allowed
 from .metrics import ServingMetrics
-from ..runtime.detokenizer import token_texts
+from ..runtime.detokenizer import token_bytes, token_texts
 from ..runtime.sampling import best_of_order
 from .openai_protocol import (CHAT_NEUTRAL, CHAT_UNSUPPORTED, NEUTRAL, UNSUPPORTED, ChatCompletionRequest, CompletionRequest, created,
                               is_neutral, new_id)
@@ -287,13 +288,14 @@ def _sampling_params(body, max_tokens: int):
     return params
 
 
-def _logprob_texts(tokenizer, ids, entries) -> dict[int, str]:
-    """Token id -> its text for every id in ``ids`` and in the ``entries`` (one decode call)."""
+def _logprob_texts(tokenizer, ids, entries, as_bytes: bool = False) -> dict[int, str] | dict[int, bytes]:
+    """Token id -> its text (``as_bytes``: its bytes, :func:`~trtllm_diffkv.runtime.detokenizer.token_bytes`) for
+    every id in ``ids`` and in the ``entries`` (one decode call)."""
     wanted = set(ids)
     for entry in entries:
         wanted.update(entry or ())
     wanted = sorted(wanted)
-    return dict(zip(wanted, token_texts(tokenizer, wanted)))
+    return dict(zip(wanted, (token_bytes if as_bytes else token_texts)(tokenizer, wanted)))
 
 
 class _CompletionChoice:
@@ -310,33 +312,40 @@ class _CompletionChoice:
     def __init__(self, tokenizer, prompt, echo: bool, logprobs: int | None, prompt_only: bool):
         self.tokenizer, self.prompt, self.echo, self.logprobs = tokenizer, prompt, echo, logprobs
         self.prompt_only, self.started, self.offset = prompt_only, False, 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # text_offset: characters completed so far
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def piece(self, output, text: str, token_ids: list[int], entries) -> tuple[str, dict | None]:
         """``(text, logprobs object)`` of what is new: ``text`` / ``token_ids`` / ``entries`` (the output's
         ``logprobs`` entries of those ids) new since the previous piece; the prompt first when echoing."""
-        ids, listed, out = [], [], ""
+        ids, listed, out, in_text = [], [], "", []
         if self.echo and not self.started:
             prompt_ids = list(output.prompt_token_ids)
             out = self.prompt if isinstance(self.prompt, str) else (
                 self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "")
             ids += prompt_ids
             listed += getattr(output.outputs[0], "prompt_logprobs", None) or [None] * len(prompt_ids)
+            # a text prompt is the client's text: a special token the tokenizer added (BOS) is not in it
+            in_text += [not isinstance(self.prompt, str) or t not in self._special for t in prompt_ids]
         self.started = True
         if not self.prompt_only:
             ids += list(token_ids)
             listed += list(entries or [None] * len(token_ids))
+            in_text += [t not in self._special for t in token_ids]  # the text skips special tokens
             out += text
         if self.logprobs is None:
             return out, None
         texts = _logprob_texts(self.tokenizer, ids, listed)
+        pieces = _logprob_texts(self.tokenizer, ids, (), as_bytes=True)
         body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, entry in zip(ids, listed):
+        for token, entry, shown in zip(ids, listed, in_text):
             body["tokens"].append(texts[token])
             body["token_logprobs"].append(None if entry is None else entry[token].logprob)
             body["top_logprobs"].append(None if entry is None else
                                         {texts[t]: lp.logprob for t, lp in sorted(entry.items(), key=_rank)})
-            body["text_offset"].append(self.offset)
-            self.offset += len(texts[token])
+            body["text_offset"].append(self.offset)  # where the token's first whole character starts
+            if shown:  # characters count once complete: the 3 tokens of one emoji start at the same offset
+                self.offset += len(self._utf8.decode(pieces[token]))
         return out, body
 
 
@@ -345,15 +354,18 @@ def _rank(item) -> int:
 
 
 def _chat_logprobs(tokenizer, token_ids: list[int], entries, top: int) -> dict:
-    """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) of ``token_ids`` with their entries."""
+    """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) of ``token_ids`` with their entries. ``bytes``
+    are each token's own bytes (:func:`~trtllm_diffkv.runtime.detokenizer.token_bytes`): a token holding part of
+    a multi-byte character has that part, not the UTF-8 of U+FFFD, so the tokens' bytes joined rebuild the text
+    (what OpenAI's field is for); ``token`` is the token's decode (U+FFFD for such a part)."""
     texts = _logprob_texts(tokenizer, token_ids, entries)
+    pieces = _logprob_texts(tokenizer, token_ids, entries, as_bytes=True)
     content = []
     for token, entry in zip(token_ids, entries or ()):
         tops = sorted(entry.items(), key=_rank)[:top]
-        content.append({"token": texts[token], "logprob": entry[token].logprob,
-                        "bytes": list(texts[token].encode("utf-8")),
-                        "top_logprobs": [{"token": texts[t], "logprob": lp.logprob,
-                                          "bytes": list(texts[t].encode("utf-8"))} for t, lp in tops]})
+        content.append({"token": texts[token], "logprob": entry[token].logprob, "bytes": list(pieces[token]),
+                        "top_logprobs": [{"token": texts[t], "logprob": lp.logprob, "bytes": list(pieces[t])}
+                                         for t, lp in tops]})
     return {"content": content}
 
 
