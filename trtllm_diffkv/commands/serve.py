@@ -79,6 +79,9 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+_positive_seconds.reads_finite_float = True
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)

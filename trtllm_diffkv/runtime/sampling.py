@@ -32,9 +32,10 @@ import math
 import numbers
 from dataclasses import dataclass, replace
 
-import torch
-
+from ..lazy import LazyModule
 from .stop_checker import StopChecker
+
+torch = LazyModule("torch")  # imported at first use: SamplingParams (and the CLI's flag checks) need no torch
 
 __all__ = ["SamplingParams", "Sampler", "StopChecker", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
            "StepLogprobs", "prompt_logprobs", "best_of_order", "child_seed", "MAX_LOGPROBS"]
