@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from test_openai_app_rules import Handle  # noqa: E402
+
 TEXT = "Hi 😀 there, 日本 done 🎉!"
 
 
@@ -25,19 +27,6 @@ def tokenizer():
     from trtllm_diffkv.model.loader import default_model_path, load_tokenizer
 
     return load_tokenizer(default_model_path())
-
-
-class _Handle:
-    finished = True
-
-    def __init__(self, output):
-        self.output = output
-
-    async def __anext__(self):
-        return self.output
-
-    def abort(self):
-        pass
 
 
 class FixedLLM:
@@ -59,7 +48,7 @@ class FixedLLM:
         completion = SimpleNamespace(text=text, text_diff=text, token_ids=self.ids, token_ids_diff=self.ids,
                                      logprobs=self.entries, logprobs_diff=self.entries, finish_reason="length",
                                      cumulative_logprob=-0.5 * len(self.ids), prompt_logprobs=None)
-        return _Handle(SimpleNamespace(error=None, prompt_token_ids=prompt_ids, finished=True, outputs=[completion],
+        return Handle(SimpleNamespace(error=None, prompt_token_ids=prompt_ids, finished=True, outputs=[completion],
                                        metrics=None))
 
 

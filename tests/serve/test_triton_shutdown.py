@@ -32,6 +32,18 @@ def _inputs(prompt: str, max_tokens: int):
     return tensors
 
 
+def _two_long_streams(client, responses, callback) -> None:
+    """Start the gRPC stream with ``callback``, send two 1900-token streaming requests (far more than a drain lets
+    them generate) and wait until both generate (4 responses without error)."""
+    client.start_stream(callback=callback)
+    for rid in ("a", "b"):
+        client.async_stream_infer("diffkv", _inputs(f"Story {rid}:", 1900), request_id=rid,
+                                  enable_empty_final_response=True)
+    for _ in range(4):
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+
+
 def test_sigterm_with_live_streams_drains_cancels_and_exits_0(checkpoint, tmp_path):
     from trtllm_diffkv.serve.triton_server import TritonServer, TritonUnavailable
 
@@ -55,13 +67,7 @@ def test_sigterm_with_live_streams_drains_cancels_and_exits_0(checkpoint, tmp_pa
                 if len(ends) == 2:  # both requests ended: the client ends its stream, as a client does
                     threading.Thread(target=client.stop_stream, daemon=True).start()
 
-        client.start_stream(callback=callback)
-        for rid in ("a", "b"):  # 1900 tokens each: far more than the drain lets them generate
-            client.async_stream_infer("diffkv", _inputs(f"Story {rid}:", 1900), request_id=rid,
-                                      enable_empty_final_response=True)
-        for _ in range(4):  # both streams generating
-            result, error = responses.get(timeout=120)
-            assert error is None, error
+        _two_long_streams(client, responses, callback)
         start = time.monotonic()
         code = server.stop(grace_s=40)
         elapsed = time.monotonic() - start
@@ -108,13 +114,7 @@ def test_sigterm_to_the_command_with_a_client_stream_left_open_exits_0_after_the
             if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
                 ends[len(ends)] = error  # the stream is left open: no stop_stream()
 
-        client.start_stream(callback=callback)
-        for rid in ("a", "b"):
-            client.async_stream_infer("diffkv", _inputs(f"Story {rid}:", 1900), request_id=rid,
-                                      enable_empty_final_response=True)
-        for _ in range(4):  # both streams generating
-            result, error = responses.get(timeout=120)
-            assert error is None, error
+        _two_long_streams(client, responses, callback)
         start = time.monotonic()
         code = launcher.stop(grace_s=60)  # SIGTERM to the command's group: the command alone
         elapsed = time.monotonic() - start

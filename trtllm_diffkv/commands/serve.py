@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 
-from .common import add_threads_argument, cpu_threads, finite_float
+from .common import add_threads_argument, cpu_threads, finite_float, positive_int
 
 
 def add_parser(subparsers) -> None:
@@ -68,7 +68,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                         "connection is closed (head) or answered 408 (body) (default: 30)")
     p.add_argument("--timeout-keep-alive-s", type=_positive_seconds, default=5.0,
                    help="close a keep-alive connection idle this long after a response (uvicorn's; default: 5)")
-    p.add_argument("--max-connections", type=_positive_int, default=1024,
+    p.add_argument("--max-connections", type=positive_int, default=1024,
                    help="open connections at most; one more is closed as soon as it is accepted (default: 1024)")
 
 
@@ -80,16 +80,6 @@ def _positive_seconds(text: str) -> float:
 
 
 _positive_seconds.reads_finite_float = True
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
-    return value
 
 
 def _host_list(text: str) -> list[str]:
