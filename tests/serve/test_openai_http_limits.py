@@ -7,6 +7,7 @@ requests stayed open, ``Host: attacker.example`` was served by a loopback server
 clients are met by a real uvicorn server in a thread (``serve``'s own config, short deadlines); the rest by
 FastAPI's TestClient. The app serves the recording stand-in LLM of test_openai_app_rules.py.
 """
+import asyncio
 import json
 import socket
 import threading
@@ -109,8 +110,23 @@ def test_a_body_that_is_not_utf8_is_a_400(http, encoding):
 RECEIVE_S = 1.0
 
 
-@pytest.fixture()
-def live_server():
+class SlowLLM(RecordingLLM):
+    """The stand-in, each answer 1.5 x the receive deadline late (a generation that outlasts it)."""
+
+    def generate_async(self, prompt, params, streaming=False):
+        handle = super().generate_async(prompt, params, streaming)
+        output = handle.output
+
+        async def late():
+            await asyncio.sleep(1.5 * RECEIVE_S)
+            return output
+
+        handle.__anext__ = late
+        return handle
+
+
+@pytest.fixture(params=[RecordingLLM])
+def live_server(request):
     """``serve``'s uvicorn config (receive deadline 1 s, at most 6 connections) over the stand-in, in a thread."""
     import uvicorn
 
@@ -119,7 +135,7 @@ def live_server():
     from trtllm_diffkv.serve.process import free_port
 
     port = free_port()
-    app = create_app(RecordingLLM(), "tiny", allowed_hosts=LOOPBACK, receive_timeout_s=RECEIVE_S)
+    app = create_app(request.param(), "tiny", allowed_hosts=LOOPBACK, receive_timeout_s=RECEIVE_S)
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning", receive_timeout_s=RECEIVE_S,
                                            max_connections=6))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -161,6 +177,26 @@ def _closed_within(sock, seconds, trickle=b"") -> tuple[bool, bytes]:
     return False, got
 
 
+def _read_response(sock) -> bytes:
+    """One whole HTTP response (head and its Content-Length of body) from ``sock``; what came before the server
+    closed the connection if it did (b"" when nothing came)."""
+    sock.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_a_request_head_trickled_byte_by_byte_is_cut_at_the_deadline(live_server):
     sock = _connect(live_server)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -183,17 +219,17 @@ def test_a_body_trickled_byte_by_byte_gets_a_408_at_the_deadline(live_server):
     assert closed
 
 
+@pytest.mark.parametrize("live_server", [RecordingLLM, SlowLLM], indirect=True)
 def test_a_request_after_a_response_keeps_its_connection_past_the_deadline(live_server):
     """The head deadline is re-armed per request and never cuts a response: a keep-alive client sending its next
-    request promptly is served."""
+    request promptly is served, also when the answer takes longer than the deadline (SlowLLM: 1.5 s)."""
     sock = _connect(live_server)
     body = b'{"prompt": "hi", "max_tokens": 2}'
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n" % len(body)) + body
     for _ in range(3):
         sock.sendall(request)
-        sock.settimeout(10)
-        answer = sock.recv(65536)
+        answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
         time.sleep(0.6 * RECEIVE_S)  # 1.8 s in all: past one deadline, each head in time
     sock.close()
