@@ -29,11 +29,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import repo_paths  # noqa: E402 (benchmarks/ is on the path: the script's folder, or a tool's insert)
+
+repo_paths.use_checkout()  # the package and tests/support
 
 from trtllm_diffkv.config import DiffKVConfig  # noqa: E402
 from trtllm_diffkv.kernels import DecodeWorkspace, decode_bytes, paged_decode_attention, scored_prefill_attention  # noqa: E402
-from trtllm_diffkv.testing.attention import build_paged_rows, decode_reference, read_scores, rel_err  # noqa: E402
+from support.attention import build_paged_rows, decode_reference, read_scores, rel_err  # noqa: E402
 from trtllm_diffkv.memory import KVCachePool, PageFormat  # noqa: E402
 
 DECODE_SHAPES = [  # name, num_seqs, num_heads, num_kv_heads, head_dim, seq_len

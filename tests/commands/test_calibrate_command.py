@@ -42,6 +42,26 @@ def test_sweep_settings_grid_and_errors():
     assert cal.sweep_settings([1.0], [0.0], ["k4v2"], [1], presets=("paper",))["preset:paper"] is get_preset("paper")
 
 
+def test_choose_keeps_a_setting_exactly_at_each_tolerance():
+    """Both tolerances are inclusive: top-1 exactly ``max_top1_drop`` below the yardstick's and mean KL exactly
+    ``max_kl_nats`` qualify (binary fractions: the differences are exact); a hair beyond either does not."""
+    yard = _row("k8v4", 0.75, 0.0, 0.5)
+    edge = _row("edge", 0.5, 0.03125, 0.25)
+    assert cal.choose([yard, edge], max_top1_drop=0.25, max_kl_nats=0.03125)["setting"] == "edge"
+    below = _row("below", 0.5 - 2 ** -20, 0.03125, 0.125)
+    above = _row("above", 0.5, 0.03125 + 2 ** -20, 0.125)
+    assert cal.choose([yard, edge, below, above], max_top1_drop=0.25, max_kl_nats=0.03125)["setting"] == "edge"
+
+
+def test_sweep_grid_keeps_alpha_low_equal_to_alpha_high():
+    """``alpha_low <= alpha_high`` includes equality (no low tier band: every token is high or pruned); only
+    ``alpha_low > alpha_high`` is skipped."""
+    s = cal.sweep_settings([0.5, 1.0], [0.5, 1.0], ["k8v2"], [1])
+    grid = sorted((c.alpha_high, c.alpha_low) for name, c in s.items() if name.startswith("ah="))
+    assert grid == [(0.5, 0.5), (1.0, 0.5), (1.0, 1.0)]
+    assert s["ah=1 al=1 low=k8v2 pool=1"].alpha_low == s["ah=1 al=1 low=k8v2 pool=1"].alpha_high == 1.0
+
+
 def test_stdlib_recall_prompts_recall_an_earlier_span(tmp_path):
     _, tokenizer, _ = load_model(write_tiny_text_checkpoint(tmp_path / "m"))
     cases = cal.stdlib_recall_prompts(tokenizer, 2, prompt_tokens=200, span_tokens=8, cue_tokens=6)
@@ -58,7 +78,8 @@ def test_calibrate_writes_a_file_that_generate_accepts(tmp_path, capsys):
     out, table = tmp_path / "kv.json", tmp_path / "table.json"
     rc = main(["calibrate", "--model", str(folder), "--output", str(out), "--table", str(table),
                "--alpha-low", "0,0.5", "--low-tier", "k4v2,rotated-k4v2", "--num-prompts", "1",
-               "--prompt-tokens", "160", "--span-tokens", "6", "--max-top1-drop", "1", "--max-kl", "100"])
+               "--prompt-tokens", "160", "--span-tokens", "6", "--max-top1-drop", "1", "--max-kl", "100",
+               "--max-identical-drop", "1", "--max-prefix-drop", "1"])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = json.loads(table.read_text())["rows"]

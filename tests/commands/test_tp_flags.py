@@ -20,7 +20,7 @@ def test_serve_tp_reaches_the_llm(tmp_path, capsys):
     """A checkpoint with one KV head cannot split over 2 ranks: ``serve --tp 2`` stops with the LLM's refusal
     (before any rank starts); ``--tp 0`` is a usage error."""
     from conftest import random_llama
-    from trtllm_diffkv.testing.tensor_parallel import write_checkpoint
+    from support.tensor_parallel import write_checkpoint
 
     import socket
 

@@ -72,7 +72,8 @@ def test_prune_everything_outside_window_equals_window_attention():
 
 
 def test_scores_are_group_max_probabilities_accumulated():
-    cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=0.0, alpha_low=0.0,
+    # alpha_high > 0 tiers the tokens (so scores are kept); equal formats and alpha_low = 0 keep every token as is
+    cfg = DiffKVConfig(high=UNQUANTIZED, low=UNQUANTIZED, alpha_high=1e-6, alpha_low=0.0,
                        recent_window_tokens=2, prompt_score_window_tokens=5)
     prompt_len, steps, num_heads, num_kv_heads = 12, 6, 4, 2
     *_, (checked, (q, k, v), _) = drive(cfg, num_heads, num_kv_heads, 64, prompt_len, steps)

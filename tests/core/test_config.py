@@ -77,3 +77,18 @@ def test_uncompressed_bytes_are_fp16_whatever_the_tiers():
     odd = DiffKVConfig(compress=False, high=TierConfig(4, 2), low=TierConfig(16, 16))
     assert odd.high == odd.low == FP16_TIER == get_preset("fp16").high  # one layout for "no compression"
     assert get_preset("k8v4").low == get_preset("k8v4").high  # quantization only: one K8V4 format
+
+
+def test_only_presets_that_tier_tokens_keep_token_metadata():
+    """Uniform formats (alpha_high == alpha_low == 0) store what a uniform INT8/INT4 cache stores: codes and one fp16
+    scale and zero per group, no fp32 score or int32 position per token."""
+    d = 64
+    k8v4, k8v8, default, fp16 = (get_preset(n) for n in ("k8v4", "k8v8", "default", "fp16"))
+    assert (k8v4.tiered, k8v8.tiered, default.tiered, fp16.tiered) == (False, False, True, False)
+    # K8: 64 code bytes + one group's scale and zero (4 bytes); V4: 32 code bytes + two groups (8 bytes)
+    assert k8v4.token_bytes("high", d) == 64 + 4 + 32 + 8
+    assert k8v8.token_bytes("high", d) == 64 + 4 + 64 + 4
+    # tiered: the same codes plus the fp32 score and int32 position of every token
+    assert default.token_bytes("high", d) == 64 + 4 + 32 + 8 + 4 + 4
+    assert fp16.token_bytes("high", d) == 2 * d * 2
+    assert k8v4.replace(alpha_high=0.5).tiered and k8v4.replace(alpha_high=0.5).token_bytes("high", d) == 116

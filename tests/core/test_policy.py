@@ -147,3 +147,29 @@ def test_decode_candidate_position(pos, window, expected):
 def test_prompt_tiers_unknown_base_refused():
     with pytest.raises(ValueError, match="threshold_base"):
         policy.prompt_tiers(torch.ones(1, 4), 1.0, 0.1, 0, 64, "nope")
+
+
+@pytest.mark.parametrize("alpha_high,alpha_low", [(1.5, 0.3), (1.0, 0.1), (0.02, 0.02)])
+def test_an_importance_exactly_on_a_threshold_is_tiered_by_the_fp64_quotient(alpha_high, alpha_low):
+    """Issue 43: the threshold is ``alpha / N`` divided in float64 and rounded once to fp32 (numpy here), as the
+    Triton decision kernel divides; an fp32 division is one ulp off for most of these N. An importance exactly
+    on the high threshold is not high (> is strict) but low; exactly on the low threshold, low (>=); one ulp
+    under it, pruned; one ulp over the high one, high. Scalar N and a tensor of N take the same thresholds."""
+    import numpy as np
+
+    lengths = np.arange(1, 200)
+    high = (np.float64(alpha_high) / lengths).astype(np.float32)
+    low = (np.float64(alpha_low) / lengths).astype(np.float32)
+    fp32_off = (np.float32(alpha_low) / lengths.astype(np.float32)).astype(np.float32) != low
+    assert fp32_off.sum() > 20  # the test tells the two divisions apart
+    n = torch.from_numpy(lengths)
+    torch.testing.assert_close(policy.tier_thresholds(alpha_high, n), torch.from_numpy(high), atol=0, rtol=0)
+    torch.testing.assert_close(policy.tier_thresholds(alpha_low, n), torch.from_numpy(low), atol=0, rtol=0)
+    cases = [(high, policy.TIER_LOW),
+             (np.nextafter(high, np.float32(np.inf)), policy.TIER_HIGH),
+             (low, policy.TIER_LOW), (np.nextafter(low, np.float32(0)), policy.TIER_PRUNED)]
+    for importance, tier in cases:
+        imp = torch.from_numpy(importance.astype(np.float32))
+        assert policy.classify(imp, alpha_high, alpha_low, n).tolist() == [tier] * len(lengths)
+        assert [int(policy.classify(imp[i:i + 1], alpha_high, alpha_low, int(lengths[i]))[0])
+                for i in range(len(lengths))] == [tier] * len(lengths)

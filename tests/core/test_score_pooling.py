@@ -17,7 +17,7 @@ from test_policy import ALPHA_HIGH, LOW_SHARE, near_threshold_importances
 from trtllm_diffkv import policy
 from trtllm_diffkv.cache import DiffKVReferenceCache
 from trtllm_diffkv.config import DiffKVConfig
-from trtllm_diffkv.testing.paged import run_lockstep
+from support.paged import run_lockstep
 
 CFG = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
 

@@ -169,6 +169,73 @@ def test_h2o_evicts_the_lowest_accumulated_score_outside_the_recent_window():
     assert cache.stats().kv_cache_bytes == NUM_KV_HEADS * budget * (HEAD_DIM * 4 + 4)
 
 
+def _dense_causal_probs(q: torch.Tensor, k: torch.Tensor, first_query_pos: int = 0) -> torch.Tensor:
+    """float64 ``[num_heads, m, n]``: each query's causal softmax row over all ``n`` keys, in one piece."""
+    qh, kh = q.double().transpose(0, 1), k.double().transpose(0, 1).repeat_interleave(GROUP, 0)
+    logits = qh @ kh.transpose(1, 2) / math.sqrt(HEAD_DIM)
+    rows = torch.arange(first_query_pos, first_query_pos + q.shape[0])[:, None]
+    return torch.softmax(logits.masked_fill(torch.arange(k.shape[0])[None, :] > rows, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("first_query_pos,chunk_queries", [(0, 4), (0, 7), (13, 5), (13, 256)])
+def test_chunked_causal_probs_equal_one_dense_softmax(first_query_pos, chunk_queries):
+    """``causal_probs_chunked`` yields the rows of the dense causal softmax, each chunk at its own positions (a
+    chunk that restarted its rows at ``first_query_pos`` would let its queries see too few keys)."""
+    n = 30
+    q, k, _ = _qkv(n, 7)
+    queries = q[first_query_pos:]
+    want = _dense_causal_probs(queries, k, first_query_pos)
+    got = torch.zeros_like(want)
+    starts = []
+    for start, probs in baselines.causal_probs_chunked(queries.transpose(0, 1), k.transpose(0, 1), GROUP,
+                                                       first_query_pos, chunk_queries):
+        got[:, start:start + probs.shape[1]] = probs.double()
+        starts.append(start)
+    assert starts == list(range(0, n - first_query_pos, chunk_queries))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_h2o_on_a_prompt_longer_than_one_chunk_keeps_the_dense_heavy_hitters():
+    """Issue 43: a 300-token prompt (two chunks of prompt queries: 256 + 44). H2O's accumulated scores equal
+    the column sums of the dense causal probabilities computed in one piece (float64), summed over each KV
+    head's query heads, and the heavy hitters kept are their top half of the budget outside the recent window."""
+    n, budget_fraction = 300, 0.3
+    q, k, v = _qkv(n, 8)
+    cache = baselines.H2OCache(budget_fraction, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, n)
+    cache.forward(0, q, k, v)
+    budget = 90
+    heavy, recent = budget // 2, budget - budget // 2
+    scores = _dense_causal_probs(q, k).sum(1).reshape(NUM_KV_HEADS, GROUP, n).sum(1)  # [kv heads, n]
+    kept = cache.kept[0, :, :n]
+    for kv in range(NUM_KV_HEADS):
+        order = scores[kv, :n - recent].argsort(descending=True)
+        gap = float(scores[kv, order[heavy - 1]] - scores[kv, order[heavy]])
+        assert gap > 1e-4, "the reference's heavy-hitter cut must not be a near tie"
+        want = set(order[:heavy].tolist()) | set(range(n - recent, n))
+        assert set(kept[kv].nonzero()[:, 0].tolist()) == want
+        torch.testing.assert_close(cache.scores[0, kv, :n][kept[kv]].double(), scores[kv][kept[kv]], atol=2e-4,
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize("prompt_len,budget_fraction", [(40, 0.34), (40, 0.33), (60, 0.41), (40, 1.0), (40, 0.01)])
+def test_eviction_budgets_round_to_the_nearest_token(prompt_len, budget_fraction):
+    """Non-integer budgets (13.6 -> 14 tokens, 13.2 -> 13, 24.6 -> 25): every eviction baseline keeps the nearest
+    whole number of prompt tokens per KV head (exact decimal arithmetic here), not the floor; a whole prompt at
+    fraction 1; at a tiny fraction the method's fixed part (StreamingLLM: 4 sinks + 1, H2O: 2, SnapKV: window + 1)."""
+    from fractions import Fraction
+
+    nearest = math.floor(Fraction(str(budget_fraction)) * prompt_len + Fraction(1, 2))  # no exact halves here
+    q, k, v = _qkv(prompt_len, 9)
+    caches = {"streaming": (baselines.StreamingLLMCache, {}, 5), "h2o": (baselines.H2OCache, {}, 2),
+              "snapkv": (baselines.SnapKVCache, {"window_tokens": 8}, 9)}
+    for name, (cls, kwargs, minimum) in caches.items():
+        cache = cls(budget_fraction, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, prompt_len, **kwargs)
+        cache.forward(0, q, k, v)
+        expected = min(prompt_len, max(minimum, nearest))
+        assert cache.budget == expected, name
+        assert cache.kept[0, :, :prompt_len].sum(-1).tolist() == [expected] * NUM_KV_HEADS, name
+
+
 def test_streamingllm_keeps_sinks_and_the_newest_tokens():
     n, steps = 50, 7
     q, k, v = _qkv(n + steps, 4)

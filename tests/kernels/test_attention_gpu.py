@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 FORMATS = {
     "default": DiffKVConfig(),
     "k8v4": PRESETS["k8v4"],
+    "k8v8": PRESETS["k8v8"],  # 8-bit values in both tiers: the uniform INT8 row of the quality tables
     "fp16": PRESETS["fp16"],
     "k4v2-1group": DiffKVConfig(low=TierConfig(4, 2, 1, 1)),
     "default-k8v2": PRESETS["default-k8v2"],  # 35-token low pages: an odd probability stride (CUDA merge)
@@ -24,7 +25,7 @@ FORMATS = {
 
 def _decode_check(cfg, head_dim, num_heads, num_kv_heads, dtype, counts, seed, num_partitions=None, backend=None):
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
-    from trtllm_diffkv.testing.attention import build_paged_rows, decode_reference, read_scores, rel_err
+    from support.attention import build_paged_rows, decode_reference, read_scores, rel_err
 
     fmt = PageFormat.for_config(cfg, head_dim)
     rows = build_paged_rows(fmt, counts, device="cuda", seed=seed)
@@ -83,7 +84,7 @@ def test_decode_edge_cases_5_and_6a_fp16(case, backend):
     """Edge case 5 (q = 0: the mean of exactly each head's stored V rows, lengths around 16) and 6a (every
     logit near -6e4: the ordinary softmax, no sentinel) with fp16 queries, which the CUDA kernel takes."""
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
-    from trtllm_diffkv.testing.attention import build_paged_rows, decode_reference, rel_err
+    from support.attention import build_paged_rows, decode_reference, rel_err
 
     fmt = PageFormat.for_config(DiffKVConfig(), 64, high_tokens_per_page=16)
     if case == "tail-masking":
@@ -129,7 +130,7 @@ def test_cuda_kernel_is_the_default_where_it_applies():
 def test_cuda_and_triton_partial_kernels_agree(head_dim, heads):
     """Both backends on the same pages: outputs and score updates agree to fp16 rounding, padding rows untouched."""
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
-    from trtllm_diffkv.testing.attention import build_paged_rows, read_scores
+    from support.attention import build_paged_rows, read_scores
 
     num_heads, num_kv_heads = heads
     fmt = PageFormat.for_config(DiffKVConfig(), head_dim)
@@ -171,7 +172,7 @@ def test_staged_partial_kernel_equals_the_register_path(head_dim, heads, num_par
     and the register path's outputs there are checked against the Triton kernel's too."""
     from trtllm_diffkv.kernels import DecodeWorkspace, cuda_decode, paged_decode_attention
     from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
-    from trtllm_diffkv.testing.attention import build_paged_rows, read_scores
+    from support.attention import build_paged_rows, read_scores
 
     num_heads, num_kv_heads = heads
     fmt = PageFormat.for_config(DiffKVConfig(), head_dim, high_tokens_per_page=high_tokens_per_page)
@@ -249,7 +250,7 @@ def test_the_ring_runs_a_kernel_without_local_memory(preset, head_dim, group):
 def test_decode_cuda_graph_replay_matches_eager(backend):
     """The call is graph-capturable with a preallocated workspace; replays give the eager result."""
     from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention
-    from trtllm_diffkv.testing.attention import build_paged_rows
+    from support.attention import build_paged_rows
 
     fmt = PageFormat.for_config(DiffKVConfig(), 128)
     rows = build_paged_rows(fmt, [(500, 1500)] * 8, device="cuda")
@@ -273,7 +274,7 @@ def test_decode_cuda_graph_replay_matches_eager(backend):
                                             ((12, 2), 96), ((8, 1), 256)])
 def test_scored_prefill_against_float64(dtype, heads, head_dim):
     from trtllm_diffkv.kernels import scored_prefill_attention
-    from trtllm_diffkv.testing.attention import prefill_reference, rel_err
+    from support.attention import prefill_reference, rel_err
 
     num_heads, num_kv_heads = heads
     lens = [1, 63, 64, 65, 700, 1031]

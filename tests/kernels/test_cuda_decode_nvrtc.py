@@ -1,4 +1,4 @@
-"""The ring's register cap as the GPU's compiler settles it, on the CPU machine (``trtllm_diffkv.testing.nvrtc``).
+"""The ring's register cap as the GPU's compiler settles it, on the CPU machine (``support.nvrtc``).
 
 nvcc's frontend spills differently from NVRTC's at the same macros (Llama-3-8B's shape at 4 CTAs with the merge
 prefetch's first form: nvcc 13.0 spills 4 bytes, NVRTC 13.0 16), so the nvcc tests in ``test_cuda_decode.py`` did not
@@ -9,7 +9,7 @@ see that Llama's kernel ran at 3 CTAs a multiprocessor instead of 4 (found on an
 import pytest
 
 from trtllm_diffkv.kernels import cuda_decode as cd
-from trtllm_diffkv.testing.nvrtc import load_nvrtc, partial_defines, settled_cap, stack_bytes
+from support.nvrtc import load_nvrtc, partial_defines, settled_cap, stack_bytes
 
 
 @pytest.fixture(scope="module")

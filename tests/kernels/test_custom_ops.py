@@ -30,7 +30,7 @@ from trtllm_diffkv.kernels.decode_attention import DecodeWorkspace, paged_decode
 from trtllm_diffkv.kernels.prefill_attention import scored_prefill_attention  # noqa: E402
 from trtllm_diffkv.memory import KVCachePool, PageFormat  # noqa: E402
 from trtllm_diffkv.model import fused  # noqa: E402
-from trtllm_diffkv.testing.attention import build_paged_rows  # noqa: E402
+from support.attention import build_paged_rows  # noqa: E402
 
 D = torch.ops.diffkv
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton paths: the GPU, else the interpreter

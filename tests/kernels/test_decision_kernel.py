@@ -6,7 +6,8 @@ unpadded one (Triton interpreter, tiny shapes; CI, no GPU).
    candidate absent from the high tier, positions before the first candidate) for every compressing
    preset of ``config.PRESETS``; the kernel's five action tensors must equal the reference's exactly,
    with loop blocks of 128 and of 8 tokens (ties across loop iterations); with ``compress=False`` it equals
-   ``decisions.append_only`` (the fp16 preset).
+   ``decisions.append_only`` (the fp16 preset); with a sliding-window layer, ``decisions.slide_windows`` of
+   either (both presets).
 2. A full paged cache run on the kernel path (decisions in the kernel) in lockstep with the reference
    cache (``DiffKVReferenceCache``, the independent dense implementation): kept positions, tiers, counts,
    pages, K/V, scores and attention outputs every step, for a preset that prunes and one with a low tier.
@@ -33,8 +34,27 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def random_state(cfg, seed, num_seqs=6, num_layers=2, num_kv_heads=3, head_dim=64, max_pos=40, num_pages=600):
-    """A pool and page-manager state with random tiers: (pool, fmt, table, tokens, slots, pos, prompt_len_by_slot)."""
+def tie_score(alpha: float, n: int, position: int, prompt_len: int, pos: int, scoring_tokens: int) -> float | None:
+    """A score whose importance (score / its query count, an fp32 division) is exactly the fp32 threshold
+    ``alpha / n`` (divided in float64, rounded once: numpy here), or ``None`` when no such score exists for this
+    count. The count is the rule of ``oracle/rules.py``: the prompt's last ``S`` queries, then every decode query."""
+    import numpy as np
+
+    count = (min(prompt_len - position, scoring_tokens) if position < prompt_len else 0) + \
+        max(pos - max(position, prompt_len), 0)
+    count = np.float32(max(count, 1))
+    threshold = np.float32(alpha / n)
+    score = np.float32(threshold * count)
+    return float(score) if np.float32(score / count) == threshold else None
+
+
+def random_state(cfg, seed, num_seqs=6, num_layers=2, num_kv_heads=3, head_dim=64, max_pos=40, num_pages=600,
+                 ties=None):
+    """A pool and page-manager state with random tiers: (pool, fmt, table, tokens, slots, pos, prompt_len_by_slot).
+
+    ``ties``: a list: every finite score that can be puts its token's importance exactly on ``alpha_high / N`` or
+    ``alpha_low / N`` (:func:`tie_score`), where a threshold divided in fp32 could fall one ulp off; each such
+    ``(alpha, N)`` is appended to the list."""
     from trtllm_diffkv.memory import KVCachePool, PageFormat
 
     g = torch.Generator().manual_seed(seed)
@@ -88,14 +108,59 @@ def random_state(cfg, seed, num_seqs=6, num_layers=2, num_kv_heads=3, head_dim=6
                         score = float("inf")
                     elif u < 0.3:
                         score = float(torch.rand(1, generator=g)) * 3 * thr
+                    if ties is not None and score == score and score != float("inf"):
+                        alpha = (cfg.alpha_high, cfg.alpha_low)[int(torch.randint(0, 2, (1,), generator=g))]
+                        tied = tie_score(alpha, max(p, 1), position, int(prompt_len[slot]), p,
+                                         cfg.prompt_score_window_tokens)
+                        if tied is not None:
+                            score = tied
+                            ties.append((alpha, max(p, 1)))
                     pool.segment(tier, "position")[page, s] = position
                     pool.segment(tier, "score")[page, s] = score
                 tokens[r, t] = toks.numel()
     return pool, fmt, table, tokens, slots.to(torch.int64), pos.to(torch.int64), prompt_len
 
 
+def _decide_both(cfg, state, **kernel_kwargs):
+    """(kernel actions, ``decisions.decide`` actions) of one random state, every row of its slots."""
+    from trtllm_diffkv.kernels.decision_kernel import alpha_tensor, decide_rows
+    from trtllm_diffkv.paged import decisions
+
+    pool, fmt, table, tokens, slots, pos, prompt_len = state
+    G = 6
+    rows = (slots[:, None] * G + torch.arange(G)).reshape(-1)
+    want = decisions.decide(pool, table, tokens, rows, pos.repeat_interleave(G), prompt_len[slots].repeat_interleave(G),
+                            alpha_high=cfg.alpha_high, alpha_low=cfg.alpha_low,
+                            recent_window_tokens=cfg.recent_window_tokens,
+                            prompt_score_window_tokens=cfg.prompt_score_window_tokens, max_pos=int(pos.max()))
+    got = decide_rows(pool.pages(), fmt, table, tokens, slots, pos, prompt_len,
+                      alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cpu"), rows_per_slot=G,
+                      recent_window_tokens=cfg.recent_window_tokens,
+                      prompt_score_window_tokens=cfg.prompt_score_window_tokens, **kernel_kwargs)
+    return got, (want.high_delta, want.low_delta, want.new_index, want.move_from, want.move_to)
+
+
+def check_threshold_ties(seeds=(0, 1, 2)) -> int:
+    """Importances exactly on ``alpha / N`` (alphas 1.5 and 0.3: for most N their quotient divided in fp32 is one
+    ulp off the fp64 one): the kernel (fp64 thresholds) and the torch decisions agree bit for bit, so a CPU and a
+    GPU run tier such a token alike. Returns the tied scores placed (the test fails if there are none)."""
+    from trtllm_diffkv.config import DiffKVConfig
+
+    cfg = DiffKVConfig(recent_window_tokens=2, prompt_score_window_tokens=4, alpha_high=1.5, alpha_low=0.3)
+    ties = []
+    for seed in seeds:
+        got, want = _decide_both(cfg, random_state(cfg, 700 + seed, ties=ties))
+        for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got, want):
+            assert torch.equal(a, b), f"threshold ties, seed {seed}: {name} differs at rows " \
+                f"{torch.nonzero(a != b).flatten().tolist()}"
+    off = [(a, n) for a, n in ties if float(torch.tensor(a, dtype=torch.float32) / torch.tensor(float(n))) !=
+           float(torch.tensor(a / n, dtype=torch.float32))]
+    assert len(off) > 10, "the ties must include thresholds that an fp32 division puts one ulp off"
+    return len(ties)
+
+
 def check_kernel_equals_reference(seeds=(0, 1)) -> int:
-    """Kernel actions == ``decisions.decide`` for every compressing preset; returns the rows compared."""
+    """Kernel actions == ``decisions.decide`` for every tiered preset; returns the rows compared."""
     from trtllm_diffkv.config import PRESETS, DiffKVConfig
     from trtllm_diffkv.kernels.decision_kernel import alpha_tensor, decide_rows
     from trtllm_diffkv.paged import decisions
@@ -106,7 +171,7 @@ def check_kernel_equals_reference(seeds=(0, 1)) -> int:
     for c in PRESETS.values():
         c = c.replace(recent_window_tokens=min(c.recent_window_tokens, 3),
                       prompt_score_window_tokens=min(c.prompt_score_window_tokens, 5), key_rotation="none")
-        if c.compress and all(c.replace(name=o.name) != o for o in configs):
+        if c.tiered and all(c.replace(name=o.name) != o for o in configs):  # uniform presets decide nothing
             configs.append(c)
     configs.append(DiffKVConfig(recent_window_tokens=0, prompt_score_window_tokens=3, alpha_high=1.0, alpha_low=0.3))
     compared = 0
@@ -142,6 +207,23 @@ def check_kernel_equals_reference(seeds=(0, 1)) -> int:
             for a, b in zip(keep, (append.high_delta, append.low_delta, append.new_index, append.move_from,
                                    append.move_to)):
                 assert a.dtype == b.dtype and torch.equal(a, b), f"{cfg.name} seed {seed}: append-only actions differ"
+            # a sliding-window layer (layer 0, window 3; layer 1 full): its rows take decisions.slide_windows'
+            # actions, the full layer's rows keep theirs, with and without compression
+            windows = torch.tensor([3, 0], dtype=torch.int32)
+            row_windows = windows.repeat_interleave(3).repeat(slots.numel())
+            for compress, base in ((True, want), (False, append)):
+                slid = decisions.slide_windows(base, rows, tokens, pos.repeat_interleave(G),
+                                               prompt_len[slots].repeat_interleave(G), row_windows)
+                got = decide_rows(pool.pages(), fmt, table, tokens, slots, pos, prompt_len,
+                                  alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cpu"), rows_per_slot=G,
+                                  recent_window_tokens=cfg.recent_window_tokens,
+                                  prompt_score_window_tokens=cfg.prompt_score_window_tokens, compress=compress,
+                                  layer_windows=windows, num_kv_heads=3)
+                for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got,
+                                      (slid.high_delta, slid.low_delta, slid.new_index, slid.move_from, slid.move_to)):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (
+                        f"{cfg.name} seed {seed} windows, compress={compress}: {name} differs at rows "
+                        f"{torch.nonzero(a != b).flatten().tolist()}")
             moved += (want.move_from >= 0).sum().item()
             kinds |= {(int(h), int(l), int(f >= 0)) for h, l, f in zip(want.high_delta, want.low_delta, want.move_from)}
             compared += rows.numel()
@@ -154,7 +236,7 @@ def check_full_run() -> None:
     """The cache's kernel path in lockstep with the reference cache."""
     from conftest import random_llama
     from trtllm_diffkv.config import DiffKVConfig, get_preset
-    from trtllm_diffkv.testing.paged import run_lockstep
+    from support.paged import run_lockstep
 
     model = random_llama(3, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                          num_kv_heads=1, head_dim=64, max_position_embeddings=128)
@@ -272,6 +354,7 @@ def main(which: str) -> None:
 
     patch_interpreter_for_numpy_2_4()
     if which == "kernel":
+        print("ties", check_threshold_ties())
         print("OK", check_kernel_equals_reference())
     elif which == "run":
         check_full_run()

@@ -24,7 +24,7 @@ CASES = [  # (preset, head_dim, num_heads, num_kv_heads, dtype)
 
 
 def _rows(preset, head_dim, num_heads, num_kv_heads, dtype, seed):
-    from trtllm_diffkv.testing.attention import build_paged_rows
+    from support.attention import build_paged_rows
 
     fmt = PageFormat.for_config(PRESETS[preset] if preset in PRESETS else DiffKVConfig(), head_dim)
     g = torch.Generator().manual_seed(seed)
@@ -57,7 +57,7 @@ def _kernels(fmt, num_heads, num_kv_heads, dtype, fused, max_pages):
 @pytest.mark.parametrize("slots", [1, 3, 6, 16])
 def test_fused_launch_equals_the_two_launches_bit_for_bit(case, slots):
     from trtllm_diffkv.kernels.attn_decode_kernels import LOG2E
-    from trtllm_diffkv.testing.attention import decode_reference, rel_err
+    from support.attention import decode_reference, rel_err
 
     preset, head_dim, num_heads, num_kv_heads, dtype = case
     fmt, rows, row_ids, q = _rows(preset, head_dim, num_heads, num_kv_heads, dtype, seed=slots)

@@ -1,6 +1,6 @@
 """Paged decode attention (Triton, run by the CPU interpreter) against float64 dense attention.
 
-Pages are built by hand (``trtllm_diffkv/testing/attention.py``: ``quant.quantize`` into
+Pages are built by hand (``tests/support/attention.py``: ``quant.quantize`` into
 ``KVCachePool.segment`` views, shuffled page ids); the reference is float64
 softmax attention over the dequantized stored tokens, and the score deltas
 are float64 max-over-group probabilities. Covers every preset tier format,
@@ -24,7 +24,7 @@ from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4  #
 patch_interpreter_for_numpy_2_4()
 
 from trtllm_diffkv.kernels import DecodeWorkspace, paged_decode_attention  # noqa: E402
-from trtllm_diffkv.testing.attention import build_paged_rows, decode_reference, read_scores, rel_err  # noqa: E402
+from support.attention import build_paged_rows, decode_reference, read_scores, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
@@ -81,6 +81,14 @@ def test_every_preset_format(preset, dtype):
 def test_head_dims(head_dim):
     """Edge case 7 (head dims): 80 and 96 are padded to 128 and masked."""
     run_decode(DiffKVConfig(), head_dim, 4, 2, [(12, 20), (3, 9)], dtype=torch.float16, high_tokens_per_page=4)
+
+
+@pytest.mark.parametrize("preset", ["default", "k8v4", "fp16"])
+def test_gemma3_270m_shape(preset):
+    """gemma-3-270m's attention: head_dim 256, 4 query heads on one KV head (MQA, group 4), bf16 queries (the GPU
+    dtype); a sliding layer's row holds only its window, in the high tier (the second sequence)."""
+    run_decode(PRESETS[preset], 256, 4, 1, [(12, 20), (16, 0)], dtype=torch.bfloat16, high_tokens_per_page=4,
+               num_partitions=2)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (28, 4), (40, 8), (12, 2), (8, 1), (32, 1), (6, 3)])

@@ -158,12 +158,41 @@ def check_saturation(write_tokens) -> None:
             assert torch.equal(pool.segment("high", f"{side}_codes")[0, :3], q.codes[0]), (bits, groups, side)
 
 
+def check_rounding_ties(write_tokens) -> None:
+    """Values exactly half-way between two codes (issue 43: the ramp rows never feed one): each group spans
+    ``[0, (2**bits - 1) / 4]``, so the fp16 zero is 0 and the scale exactly 1/4, and every other value is
+    ``(k + 1/2) / 4``: ``y = k + 1/2``, stored as the even one of ``k`` and ``k + 1`` (round half to even, the
+    rule of ``torch.round`` and of the scalar quantizer in tests/oracle/quant.py); worked out here, not read back
+    from ``quant.quantize``."""
+    from trtllm_diffkv.config import DiffKVConfig, TierConfig
+    from trtllm_diffkv.memory import KVCachePool, PageFormat
+    from trtllm_diffkv.quant import unpack_codes
+
+    head_dim = 64
+    for bits, groups in ((8, 1), (4, 2), (2, 4), (4, 1)):
+        qmax, width = 2 ** bits - 1, head_dim // groups
+        halves = torch.arange(width - 2) % qmax  # k of each tie, every k in [0, qmax) for 4 and 2 bits
+        group = torch.cat([torch.tensor([0.0, qmax / 4]), (halves + 0.5) / 4])
+        rows = torch.stack([group.repeat(groups), group.flip(0).repeat(groups)])  # the ties at other lanes too
+        want = torch.where(rows * 4 % 1 == 0.5, torch.floor(rows * 4) + torch.floor(rows * 4) % 2, rows * 4)
+        tier = TierConfig(bits, bits, groups, groups)
+        fmt = PageFormat.for_config(DiffKVConfig(high=tier, low=tier, alpha_low=0.0), head_dim, high_tokens_per_page=4)
+        pool = KVCachePool(fmt, 1, device="cpu")
+        slots = torch.arange(2, dtype=torch.int32)
+        write_tokens(pool.pages(), fmt, "high", torch.zeros(2, dtype=torch.int32), slots, rows, rows,
+                     scores=torch.zeros(2), positions=slots)
+        for side in ("key", "value"):
+            codes = unpack_codes(pool.segment("high", f"{side}_codes")[0, :2], bits).long()
+            assert torch.equal(codes, want.long()), (bits, groups, side, (codes != want).nonzero()[:4].tolist())
+
+
 def test_torch_write_path_bit_exact():
     from trtllm_diffkv.paged import torch_ops
 
     assert check_write_path(torch_ops.write_tokens, torch_ops.read_tokens) == len(HEAD_DIMS) * len(_tiers())
     check_error_flags(torch_ops.write_tokens)
     check_saturation(torch_ops.write_tokens)
+    check_rounding_ties(torch_ops.write_tokens)
 
 
 def test_write_tokens_rejects_bad_shapes():
@@ -189,6 +218,7 @@ def main() -> None:
 
     check_error_flags(write_tokens)
     check_saturation(write_tokens)
+    check_rounding_ties(write_tokens)
     # Interpreted programs are slow: every format at head_dim 80 (not a power of two: padded lanes),
     # the default tiers at every other head_dim. The torch version covers the full product in-process.
     count = check_write_path(write_tokens, read_tokens, head_dims=(80,))

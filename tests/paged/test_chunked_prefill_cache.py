@@ -51,6 +51,36 @@ def test_staging_is_counted_refused_beyond_its_limit_and_freed():
     cache.manager.check_invariants()
 
 
+@pytest.mark.parametrize("spare_bytes,fits", [(0, True), (-1, False)])
+def test_a_second_staging_that_exactly_fills_the_limit_is_planned(spare_bytes, fits):
+    """The staging limit is inclusive (``paged/staging.py``'s ``staging_fits``, the rule the scheduler admits by):
+    with one prompt staged, a second whose staging fills the limit to the byte is planned; one byte less of limit
+    and the plan is refused, changing nothing. The limit is built from the prompt shape independently of the cache:
+    fp32 K and V of 100 tokens plus the 64 scoring queries, per layer."""
+    config = kv_config("default")
+    cache = make_cache(config, device="cpu", dtype=torch.float32, use_triton=False, prompt_tokens=100)
+    L, H, Hq, D = cache.num_layers, cache.num_kv_heads, cache.num_heads, cache.head_dim
+    one = 4 * (2 * L * 100 * H * D + L * 64 * Hq * D)
+    cache.staging_limit_bytes = 2 * one + spare_bytes
+    cache.plan([0], [40], [0], [True], prompt_lens=[100])
+    for layer, (q, k, v) in enumerate(random_qkv(100, device="cpu", dtype=torch.float32)):
+        cache.forward(layer, q[:40], k[:40], v[:40])
+    cache.end_step()
+    assert cache.staging_bytes_used() == one
+    assert cache.staging_fits(one) is fits
+    free = cache.manager.free_pages()
+    if fits:
+        cache.plan([1], [10], [0], [True], prompt_lens=[100])
+        assert cache.planned_step is not None and 1 in cache.staging
+        cache.discard_step()
+    else:
+        with pytest.raises(OutOfPagesError, match="staging"):
+            cache.plan([1], [10], [0], [True], prompt_lens=[100])
+        assert cache.planned_step is None and 1 not in cache.staging and cache.manager.free_pages() == free
+    cache.release([0, 1] if fits else [0])
+    assert cache.staging == {} and cache.staging_bytes_used() == 0
+
+
 def test_unwritten_staging_rows_are_never_read(monkeypatch):
     """The staging is allocated uninitialized: rows past the chunks that ran must never reach an output (the
     public report "chunked prefill with an 8-bit KV cache produced NaN"). Poison them and check every output."""

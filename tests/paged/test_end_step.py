@@ -134,7 +134,7 @@ def test_a_failed_composite_layer_op_discards_its_step():
     """Review finding: when ``DiffKVAttention`` (the TensorRT / ORT composite op) raised for a bad input, the step
     stayed planned and every later ``DiffKVPageUpdate`` was refused: a stalled engine. The failed op now discards
     the step; after the caller releases the request, the next step plans and runs."""
-    from trtllm_diffkv.trt.plugins import ops
+    from trtllm_diffkv.export import plugin_ops as ops
 
     cache = _cache()
     handle = torch.tensor([ops.register_cache(cache)])
@@ -184,3 +184,38 @@ def test_a_plan_failing_after_its_reservation_gives_the_new_prompts_back(monkeyp
     _run_layers(cache, 29)
     cache.end_step()
     assert cache.seq_len[:2] == [20, 9]
+
+
+def test_a_failed_plan_gives_back_its_new_prompts_and_leaves_its_decoding_slots_to_the_caller(monkeypatch):
+    """The error path of a failed plan with a decoding request beside a new prompt (``plan``'s docstring): the new
+    prompt's reservation goes back (its slot plans again), the decoding slot keeps its pages, length and state, and
+    its next decode step plans and runs as if the failed plan had never been."""
+    from trtllm_diffkv.paged import decode
+
+    cache = _cache()
+    cache.plan([0], [20], [0], [True])
+    _run_layers(cache, 20)
+    cache.end_step()
+    held = cache.manager.free_pages()
+    before = cache.manager.pages.clone()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("simulated: the decode planning failed")
+
+    monkeypatch.setattr(decode, "plan_decode", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        cache.plan([1, 0], [9, 21], [0, 20], [True, False])  # slot 1's prompt reserved, then the decode part fails
+    assert cache.planned_step is None and cache.manager.free_pages() == held
+    assert torch.equal(cache.manager.pages, before)  # slot 0's rows untouched, slot 1's reserve back
+    assert cache.active_slots == [0] and cache.seq_len[0] == 20
+    monkeypatch.undo()
+    cache.plan([0], [21], [20], [False])
+    _run_layers(cache, 1)
+    cache.end_step()
+    assert cache.seq_len[0] == 21
+    cache.plan([1], [9], [0], [True])
+    _run_layers(cache, 9)
+    cache.end_step()
+    cache.release([0, 1])
+    assert cache.manager.free_pages() == cache.manager.num_pages
+    cache.manager.check_invariants()

@@ -2,7 +2,7 @@
 
 Every step of every request compares kept positions, tiers, the page
 manager's tier counts and pages, the paged oracle's dequantized K/V and the
-logits with :class:`DiffKVReferenceCache` (``trtllm_diffkv.testing.paged``).
+logits with :class:`DiffKVReferenceCache` (``support.paged``).
 Small windows (W = 4, S = 8) and a model with peaked attention make tiers
 change (demotions, pruning, low victims) within a few steps.
 """
@@ -13,8 +13,8 @@ from conftest import peaked_tiny_llama, random_llama, tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, get_preset
 from trtllm_diffkv.model.attention_api import DenseCausalAttention
 from trtllm_diffkv.paged import OutOfPagesError, PagedDiffKVCache
-from trtllm_diffkv.testing.paged_oracle import gather_request
-from trtllm_diffkv.testing.paged import run_lockstep
+from support.paged_oracle import gather_request
+from support.paged import run_lockstep
 
 CFG = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
 KV_ATOL = 1e-4  # beyond one quantization step: a demoted token requantized from rounding-different values
@@ -209,3 +209,31 @@ def test_tiny_model_with_mqa_and_head_dim_80():
                          num_kv_heads=1, head_dim=80, max_position_embeddings=256)
     run_lockstep(model, CFG, [list(range(3, 21)), list(range(40, 45))], 8, num_pages=100, kv_atol=KV_ATOL,
                  high_tokens_per_page=4)
+
+
+@pytest.mark.parametrize("preset", ["k8v4", "k8v8"])
+def test_uniform_formats_keep_every_token_high_with_no_scores(peaked_model, preset):
+    """A uniform format (not tiered): the reference cache's tokens, no token metadata in the pages, no low tier, no
+    score updates, one decode page a row at most; memory = codes + scales (+ the row's key offsets)."""
+    from trtllm_diffkv.generation.reference import ReferenceGenerator
+    from trtllm_diffkv.generation.static_batch import PagedGenerator
+
+    cfg = get_preset(preset).replace(recent_window_tokens=4, prompt_score_window_tokens=8)
+    prompts = _prompts((20, 9), seed=3)
+    paged = PagedGenerator(peaked_model, None, peaked_model.config, cfg, high_tokens_per_page=4)
+    reference = ReferenceGenerator(peaked_model, None, peaked_model.config, cfg)
+    cache = None
+    for prompt, got in zip(prompts, paged.generate_batch(prompts, 10)):
+        want = reference.generate_ids(prompt, 10)
+        assert got.token_ids == want.token_ids and got.kv_cache_bytes == want.kv_cache_bytes
+        mc = peaked_model.config
+        d, n = mc.head_dim, len(prompt) + len(got.token_ids) - 1  # the last token is never written
+        tier = cfg.high
+        per_token = d * tier.key_bits // 8 + d * tier.value_bits // 8 + 4 * (tier.key_groups + tier.value_groups)
+        rows = mc.num_layers * mc.num_kv_heads
+        assert got.kv_cache_bytes == rows * (n * per_token + 2 * d)  # + one fp16 key offset vector a row
+        assert got.high_fraction == 1.0 and got.low_fraction == 0.0
+    cache = paged.last_cache
+    fmt = cache.page_format
+    assert fmt.high.score.size_bytes == fmt.high.position.size_bytes == 0
+    assert cache.decode_pages_needed(1) == cache.rows_per_slot

@@ -9,7 +9,7 @@ import torch
 from conftest import peaked_tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
 from trtllm_diffkv.paged import PagedDiffKVCache
-from trtllm_diffkv.testing.paged import run_lockstep, teacher_forced_agreement
+from support.paged import run_lockstep, teacher_forced_agreement
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from conftest import random_llama
     from trtllm_diffkv.config import DiffKVConfig, get_preset
-    from trtllm_diffkv.testing.paged import patch_interpreter_for_numpy_2_4, run_lockstep
+    from support.paged import patch_interpreter_for_numpy_2_4, run_lockstep
 
     patch_interpreter_for_numpy_2_4()
     from trtllm_diffkv.kernels import decode_attention as da

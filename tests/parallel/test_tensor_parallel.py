@@ -18,7 +18,7 @@ from trtllm_diffkv.config import DiffKVConfig, get_preset
 from trtllm_diffkv.model import ModelConfig
 from trtllm_diffkv.parallel.sharding import WeightShard, check_tensor_parallel, local_kv_config
 from trtllm_diffkv.runtime.sampling import SamplingParams
-from trtllm_diffkv.testing.tensor_parallel import (run_ranks, single_process_runs, tensor_parallel_runs,
+from support.tensor_parallel import (run_ranks, single_process_runs, tensor_parallel_runs,
                                                    write_checkpoint)
 
 TP = 2
@@ -244,3 +244,81 @@ def _model(**shape):
     base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
                 head_dim=16)
     return random_llama(0, **{**base, **shape})
+
+
+class PeerView:
+    """Rank 0's view of a 2-rank group in one process (no spawn): rank 1's step status is rank 0's passed through
+    ``peer(status)`` (rank 1's own draws and flags); its page counts equal rank 0's."""
+
+    def __init__(self, peer):
+        self.peer, self.rank, self.world_size = peer, 0, 2
+
+    def all_gather(self, tensor):
+        return torch.stack([tensor, self.peer(tensor.clone())])
+
+    def all_min_max(self, value):
+        return int(value), int(value)
+
+
+def test_step_status_takes_rank_0_tokens_every_rank_flag_and_the_fewest_free_pages():
+    """The agreed status (``TensorParallelHook.step_status``): rank 0's tokens (rank 1 drew others), a slot flagged
+    by rank 1 only is flagged, and the ring counters become (0, the smaller free count: 6 - 2 = 4 < 10 - 3)."""
+    from trtllm_diffkv.parallel.executor_hook import TensorParallelHook
+
+    def rank1(status):
+        status[:2] = 9
+        status[2 + 2] = 1
+        status[-2:] = torch.tensor([2, 6])
+        return status
+
+    status = torch.tensor([5, 7, 0, 0, 0, 0, 3, 10])  # 2 tokens, 4 slot flags, ring (start, end)
+    agreed = TensorParallelHook(PeerView(rank1)).step_status(status, 2)
+    assert agreed.tolist() == [5, 7, 0, 0, 1, 0, 0, 4]
+
+
+def _run_executor(model, requests, parallel=None, steps=60, live=None):
+    """Greedy ``requests`` ({name: (prompt, max_tokens)}) through one CPU executor: ({name: final update},
+    {name: tokens}, the executor). ``parallel``: the executor's hook (``None``: one process); ``live``: a dict
+    that gets the executor under ``"ex"`` before the first request."""
+    from trtllm_diffkv.runtime.executor import Executor
+
+    ex = Executor(model, model.config, SMALL_WINDOWS, max_batch_size=4, max_seq_len=64, kv_memory_bytes=4 << 20,
+                  use_triton=False, parallel=parallel)
+    if live is not None:
+        live["ex"] = ex
+    names = {ex.add_request(prompt, SamplingParams.greedy_params(n)): name for name, (prompt, n) in requests.items()}
+    final, tokens = {}, {name: [] for name in requests}
+    for _ in range(steps):
+        for update in ex.step():
+            tokens[names[update.request_id]] += update.new_token_ids
+            if update.finished:
+                final[names[update.request_id]] = update
+        if not ex.has_unfinished():
+            return final, tokens, ex
+    raise AssertionError(f"unfinished after {steps} steps")
+
+
+def test_a_non_finite_key_on_rank_1_only_fails_its_request_on_rank_0():
+    """Issue 43: rank 1's KV heads of one request see a NaN (rank 1 flags that request's slot in every step's
+    status); rank 0's executor, whose own heads are finite, fails that request with the non-finite error and runs
+    the other to the tokens it gives alone; every page comes back."""
+    from trtllm_diffkv.paged.cache import NONFINITE_KV_ERROR
+    from trtllm_diffkv.parallel.executor_hook import TensorParallelHook
+
+    model = peaked_tiny_llama()
+    good, bad = _prompts((12, 9), seed=21)
+    live = {}
+
+    def rank1(status):
+        ex = live["ex"]
+        for request in ex.running:
+            if request.prompt_token_ids == bad:
+                status[-2 - ex.rm.max_batch_size + request.slot] = 1
+        return status
+
+    final, tokens, ex = _run_executor(model, {"good": (good, 6), "bad": (bad, 6)},
+                                      parallel=TensorParallelHook(PeerView(rank1)), live=live)
+    assert final["bad"].finish_reason == "error" and NONFINITE_KV_ERROR in final["bad"].error and tokens["bad"] == []
+    assert final["good"].finish_reason == "length"
+    assert tokens["good"] == _run_executor(model, {"good": (good, 6)})[1]["good"]
+    assert ex.cache.manager.free_pages() == ex.cache.manager.num_pages

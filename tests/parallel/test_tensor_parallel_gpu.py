@@ -10,7 +10,7 @@ import torch
 from conftest import peaked_tiny_llama
 from trtllm_diffkv.config import get_preset
 from trtllm_diffkv.runtime.sampling import SamplingParams
-from trtllm_diffkv.testing.tensor_parallel import (run_ranks, single_process_runs, tensor_parallel_runs,
+from support.tensor_parallel import (run_ranks, single_process_runs, tensor_parallel_runs,
                                                    write_checkpoint)
 
 pytestmark = [pytest.mark.gpu,

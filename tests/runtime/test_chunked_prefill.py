@@ -161,6 +161,90 @@ def test_a_chunked_prompt_is_admitted_only_when_its_staging_fits(model, limit_pr
     assert out[late].output_token_ids == run(model, CFG, second, 3)[0].output_token_ids
 
 
+def _steps_with_tokens(ex, keys: dict, max_steps: int = 40) -> dict:
+    """Step ``ex`` until idle (at most ``max_steps``: a stalled executor fails the test instead of hanging).
+    ``keys``: {request id: name}. Returns {name: [step indices that gave it a token]} and the final updates
+    under ``"final"``."""
+    got, final = {name: [] for name in keys.values()}, {}
+    for step in range(max_steps):
+        for update in ex.step():
+            if update.new_token_ids:
+                got[keys[update.request_id]].append(step)
+            if update.finished:
+                final[keys[update.request_id]] = update
+        if not ex.has_unfinished():
+            break
+    else:
+        raise AssertionError(f"still unfinished after {max_steps} steps: waiting "
+                             f"{[keys[r.request_id] for r in ex.waiting]}, running {[keys[r.request_id] for r in ex.running]}")
+    return {**got, "final": final}
+
+
+@pytest.mark.parametrize("spare_bytes", [0, -1])
+def test_a_prompt_whose_staging_exactly_fills_the_limit_runs_beside_the_decodes(model, spare_bytes):
+    """Issue 43: ``chunk_staging_bytes`` equal to one prompt's staging (max_tokens 1: a re-prefill is the prompt
+    itself) admits that prompt, chunks it while a short request decodes a token every step, and completes it with
+    the one-step prefill's token; the scheduler, the cache's plan and the request check share one rule
+    (``staging_fits``). A limit one byte smaller refuses the prompt alone, naming the field; the short request
+    never misses a step. (With the cache refusing what the scheduler admitted, the step was retried forever and
+    the short request's decodes stalled.)"""
+    long, short = _prompts((60, 8), seed=12)
+    probe = make(model, CFG)
+    limit = probe.rm.staging_bytes_needed(60) + spare_bytes
+    ex = make(model, CFG, max_batch_size=2, max_num_tokens=16, chunk_staging_bytes=limit)
+    keys = {ex.add_request(short, _greedy(10)): "short"}
+    ex.step()  # the short prompt's prefill: it decodes from the next step on
+    keys[ex.add_request(long, _greedy(1))] = "long"
+    held = []
+    prepare = ex.rm.prepare_resources
+
+    def recording(batch, **kw):
+        out = prepare(batch, **kw)
+        held.append(ex.cache.staging_bytes_used())
+        return out
+
+    ex.rm.prepare_resources = recording
+    got = _steps_with_tokens(ex, keys)
+    final = got["final"]
+    assert got["short"] == list(range(len(got["short"]))) and len(got["short"]) == 9  # a token at every step
+    assert final["short"].result.token_ids == run(model, CFG, short, 10)[0].output_token_ids
+    if spare_bytes == 0:
+        assert final["long"].finish_reason == "length"
+        assert final["long"].result.token_ids == unchunked_tokens(model, long, 1)
+        assert max(held) == limit  # the staging really filled the limit to the byte
+    else:
+        assert final["long"].finish_reason == "error" and f"chunk_staging_bytes={limit}" in final["long"].error
+        assert max(held) == 0
+    assert ex.cache.staging == {} and ex.cache.manager.free_pages() == ex.cache.manager.num_pages
+
+
+def unchunked_tokens(model, prompt, max_tokens):
+    return run(model, CFG, prompt, max_tokens)[0].output_token_ids
+
+
+@pytest.mark.parametrize("spare_bytes,admitted_at", [(0, 1), (-1, 2)])
+def test_a_second_chunked_prompt_that_exactly_fills_what_is_left_starts_beside_the_first(model, spare_bytes,
+                                                                                          admitted_at):
+    """Two 60-token prompts, 40 tokens a step, ``chunk_staging_bytes`` = both stagings (+0 / -1 byte): the second
+    starts beside the first's final chunk when the two fill the limit exactly, one step later when one byte is
+    missing; both complete with their one-step prefill's tokens."""
+    probe = make(model, CFG)
+    one = probe.rm.staging_bytes_needed(60)
+    ex = make(model, CFG, max_num_tokens=40, chunk_staging_bytes=2 * one + spare_bytes)
+    first, second = _prompts((60, 60), seed=13)
+    keys = {ex.add_request(first, _greedy(1)): "first", ex.add_request(second, _greedy(2)): "second"}
+    late = next(rid for rid, name in keys.items() if name == "second")
+    admitted = None
+    for step in range(3):
+        ex.step()
+        assert ex.stats()["staging_bytes"] <= 2 * one + spare_bytes
+        if admitted is None and any(r.request_id == late for r in ex.running):
+            admitted = step
+    assert admitted == admitted_at
+    out = ex.run_until_done()
+    assert out[late].output_token_ids == unchunked_tokens(model, second, 2)
+
+
 def test_abort_in_the_middle_of_a_chunked_prompt_frees_every_page_and_its_staging(model):
     short, long = _prompts((8, 90), seed=8)
     ex = make(model, CFG, max_num_tokens=10)

@@ -319,6 +319,55 @@ def test_non_finite_keys_fail_their_request_alone():
     assert got[0][0] == alone[0] and got[1][0] == alone[1]
 
 
+def _refuse_once(ex, exc, when):
+    """Make ``ex``'s cache refuse the first step whose batch satisfies ``when(batch)`` by raising ``exc`` from
+    ``prepare_resources`` (nothing changed, as the cache's plan guarantees); returns the list of refused batches'
+    request ids."""
+    prepare, refused = ex.rm.prepare_resources, []
+
+    def refusing(batch, **kw):
+        if not refused and when(batch):
+            refused.append(sorted(r.request_id for r in batch.all_requests))
+            raise exc
+        return prepare(batch, **kw)
+
+    ex.rm.prepare_resources = refusing
+    return refused
+
+
+def test_a_step_the_cache_refuses_fails_its_requests_and_the_executor_goes_on(model):
+    """The error path of a failed plan: the cache refuses a step with an error that is not about pages (nothing
+    changed). That step's requests (a decoding one and the new prompt) fail with the error, once; a request that
+    arrives later runs to its solo tokens; every page comes back (``drive`` checks the pool after every step)."""
+    first, late, other = _prompts((10, 7, 12), seed=31)
+    ex = make(model)
+    refused = _refuse_once(ex, ValueError("simulated: the plan was refused"),
+                           lambda batch: any(r.prompt_token_ids == late for r in batch.context_requests))
+    got = drive(ex, {0: [("first", first, _greedy(8))], 2: [("late", late, _greedy(4))], 5: [("other", other, _greedy(5))]})
+    assert len(refused) == 1 and len(refused[0]) == 2  # the decoding request and the new prompt
+    for key in ("first", "late"):
+        assert got[key][1].finish_reason == "error" and "simulated: the plan was refused" in got[key][1].error, key
+    assert len(got["first"][0]) == 2 and got["late"][0] == []  # first's prefill and one decode ran before
+    assert got["other"][1].finish_reason == "length"
+    assert got["other"][0] == solo(model, CFG, other, _greedy(5))[0]
+
+
+def test_a_step_refused_for_pages_is_retried_and_loses_nothing(model):
+    """A stale free-page bound: the cache refuses a step for pages (``OutOfPagesError``, nothing changed). Its new
+    prompts go back to the queue front, the step is planned again next time, and every request gives its solo
+    tokens (no request fails, none is duplicated)."""
+    from trtllm_diffkv.paged.cache import OutOfPagesError
+
+    prompts = _prompts((10, 7, 12), seed=32)
+    ex = make(model)
+    refused = _refuse_once(ex, OutOfPagesError("simulated: a stale bound"),
+                           lambda batch: len(batch.context_requests) == 2 and batch.generation_requests)
+    got = drive(ex, {0: [(0, prompts[0], _greedy(6))], 2: [(1, prompts[1], _greedy(5)), (2, prompts[2], _greedy(4))]})
+    assert len(refused) == 1 and len(refused[0]) == 3
+    for key, n in ((0, 6), (1, 5), (2, 4)):
+        assert got[key][1].finish_reason == "length" and got[key][0] == solo(model, CFG, prompts[key], _greedy(n))[0]
+
+
 class CharTokenizer:
     """Token id i decodes to letter ``chr(97 + i % 26)``; id 0 is the EOS (a special token, skipped)."""
 

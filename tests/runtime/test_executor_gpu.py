@@ -172,3 +172,23 @@ def test_default_model_throughput_smoke(use_cuda_graphs):
                                  "preemptions", "pool_pages")})
     assert all(r.result.generated_tokens == 64 for r in done.values())
     check_pool(ex)
+
+
+@pytest.mark.parametrize("preset", ["k8v4", "k8v8"])
+def test_uniform_formats_on_the_gpu_equal_the_reference_cache(model, preset):
+    """The uniform formats (no tiers: no scores, no decisions, no metadata in the pages; the CUDA decode kernel
+    without its score update) through the executor with CUDA graphs: the reference cache's greedy tokens, for
+    requests alone and batched, and every page back."""
+    from trtllm_diffkv.generation.reference import ReferenceGenerator
+
+    kv = get_preset(preset)
+    prompts = _prompts((20, 7, 33, 12), seed=21)
+    arrivals = {0: [(i, p, _greedy(12)) for i, p in enumerate(prompts)]}
+    ex = _make(model, kv, use_cuda_graphs=True)
+    got = drive(ex, arrivals)
+    assert ex.cache.page_format.high.score.size_bytes == 0
+    reference = ReferenceGenerator(model, None, model.config, kv)
+    for i, p in enumerate(prompts):
+        assert got[i][0][:1] == reference.generate_ids(p, 12).token_ids[:1]
+        assert got[i][0] == _solo(model, kv, p, _greedy(12))
+    check_pool(ex)

@@ -8,7 +8,10 @@ the order of the sums, as batching changes them anyway: a request parts from its
 near tie (top-2 within that noise). Before, the re-prefill attended over the model dtype's K/V, and 6
 of 20 requests of a storm on the default model in fp32 differed from their solo runs.
 """
+import pytest
 from test_executor import FP16, _greedy, _prompts, make, model, preemption_storm, solo  # noqa: F401 (fixture)
+
+NUM_PAGES_GEMMA = 400
 
 
 def test_fp16_preemption_keeps_the_prefix_and_loses_or_repeats_no_token(model):
@@ -39,7 +42,23 @@ def _storm_with_logprobs(ex, prompts, params):
     return [(tokens[k], entries[k], before.get(k)) for k in keys]
 
 
-def test_fp16_recompute_repeats_the_decode_numbers_up_to_batching_noise():
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def flat_model(request, tmp_path_factory):
+    """A flat random model (small logit gaps: near ties come often) and its KV pages for the storm: the tiny Llama
+    of conftest, or the tiny Gemma 3 of tiny_gemma (window 8 on layers 0 and 2: the re-prefill's decoded rows
+    attend within it)."""
+    if request.param == "llama":
+        from conftest import tiny_llama
+
+        return tiny_llama(), 400
+    pytest.importorskip("transformers")
+    from tiny_gemma import setup
+
+    _, model, _, _, _ = setup(tmp_path_factory.mktemp("tiny_gemma3"), prompt_lens=(), decode_steps=0)
+    return model, NUM_PAGES_GEMMA
+
+
+def test_fp16_recompute_repeats_the_decode_numbers_up_to_batching_noise(flat_model):
     """Issue 44, item 8: requests of a preemption storm differed from their solo runs. Not exact ties: on this flat
     random model the one request that parted did so where its solo top-2 log-probabilities were 2.8e-5 apart,
     while the re-prefill's logprobs differed from the solo run's by up to 1e-4 (attending over the model dtype's
@@ -47,13 +66,12 @@ def test_fp16_recompute_repeats_the_decode_numbers_up_to_batching_noise():
     rounded as stored: after a preemption, the chosen tokens' logprobs differ from the solo run's by no more than
     the batching noise of the requests never preempted (and of the tokens before a preemption), and a request
     parts from its solo run only at a near tie (its solo top-2 gap within that noise)."""
-    from conftest import tiny_llama
     from trtllm_diffkv.runtime.sampling import SamplingParams
 
-    flat = tiny_llama()  # small logit gaps: near ties come often
+    flat, num_pages = flat_model
     params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
-    prompts = _prompts(tuple(8 + (i * 5) % 9 for i in range(20)), seed=5)
-    runs = _storm_with_logprobs(make(flat, FP16, num_pages=400, max_batch_size=20), prompts, params)
+    prompts = _prompts(tuple(8 + (i * 5) % 9 for i in range(20)), seed=5, vocab=flat.config.vocab_size)
+    runs = _storm_with_logprobs(make(flat, FP16, num_pages=num_pages, max_batch_size=20), prompts, params)
     assert sum(before is not None for _, _, before in runs) >= 10, "the storm preempted too few requests"
     noise, after = [0.0], []
     for prompt, (tokens, entries, before) in zip(prompts, runs):

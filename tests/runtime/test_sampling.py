@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_diffkv.runtime.sampling import Sampler, SamplingParams, StopChecker, prompt_logprobs
+from trtllm_diffkv.runtime.sampling import Sampler, SamplingParams, prompt_logprobs
+from trtllm_diffkv.runtime.stop_checker import StopChecker
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,6 +590,40 @@ def test_logprobs_are_log_softmax_of_the_penalized_tempered_logits(seed):
         assert sorted(alternatives) == sorted(top.indices.tolist())
         for t, v in zip(top.indices.tolist(), top.values.tolist()):
             assert entry[t].logprob == pytest.approx(v, abs=1e-5)
+
+
+def test_every_rank_is_the_1_based_place_in_a_sort_of_the_whole_distribution():
+    """Issue 43: every entry's rank, the sampled token's and each top alternative's alike, is 1 + the number of
+    tokens strictly more likely (``Logprob.rank``), checked against a descending sort of the whole log-softmax row
+    (no ties: random logits). Sampled rows draw tokens that are not the most likely, so the sampled token and the
+    alternatives are ranked in one entry; the prompt's entries (``prompt_logprobs``) follow the same rule."""
+    vocab, top = 61, 5
+    rows = [SamplingParams(temperature=2.0, seed=s, logprobs=top) for s in range(6)] + \
+        [SamplingParams(temperature=0.0, logprobs=top)]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(3)) * 2
+    sampler = Sampler(vocab, "cpu")
+    for row, params in enumerate(rows):
+        sampler.add(row, params)
+    tokens, step = sampler.sample_with_logprobs(logits, list(range(len(rows))), [[] for _ in rows])
+    host = step.to_host(tokens.tolist(), [top] * len(rows))
+    not_first = 0
+    for row, params in enumerate(rows):
+        temperature = 1.0 if params.greedy else params.temperature
+        ref = torch.log_softmax(logits[row].double() / temperature, dim=-1)
+        place = {int(t): i + 1 for i, t in enumerate(ref.argsort(descending=True))}
+        entry = host[row]
+        assert list(entry)[0] == int(tokens[row])
+        assert {t: lp.rank for t, lp in entry.items()} == {t: place[t] for t in entry}
+        assert {lp.rank for lp in entry.values()} == set(range(1, top + 1)) | {place[int(tokens[row])]}
+        not_first += place[int(tokens[row])] > 1
+    assert not_first >= 2  # the sampled token is not always the most likely one
+    prompt = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompt_logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(5))
+    entries = prompt_logprobs(prompt_logits, prompt, top)
+    for i, entry in enumerate(entries[1:]):
+        ref = torch.log_softmax(prompt_logits[i].double(), dim=-1)
+        place = {int(t): j + 1 for j, t in enumerate(ref.argsort(descending=True))}
+        assert {t: lp.rank for t, lp in entry.items()} == {t: place[t] for t in entry}
 
 
 def test_child_seeds_are_the_documented_rule():

@@ -14,7 +14,7 @@ from trtllm_diffkv.runtime.sampling import SamplingParams
 
 
 class CountingPool:
-    """The five resource-manager calls the scheduler makes, over ``num_pages`` pages.
+    """The resource-manager calls the scheduler makes, over ``num_pages`` pages.
 
     A decode step of ``n`` requests may take ``decode_pages_per_request * n`` pages; a prefill of
     ``t`` tokens reserves ``t`` pages. ``held`` maps a request id to its pages (set by the test).
@@ -146,7 +146,7 @@ def test_a_prompt_one_step_can_hold_waits_for_it_instead_of_being_chunked():
     left waits for the next step (whole); one longer than a step is still chunked at once."""
     pool = CountingPool(num_pages=1000)
     pool.staging_bytes_needed = lambda n: 0
-    pool.staging_free_bytes = lambda: 1 << 30
+    pool.staging_fits = lambda new_bytes: True
     s = Scheduler(pool, max_batch_size=8, max_num_tokens=16)
     _running(s, pool, {"dec": (2, 3, 1)})                    # one decode: 15 tokens left per step
     for rid, n in (("a", 10), ("b", 10), ("long", 40)):
@@ -173,7 +173,7 @@ def test_a_waiting_head_waits_only_behind_work_and_every_prompt_runs(seed):
     M = rng.choice([8, 16, 33])
     pool = CountingPool(num_pages=10 ** 6)
     pool.staging_bytes_needed = lambda n: 0
-    pool.staging_free_bytes = lambda: 1 << 30
+    pool.staging_fits = lambda new_bytes: True
     s = Scheduler(pool, max_batch_size=4, max_num_tokens=M)
     out_len, order, started, next_id = {}, [], [], 0
     for step in range(3000):

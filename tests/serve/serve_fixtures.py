@@ -1,4 +1,4 @@
-"""Fixtures shared by the server tests (test_triton_repo.py, test_openai_server.py): a tiny checkpoint
+"""Fixtures shared by the server tests (test_tritonserver_repo.py, test_openai_server.py): a tiny checkpoint
 with the default model's tokenizer, the reference texts both servers are compared with, and the
 ``trtllm-diffkv serve`` process of the OpenAI server tests."""
 import sys

@@ -1,4 +1,4 @@
-"""scripts/bench_servers_gpu.py's pure parts (the device run itself: scripts/gpu_servers.sh, dry-run on the CPU with
+"""tools/bench_servers_gpu.py's pure parts (the device run itself: tools/gpu_servers.sh, dry-run on the CPU with
 ``GPU_SERVERS_ARGS=--smoke``): which serve flags each OpenAI leg passes and when it is skipped, the Markdown
 fragment the lead pastes into docs/SERVING.md, and the merge of legs run one by one."""
 import importlib.util
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_servers_gpu.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench_servers_gpu.py"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_markdown_and_merge(script, tmp_path):
                        ("openai-unchunked", [{"server": "openai-unchunked", "skipped": "serve has no flag"}])):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-12-02", "commit": "abc1234",
-                                    "command": f"python3 scripts/bench_servers_gpu.py --servers {name}",
+                                    "command": f"python3 tools/bench_servers_gpu.py --servers {name}",
                                     "results": rows}))
         parts.append(str(path))
     parts.append(str(tmp_path / "openai-chunked.json"))            # a leg that left nothing (timed out)
@@ -68,4 +68,4 @@ def test_markdown_and_merge(script, tmp_path):
     assert lines[4].startswith("| openai-unchunked | off | - |") and "skipped: serve has no flag" in lines[4]
     assert lines[5].startswith("| openai-chunked | on | - |") and "failed: no result" in lines[5]
     assert "NVIDIA H200, 2026-12-02, commit `abc1234`; 64 concurrent streaming clients, 256 requests" in md.read_text()
-    assert "`python3 scripts/bench_servers_gpu.py --servers openai`" in md.read_text()
+    assert "`python3 tools/bench_servers_gpu.py --servers openai`" in md.read_text()

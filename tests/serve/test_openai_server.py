@@ -265,7 +265,7 @@ def test_serve_refuses_bad_flags_before_loading(tmp_path, capsys, flags, message
 def test_serve_and_triton_repo_refuse_a_port_in_use(tmp_path, capsys):
     import socket
 
-    from trtllm_diffkv.commands import serve, triton_repo
+    from trtllm_diffkv.commands import serve, tritonserver_repo
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -275,10 +275,10 @@ def test_serve_and_triton_repo_refuse_a_port_in_use(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err == (f"trtllm-diffkv serve: cannot listen on 127.0.0.1:{port} (--port {port}): "
                        "Address already in use\n")
-        assert triton_repo.main(["--model", str(tmp_path), "--out", str(tmp_path / "repo"), "--serve",
+        assert tritonserver_repo.main(["--model", str(tmp_path), "--out", str(tmp_path / "repo"), "--serve",
                                  "--grpc-port", str(port)]) == 2
         assert f"(--grpc-port {port})" in capsys.readouterr().err and not (tmp_path / "repo").exists()
-    assert triton_repo.main(["--model", str(tmp_path), "--out", str(tmp_path / "repo"), "--serve",
+    assert tritonserver_repo.main(["--model", str(tmp_path), "--out", str(tmp_path / "repo"), "--serve",
                              "--metrics-port", "65536"]) == 2
     assert "--metrics-port 65536 is not a TCP port" in capsys.readouterr().err
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from conftest import tiny_llama  # noqa: E402
-from trtllm_diffkv.testing.tensor_parallel import write_checkpoint  # noqa: E402
+from support.tensor_parallel import write_checkpoint  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 41]
 

@@ -7,17 +7,17 @@
                         [--targets 80,90] [--no-onnx] [--graph composite|per-op|aot]
 
 Steps (:func:`build_engine_dir`): load and check the checkpoint; fix the engine shape
-(:class:`~trtllm_diffkv.trt.fields.EngineShape`: refuses an unsupported head_dim or query:KV ratio);
+(:class:`~trtllm_diffkv.export.fields.EngineShape`: refuses an unsupported head_dim or query:KV ratio);
 write the model folder (weights as safetensors in the build dtype), the ONNX graph with one DiffKV
 plugin node per layer (``--graph composite``, the default: ``model.onnx``; ``--graph per-op``: the per-operation
 graphs ``model_prefill.onnx`` and ``model_decode.onnx``, whose weights are one shared ``model.onnx.data``;
 ``--graph aot``: the AOT prefill and decode graphs - standard ONNX operators and one node per kernel launch in
-TensorRT's AOT calling convention, ``trt/onnx_export.py::export_aot`` / ``export_aot_prefill`` - which need a float32
+TensorRT's AOT calling convention, ``export/onnx_export.py::export_aot`` / ``export_aot_prefill`` - which need a float32
 build, the graphs' activations: ``--dtype float32``, or ``auto`` on a float32 checkpoint), the AOT Triton kernels for
 ``--targets`` with their TensorRT-convention wrappers and the manifest (``kernels/manifest.json``), the CUDA C++ decode
 kernels in that convention where the engine's configuration has them and ``nvcc`` is present
 (``kernels/cuda_kernels.json``; else one line says why not, also recorded as ``diffkv.cuda_kernels_note``), and
-config.json (:mod:`trtllm_diffkv.trt.engine_dir`). Where ``import tensorrt`` works it would also parse the composite
+config.json (:mod:`trtllm_diffkv.export.engine_dir`). Where ``import tensorrt`` works it would also parse the composite
 ONNX graph with the DiffKV plugins registered and serialize ``rank0.engine``; where not (this project's machines), it
 prints one line saying so. Serialized engines of the per-operation and AOT graphs are not built by this command (one
 line says so, and whether TensorRT is importable). Everything is written into a temporary sibling directory whose
@@ -38,6 +38,7 @@ import os
 import shutil
 import sys
 import tempfile
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from .common import refuse_tp
@@ -47,6 +48,11 @@ STAGES = ("load the checkpoint", "write the model folder", "export the ONNX grap
           "compile the CUDA kernels", "export the ONNX graphs", "build the TensorRT engine", "write config.json")
 """The build's stages in order (:func:`build_engine_dir` announces each through ``stage``; the ONNX stages only
 run when their graph is asked for)."""
+
+PLUGIN_ENTRY_POINTS = "trtllm_diffkv.plugins"
+"""Entry-point group of the packages that register an engine's TensorRT plugins: ``--plugin NAME`` loads the entry
+point ``NAME`` (``diffkv``: ``trtllm_diffkv_plugins:register``, declared by pyproject.toml and installed from the folder
+``plugins/``). ``trtllm_diffkv`` never imports the plugin package itself."""
 
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
            "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -74,8 +80,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar and no notes (the bar is also off when "
                                                         "stderr is not a terminal)")
     # the choices are listed in the help, not given to argparse: a bad value is this command's one-line error
-    # (build_engine_dir checks it against EXPORT_GRAPHS, which trt/__init__.py holds free of imports)
-    from ..trt import EXPORT_GRAPHS
+    # (build_engine_dir checks it against EXPORT_GRAPHS, which export/__init__.py holds free of imports)
+    from ..export import EXPORT_GRAPHS
 
     p.add_argument("--graph", default="composite", metavar="{" + ",".join(EXPORT_GRAPHS) + "}",
                    help="ONNX graph form, one of " + ", ".join(EXPORT_GRAPHS) + ": 'composite' (model.onnx, the "
@@ -200,15 +206,15 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
     """
     import torch
 
-    from ..trt import aot
-    from ..trt.engine_dir import engine_config
-    from ..trt.fields import EngineShape
+    from ..export import aot
+    from ..export.engine_dir import engine_config
+    from ..export.fields import EngineShape
     from ..config import resolve_kv_config
     from ..model.loader import load_model, resolve_model_path
 
     if plugin != "diffkv":
         raise ValueError(f"--plugin {plugin!r} is not supported; the only plugin is 'diffkv'")
-    from ..trt import EXPORT_GRAPHS
+    from ..export import EXPORT_GRAPHS
 
     if graph not in EXPORT_GRAPHS:
         raise ValueError(f"--graph {graph!r}: expected one of {', '.join(EXPORT_GRAPHS)}")
@@ -248,7 +254,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         if onnx and graph == "composite":
             stage(STAGES[2])
             log("exporting the ONNX graph with DiffKV plugin nodes")
-            from ..trt.onnx_export import export_onnx
+            from ..export.onnx_export import export_onnx
 
             proto = export_onnx(model, kv, max_positions=max_seq_len)
             _save_onnx(proto, tmp / "model.onnx")
@@ -262,7 +268,7 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
         if onnx and graph != "composite":
             stage(STAGES[5])
             log(f"exporting the {graph} ONNX graphs (prefill, decode) with DiffKV plugin nodes")
-            from ..trt.onnx_export import PHASES, export_onnx
+            from ..export.onnx_export import PHASES, export_onnx
 
             extra = dict(manifest=manifest, target=f"sm_{max(targets)}") if graph == "aot" else {}
             protos = {ph: export_onnx(model, kv, max_positions=max_seq_len, graph=graph, phase=ph, **extra)
@@ -286,11 +292,11 @@ def build_engine_dir(checkpoint, output, *, plugin: str = "diffkv", kv_config: s
 
 
 def _cuda_kernels(shape, folder: Path, targets) -> tuple[str | None, str]:
-    """Compile the CUDA C++ decode kernels in TensorRT's AOT convention (``trt/cuda_aot.py``) into ``folder``;
+    """Compile the CUDA C++ decode kernels in TensorRT's AOT convention (``export/cuda_aot.py``) into ``folder``;
     returns ``("cuda_kernels.json", the one line naming the kernels and targets compiled)``, or ``(None, the one line
     saying why not)`` (a configuration the CUDA kernel does not cover, no ``nvcc``): the Triton kernels cover every
     engine."""
-    from ..trt import cuda_aot
+    from ..export import cuda_aot
 
     try:
         entries = cuda_aot.build_cuda_kernels(shape, folder, targets)
@@ -376,15 +382,32 @@ def _save_shared_onnx(protos: dict, folder: Path, files: dict, data_name: str, s
             onnx.save(proto, str(folder / files[key]))
 
 
+def plugin_register(name: str, find=None):
+    """The ``register`` function of the installed plugin package for ``--plugin name``: the entry point ``name`` of
+    :data:`PLUGIN_ENTRY_POINTS`, loaded (``find``: ``importlib.metadata.entry_points`` by default; tests pass their
+    own).
+
+    Raises:
+        RuntimeError: no installed package declares that entry point (the message says how to install one).
+    """
+    found = [ep for ep in (find or entry_points)(group=PLUGIN_ENTRY_POINTS) if ep.name == name]
+    if not found:
+        raise RuntimeError(f"no plugin package for --plugin {name} is installed (no entry point {name!r} in the group "
+                           f"{PLUGIN_ENTRY_POINTS!r}): install trtllm-diffkv from its checkout, which installs "
+                           "trtllm_diffkv_plugins from plugins/ (pip install -e .)")
+    return found[0].load()
+
+
 def _tensorrt_engine(folder: Path, onnx_file, graph: str = "composite") -> tuple[str | None, str]:
     """Serialize rank0.engine of the composite graph where TensorRT imports; else (None, the one line that says why
     not). The per-operation and AOT graphs (``onnx_file`` a dict) get no serialized engine from this command, whether
     or not TensorRT imports; their line says so and whether it does.
 
     Not run on this project's machines (TensorRT cannot be installed here): written against TensorRT
-    10.x's documented Python API (Builder, OnnxParser with the plugins of ``trtllm_diffkv/trt/plugins/`` registered).
+    10.x's documented Python API (Builder, OnnxParser with the plugins registered by the installed plugin package,
+    found by :func:`plugin_register`: ``trtllm_diffkv_plugins``, the folder ``plugins/``).
     Never run (no TensorRT here). The graph's nodes are the composite plugins ``diffkv::DiffKVAttention``
-    / ``diffkv::DiffKVPageUpdate``, registered by ``trtllm_diffkv/trt/plugins/trt_plugins.py``; their implementations need
+    / ``diffkv::DiffKVPageUpdate``, registered by ``plugins/trt_plugins.py``; their implementations need
     the process's ``PagedDiffKVCache`` (docs/PLUGINS.md), so such an engine runs only inside Python.
     """
     try:
@@ -399,9 +422,7 @@ def _tensorrt_engine(folder: Path, onnx_file, graph: str = "composite") -> tuple
         return None, f"{missing}; wrote the engine directory without a serialized engine (rank0.engine)"
     if onnx_file is None:
         return None, "no ONNX graph (--no-onnx): no serialized engine"
-    import importlib
-
-    importlib.import_module("trtllm_diffkv.trt.plugins.trt_plugins")  # registers diffkv::* with tensorrt.plugin
+    plugin_register("diffkv")()  # registers diffkv::* with tensorrt.plugin
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))

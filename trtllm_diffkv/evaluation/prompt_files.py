@@ -137,7 +137,7 @@ def materialize(prompts: list[BenchPrompt], *, default_output_tokens: int, token
 
     With ``vocab_size`` (the offline benchmark, which holds the model): every prompt as token ids: texts
     tokenized with ``tokenizer`` (no special tokens added, as the other workloads), ``input_length`` prompts cut
-    from the workloads' filler text (:func:`~trtllm_diffkv.evaluation.throughput.make_prompts`: HumanEval, or
+    from the workloads' filler text (:func:`~trtllm_diffkv.evaluation.workload_prompts.make_prompts`: HumanEval, or
     random ids without a tokenizer). Without it (a client of a server): texts stay text, ``input_ids`` go as
     ids and ``input_length`` prompts are ids drawn from :data:`FILLER_ID_RANGE` (seeded).
 
@@ -152,7 +152,7 @@ def materialize(prompts: list[BenchPrompt], *, default_output_tokens: int, token
     if lengths and vocab_size is not None:
         from types import SimpleNamespace
 
-        from .throughput import make_prompts
+        from .workload_prompts import make_prompts
 
         made, _ = make_prompts(SimpleNamespace(num_requests=len(lengths), prompt_tokens=max(lengths)), tokenizer,
                                vocab_size, seed)

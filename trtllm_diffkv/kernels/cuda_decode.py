@@ -172,7 +172,7 @@ against 11.467 ms without (merge 486 against 522 us a step); with the probabilit
 warps' merge) 11.254 against 11.336 / 11.337 for the score segments alone (merge 453 against 485 us a step); in its
 place now, after the partial states' stores, against ``208333b``'s tree in one call: merge 450 against 486 us, partial
 kernel 4208 against 4287 us a step. docs/PERFORMANCE.md (the score-segment A/B:
-``benchmarks/results/step_score_prefetch_h100.json``). The register path (the TensorRT AOT build) keeps 0."""
+docs/PERFORMANCE.md, "Decode step"). The register path (the TensorRT AOT build) keeps 0."""
 
 SHARED_RESERVED_BYTES = 1024
 """Shared memory the runtime reserves per CTA on sm_80 and later (CUDA C++ Programming Guide, "Shared Memory"
@@ -208,7 +208,7 @@ def register_min_blocks(head_dim: int) -> int:
 
 def staged_min_blocks(head_dim: int) -> int:
     """Preferred blocks per multiprocessor of the staged path (128 / 80 registers at head_dim 128 / 64; the ring
-    frees the registers the register path holds pages in; H200 sweep, ``benchmarks/results/sweep_partial*.json``)."""
+    frees the registers the register path holds pages in; H200 sweep, ``benchmarks/results/sweep_kv.json``, ``partial_*``)."""
     return 4 if head_dim == 128 else 6
 
 
@@ -297,10 +297,10 @@ def _kernel(defines: tuple[tuple[str, int], ...], arch: str, shared_bytes: int =
 # Local memory a staged partial kernel may use and keep its cap: NVRTC (CUDA 13.0) gives the Llama-3-8B shape's
 # kernel (head_dim 128, group 4) 8 bytes at 4 CTAs a multiprocessor (nvcc 13.0's frontend: none), and that kernel ran
 # faster than the spill-free one at 3 CTAs (168 registers): 48 x 4096, all-high pages 114.3 vs 118.1 us, 85 % high
-# 116.7 vs 118.7 us (H200, benchmarks/results/sweep_min_blocks.json, before the merge prefetch). With the prefetch
+# 116.7 vs 118.7 us (H200, benchmarks/results/sweep_kv.json, min_blocks, before the merge prefetch). With the prefetch
 # (its second form at 4 CTAs, 8 bytes, 128 registers) the 4-CTA kernel is not faster everywhere: H100 executor steps
 # 1.9 % faster at 64 x 1024, 0.6-1.1 % slower at 48 x 4096 and 16 x 4096, where the launch's CTAs fit 3 CTAs a
-# multiprocessor anyway (benchmarks/results/step_ctas_ab_h100.json). More steps down (_spill_free_kernel).
+# multiprocessor anyway (H100 A/B of 2026-12-06, docs/PERFORMANCE.md). More steps down (_spill_free_kernel).
 # tests/kernels/test_cuda_decode_nvrtc.py compiles the kernel with that NVRTC on the CPU machine.
 LOCAL_BYTES_TOLERATED = 8
 
@@ -367,7 +367,7 @@ def _merge_kernel(defines: tuple[tuple[str, int], ...], arch: str, device: int |
 def clear_compiled_kernels() -> None:
     """Drop every compiled kernel this module holds (:func:`_kernel`, :func:`_cap_kernel`, :func:`_spill_free_kernel`,
     :func:`_merge_kernel`): the next launch or resolve compiles again. For whoever swaps the compiler underneath
-    (tests with a faked CuPy, :mod:`trtllm_diffkv.testing.nvrtc`); a running process never needs it."""
+    (tests with a faked CuPy, ``tests/support/nvrtc.py``); a running process never needs it."""
     for cache in (_kernel, _cap_kernel, _spill_free_kernel, _merge_kernel):
         cache.cache_clear()
 
@@ -378,7 +378,7 @@ HELPERS_END = "// (end of the helpers cuda/decode_merge.cu is compiled after"
 def merge_source(merge_text: str | None = None) -> str:
     """The merge kernel's translation unit: ``decode_partial.cu``'s leading helpers (types, PTX wrappers; no
     macros needed), then ``decode_merge.cu`` (or ``merge_text``: another version of that file, e.g. an earlier
-    commit's, which ``scripts/sweep_kv_gpu.py`` times beside this one)."""
+    commit's, which ``tools/sweep_kv_gpu.py`` times beside this one)."""
     partial = SOURCE_PATH.read_text()
     merge = MERGE_SOURCE_PATH.read_text() if merge_text is None else merge_text
     return partial[:partial.index(HELPERS_END)] + merge
@@ -533,7 +533,7 @@ class CudaDecodeKernels:
 FUSED_MERGE = 0
 """0 (default): the CUDA backend launches ``diffkv_decode_partial`` then ``diffkv_decode_merge`` (merge and score
 update); 1: one launch, ``diffkv_decode_attend``, whose row's last CTA merges. Measured slower (H100, 2026-12-06,
-``scripts/sweep_kv_gpu.py``, ``benchmarks/results/sweep_fused.json``: Llama-3-8B 48 x 4096 one layer 180.7 against
+``tools/sweep_kv_gpu.py``, ``benchmarks/results/sweep_kv.json`` (``fused``): Llama-3-8B 48 x 4096 one layer 180.7 against
 168.6 us, 16 x 1024 39.7 against 28.9): the last CTA updates every score of its row alone, where the merge kernel
 spreads them over many CTAs. Kept as the A/B variant (equal bit for bit, ``tests/kernels/test_fused_decode_gpu.py``).
 Since its merging CTA shares the merge's functions (without the merge's early loads) nvcc 13.0 (sm_90a) spills 20 bytes
@@ -546,7 +546,7 @@ SLOT_WAVE_FILL = 0.5
 """The CUDA partial kernel's CTAs a row (:func:`cuda_num_slots`) aim at this fraction of one wave of CTAs over the
 launch's rows: fewer, longer CTAs (each pays its row lookups, query load, page-ring fill, warp merge and partial
 state writes once). H100, 2026-12-06, one Llama-3-8B layer with its merge from a CUDA graph
-(``benchmarks/results/sweep_fused.json``): 48 x 4096 best at 1 CTA a row (164.2 us; 168.6 at the earlier 6),
+(``benchmarks/results/sweep_kv.json`` (``fused``)): 48 x 4096 best at 1 CTA a row (164.2 us; 168.6 at the earlier 6),
 64 x 1024 at 1 (65.6; 70.9 at 4), 16 x 1024 at 2 (19.0; 28.9 at 10), SmolLM2's 64 x 1024 at 2 (15.6; 19.4 at 10):
 half a wave picks each of these."""
 
@@ -706,7 +706,7 @@ SCORE_WARPS = 4
 def _launch_scores(score_fn, q, pool_pages, page_table, tier_tokens, row_ids, workspace, num_seqs, num_kv_heads,
                    device) -> None:
     """The separate score update after a merge has written ``workspace.lse``: the TensorRT AOT path's launch
-    (``trt/cuda_aot.py`` builds ``diffkv_decode_scores`` with this grid); the NVRTC path folds it into the merge."""
+    (``export/cuda_aot.py`` builds ``diffkv_decode_scores`` with this grid); the NVRTC path folds it into the merge."""
     import numpy as np
 
     ptr = _ptr

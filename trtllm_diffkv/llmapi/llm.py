@@ -25,7 +25,7 @@ import threading
 import weakref
 from dataclasses import asdict, is_dataclass
 
-from .outputs import AsyncRequest, CompletionOutput, RequestGroup, RequestOutput, _Event
+from .outputs import AsyncRequest, CompletionOutput, RequestEvent, RequestGroup, RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup", "UNAVAILABLE"]
 
@@ -74,7 +74,7 @@ def load_source(model, kv_config, device, dtype):
     info = None
     if model is not None:
         try:
-            from ..trt.engine_dir import is_engine_dir, read_engine_dir
+            from ..export.engine_dir import is_engine_dir, read_engine_dir
         except ImportError:  # the build package is optional
             is_engine_dir = None
         if is_engine_dir is not None and is_engine_dir(model):
@@ -88,10 +88,12 @@ def load_source(model, kv_config, device, dtype):
     dtype = dtype if dtype is not None else default_dtype(device)
     net, tokenizer, model_config = load_model(model, device=device, dtype=dtype)
     if info is not None:
-        from ..trt.engine_dir import check_engine_matches_model
+        from ..export.engine_dir import check_engine_matches_model
 
         check_engine_matches_model(engine_dir, model_config)
-    kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+    kv_config = kv_config.for_model(model_config)  # the model's sliding-window layers, if any
+    kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
+                                 model_config.num_layers)
     net = model_for_kv_config(net, kv_config, in_place=True)
     return net, tokenizer, model_config, kv_config, stop_token_ids(model), info
 
@@ -230,7 +232,7 @@ class LLM:
 
         if model is not None:
             try:
-                from ..trt.engine_dir import is_engine_dir
+                from ..export.engine_dir import is_engine_dir
             except ImportError:  # the build package is optional
                 is_engine_dir = None
             if is_engine_dir is not None and is_engine_dir(model):
@@ -335,7 +337,7 @@ class LLM:
         if problem is not None:  # the request's content is not at fault: a server answers 503
             request = AsyncRequest(self, next(self._ids), prompt if isinstance(prompt, str) else None, [],
                                    sampling_params, streaming, self.stop_token_ids, _listener)
-            request._channel.put(_Event([], True, "error", f"{UNAVAILABLE}: {problem}"))
+            request._channel.put(RequestEvent([], True, "error", f"{UNAVAILABLE}: {problem}"))
             self._count("requests_submitted", "requests_failed")
             return request
 
@@ -361,7 +363,7 @@ class LLM:
                                  "are known only at the end; use streaming=False)")
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)
-            request._channel.put(_Event([], True, "error", self._failure(exc)))
+            request._channel.put(RequestEvent([], True, "error", self._failure(exc)))
             self._count("requests_submitted", "requests_failed")
             return request
         request = AsyncRequest(self, rid, text, ids, params, streaming, self.stop_token_ids, _listener)
@@ -370,7 +372,8 @@ class LLM:
             self._counts["prompt_tokens"] += len(ids)
         with self._submit_lock:  # shutdown() cannot slip between this check and the put
             if self._closed:  # shut down while the prompt was being tokenized: answer it here
-                request._channel.put(_Event([], True, "abort", "the LLM was shut down before the request started"))
+                request._channel.put(RequestEvent([], True, "abort",
+                                                  "the LLM was shut down before the request started"))
                 self._count("requests_cancelled")
             else:
                 self._commands.put(("add", request))
@@ -518,7 +521,7 @@ class LLM:
                 continue  # aborted here already
             metrics = _metrics(update.result) if update.finished else None
             text = getattr(update.result, "text", None) if update.finished else None
-            request._channel.put(_Event(list(update.new_token_ids), update.finished, update.finish_reason,
+            request._channel.put(RequestEvent(list(update.new_token_ids), update.finished, update.finish_reason,
                                         update.error, update.stop_token_id, metrics, text, update.stop_reason,
                                         getattr(update, "logprobs", None), getattr(update, "prompt_logprobs", None)))
             if update.finished:
@@ -544,7 +547,7 @@ class LLM:
             self.executor.abort(rid)
         except Exception as exc:  # noqa: BLE001 - the request ends either way
             error = error or f"abort failed: {_message(exc)}"
-        request._channel.put(_Event([], True, "error" if error else "abort", error))
+        request._channel.put(RequestEvent([], True, "error" if error else "abort", error))
         self._count("requests_failed" if error else "requests_cancelled")
 
     def _cancel_all(self, why: str) -> None:
@@ -561,7 +564,7 @@ class LLM:
                 self.executor.abort(rid)
             except Exception:  # noqa: BLE001 - shutting down: the request is cancelled either way
                 pass
-            request._channel.put(_Event([], True, "abort", why))
+            request._channel.put(RequestEvent([], True, "abort", why))
             self._count("requests_cancelled")
 
     def _count(self, *names: str) -> None:

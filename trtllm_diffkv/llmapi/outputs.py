@@ -14,7 +14,7 @@ An :class:`AsyncRequest` is what ``LLM.generate_async`` returns: ``await req`` /
 or ``for`` over it give cumulative outputs (each update with ``streaming=True``,
 only the final one otherwise); ``req.abort()`` cancels it. ``SamplingParams(n > 1 or best_of > 1)``
 gives a :class:`RequestGroup` instead: the same calls over independent child requests. The LLM's background
-thread feeds it :class:`_Event` objects through a :class:`_Channel` (thread-safe,
+thread feeds it :class:`RequestEvent` objects through a :class:`_Channel` (thread-safe,
 awaitable); the consumer turns them into text with :class:`IncrementalDetokenizer`,
 so detokenization never slows the step loop.
 """
@@ -100,7 +100,7 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
-class _Event:
+class RequestEvent:
     """What the LLM's loop thread tells a request: new tokens, and the end when ``finished``.
 
     At the end, ``text`` is the executor's final text (cut before a matched stop string by its
@@ -128,11 +128,11 @@ class _Channel:
     def __init__(self, key=None, listener=None):
         self.key = key
         self._cond = threading.Condition()
-        self._events: deque[_Event] = deque()
+        self._events: deque[RequestEvent] = deque()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.listener = listener  # optional queue.Queue told ``key`` (the request id) after every event (ModelRunner)
 
-    def put(self, event: _Event) -> None:
+    def put(self, event: RequestEvent) -> None:
         with self._cond:
             self._events.append(event)
             waiters, self._waiters = self._waiters, []
@@ -145,7 +145,7 @@ class _Channel:
         if self.listener is not None:
             self.listener.put(self.key)
 
-    def take(self, timeout: float | None = None) -> list[_Event]:
+    def take(self, timeout: float | None = None) -> list[RequestEvent]:
         """All pending events, waiting up to ``timeout`` s for at least one (``[]`` on timeout)."""
         with self._cond:
             self._cond.wait_for(lambda: self._events, timeout)
@@ -153,7 +153,7 @@ class _Channel:
             self._events.clear()
             return events
 
-    async def take_async(self) -> list[_Event]:
+    async def take_async(self) -> list[RequestEvent]:
         """All pending events, awaiting at least one."""
         loop = asyncio.get_running_loop()
         while True:
@@ -274,7 +274,7 @@ class AsyncRequest:
         self._apply(self._channel.take(0))
         return self._snapshot(final=self._done)
 
-    def _apply(self, events: list[_Event]) -> None:
+    def _apply(self, events: list[RequestEvent]) -> None:
         with self._lock:
             for event in events:
                 if self._done:
@@ -294,7 +294,7 @@ class AsyncRequest:
                 elif self._detok is not None:
                     self._detok.push(ids)
 
-    def _finish(self, event: _Event, ids: list[int]) -> None:
+    def _finish(self, event: RequestEvent, ids: list[int]) -> None:
         reason = {"abort": "cancelled", "aborted": "cancelled"}.get(event.finish_reason, event.finish_reason)
         if event.error is not None and reason != "cancelled":
             reason = "error"

@@ -14,8 +14,8 @@ warp reads it with full, coalesced sectors::
 * key / value scale/zero: ``[tokens, groups, 2]`` fp16 (scale, zero) per
   quantization group; empty for a 16-bit side.
 * score: ``[tokens]`` fp32 accumulated attention score; position: ``[tokens]``
-  int32 token position. Both are present when the configuration compresses
-  (``DiffKVConfig.compress``), as :func:`DiffKVConfig.token_bytes` counts.
+  int32 token position. Both are present when the configuration tiers tokens
+  (``DiffKVConfig.tiered``), as :func:`DiffKVConfig.token_bytes` counts.
 
 Because the tiers differ in bytes per token, they differ in tokens per page:
 :attr:`TierLayout.tokens_per_page` is the largest token count whose aligned
@@ -212,7 +212,7 @@ class PageFormat:
         if isinstance(high_tokens_per_page, bool) or not isinstance(high_tokens_per_page, int) or high_tokens_per_page < 1:
             raise ValueError(f"high_tokens_per_page={high_tokens_per_page!r} must be a positive integer")
         _check_alignment(alignment_bytes)
-        meta = config.compress
+        meta = config.tiered
         config.high.validate_for_head_dim(head_dim)
         sized = _layout(config.high, head_dim, high_tokens_per_page, alignment_bytes, meta)
         page_size = _round_up(sized.used_bytes, max(PAGE_BASE_ALIGNMENT_BYTES, alignment_bytes))

@@ -7,7 +7,7 @@
 * :mod:`.host_inputs`: a step's host integers in one (pinned, non-blocking) host-to-device copy;
 * :mod:`.decisions`: the batched per-step DiffKV decisions of every row;
 * :mod:`.gather`: a row's tier pages read back and dequantized (the tests' paged oracle,
-  :mod:`trtllm_diffkv.testing.paged_oracle`, builds on it);
+  ``tests/support/paged_oracle.py``, builds on it);
 * :mod:`.torch_ops`: plain-torch versions of the kernels (CPU path, fallback).
 
 Greedy generation on this cache (static batches) is :class:`trtllm_diffkv.generation.PagedGenerator`.

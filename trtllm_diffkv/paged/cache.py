@@ -34,6 +34,14 @@ Step protocol (host-side planning apart from launch-only layers, as FlashInfer's
    slots whose keys/values were not finite; :meth:`release` when a request
    ends or fails (every page goes back).
 
+Sliding-window layers (``config.layers``, :meth:`DiffKVConfig.for_model`;
+every preset, ``fp16`` included): the prefill attends within each such layer's
+window ``W`` and keeps its prompt's last ``W`` tokens, at the high tier, in
+position order at high-tier indices ``0..``; each decode step writes its token
+into the high slot of the token at ``pos - W`` (pruned: out of every later
+query's reach), or appends it while ``pos < W`` (:mod:`.decisions`), so the
+row holds exactly the window and its attention reads nothing else.
+
 Memory: the pool (pages held x page size) plus the row metadata of active
 rows; :meth:`pool_used_bytes` and :meth:`request_stats` report both next to
 the accounted bytes of the packed tokens (:class:`CacheStats`).
@@ -48,10 +56,11 @@ import torch
 from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
 from ..memory import CpuPageManager, KVCachePool, PageFormat
+from ..policy import reachable_tokens
 from . import decode, prefill, torch_ops
 from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
-from .staging import staging_bytes
+from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
 
 
@@ -140,6 +149,9 @@ class PagedDiffKVCache:
     runner, the TensorRT layer's operations):
         ops, decode_attention, prefill_attention: the kernel functions (:func:`kernel_functions`);
             prompt_scores: :func:`prompt_scores_function`.
+        sliding_windows: ``config.sliding_windows(num_layers)``, one ``int | None`` per layer (read by the model,
+            :func:`~trtllm_diffkv.model.attention_api.check_backend_windows`); layer_windows: the same as int32
+            ``[num_layers]`` on the device, 0 for full attention (the decode decisions' input).
         staging: ``{slot: PromptStaging}`` of the prompts whose later chunks are still to come (:mod:`.staging`).
         score_sums: fp32 ``[max_num_tokens, num_kv_heads]`` scratch of the scored prefill.
         prompt_len_device: int64 ``[max_slots]`` prompt length per slot on the device (written by each prompt's
@@ -158,12 +170,14 @@ class PagedDiffKVCache:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  high_tokens_per_page: int = 32, use_triton: bool | None = None, sm_scale: float | None = None,
                  page_manager: str = "auto", read_path: str = "auto", staging_limit_bytes: int = 0) -> None:
-        config.validate_for_model(head_dim, num_heads, num_kv_heads)
         for name, value in (("num_layers", num_layers), ("max_slots", max_slots),
                             ("max_seq_len_tokens", max_seq_len_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        config.validate_for_model(head_dim, num_heads, num_kv_heads, num_layers)
         self.config = config
+        self.sliding_windows = config.sliding_windows(num_layers)
+        self.layer_windows = torch.tensor([w or 0 for w in self.sliding_windows], dtype=torch.int32, device=device)
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         self.dtype = dtype
@@ -312,7 +326,7 @@ class PagedDiffKVCache:
             raise ValueError(f"the step carries {num_tokens} tokens, more than max_num_tokens={self.max_num_tokens}")
         first_chunks = [i for i in range(n_pre) if positions[i] == 0]
         staged = sum(self.staging_bytes_for(prompt_lens[i]) for i in first_chunks if seq_lens[i] < prompt_lens[i])
-        if staged and self.staging_bytes_used() + staged > self.staging_limit_bytes:
+        if staged and not self.staging_fits(staged):
             raise OutOfPagesError(f"the step's new chunked prompts need {staged} staging bytes; "
                                   f"{self.staging_limit_bytes - self.staging_bytes_used()} of "
                                   f"staging_limit_bytes={self.staging_limit_bytes} are free")
@@ -550,14 +564,19 @@ class PagedDiffKVCache:
     def decode_pages_needed(self, num_requests: int) -> int:
         """Most pages one decode step of ``num_requests`` requests can take under this cache's policy
         (:meth:`~trtllm_diffkv.memory.PageManager.worst_case_decode_pages`: one per tier per row; one per row
-        for a policy that never moves a token to the low tier, ``config.compress`` false, e.g. ``fp16``)."""
-        return self.manager.worst_case_decode_pages(num_requests, low_tier_grows=self.config.compress)
+        for a policy that never moves a token to the low tier: ``config.tiered`` false, e.g. ``fp16``, ``k8v4``)."""
+        return self.manager.worst_case_decode_pages(num_requests, low_tier_grows=self.config.tiered)
 
     def staging_bytes_for(self, prompt_tokens: int) -> int:
         """Staging bytes a prompt of ``prompt_tokens`` tokens holds while prefilled in chunks (:mod:`.staging`)."""
-        scoring = self.config.prompt_score_window_tokens if self.config.compress else 0
+        scoring = self.config.prompt_score_window_tokens if self.config.tiered else 0
         return staging_bytes(self.num_layers, self.num_kv_heads, self.num_heads, self.head_dim, prompt_tokens,
                              scoring, self.dtype)
+
+    def staging_fits(self, new_bytes: int) -> bool:
+        """Whether prompts staging ``new_bytes`` more may start beside the half-prefilled ones now
+        (:func:`~.staging.staging_fits` against :attr:`staging_limit_bytes`: an exact fill fits)."""
+        return staging_fits(new_bytes, self.staging_bytes_used(), self.staging_limit_bytes)
 
     def staging_bytes_used(self) -> int:
         """Bytes the staging of half-prefilled prompts holds now (host bookkeeping)."""
@@ -570,12 +589,13 @@ class PagedDiffKVCache:
             self.row_meta.format.row_bytes
 
     def request_stats(self, slot: int) -> PagedCacheStats:
-        """Tier counts, accounted packed bytes and really held pool bytes of one request (a device read)."""
+        """Tier counts, accounted packed bytes and really held pool bytes of one request (a device read); a
+        sliding-window layer counts only its reachable tokens (:class:`CacheStats`)."""
         rows = torch.arange(slot * self.rows_per_slot, (slot + 1) * self.rows_per_slot, device=self.device)
         tokens = self.manager.tokens[rows].sum(0).tolist()
         pages = int(self.manager.pages[rows].sum())
         n = self.seq_len[slot]
-        total = n * self.rows_per_slot
+        total = self.num_kv_heads * sum(reachable_tokens(n, w) for w in self.sliding_windows)
         fp16_bytes = total * 2 * self.head_dim * 2
         meta = self.rows_per_slot * self.row_meta.format.row_bytes if n else 0
         if self.config.compress:

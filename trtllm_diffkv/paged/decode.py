@@ -125,6 +125,14 @@ def _scratch(cache) -> dict:
     return s
 
 
+def _windows_kwargs(cache) -> dict:
+    """``decide_rows``'s sliding-window arguments for a cache with sliding-window layers, else ``{}``."""
+    windows = getattr(cache, "sliding_windows", None)  # absent on the plugins' cache views
+    if windows is None or all(w is None for w in windows):
+        return {}
+    return dict(layer_windows=cache.layer_windows, num_kv_heads=cache.num_kv_heads)
+
+
 def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: DecodeBuffers) -> None:
     """Triton path: decide (one launch), append_decode (two), locate (one), moves (read + write).
 
@@ -141,9 +149,10 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: DecodeB
     act = decision_kernel.decide_rows(
         cache.pool.pages(), fmt, man.page_table, man.tokens, slots, pos_seq, cache.prompt_len_device, s["alphas"],
         rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
-        prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.compress)
+        prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.tiered,
+        **_windows_kwargs(cache))
     man.append_decode(slots, act[0].view(shape), act[1].view(shape))
-    moves = tuple(t[:m] for t in s["moves"]) if cfg.compress else None
+    moves = tuple(t[:m] for t in s["moves"]) if cfg.tiered else None
     decision_kernel.locate_rows(man.page_table, fmt, slots, pos_seq, act, bufs.located(), moves,
                                 num_kv_heads=cache.num_kv_heads, rows_per_slot=G)
     if moves is not None and m:
@@ -168,16 +177,19 @@ def _plan_torch(cache, step, slots, pos_seq, bufs: DecodeBuffers) -> None:
     rows = (slots[:, None] * G + torch.arange(G, device=dev)).reshape(-1)
     pos = pos_seq.repeat_interleave(G)
     table, tokens = cache.manager.page_table, cache.manager.tokens
-    if cfg.compress:
+    if cfg.tiered:
         act = decisions.decide(cache.pool, table, tokens, rows, pos, cache.prompt_len_device[slots].repeat_interleave(G),
                                alpha_high=cfg.alpha_high, alpha_low=cfg.alpha_low,
                                recent_window_tokens=cfg.recent_window_tokens,
                                prompt_score_window_tokens=cfg.prompt_score_window_tokens, max_pos=max(pos_host))
     else:
         act = decisions.append_only(rows, tokens)
+    if any(w is not None for w in cache.sliding_windows):
+        act = decisions.slide_windows(act, rows, tokens, pos, cache.prompt_len_device[slots].repeat_interleave(G),
+                                      cache.layer_windows.repeat_interleave(H).repeat(n))
     shape = (n, L, H)
     cache.manager.append_decode(slots, act.high_delta.reshape(shape), act.low_delta.reshape(shape))
-    if cfg.compress:
+    if cfg.tiered:
         move_to_low(cache, rows, act)
     page, slot = token_location(table, rows, "high", act.new_index, fmt.high_tokens_per_page)
     layer_major = lambda t: t.reshape(shape).transpose(0, 1)  # noqa: E731 - [L, n, H]
@@ -229,7 +241,7 @@ def decode_layer(cache, step, layer, q, k, v, out) -> None:
     if cache.decode_attention is not torch_ops.paged_decode_attention:
         kwargs["workspace"] = decode_workspace(cache)
     cache.decode_attention(q, pages, cache.page_format, table, tokens, d.row_ids[layer], out,
-                           sm_scale=cache.sm_scale, update_scores=cfg.compress, **kwargs)
+                           sm_scale=cache.sm_scale, update_scores=cfg.tiered, **kwargs)
 
 
 def decode_runner(cache, q_dtype: torch.dtype):
@@ -239,7 +251,7 @@ def decode_runner(cache, q_dtype: torch.dtype):
     path, or a caller's stand-in), which then runs per call."""
     from ..kernels import decode_attention as da
 
-    runners = getattr(cache, "decode_runners", None)  # None: a stand-in view (trt/plugins/ops.py): checked per call
+    runners = getattr(cache, "decode_runners", None)  # None: a stand-in view (export/plugin_ops.py): checked per call
     if runners is None or cache.decode_attention is not da.paged_decode_attention:
         return None
     runner = runners.get(q_dtype)
@@ -247,7 +259,7 @@ def decode_runner(cache, q_dtype: torch.dtype):
         runner = cache.decode_runners[q_dtype] = da.DecodeAttention(
             cache.page_format, cache.num_heads, cache.num_kv_heads, decode_workspace(cache),
             cache.manager.max_pages_per_row, q_dtype, cache.device, sm_scale=cache.sm_scale,
-            update_scores=cache.config.compress)
+            update_scores=cache.config.tiered)
     return runner
 
 
@@ -258,5 +270,5 @@ def decode_workspace(cache):
 
         cache.decode_workspace = DecodeWorkspace.allocate(
             cache.max_slots, cache.num_heads, cache.num_kv_heads, cache.page_format, cache.manager.max_pages_per_row,
-            cache.device, update_scores=cache.config.compress)
+            cache.device, update_scores=cache.config.tiered)
     return cache.decode_workspace

@@ -16,6 +16,9 @@ first chunk (``reserve_prompt``: all tokens counted high), and the staging is dr
 compaction point is TensorRT-LLM's ``on_context_step_end``. The staging tensors live outside the
 page pool; :class:`PagedDiffKVCache` counts their bytes against ``staging_limit_bytes`` and the
 executor admits a chunked prompt only when its staging fits (docs/RUNTIME.md, "Chunked prefill").
+Whether it fits is :func:`staging_fits`, the one rule the cache's plan, the scheduler's admission and the
+executor's request check all call: a prompt whose staging exactly fills the limit fits (admitted by one and
+refused by another, it was retried every step, stalling every other request's decodes).
 """
 from __future__ import annotations
 
@@ -35,6 +38,19 @@ def staging_bytes(num_layers: int, num_kv_heads: int, num_heads: int, head_dim: 
     kv = 2 * num_layers * prompt_tokens * num_kv_heads * head_dim
     q = num_layers * min(scoring_tokens, prompt_tokens) * num_heads * head_dim
     return (kv + q) * dtype.itemsize
+
+
+def staging_fits(new_bytes: int, held_bytes: int, limit_bytes: int) -> bool:
+    """Whether new chunked prompts may start their staging: ``held_bytes + new_bytes <= limit_bytes``.
+
+    The one home of the staging limit (module docstring): an exact fill fits, one byte more does not.
+
+    Args:
+        new_bytes: the staging the new prompts would hold (:func:`staging_bytes` of each, summed).
+        held_bytes: what the half-prefilled prompts hold now (0: the prompts alone in an empty staging).
+        limit_bytes: ``staging_limit_bytes`` (the executor's ``chunk_staging_bytes``).
+    """
+    return held_bytes + new_bytes <= limit_bytes
 
 
 class PromptStaging:

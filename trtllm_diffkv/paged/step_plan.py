@@ -10,7 +10,7 @@ layers); each layer's ``forward`` only reads it (launches, no host work beyond i
   rows the decode attention reads, layer-major; with ``pad_to`` the cache's persistent buffers of that
   bucket (fixed addresses: CUDA-graph inputs).
 
-The TensorRT layer's plugin ops build the same classes over their input tensors (``trt/plugins/ops.py``).
+The TensorRT layer's plugin ops build the same classes over their input tensors (``export/plugin_ops.py``).
 """
 from __future__ import annotations
 
@@ -86,6 +86,8 @@ class PrefillPlan:
         pending: the K/V and score sums of the current write group's layers so far
             (``[G, T, num_kv_heads, head_dim]`` twice and fp32 ``[G, T, num_kv_heads]``), ``None`` between groups.
         whole: the whole prompts of a chunked step run as one call (:class:`WholePrompts`), else ``None``.
+        prompt_tokens: int64 ``[T]`` the whole prompt's tokens ``n`` of each token's prompt (the sliding-window
+            layers' tiers: :func:`.prefill._slide_prompt_tiers`); ``None`` where the builder has no such layers.
     """
 
     slots: torch.Tensor
@@ -108,6 +110,7 @@ class PrefillPlan:
     write_group_layers: int = 1
     pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     whole: WholePrompts | None = None
+    prompt_tokens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@
 - :mod:`.executor`: :class:`Executor`, the step loop over a packed batch of prefill and decode
   requests (abort, streaming, per-request failures); :mod:`.scheduler`: admission by free pages,
   preemption by recomputation; :mod:`.request`: :class:`Request`, :class:`RequestUpdate`.
-- :mod:`.sampling`: :class:`SamplingParams`, the batched :class:`Sampler`, :class:`StopChecker`.
+- :mod:`.sampling`: :class:`SamplingParams`, the batched :class:`Sampler`; :mod:`.stop_checker`:
+  :class:`StopChecker`.
 - :mod:`.cuda_graphs`: decode steps replayed from CUDA graphs over bucketed batch sizes.
 
 Names are imported on first use.
@@ -15,7 +16,7 @@ from ..lazy import lazy_exports
 _LAZY = {
     "DiffKVResourceManager": ".resource_manager", "ScheduledBatch": ".resource_manager",
     "Executor": ".executor", "Request": ".request", "RequestUpdate": ".request", "Scheduler": ".scheduler",
-    "SamplingParams": ".sampling", "Sampler": ".sampling", "StopChecker": ".sampling",
+    "SamplingParams": ".sampling", "Sampler": ".sampling", "StopChecker": ".stop_checker",
     "DecodeGraphRunner": ".cuda_graphs",
 }
 __all__ = sorted(_LAZY)

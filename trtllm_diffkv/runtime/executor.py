@@ -22,7 +22,7 @@
 5. ONE device-to-host copy (into a pinned buffer, ``non_blocking`` + an event on CUDA) of the
    sampled tokens, the per-slot non-finite K/V flags and the ring counters;
 6. ``update_resources``: requests with non-finite K/V fail alone; stop ids, stop strings and
-   ``max_tokens`` (:class:`~.sampling.StopChecker`); finished and failed requests free every
+   ``max_tokens`` (:class:`~.stop_checker.StopChecker`); finished and failed requests free every
    page in this same step (``free_resources``).
 
 Overlap (``disable_overlap_scheduler``; TensorRT-LLM's overlap scheduler): a decode-only step whose requests'
@@ -65,11 +65,12 @@ from ..generation.prompts import check_prompt_ids, position_limit
 from ..generation.results import PagedGenerationResult, result_fields
 from ..model.rotation import model_for_kv_config
 from ..paged.cache import OutOfPagesError
-from ..paged.staging import staging_bytes
+from ..paged.staging import staging_bytes, staging_fits
 from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
-from .sampling import Sampler, SamplingParams, StopChecker, prompt_logprobs
+from .sampling import Sampler, SamplingParams, prompt_logprobs
 from .scheduler import Scheduler
+from .stop_checker import StopChecker
 
 
 DEFAULT_MAX_NUM_TOKENS = 8192
@@ -229,6 +230,7 @@ class Executor:
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
         param = next(model.parameters())
+        kv_config = kv_config.for_model(model_config)  # the model's sliding-window layers, if any
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
         self.device = torch.device(device) if device is not None else param.device
         self.parallel = SingleProcess() if parallel is None else parallel
@@ -258,7 +260,8 @@ class Executor:
                 staging_limit_bytes=chunk_staging_bytes if enable_chunked_prefill else 0)
         self.rm = resource_manager
         self.cache = resource_manager.cache
-        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
+                                     model_config.num_layers)
         self.model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy
         self.decode_backend = self._decode_backend(param.dtype)
         self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens
@@ -482,14 +485,14 @@ class Executor:
                                  f"{self.max_num_tokens} (the most tokens one step carries; enable_chunked_prefill "
                                  "is off)")
             staged, limit = self.rm.staging_bytes_needed(longest), self.cache.staging_limit_bytes
-            if staged > limit:
+            if not staging_fits(staged, 0, limit):  # alone in an empty staging: the cache's rule
                 raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) - 1 is more than one step's "
                                  f"max_num_tokens={self.max_num_tokens}, and prefilled in chunks it would stage "
                                  f"{staged} bytes, more than chunk_staging_bytes={limit}")
         need, total = self.rm.prefill_pages_needed(n), self.rm.get_max_resource_count()
         if need > total:
             raise OutOfPagesError(f"the prompt needs {need} pages at prefill; the whole pool has {total}")
-        if not self.kv_config.compress and params.max_tokens > 1:  # no tiers: the end is known exactly
+        if not self.kv_config.tiered and params.max_tokens > 1:  # no tiers: the end is known exactly
             fmt, rows, last = self.cache.page_format, self.cache.rows_per_slot, n + params.max_tokens - 1
             need = rows * fmt.pages_for_tokens("high", last - 1) + self.rm.decode_pages_needed(1)
             if need > total:  # its last decode step could never be planned, even alone

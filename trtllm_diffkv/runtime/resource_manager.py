@@ -138,7 +138,8 @@ class DiffKVResourceManager:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} must be a positive integer")
         self.budget_bytes = kv_budget_bytes(kv_memory_bytes, kv_memory_fraction, device)
-        kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads)
+        kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any
+        kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads, mc.num_layers)
         fmt = PageFormat.for_config(kv_config, mc.head_dim, high_tokens_per_page)
         rows_per_slot = mc.num_layers * mc.num_kv_heads
         num_pages = pages_in_budget(self.budget_bytes, fmt, max_slots=max_batch_size, rows_per_slot=rows_per_slot,
@@ -250,7 +251,7 @@ class DiffKVResourceManager:
         low tier usually need far fewer: the executor admits by the step's need instead.
         """
         fmt, n = self.cache.page_format, len(request.prompt_token_ids) + request.sampling_params.max_tokens
-        per_row = fmt.pages_for_tokens("high", n) + (fmt.pages_for_tokens("low", n) if self.kv_config.compress else 0)
+        per_row = fmt.pages_for_tokens("high", n) + (fmt.pages_for_tokens("low", n) if self.kv_config.tiered else 0)
         per_row = max(per_row, fmt.prompt_reserve_pages(max(1, len(request.prompt_token_ids))))
         return self.cache.rows_per_slot * per_row
 
@@ -263,9 +264,10 @@ class DiffKVResourceManager:
         """Staging bytes a prompt of ``num_tokens`` tokens holds while prefilled in chunks (host arithmetic)."""
         return self.cache.staging_bytes_for(num_tokens)
 
-    def staging_free_bytes(self) -> int:
-        """Staging bytes free now: ``staging_limit_bytes`` minus what half-prefilled prompts hold."""
-        return self.cache.staging_limit_bytes - self.cache.staging_bytes_used()
+    def staging_fits(self, new_bytes: int) -> bool:
+        """Whether prompts staging ``new_bytes`` more may start now (the cache's rule, which its plan applies:
+        :func:`~trtllm_diffkv.paged.staging.staging_fits`)."""
+        return self.cache.staging_fits(new_bytes)
 
     def decode_pages_needed(self, num_requests: int) -> int:
         """Worst-case pages one decode step of ``num_requests`` takes (the cache's ``decode_pages_needed``)."""

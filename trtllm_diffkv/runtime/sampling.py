@@ -1,4 +1,4 @@
-"""Per-request sampling for the in-flight batching executor: parameters, a batched sampler, stop checks.
+"""Per-request sampling for the in-flight batching executor: parameters and a batched sampler.
 
 - :class:`SamplingParams`: one request's sampling settings, field names as TensorRT-LLM's LLM API
   ``SamplingParams`` (``tensorrt_llm/sampling_params.py``: ``max_tokens``, ``temperature``,
@@ -13,8 +13,9 @@
 - :func:`prompt_logprobs`: the log-probabilities of a prompt's tokens from the prefill's per-position logits.
 - :meth:`SamplingParams.child_params` and :func:`best_of_order`: ``n > 1`` / ``best_of`` as independent
   requests with derived seeds, the best picked by cumulative log-probability.
-- :class:`StopChecker` (defined in :mod:`.stop_checker`, re-exported here): per request, after
-  each new token: stop ids, stop strings in the incrementally decoded text, ``max_tokens``.
+
+The stop checks after each new token (stop ids, stop strings, ``max_tokens``) read these parameters:
+:class:`.stop_checker.StopChecker`.
 
 The filtering rules are those of Hugging Face transformers' logits processors, in their order:
 ``RepetitionPenaltyLogitsProcessor`` (the CTRL rule: a logit ``x`` of a token already in the
@@ -33,11 +34,10 @@ import numbers
 from dataclasses import dataclass, replace
 
 from ..lazy import LazyModule
-from .stop_checker import StopChecker
 
 torch = LazyModule("torch")  # imported at first use: SamplingParams (and the CLI's flag checks) need no torch
 
-__all__ = ["SamplingParams", "Sampler", "StopChecker", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
+__all__ = ["SamplingParams", "Sampler", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
            "StepLogprobs", "prompt_logprobs", "best_of_order", "child_seed", "MAX_LOGPROBS"]
 
 _SEED_LIMIT = 2 ** 64
@@ -526,7 +526,7 @@ class Sampler:
 
         ``prompt_tokens``: the prompt's length: the presence and frequency penalties and ``min_tokens`` count
         only the history's ids past it (the generated ones). ``stop_token_ids``: the ids whose logits are
-        ``-inf`` while fewer than ``params.min_tokens`` are generated (:attr:`StopChecker.min_tokens_stop_ids`).
+        ``-inf`` while fewer than ``params.min_tokens`` are generated (:attr:`.stop_checker.StopChecker.min_tokens_stop_ids`).
 
         Raises:
             ValueError: bad ``params`` (see :meth:`SamplingParams.validate`) or ``request_id``

@@ -25,9 +25,9 @@ manager's sizing rules, read through :class:`~.resource_manager.DiffKVResourceMa
   order while their prefill reserve (``reserve_pages_needed`` of the whole prompt) plus the decode
   worst case fits in the free pages, within ``max_batch_size`` slots and the step's
   ``max_num_tokens``; a prompt that would be chunked also needs its staging bytes free
-  (``staging_bytes_needed``; else it waits, or without chunking until one step can take it
-  whole). The queue head blocks the others (no overtaking). A head that cannot fit in an
-  empty pool is rejected.
+  (``staging_bytes_needed``, under the cache's own rule ``staging_fits``: an exact fill fits; else
+  it waits, or without chunking until one step can take it whole). The queue head blocks the
+  others (no overtaking). A head that cannot fit in an empty pool is rejected.
 
 Free pages: :attr:`Scheduler.free_estimate` is the true count read with the last step's status
 (:meth:`observe_free`), a lower bound since then (releases only add pages); it is re-read once
@@ -180,7 +180,7 @@ class Scheduler:
                 if n <= self.max_num_tokens - len(batch.generation_requests):
                     return  # the next step can take it whole: a chunk step costs more (docs/PERFORMANCE.md)
                 staging += self.rm.staging_bytes_needed(n)
-                if staging > self.rm.staging_free_bytes():
+                if not self.rm.staging_fits(staging):  # the cache's plan applies the same rule
                     return  # waits for staging room (or, if it fits one step, for a step that takes it whole)
             need = reserve + self.rm.prefill_pages_needed(n)
             if not self._fits(need):

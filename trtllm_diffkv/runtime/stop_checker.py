@@ -1,6 +1,6 @@
 """Stop conditions of one request, checked after each new token (stop ids, stop strings, ``max_tokens``).
 
-Used by the executor through :mod:`.sampling` (which re-exports :class:`StopChecker`); the
+Used by the executor; the
 parameters come from :class:`~.sampling.SamplingParams` (``stop``, ``stop_token_ids``,
 ``max_tokens``, ``ignore_eos``, TensorRT-LLM LLM API names; ``min_tokens`` and
 ``include_stop_str_in_output`` as vLLM's).

@@ -1,8 +1,8 @@
 """Serving adapters over the :class:`~trtllm_diffkv.llmapi.llm.LLM` API (heavy imports stay in the submodules).
 
-- :mod:`.triton_repo`: write a Triton Inference Server model repository (Python backend, decoupled).
-- :mod:`.triton_server`: run the ``tritonserver`` binary bundled in ``nvidia-pytriton`` on it.
-- :mod:`.triton_requests`: the Triton model's tensors (TensorRT-LLM's names) and their translation.
+- :mod:`.tritonserver_repo`: write a Triton Inference Server model repository (Python backend, decoupled).
+- :mod:`.tritonserver_binary`: run the ``tritonserver`` binary bundled in ``nvidia-pytriton`` on it.
+- :mod:`.tritonserver_requests`: the Triton model's tensors (TensorRT-LLM's names) and their translation.
 - :mod:`.openai_server`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 - :mod:`.metrics`: the Prometheus metrics both servers export; :mod:`.process`: server processes.
 """
@@ -36,4 +36,4 @@ DRAINING_MESSAGE = "trtllm-diffkv: shutting down"
 
 DRAINED_MESSAGE = "trtllm-diffkv: drained: every request ended"
 """What the Triton model logs once its shutdown drain is over (``; KV pool pages held: N`` follows); the launcher
-(:meth:`~trtllm_diffkv.serve.triton_server.TritonServer.stop`) reads it in the server's log."""
+(:meth:`~trtllm_diffkv.serve.tritonserver_binary.TritonServer.stop`) reads it in the server's log."""

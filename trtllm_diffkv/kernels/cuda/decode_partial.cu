@@ -444,7 +444,7 @@ __device__ __forceinline__ void page_step(const unsigned char* __restrict__ page
 // sits at table column j, or R - 1 - j for the low tier), read straight from global memory into registers
 // (STAGES == 0). (An L2 prefetch of the warp's next page, one bulk cp.async.bulk.prefetch.L2 per page, did not pay
 // on the H200: 138.4 against 137.2 us a page-loop launch at Llama-3-8B 48 x 4096 all-high, 153 us two pages ahead;
-// scripts/sweep_kv_gpu.py, docs/PERFORMANCE.md.)
+// tools/sweep_kv_gpu.py, docs/PERFORMANCE.md.)
 template <class T, bool LOW>
 __device__ __forceinline__ void tier_loop(const unsigned char* __restrict__ pool, const int* __restrict__ trow,
                                           int u_first, int u_end, int u_base, int n_tier, int R, int g, int t,
