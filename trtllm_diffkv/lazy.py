@@ -20,3 +20,18 @@ def lazy_exports(package: str, table: dict[str, str]):
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+class LazyModule:
+    """A module imported on first attribute access: ``torch = LazyModule("torch")`` at the top of a module whose
+    torch use is all inside functions lets the module import without torch (the command line checks its flags with
+    it before the ~10 s torch import). Later accesses read ``sys.modules``."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self._name!r}>"

@@ -49,10 +49,35 @@ def test_the_bar_names_every_stage_in_order_on_a_terminal(checkpoint, tmp_path, 
     assert (tmp_path / "engine" / "config.json").is_file()
 
 
-def test_no_bar_off_a_terminal_and_nothing_with_quiet(checkpoint, tmp_path, monkeypatch, cheap_build):
+def test_off_a_terminal_a_line_per_stage_and_while_a_stage_runs(checkpoint, tmp_path, monkeypatch, cheap_build):
+    """Issue 44: with stderr not a terminal the build sat on one line for minutes. Now each stage prints a line
+    and a long stage a line every HEARTBEAT_S seconds (0.05 s here, against a TensorRT stage of 0.5 s)."""
+    import time
+
+    from trtllm_diffkv import progress
+
+    def slow_tensorrt(folder, onnx, graph="composite"):
+        time.sleep(0.5)
+        return None, "no TensorRT (stub)"
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(build_cmd, "_tensorrt_engine", slow_tensorrt)
     plain = io.StringIO()
     assert _build(checkpoint, tmp_path / "a", monkeypatch, plain) == 0
-    assert "stages" not in plain.getvalue() and "[trtllm-diffkv build] no CUDA kernels (stub)" in plain.getvalue()
-    quiet = Terminal()
-    assert _build(checkpoint, tmp_path / "b", monkeypatch, quiet, "--quiet") == 0
-    assert quiet.getvalue() == ""
+    text = plain.getvalue()
+    expected = [s for s in build_cmd.STAGES if "ONNX" not in s]
+    shown = re.findall(r"\[trtllm-diffkv build\] stage (\d+)/(\d+): (.+)", text)
+    assert [name for _, _, name in shown] == expected, text
+    assert [int(k) for k, _, _ in shown] == list(range(1, len(expected) + 1)) and {t for _, t, _ in shown} == {
+        str(len(expected))}
+    beats = re.findall(r"\[trtllm-diffkv build\] \.\.\. still (.+) \((\d+) s\)", text)
+    assert len(beats) >= 3 and {name for name, _ in beats} <= set(expected), text
+    assert "stages |" not in text and "[trtllm-diffkv build] no CUDA kernels (stub)" in text  # no bar
+    time.sleep(0.2)
+    assert plain.getvalue() == text  # the lines stop with the build
+
+
+def test_nothing_with_quiet(checkpoint, tmp_path, monkeypatch, cheap_build):
+    for name, quiet in (("b", Terminal()), ("c", io.StringIO())):
+        assert _build(checkpoint, tmp_path / name, monkeypatch, quiet, "--quiet") == 0
+        assert quiet.getvalue() == ""

@@ -185,3 +185,41 @@ def test_read_prompts_a_huge_integer_or_deep_nesting_fails_its_line_alone(tmp_pa
     assert isinstance(first, ValueError) and "line 1" in str(first)
     assert second == "b"
     assert isinstance(third, ValueError) and "line 3" in str(third) and "nested too deeply" in str(third)
+
+
+_NO_TORCH = """
+import sys
+from trtllm_diffkv.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+print("torch imported" if "torch" in sys.modules else "no torch", code)
+"""
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--engine", "reference", "--temperature", "0.5"], "need --engine executor (the reference engine"),
+    (["--engine", "paged", "--kv-memory-bytes", "1000"], "--kv-memory-bytes needs --engine executor"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (["--top-p", "1.5"], "argument --top-p: must be a finite number in [0, 1]"),
+    (["--top-k", "-2"], "argument --top-k: must be >= 0 (0 = off), got -2"),
+    (["--logprobs", "21"], "argument --logprobs: must be an int in [0, 20]"),
+    (["--presence-penalty", "3"], "argument --presence-penalty: must be a finite number in [-2, 2]"),
+    (["--n", "0"], "argument --n: must be an int >= 1"),
+    (["--seed", "-1"], "argument --seed: must be an int in [0, 2**64)"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
+    (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    (["--max-batch-size", "0"], "argument --max-batch-size: must be >= 1, got 0"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt: no such file"),
+])
+def test_bad_flags_are_refused_before_torch_is_imported(args, words):
+    """Issue 44: bad values were refused only after 5-15 s of imports or a model load (``--engine reference
+    --temperature 0.5`` loaded the model first), messages said "or None" to a CLI user, and a missing prompts file
+    printed a raw ``[Errno 2]``. Now each is one line, exit code 2, and torch (10 s to import on a loaded machine)
+    was never imported."""
+    run = subprocess.run([sys.executable, "-c", _NO_TORCH, "generate", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert run.stdout.split() == ["no", "torch", "2"], (run.stdout, run.stderr)
+    assert words in run.stderr and "None" not in run.stderr and "Errno" not in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr

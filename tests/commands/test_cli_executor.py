@@ -27,7 +27,11 @@ def prompts_file(tmp_path_factory):
 
 
 def _run(capsys, *args) -> tuple[int, list[dict], str]:
-    code = main(["generate", "--device", "cpu", "--threads", "1", *args])
+    """``generate`` in-process: (exit code, --json rows, stderr + stdout); argparse's usage errors exit 2."""
+    try:
+        code = main(["generate", "--device", "cpu", "--threads", "1", *args])
+    except SystemExit as exc:  # a flag refused by its argparse type
+        code = exc.code
     captured = capsys.readouterr()
     rows = [json.loads(line) for line in captured.out.splitlines()] if "--json" in args else []
     return code, rows, captured.err + captured.out
@@ -126,4 +130,4 @@ def test_n_logprobs_and_penalty_flags(capsys, checkpoint):
     assert code == 2 and "--presence-penalty" in out
     code, _, out = _run(capsys, "--model", str(checkpoint), "--prompt", "hi", "--engine", "executor",
                         "--n", "100000000")  # refused at once (it hung building 10**8 child requests)
-    assert code == 2 and "--n: n must be an int >= 1, at most 256" in out
+    assert code == 2 and "--n: must be an int >= 1, at most 256" in out

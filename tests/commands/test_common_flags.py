@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trtllm_diffkv.cli import build_parser
-from trtllm_diffkv.commands.common import THREADS_HELP, cpu_threads, default_cpu_threads, finite_float
+from trtllm_diffkv.commands.common import THREADS_HELP, cpu_threads, default_cpu_threads, finite_float, positive_int
 from trtllm_diffkv.config import replaced_atomically, write_text_atomic
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trtllm_diffkv"
@@ -22,7 +22,7 @@ def _subcommands():
 def _float_flags():
     for name, sub in _subcommands().items():
         for action in sub._actions:
-            if action.type is float or action.type is finite_float:
+            if action.type is float or action.type is finite_float or getattr(action.type, "reads_finite_float", False):
                 yield name, action
 
 
@@ -30,7 +30,9 @@ def test_every_float_flag_refuses_non_finite_numbers(capsys):
     flags = list(_float_flags())
     assert len(flags) >= 10, flags  # calibrate, bench, eval, generate, serve, triton-repo
     for name, action in flags:
-        assert action.type is finite_float, f"{name} {action.option_strings[0]} uses type={action.type}"
+        assert action.type is not float, f"{name} {action.option_strings[0]} uses type=float"
+        with pytest.raises(argparse.ArgumentTypeError, match="not a finite number"):  # through finite_float
+            action.type("nan")
     for text in ("nan", "NaN", "inf", "-inf", "1e400"):  # 1e400 reads as inf
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(["calibrate", "--output", "k.json", f"--max-kl={text}"])
@@ -55,7 +57,7 @@ def test_threads_has_one_default_and_one_help_text(monkeypatch):
               for name, sub in _subcommands().items() if any("--threads" in a.option_strings for a in sub._actions)}
     assert {"generate", "eval", "calibrate", "serve", "triton-repo"} <= set(having)
     for name, action in having.items():
-        assert action.default is None and action.type is int, name
+        assert action.default is None and action.type is positive_int, name
         assert action.help == THREADS_HELP, name
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert default_cpu_threads() == 3

@@ -96,6 +96,17 @@ def test_bad_requests_fail_alone_and_free_everything(tiny):
     assert _free(llm)
 
 
+def test_whitespace_is_a_prompt_and_only_the_empty_string_is_empty(text_llm):
+    """Issue 44: whitespace-only prompts were refused as "empty"; OpenAI and vLLM take them (they are tokens).
+    ``""`` is still refused (no token at all)."""
+    outs = text_llm.generate([" ", "\n\t ", ""], GREEDY(3))
+    for prompt, out in zip((" ", "\n\t "), outs):
+        assert out.error is None and out.prompt_token_ids == text_llm.tokenizer(prompt)["input_ids"]
+        assert len(out.outputs[0].token_ids) >= 1
+    assert "empty prompt" in outs[2].error and outs[2].outputs[0].finish_reason == "error"
+    assert _free(text_llm)
+
+
 def test_stream_deltas_concatenate_to_the_final_text_and_ids(text_llm, monkeypatch):
     tokenizer = text_llm.tokenizer
     step = text_llm.executor.step
@@ -301,3 +312,36 @@ def test_bad_max_seq_len_is_refused_not_read_as_the_model_limit(bad):
     model = tiny_llama()
     with pytest.raises(ValueError, match="max_seq_len"):
         LLM.from_model(model, None, model.config, "default", kv_memory_bytes=4 << 20, max_seq_len=bad)
+
+
+def test_vllm_stop_token_ids_min_tokens_and_include_stop_str_end_to_end(tmp_path):
+    """Issue 44: vLLM's ``stop_token_ids``, ``min_tokens`` and ``include_stop_str_in_output`` through the LLM and
+    its executor (the server and the Triton model pass them on). References: the plain greedy run (where a stop
+    id cuts it) and, for ``min_tokens``, each step's plain log-probabilities teacher-forced from the prompt
+    plus the tokens before (fp16 preset: no compression): a token within ``min_tokens`` is the most likely
+    non-stop token (vLLM's MinTokensLogitsProcessor), and the request does not stop before."""
+    folder = write_tiny_text_checkpoint(tmp_path / "tiny")
+    with LLM(str(folder), "fp16", device="cpu", kv_memory_bytes=16 << 20) as llm:
+        prompt = llm.tokenizer("Once upon a time")["input_ids"]
+        decode = llm.tokenizer.decode
+        plain = llm.generate(prompt, GREEDY(12)).outputs[0]
+        stop_id = plain.token_ids[2]
+        first = plain.token_ids.index(stop_id)
+        for include in (False, True):
+            out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id],
+                                                      include_stop_str_in_output=include)).outputs[0]
+            assert out.token_ids == plain.token_ids[:first + 1]
+            assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+            assert out.text == decode(plain.token_ids[:first + 1 if include else first], skip_special_tokens=True)
+        min_tokens = first + 4
+        masked = {stop_id} | llm.stop_token_ids                   # the model's end ids too, even with ignore_eos
+        out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id],
+                                                  min_tokens=min_tokens, ignore_eos=True)).outputs[0]
+        assert len(out.token_ids) > min_tokens and not masked & set(out.token_ids[:min_tokens])
+        for k, token in enumerate(out.token_ids[:min_tokens + 1]):
+            entry = llm.generate(prompt + out.token_ids[:k], SamplingParams(max_tokens=1, temperature=0.0, logprobs=8,
+                                                                            ignore_eos=True)).outputs[0].logprobs[0]
+            allowed = {t: lp.logprob for t, lp in entry.items() if k >= min_tokens or t not in masked}
+            assert entry[token].logprob == pytest.approx(max(allowed.values()), abs=1e-3), (k, token)
+        assert out.finish_reason == ("stop" if out.token_ids[-1] == stop_id else "length")
+        assert _free(llm)

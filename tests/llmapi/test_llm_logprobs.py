@@ -182,6 +182,32 @@ def test_aborting_a_group_aborts_every_child_and_frees_the_pages(setup):
     assert streamed.error.startswith("n=2 / best_of=3: best_of > n cannot stream")
 
 
+def test_llm_abort_of_the_group_request_id_aborts_every_child(setup):
+    """Issue 44: ``llm.abort(group.request_id)`` cancelled child 0 only (the id is child 0's); the other
+    children ran to ``max_tokens``. Now it cancels every child, as ``group.abort()``."""
+    _, _, llm = setup
+    group = llm.generate_async(PROMPTS[1], SamplingParams(max_tokens=400, temperature=1.0, n=4, ignore_eos=True))
+    llm.abort(group.request_id)
+    final = group.result(timeout=120)
+    assert [c.finish_reason for c in final.outputs] == ["cancelled"] * 4
+    assert all(len(c.token_ids) < 400 for c in final.outputs)
+    assert _free(llm)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_iterating_a_group_after_result_yields_nothing(setup, streaming):
+    """Issue 44: a group whose ``result()`` was taken yielded its final output once more when iterated; an
+    AsyncRequest yields nothing then, and so does a group now."""
+    _, _, llm = setup
+    group = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=4, temperature=1.0, n=2, seed=3),
+                               streaming=streaming)
+    final = group.result(timeout=60)
+    assert final.finished and list(group) == []
+    single = llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=4), streaming=streaming)
+    single.result(timeout=60)
+    assert list(single) == []  # the same rule
+
+
 def test_a_streamed_group_concatenates_to_the_unstreamed_one(setup):
     """n = 3 streamed: every update holds the 3 sequences (index 0..2); each index's token and text diffs
     concatenate to its final ids and text, which equal the unstreamed group's with the same seed."""

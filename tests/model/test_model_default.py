@@ -2,7 +2,7 @@
 
 Uses the real cache (``$TRTLLM_DIFFKV_CACHE_DIR`` or ``~/.cache/trtllm-diffkv``)
 so later test runs and the CLI reuse the conversion: the first run converts
-(~20 s), later runs load in about a second.
+(20 s to 2 minutes), later runs load in about a second.
 """
 from __future__ import annotations
 

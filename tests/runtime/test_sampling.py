@@ -648,3 +648,87 @@ def test_sequence_counts_are_bounded_before_any_child_is_built():
                       (dict(n=2, best_of=MAX_SEQUENCES + 1), "best_of"), (dict(best_of=10 ** 12), "best_of")):
         with pytest.raises(ValueError, match=f"^{name} must be .*{MAX_SEQUENCES}"):
             SamplingParams(**bad).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's min_tokens and include_stop_str_in_output (issue 44)
+# ---------------------------------------------------------------------------------------------
+def test_min_tokens_masks_every_stop_id_until_that_many_are_generated():
+    """vLLM's MinTokensLogitsProcessor: while fewer than ``min_tokens`` tokens are generated, the logits of the
+    stop ids are -inf (greedy picks the best other token); from ``min_tokens`` on nothing is masked."""
+    vocab, prompt = 23, [1, 2, 3]
+    stops = {5, 7}
+    sampler = Sampler(vocab, "cpu")
+    sampler.add("min", SamplingParams(temperature=0.0, min_tokens=3), len(prompt), stop_token_ids=stops)
+    sampler.add("off", SamplingParams(temperature=0.0), len(prompt), stop_token_ids=stops)
+    logits = torch.arange(vocab, dtype=torch.float32).repeat(2, 1)
+    logits[:, 5], logits[:, 7] = 100.0, 99.0                      # the stop ids are the two most likely
+    for generated in range(5):
+        history = prompt + [9] * generated
+        got = sampler.filtered_logits(logits, ["min", "off"], [history, history])
+        masked = generated < 3
+        for token in range(vocab):
+            want = -math.inf if masked and token in stops else float(logits[0, token])
+            assert got[0, token].item() == want, (generated, token)
+        assert torch.equal(got[1], logits[1])                     # no min_tokens: nothing masked
+        token = sampler.sample(logits, ["min", "off"], [history, history]).tolist()
+        assert token == [22 if masked else 5, 5]
+    assert Sampler.reads_history(SamplingParams(min_tokens=2)) and not Sampler.reads_history(SamplingParams())
+
+
+def _vllm_min_tokens_stop(tokenizer, ids, stops, min_tokens):
+    """Reference of vLLM's rule, written from its statement: the first prefix ``ids[:k]`` with ``k > min_tokens``
+    whose text holds a stop string ending past the text of the first ``min_tokens`` tokens; ``(k, cut text)``."""
+    floor = len(tokenizer.decode(ids[:min_tokens], skip_special_tokens=True))
+    for k in range(min_tokens + 1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        found = [(i, s) for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > floor]
+        if found:
+            return k, text[:min(found)[0]]
+    return None, tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 2, 3, 5, 8])
+def test_min_tokens_stop_strings_and_ids_follow_vllms_rule(byte_bpe, min_tokens):
+    tok = _Adapter(byte_bpe)
+    ids = tok.encode("the end of the story. the end")
+    stops = ["the", "end"]                                        # both occur early and late
+    checker = StopChecker(SamplingParams(stop=stops, max_tokens=100, min_tokens=min_tokens), set(), tok)
+    n, reason, _ = _feed(checker, ids)
+    want_n, want_text = _vllm_min_tokens_stop(tok, ids, stops, min_tokens)
+    assert (n, reason) == (want_n, "stop" if want_n else None)
+    assert checker.text_for(ids[:n] if n else ids) == want_text
+    eos = 0                                                       # a stop id counts from min_tokens on
+    for at in range(6):
+        stream = ids[:at] + [eos] + ids[at:]
+        checker = StopChecker(SamplingParams(max_tokens=100, min_tokens=min_tokens), {eos}, tok)
+        got = _feed(checker, stream)
+        assert got == ((at + 1, "stop", eos) if at + 1 >= min_tokens else (None, None, None)), at
+    assert StopChecker(SamplingParams(min_tokens=min_tokens, stop_token_ids=[4], ignore_eos=True), {eos},
+                       tok).min_tokens_stop_ids == (frozenset({4, eos}) if min_tokens else frozenset())
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_ids_text(byte_bpe):
+    tok = _Adapter(byte_bpe)
+    ids = tok.encode("hello world. the end of the story")
+    for include in (False, True):
+        checker = StopChecker(SamplingParams(stop=["d. th"], max_tokens=100, include_stop_str_in_output=include),
+                              set(), tok)
+        n, _, _ = _feed(checker, ids)
+        text = tok.decode(ids[:n])
+        assert checker.text_for(ids[:n]) == text[:text.index("d. th") + (5 if include else 0)]
+        stop_id = ids[3]
+        checker = StopChecker(SamplingParams(max_tokens=100, stop_token_ids=[stop_id],
+                                             include_stop_str_in_output=include), set(), tok)
+        n, _, token = _feed(checker, ids)
+        assert (n, token) == (ids.index(stop_id) + 1, stop_id)
+        assert checker.text_for(ids[:n]) == tok.decode(ids[:n] if include else ids[:n - 1])
+
+
+def test_min_tokens_is_validated_against_max_tokens():
+    SamplingParams(max_tokens=4, min_tokens=4).validate()
+    for bad in (5, -1, True, 2.0):
+        with pytest.raises(ValueError, match=r"min_tokens must be None or an int in \[0, max_tokens=4\]"):
+            SamplingParams(max_tokens=4, min_tokens=bad).validate()
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be True or False"):
+        SamplingParams(include_stop_str_in_output="yes").validate()

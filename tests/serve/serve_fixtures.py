@@ -21,7 +21,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """``(prompt text or token ids, max_tokens) -> text``: the prompt run alone, greedily, in an in-process
-    ``LLM`` over the same checkpoint and preset as the servers; ``.tokenizer`` is that LLM's tokenizer."""
+    ``LLM`` over the same checkpoint and preset as the servers; ``.tokenizer`` is that LLM's tokenizer, ``.llm``
+    the LLM."""
     from trtllm_diffkv.llmapi.llm import LLM
 
     llm = LLM(str(checkpoint), device="cpu", kv_memory_bytes=KV_BYTES, max_batch_size=8)
@@ -35,7 +36,7 @@ def reference(checkpoint):
             cache[key] = out.outputs[0].text
         return cache[key]
 
-    text.tokenizer = llm.tokenizer
+    text.tokenizer, text.llm = llm.tokenizer, llm
     yield text
     llm.shutdown()
 

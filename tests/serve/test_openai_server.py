@@ -52,6 +52,48 @@ def test_completion_matches_the_prompt_run_alone(client, reference):
     assert response.usage.prompt_tokens == len(reference.tokenizer(PROMPTS[0])["input_ids"])
 
 
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_vllm_stop_token_ids_min_tokens_and_include_stop_str_are_honoured(server, reference, path):
+    """Issue 44: vLLM's ``stop_token_ids`` returned the full text, ``min_tokens: 8`` gave 6 tokens and
+    ``include_stop_str_in_output`` was dropped. Each now gives what the in-process LLM gives with the same
+    SamplingParams (whose rules tests/runtime/test_sampling.py and tests/llmapi/test_llm_api.py check), and the
+    stop id cuts the plain greedy run where it first comes."""
+    from trtllm_diffkv.runtime.sampling import SamplingParams
+
+    chat = path.startswith("chat")
+    prompt = PROMPTS[1]
+    tokenizer = reference.tokenizer
+    ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)["input_ids"] \
+        if chat else prompt
+    plain = reference.llm.generate(ids, SamplingParams(max_tokens=12, temperature=0.0)).outputs[0]
+    stop_id, stop_text = plain.token_ids[2], plain.text[2:6]
+    first = plain.token_ids.index(stop_id)
+    cases = [dict(stop_token_ids=[stop_id]), dict(stop_token_ids=[stop_id], include_stop_str_in_output=True),
+             dict(stop_token_ids=[stop_id], min_tokens=8, ignore_eos=True), dict(stop=[stop_text]),
+             dict(stop=[stop_text], include_stop_str_in_output=True), dict(min_tokens=12, max_tokens=12)]
+    for fields in cases:
+        body = {"model": NAME, "max_tokens": 12, "temperature": 0, **fields}
+        body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+        answer = httpx.post(f"{server.base_url}/v1/{path}", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        out = answer.json()
+        choice = out["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        want = reference.llm.generate(ids, SamplingParams(temperature=0.0, **{"max_tokens": 12, **fields})).outputs[0]
+        assert (text, choice["finish_reason"], out["usage"]["completion_tokens"]) == (
+            want.text, want.finish_reason, len(want.token_ids)), fields
+        if fields.get("min_tokens"):
+            assert len(want.token_ids) >= fields["min_tokens"]
+            assert "stop_token_ids" not in fields or stop_id not in want.token_ids[:fields["min_tokens"]]
+        elif "stop_token_ids" in fields:
+            assert want.token_ids == plain.token_ids[:first + 1]
+    bad = httpx.post(f"{server.base_url}/v1/{path}", timeout=60, json={
+        "model": NAME, "max_tokens": 4, "min_tokens": 5, **({"messages": [{"role": "user", "content": prompt}]}
+                                                           if chat else {"prompt": prompt})})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens", bad.text
+
+
 def test_streaming_completion_concatenates_to_the_same_text(client, reference):
     chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
@@ -87,7 +129,7 @@ def test_concurrent_requests_give_the_same_greedy_text(client, reference):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"prompt": " ", "max_tokens": 4}, "empty prompt"),
+    ({"prompt": "", "max_tokens": 4}, "empty prompt"),
     ({"prompt": "hi", "temperature": -1.0}, "temperature"),
     ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of must be None or an int >= n (2)"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),

@@ -9,7 +9,9 @@ in-process ``LLM``). Shutdown with requests in flight: each stream ends with an 
 every process stopped, each wait bounded.
 """
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -221,7 +223,7 @@ def test_draining_refuses_new_requests_with_a_503_in_openai_shape():
 
 
 def test_shutdown_ends_streams_with_an_error_event_and_waiting_requests_with_a_503(checkpoint, tmp_path):
-    server = _start(checkpoint, tmp_path / "serve.log", "--shutdown-timeout-s", "1")
+    server = _start(checkpoint, tmp_path / "serve.log", "--shutdown-timeout-s", "2")
     pgid = server.pid
     results, threads = {}, []
 
@@ -248,6 +250,20 @@ def test_shutdown_ends_streams_with_an_error_event_and_waiting_requests_with_a_5
         time.sleep(0.1)
     else:
         pytest.fail(f"the requests did not start: {text}")
+    os.killpg(pgid, signal.SIGTERM)
+    probe, deadline = None, time.monotonic() + 10
+    while time.monotonic() < deadline:  # during the 2 s drain a new connection is answered: a 503, not refused
+        try:
+            probe = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        except httpx.TransportError as exc:
+            probe = exc
+            break
+        if probe.status_code == 503:
+            break
+        time.sleep(0.05)
+    assert isinstance(probe, httpx.Response) and probe.status_code == 503, probe
+    assert probe.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200  # probes still answer
     assert server.stop(grace_s=30) == 0
     assert group_pids(pgid) == []
     for thread in threads:
@@ -263,7 +279,7 @@ def test_shutdown_ends_streams_with_an_error_event_and_waiting_requests_with_a_5
     assert "shutting down" in body["error"]["message"]
     log = server.log_tail(200000)
     assert "Traceback" not in log and "ASGI" not in log, log[-3000:]
-    assert "aborting 3 request(s) still in flight after 1.0 s" in log
+    assert "aborting 3 request(s) still in flight after 2.0 s" in log
 
 
 def _scrape(server) -> dict[str, float]:

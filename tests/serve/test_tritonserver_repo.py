@@ -111,6 +111,8 @@ def test_parse_request_maps_inputs_to_sampling_params():
     assert only.sampling_params == SamplingParams(max_tokens=64, seed=4) and not only.stream
     no_end = parse_request({"text_input": _column([b"x"]), "end_id": _column([-1], np.int32)})[0]
     assert no_end.sampling_params == SamplingParams(ignore_eos=True)  # TensorRT-LLM's "no end token"
+    at_least = parse_request({"text_input": _column([b"x"]), "min_tokens": _column([6], np.int32)})[0]
+    assert at_least.sampling_params == SamplingParams(min_tokens=6)  # issue 44: was refused unless 0
 
 
 def test_parse_request_takes_log_probs_and_penalties():
@@ -253,7 +255,7 @@ def test_http_infer_generate_and_generate_stream(server, reference):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"text_input": " ", "max_tokens": 4}, "empty prompt"),
+    ({"text_input": "", "max_tokens": 4}, "empty prompt"),
     ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature"),
     ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "beam_width"),
     ({"text_input": "hi", "max_tokens": 100000}, "exceeds"),
@@ -270,7 +272,7 @@ def test_bad_request_gets_an_error_and_the_next_succeeds(server, reference, body
 
 
 @pytest.mark.parametrize("prompt, extra, message", [
-    (" ", {}, "empty prompt"),
+    ("", {}, "empty prompt"),
     ("hi", {"max_tokens": _column([0], np.int32)}, "max_tokens"),
     ("hi", {"beam_width": _column([2], np.int32)}, "beam_width"),
 ])

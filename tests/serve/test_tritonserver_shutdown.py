@@ -32,6 +32,18 @@ def _inputs(prompt: str, max_tokens: int):
     return tensors
 
 
+def _two_long_streams(client, responses, callback) -> None:
+    """Start the gRPC stream with ``callback``, send two 1900-token streaming requests (far more than a drain lets
+    them generate) and wait until both generate (4 responses without error)."""
+    client.start_stream(callback=callback)
+    for rid in ("a", "b"):
+        client.async_stream_infer("diffkv", _inputs(f"Story {rid}:", 1900), request_id=rid,
+                                  enable_empty_final_response=True)
+    for _ in range(4):
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+
+
 def test_sigterm_with_live_streams_drains_cancels_and_exits_0(checkpoint, tmp_path):
     from trtllm_diffkv.serve.tritonserver_binary import TritonServer, TritonUnavailable
 
@@ -55,13 +67,7 @@ def test_sigterm_with_live_streams_drains_cancels_and_exits_0(checkpoint, tmp_pa
                 if len(ends) == 2:  # both requests ended: the client ends its stream, as a client does
                     threading.Thread(target=client.stop_stream, daemon=True).start()
 
-        client.start_stream(callback=callback)
-        for rid in ("a", "b"):  # 1900 tokens each: far more than the drain lets them generate
-            client.async_stream_infer("diffkv", _inputs(f"Story {rid}:", 1900), request_id=rid,
-                                      enable_empty_final_response=True)
-        for _ in range(4):  # both streams generating
-            result, error = responses.get(timeout=120)
-            assert error is None, error
+        _two_long_streams(client, responses, callback)
         start = time.monotonic()
         code = server.stop(grace_s=40)
         elapsed = time.monotonic() - start
@@ -74,6 +80,54 @@ def test_sigterm_with_live_streams_drains_cancels_and_exits_0(checkpoint, tmp_pa
     assert "aborting 2 request(s) still in flight after 1.0 s" in log
     assert "finalized; KV pool pages held: 0" in log  # finalize() reached, the aborted requests' pages freed
     assert "Signal (11)" not in log and "Exit timeout expired" not in log
+
+
+def test_sigterm_to_the_command_with_a_client_stream_left_open_exits_0_after_the_drain(checkpoint, tmp_path):
+    """Issue 44: a client that keeps its gRPC stream open (no ``stop_stream()``) kept Triton 2.51 up after the
+    drain (its gRPC server waits for every open stream): "Exit timeout expired", then a hang until SIGKILL.
+    Now ``triton-repo --serve`` at SIGTERM: the streams end with the shutdown error after the 1 s drain, the
+    model reports no KV page held, the launcher stops tritonserver and exits 0, well before the exit timeout."""
+    import sys
+
+    from trtllm_diffkv.serve.process import ServerProcess, free_port
+    from trtllm_diffkv.serve.tritonserver_binary import TritonUnavailable, find_triton
+
+    try:
+        find_triton()
+    except TritonUnavailable as exc:
+        pytest.skip(f"the bundled tritonserver cannot run here: {exc}")
+    http, grpc_port, metrics = free_port(), free_port(), free_port()
+    command = [sys.executable, "-m", "trtllm_diffkv.commands.tritonserver_repo", "--out", str(tmp_path / "repo"), "--model",
+               str(checkpoint), "--name", "diffkv", "--max-batch-size", "4", "--kv-memory-bytes", str(KV_BYTES),
+               "--device", "cpu", "--dtype", "float32", "--threads", "1", "--shutdown-timeout-s", "1", "--serve",
+               "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics)]
+    command_log = tmp_path / "command.log"
+    launcher = ServerProcess(command, f"http://127.0.0.1:{http}/v2/health/ready", command_log).start()
+    client = None
+    try:
+        launcher.wait_ready(timeout_s=300)
+        client = grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        responses, ends = queue.Queue(), {}
+
+        def callback(result, error):
+            responses.put((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                ends[len(ends)] = error  # the stream is left open: no stop_stream()
+
+        _two_long_streams(client, responses, callback)
+        start = time.monotonic()
+        code = launcher.stop(grace_s=60)  # SIGTERM to the command's group: the command alone
+        elapsed = time.monotonic() - start
+    finally:
+        launcher.stop()
+        if client is not None:
+            client.close()
+    out = command_log.read_text(errors="replace")
+    assert code == 0 and elapsed < 15, (code, elapsed, out[-3000:])  # 1 s drain + 5 s: not the 11 s exit timeout
+    first = [ends.get(0), ends.get(1)]  # then the stream itself breaks as tritonserver goes away
+    assert all(e is not None and "the server is shutting down" in str(e) for e in first), ends
+    assert "every request drained (KV pool pages held: 0)" in out
+    assert group_pids(launcher.pid) == []
 
 
 def test_trtllm_optional_inputs_and_diffkv_outputs(checkpoint, tmp_path):

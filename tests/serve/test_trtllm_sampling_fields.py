@@ -24,7 +24,8 @@ def test_neutral_values_give_the_plain_output(llm):
     assert out.error is None and out.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("min_tokens", 4), ("min_tokens", True), ("exclude_input_from_output", False),
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("length_penalty", 2.0), ("length_penalty", True),
+                                          ("exclude_input_from_output", False),
                                           ("guided_decoding", {"json": {}})])
 def test_other_values_fail_the_request_naming_the_field(llm, field, value):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0.0, **{field: value}))

@@ -26,8 +26,9 @@ another user could not read it) and that is renamed to ``ENGINE_DIR`` at the end
 behind. Errors are one line on stderr, exit code 2.
 
 Progress: one tqdm bar on stderr advancing stage by stage (:data:`STAGES`: the current stage's name, stages done
-of all, elapsed time), plus the one-line notes; the bar is off when stderr is not a terminal, and ``--quiet``
-turns off the bar and the notes (errors and the final line stay).
+of all, elapsed time), plus the one-line notes; when stderr is not a terminal, one line per stage and a line
+every 10 s while a stage runs instead of the bar; ``--quiet`` turns off all of it (errors and the final line
+stay).
 """
 from __future__ import annotations
 
@@ -119,22 +120,38 @@ class StageBar:
     """A tqdm bar over the build's stages on ``file`` (default stderr): ``stage(name)`` finishes the stage before
     and shows ``name``; ``write(line)`` prints a note above the bar (``[trtllm-diffkv build] line``).
 
-    Off (notes still printed by ``write``) when ``file`` is not a terminal, with ``quiet``, or without tqdm.
+    When ``file`` is not a terminal (a log, CI) or tqdm is missing there is no bar: each stage prints one line
+    (``[trtllm-diffkv build] stage 3/7: name``) and, while it runs, a line every
+    :data:`~trtllm_diffkv.progress.HEARTBEAT_S` seconds (:class:`~trtllm_diffkv.progress.Heartbeat`), so no stage
+    is silent for minutes. ``quiet``: nothing but the notes' absence (errors and the final line stay).
     """
 
     def __init__(self, total: int, *, quiet: bool = False, file=None):
+        from .. import progress
+
         self.file = file if file is not None else sys.stderr
-        self.bar, self.started = None, False
+        self.bar, self.started, self.total, self.done = None, False, total, 0
+        self.heartbeat = None
         is_tty = getattr(self.file, "isatty", lambda: False)()
-        if not quiet and is_tty:
+        if quiet:
+            return
+        if is_tty:
             try:
                 from tqdm import tqdm
             except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, file=self.file, unit="stage", dynamic_ncols=True,
+                                bar_format="{desc} {n_fmt}/{total_fmt} stages |{bar}| {elapsed}")
                 return
-            self.bar = tqdm(total=total, file=self.file, unit="stage", dynamic_ncols=True,
-                            bar_format="{desc} {n_fmt}/{total_fmt} stages |{bar}| {elapsed}")
+        self.heartbeat = progress.Heartbeat("[trtllm-diffkv build]", progress.HEARTBEAT_S, self.file)
 
     def stage(self, name: str) -> None:
+        if self.heartbeat is not None:
+            self.done += 1
+            print(f"[trtllm-diffkv build] stage {self.done}/{self.total}: {name}", file=self.file, flush=True)
+            self.heartbeat.start(name)
+            return
         if self.bar is None:
             return
         if self.started:
@@ -150,6 +167,8 @@ class StageBar:
             print(text, file=self.file, flush=True)
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.bar is not None:
             if self.started:
                 self.bar.update(1)

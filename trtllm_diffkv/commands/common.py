@@ -77,8 +77,9 @@ THREADS_HELP = ("torch CPU threads (default on the CPU: $OMP_NUM_THREADS if set,
 
 
 def add_threads_argument(parser) -> None:
-    """Add ``--threads N`` (:data:`THREADS_HELP`) to an argparse parser or group; read it with :func:`cpu_threads`."""
-    parser.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+    """Add ``--threads N`` (:data:`THREADS_HELP`; an integer >= 1, checked by argparse) to an argparse parser or
+    group; read it with :func:`cpu_threads`."""
+    parser.add_argument("--threads", type=positive_int, metavar="N", help=THREADS_HELP)
 
 
 def cpu_threads(flag: int | None, device) -> int | None:
@@ -115,6 +116,57 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` of a count or size flag: an integer >= 1 (else argparse's usage error naming the flag).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1.
+    """
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def sampling_flag(field: str, kind=float):
+    """argparse ``type`` of a sampling flag (``--temperature``, ``--top-k``, ...): the value read as ``kind`` (a
+    finite float or an int) and checked by :meth:`~trtllm_diffkv.runtime.sampling.SamplingParams.validate` for
+    ``field`` alone (the one home of the ranges; it needs no torch), so a bad value is argparse's one-line usage
+    error, exit code 2, before torch and the model load (10 s or more), and says nothing of ``None`` (a Python
+    caller's value, not a flag's).
+
+    Returns:
+        the ``type`` callable.
+    """
+    import argparse
+
+    def parse(text: str):
+        from ..runtime.sampling import SamplingParams
+
+        if kind is int:
+            try:
+                value = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        else:
+            value = finite_float(text)
+        try:
+            SamplingParams(**{field: value}).validate()
+        except ValueError as exc:
+            message = str(exc).replace(" or None", "").replace("None or ", "")
+            raise argparse.ArgumentTypeError(message.removeprefix(f"{field} ")) from None
+        return value
+
+    parse.__name__ = field  # argparse names the type in "invalid <name> value"
+    parse.reads_finite_float = kind is not int  # a float flag read by finite_float (tests/commands)
+    return parse
 
 
 def default_results_path(command: str, file_name: str):

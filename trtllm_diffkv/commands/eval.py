@@ -75,9 +75,9 @@ def add_parser(subparsers) -> None:
                    help="methods whose humaneval completions are generated and graded by the unit tests "
                         "(comma-separated, 'all' or 'none'; each costs --humaneval-new-tokens decode steps per "
                         "case and point; default: all)")
-    p.add_argument("--bigbench", help="the bigbench sdist (.tar.gz from `pip download --no-deps --no-binary :all: "
-                                      "bigbench`) or a folder/task.json from it; without it fewshot_reasoning is "
-                                      "skipped (default: none)")
+    p.add_argument("--bigbench", help="the bigbench 1.0.0 sdist (.tar.gz; the package index serves only 0.0.1 now) "
+                                      "or a folder/task.json from it; without it fewshot_reasoning is skipped "
+                                      "(default: none)")
     p.add_argument("--seed", type=int, default=0, help="case selection and random keys (default: 0)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
@@ -225,9 +225,14 @@ def run(args) -> int:
     graded = {"all": None, "none": set()}.get(args.graded_methods.strip())
     if graded is None and args.graded_methods.strip() != "all":
         graded = {m.strip() for m in args.graded_methods.split(",") if m.strip()}
-    records = evaluate(model, tokenizer, model_config, cases, points, stop_token_ids=stop_token_ids(args.model),
-                       humaneval_new_tokens=args.humaneval_new_tokens, graded_methods=graded, time_limit_s=args.time_limit_s,
-                       progress=not args.no_progress, on_case=save)
+    from contextlib import nullcontext
+
+    from ..progress import heartbeat
+
+    with nullcontext() if sys.stderr.isatty() else heartbeat("evaluating", prefix="[eval]"):  # a log: no silent case
+        records = evaluate(model, tokenizer, model_config, cases, points, stop_token_ids=stop_token_ids(args.model),
+                           humaneval_new_tokens=args.humaneval_new_tokens, graded_methods=graded,
+                           time_limit_s=args.time_limit_s, progress=not args.no_progress, on_case=save)
     save(records)
     rows = aggregate(records)
     if not args.no_plot and rows:

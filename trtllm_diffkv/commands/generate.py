@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import PRESETS, resolve_kv_config
-from .common import add_threads_argument, cpu_threads, finite_float, resolve_device
+from .common import add_threads_argument, cpu_threads, finite_float, positive_int, resolve_device, sampling_flag
 
 DEFAULT_PROMPT = "Write a haiku about memory."
 def read_prompts(path: str | Path) -> list[str | Exception]:
@@ -26,15 +26,21 @@ def read_prompts(path: str | Path) -> list[str | Exception]:
     it fails alone.
 
     Raises:
-        ValueError: the file is not UTF-8, holds no prompt, or mixes plain
+        ValueError: the file is missing or cannot be read (naming
+            ``--prompts-file``), is not UTF-8, holds no prompt, or mixes plain
             lines and JSON lines (naming the first plain line and the first
             JSON line).
-        OSError: the file cannot be read (missing, a directory, ...).
     """
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except FileNotFoundError:
+        raise ValueError(f"--prompts-file {path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"--prompts-file {path}: a folder, not a file") from None
+    except OSError as exc:
+        raise ValueError(f"--prompts-file {path}: cannot be read ({exc.strerror or exc})") from None
     lines = [(number, line.rstrip("\r")) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not lines:
         raise ValueError(f"{path}: no prompts in the file")
@@ -87,7 +93,7 @@ def add_parser(subparsers) -> None:
     src.add_argument("--prompt", help=f"one prompt (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--prompts-file", help="one prompt per line, or JSON Lines with a 'prompt' field, not both "
                                             "(default: none, use --prompt)")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per request, at most "
+    gen.add_argument("--max-new-tokens", type=sampling_flag("max_tokens", int), default=64, help="tokens to generate per request, at most "
                                                                     "(default: 64)")
     gen.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
                      help=f"DiffKV preset ({', '.join(sorted(PRESETS))}) or a kv-config JSON file written by "
@@ -105,31 +111,31 @@ def add_parser(subparsers) -> None:
                           "pool, admission by free pages, preemption), results printed in order; Triton and "
                           "CUDA C++ kernels on CUDA (default: auto = executor on CUDA or with a sampling flag, "
                           "--n, --logprobs or --kv-memory-bytes; else reference on CPU)")
-    gen.add_argument("--max-batch-size", type=int,
+    gen.add_argument("--max-batch-size", type=positive_int,
                      help="paged engine: prompts per static batch, the pool sized per batch for its longest "
                           "request; executor: most requests in one step (default: 8 paged, 64 executor)")
-    gen.add_argument("--kv-memory-bytes", type=int,
+    gen.add_argument("--kv-memory-bytes", type=positive_int,
                      help="executor: the page pool's budget in bytes, bookkeeping included (default: 0.9 of the "
                           "free GPU memory on CUDA, 256 MiB on the CPU)")
-    gen.add_argument("--temperature", type=finite_float,
+    gen.add_argument("--temperature", type=sampling_flag("temperature"),
                      help="executor: sampling temperature, 0 = greedy (default: unset; greedy unless --top-k or "
                           "--top-p is given, then 1.0, as TensorRT-LLM's SamplingParams)")
-    gen.add_argument("--top-k", type=int, help="executor: keep the k most likely tokens, 0 = off, 1 = greedy "
+    gen.add_argument("--top-k", type=sampling_flag("top_k", int), help="executor: keep the k most likely tokens, 0 = off, 1 = greedy "
                                                "(default: unset = off)")
-    gen.add_argument("--top-p", type=finite_float, help="executor: nucleus sampling mass in [0, 1], 1 = off, 0 = greedy "
+    gen.add_argument("--top-p", type=sampling_flag("top_p"), help="executor: nucleus sampling mass in [0, 1], 1 = off, 0 = greedy "
                                                  "(default: unset = off)")
-    gen.add_argument("--repetition-penalty", type=finite_float, default=1.0,
+    gen.add_argument("--repetition-penalty", type=sampling_flag("repetition_penalty"), default=1.0,
                      help="executor: CTRL/HF repetition penalty over prompt and output, 1 = off (default: 1.0)")
-    gen.add_argument("--presence-penalty", type=finite_float,
+    gen.add_argument("--presence-penalty", type=sampling_flag("presence_penalty"),
                      help="executor: OpenAI's presence penalty in [-2, 2] over the generated tokens (default: off)")
-    gen.add_argument("--frequency-penalty", type=finite_float,
+    gen.add_argument("--frequency-penalty", type=sampling_flag("frequency_penalty"),
                      help="executor: OpenAI's frequency penalty in [-2, 2] over the generated tokens (default: off)")
-    gen.add_argument("--logprobs", type=int, metavar="K",
+    gen.add_argument("--logprobs", type=sampling_flag("logprobs", int), metavar="K",
                      help="executor: report each generated token's log-probability and its K most likely "
                           "alternatives, 0..20 (--json: a 'logprobs' list; text: the cumulative sum; default: none reported)")
-    gen.add_argument("--n", type=int, default=1,
+    gen.add_argument("--n", type=sampling_flag("n", int), default=1,
                      help="executor: sequences per prompt, independent seeds derived from --seed (default: 1)")
-    gen.add_argument("--seed", type=int, help="executor: per-request sampling seed (default: none, unseeded)")
+    gen.add_argument("--seed", type=sampling_flag("seed", int), help="executor: per-request sampling seed (default: none, unseeded)")
     gen.add_argument("--stop", action="append", help="executor: a stop string, cut from the text; repeat for "
                                                      "several (default: none)")
     gen.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
@@ -176,14 +182,8 @@ def _report(index: int, result, as_json: bool, streamed: bool = False, extra: di
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    """Run ``generate``; returns the exit code (1 when any request failed)."""
-    import torch
-
-    from ..generation.results import GenerationResult
-    from ..generation.reference import ReferenceGenerator
-    from ..model.loader import load_model, stop_token_ids
-    from ..model.rotation import model_for_kv_config
-
+    """Run ``generate``; returns the exit code (1 when any request failed). Every flag and the prompts file are
+    checked before torch and the model load (tens of seconds on a loaded machine): a bad one is one line, exit 2."""
     try:
         kv_config = resolve_kv_config(args.kv_config)
         overrides = {k: v for k, v in (("alpha_high", args.alpha_high), ("alpha_low", args.alpha_low)) if v is not None}
@@ -197,6 +197,8 @@ def generate_command(args: argparse.Namespace) -> int:
         if args.max_batch_size is not None and args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size={args.max_batch_size} must be >= 1")
         sampling = _sampling_params(args)
+        if args.engine in ("reference", "paged"):  # known without the device: refuse before anything loads
+            _check_engine_flags(args.engine, sampling, args)
         cpu_threads(args.threads, "cpu")  # refuse a bad --threads before anything loads
         if args.prompts_file:
             prompts = read_prompts(args.prompts_file)
@@ -206,6 +208,12 @@ def generate_command(args: argparse.Namespace) -> int:
                 prompts[0].encode("utf-8")
             except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8 arrive as surrogates
                 raise ValueError(f"--prompt is not valid UTF-8 text (byte {exc.start})") from None
+        import torch
+
+        from ..generation.reference import ReferenceGenerator
+        from ..model.loader import load_model, stop_token_ids
+        from ..model.rotation import model_for_kv_config
+
         device = resolve_device(args.device)
         threads = cpu_threads(args.threads, device)
         if threads:
@@ -222,12 +230,7 @@ def generate_command(args: argparse.Namespace) -> int:
         engine = pick_engine(args.engine, device,
                              executor_flags=sampling is not None or args.kv_memory_bytes is not None)
         print(f"[trtllm-diffkv] engine: {engine}", file=sys.stderr, flush=True)
-        if engine != "executor" and sampling is not None:
-            raise ValueError(f"--temperature/--top-k/--top-p/--repetition-penalty/--presence-penalty/"
-                             f"--frequency-penalty/--logprobs/--n/--seed/--stop need --engine executor (the {engine} "
-                             "engine decodes greedily)")
-        if engine != "executor" and args.kv_memory_bytes is not None:
-            raise ValueError("--kv-memory-bytes needs --engine executor")
+        _check_engine_flags(engine, sampling, args)
         if engine == "executor":
             generator = _executor_llm(model, tokenizer, model_config, kv_config, args)
             print(f"[trtllm-diffkv] decode attention: {generator.executor.decode_backend}", file=sys.stderr, flush=True)
@@ -250,6 +253,8 @@ def generate_command(args: argparse.Namespace) -> int:
     elif engine == "paged":
         results = _generate_static_batch(generator, prompts, args)
     else:
+        from ..generation.results import GenerationResult
+
         results = (GenerationResult(finish_reason="error", error=str(prompt)) if isinstance(prompt, Exception)
                    else generator.generate(prompt, args.max_new_tokens, chat_template=not args.no_chat_template)
                    for prompt in prompts)
@@ -290,6 +295,20 @@ def _generate_static_batch(generator, prompts: list, args: argparse.Namespace) -
     return results
 
 
+def _check_engine_flags(engine: str, sampling, args: argparse.Namespace) -> None:
+    """Refuse the executor's flags on another engine.
+
+    Raises:
+        ValueError: sampling flags or ``--kv-memory-bytes`` without the executor, naming them.
+    """
+    if engine != "executor" and sampling is not None:
+        raise ValueError(f"--temperature/--top-k/--top-p/--repetition-penalty/--presence-penalty/"
+                         f"--frequency-penalty/--logprobs/--n/--seed/--stop need --engine executor (the {engine} "
+                         "engine decodes greedily)")
+    if engine != "executor" and args.kv_memory_bytes is not None:
+        raise ValueError("--kv-memory-bytes needs --engine executor")
+
+
 def pick_engine(name: str, device, *, executor_flags: bool = False) -> str:
     """The engine ``--engine NAME`` runs on ``device``: ``auto`` is the executor on CUDA or when a flag only
     the executor takes is given (``executor_flags``: sampling, ``--n``, ``--logprobs``, ``--kv-memory-bytes``),
@@ -315,8 +334,9 @@ def _sampling_params(args: argparse.Namespace):
     try:
         params.validate()
     except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
+        field, message = str(exc).split(" ", 1)
+        message = message.replace(" or None", "").replace("None or ", "")  # a flag's value is never None
+        raise ValueError(f"--{field.replace('_', '-')} {message}") from None
     return params
 
 

@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 
-from .common import add_threads_argument, cpu_threads, finite_float
+from .common import add_threads_argument, cpu_threads, finite_float, positive_int
 
 
 def add_parser(subparsers) -> None:
@@ -60,6 +60,35 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                                                                          "(default: 5)")
     p.add_argument("--log-level", default="info", help="log level of uvicorn and of the access log, one line per "
                                                        "request at info (default: info)")
+    p.add_argument("--allowed-hosts", type=_host_list, metavar="HOST[,HOST...]",
+                   help="Host header values answered (names, IP addresses, networks such as 10.0.0.0/8, any port; "
+                        "'*' = any); others get a 400 (default: loopback names only on a loopback --host, else any)")
+    p.add_argument("--receive-timeout-s", type=_positive_seconds, default=30.0,
+                   help="a request's head, then its body, must arrive within this many seconds each, else the "
+                        "connection is closed (head) or answered 408 (body) (default: 30)")
+    p.add_argument("--timeout-keep-alive-s", type=_positive_seconds, default=5.0,
+                   help="close a keep-alive connection idle this long after a response (uvicorn's; default: 5)")
+    p.add_argument("--max-connections", type=positive_int, default=1024,
+                   help="open connections at most; one more is closed as soon as it is accepted (default: 1024)")
+
+
+def _positive_seconds(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 seconds")
+    return value
+
+
+_positive_seconds.reads_finite_float = True
+
+
+def _host_list(text: str) -> list[str]:
+    from ..serve.http_limits import check_allowed_hosts
+
+    try:
+        return check_allowed_hosts(part for part in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def check_port(port: int, flag: str = "--port") -> None:
@@ -93,18 +122,35 @@ def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 
 def _draining_server(config, drain, shutdown_timeout_s: float):
-    """A ``uvicorn.Server`` that, when it starts shutting down, runs ``drain.drain(shutdown_timeout_s)``
-    (refuse new requests, wait, abort the rest through the LLM) before uvicorn waits for the
-    connections (its own ``timeout_graceful_shutdown`` is the backstop, a few seconds later)."""
+    """A ``uvicorn.Server`` that, when it starts shutting down, first runs ``drain.drain(shutdown_timeout_s)``
+    (refuse new requests with a 503, wait, abort the rest through the LLM) while it still listens, so a client
+    connecting during the drain gets the 503 rather than a refused connection; then uvicorn closes the listener
+    and waits for the connections (its own ``timeout_graceful_shutdown`` is the backstop, a few seconds later)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            drained = asyncio.ensure_future(drain.drain(shutdown_timeout_s))
+            await drain.drain(shutdown_timeout_s)
             await super().shutdown(sockets)
-            await drained
 
     return DrainingServer(config)
+
+
+def uvicorn_config(app, host: str, port: int, *, log_level: str = "info", shutdown_timeout_s: float = 5.0,
+                   receive_timeout_s: float | None = 30.0, timeout_keep_alive_s: float = 5.0,
+                   max_connections: int | None = 1024):
+    """``uvicorn.Config`` of ``serve``: our access log instead of uvicorn's, the graceful-shutdown backstop, and
+    the connection limits (:func:`~trtllm_diffkv.serve.http_limits.http_protocol`: the request head's deadline, the
+    connection cap; uvicorn's ``timeout_keep_alive`` for idle keep-alive connections)."""
+    import uvicorn
+
+    from ..serve.http_limits import http_protocol
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          access_log=False,  # ours: one line per request with its tokens (serve.access)
+                          timeout_graceful_shutdown=shutdown_timeout_s + 5.0,
+                          timeout_keep_alive=timeout_keep_alive_s,
+                          http=http_protocol(receive_timeout_s, max_connections))
 
 
 def run(args) -> int:
@@ -139,7 +185,7 @@ def run(args) -> int:
         print(f"trtllm-diffkv serve: CPU threads: {threads} (set with --threads or OMP_NUM_THREADS)", file=sys.stderr,
               flush=True)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the server extra, checked before the model loads
 
         from ..llmapi.llm import LLM
         from ..serve.openai_server import create_app
@@ -166,10 +212,14 @@ def run(args) -> int:
     serve_log.setLevel(level)
     serve_log.addHandler(handler)
     try:
-        app = create_app(llm, name, max_body_bytes=args.max_body_bytes)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                access_log=False,  # ours: one line per request with its tokens (serve.access)
-                                timeout_graceful_shutdown=args.shutdown_timeout_s + 5.0)
+        from ..serve.http_limits import LOOPBACK_HOSTS, is_loopback
+
+        allowed = args.allowed_hosts or (list(LOOPBACK_HOSTS) if is_loopback(args.host) else None)
+        app = create_app(llm, name, max_body_bytes=args.max_body_bytes, allowed_hosts=allowed,
+                         receive_timeout_s=args.receive_timeout_s)
+        config = uvicorn_config(app, args.host, args.port, log_level=args.log_level,
+                                shutdown_timeout_s=args.shutdown_timeout_s, receive_timeout_s=args.receive_timeout_s,
+                                timeout_keep_alive_s=args.timeout_keep_alive_s, max_connections=args.max_connections)
         print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (kv_config {args.kv_config})", file=sys.stderr,
               flush=True)  # the port is bound already: uvicorn listens on this socket
         _draining_server(config, app.state.drain, args.shutdown_timeout_s).run(sockets=[sock])

@@ -151,10 +151,17 @@ def _serve(args) -> int:
         print(f"trtllm-diffkv triton-repo: {exc}", file=sys.stderr)
         return 1
     finally:
-        server.stop()
+        code = server.stop()
     if crashed:
         print(f"trtllm-diffkv triton-repo: tritonserver exited with code {server.proc.returncode}; log "
               f"{server.log_path}:\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    if server.killed_after_drain:  # Triton 2.51 waits for every open gRPC stream (TritonServer.stop)
+        print("trtllm-diffkv triton-repo: every request drained (KV pool pages held: 0), but tritonserver waited "
+              "for client gRPC streams still open; stopped it", file=sys.stderr, flush=True)
+    elif code != 0:
+        print(f"trtllm-diffkv triton-repo: tritonserver exited with code {code} at shutdown; log {server.log_path}:\n"
+              f"{server.log_tail()}", file=sys.stderr)
         return 1
     shutil.rmtree(workspace, ignore_errors=True)  # backend links and the log of a clean run
     return 0

@@ -248,7 +248,9 @@ def fewshot_reasoning(tokenizer, num_cases: int, context_tokens: int, span_token
         FileNotFoundError: ``bigbench`` is ``None`` or holds no task file.
     """
     if bigbench is None:
-        raise FileNotFoundError("fewshot_reasoning needs --bigbench PATH (the bigbench sdist or its task.json)")
+        raise FileNotFoundError("fewshot_reasoning needs --bigbench PATH (the bigbench 1.0.0 sdist or its "
+                                "date_understanding task.json; the package index serves only bigbench 0.0.1 now, "
+                                "without it); the other tasks run without it")
     data = read_bigbench_task(bigbench)
     examples = data["examples"]
     prefix = data.get("task_prefix", "")

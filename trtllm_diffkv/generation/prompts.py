@@ -1,7 +1,8 @@
 """Request checks shared by every generation path: a prompt's token ids and its length against the model.
 
 One home for the rule (the reference loop, the static-batch loop, the executor and the ``LLM`` API call
-:func:`check_prompt_ids`; the engine build reads :func:`position_limit`).
+:func:`check_prompt_ids`, and :func:`check_prompt_text` on text prompts; the engine build reads
+:func:`position_limit`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ def position_limit(model_config) -> int:
     limit = model_config.max_position_embeddings
     window = model_config.max_supported_positions
     return window if window is not None and window < limit else limit
+
+
+def check_prompt_text(prompt) -> str:
+    """Check a text prompt: any non-empty ``str``; whitespace alone is a prompt too (OpenAI and vLLM take
+    ``" "``; it is at least one token), only ``""`` is empty (edge case 8: no token at all).
+
+    Raises:
+        ValueError: not a ``str``, or empty.
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"a text prompt is a str, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("empty prompt: at least one character is needed")
+    return prompt
 
 
 def check_prompt_ids(prompt_ids, max_new_tokens: int, model_config) -> list[int]:

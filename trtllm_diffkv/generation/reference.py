@@ -13,7 +13,7 @@ import torch
 from ..cache import DiffKVReferenceCache
 from ..config import DiffKVConfig
 from ..model.rotation import model_for_kv_config
-from .prompts import check_prompt_ids
+from .prompts import check_prompt_ids, check_prompt_text
 from .results import GenerationResult, result_fields
 
 
@@ -70,11 +70,10 @@ class ReferenceGenerator:
     def generate(self, prompt: str, max_new_tokens: int, chat_template: bool = True) -> GenerationResult:
         """Encode and generate; errors come back in the result, never raised.
 
-        An empty or whitespace-only prompt is an error (edge case 8).
+        An empty prompt is an error (edge case 8; whitespace is a prompt: :func:`check_prompt_text`).
         """
         try:
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError("empty prompt: at least one non-blank character is needed")
+            check_prompt_text(prompt)
             if self.tokenizer is None:
                 raise ValueError("the model has no tokenizer files; pass token ids to generate_ids")
             ids = self.encode(prompt, chat_template)

@@ -22,11 +22,15 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import weakref
 from dataclasses import asdict, is_dataclass
 
 from .outputs import AsyncRequest, CompletionOutput, RequestEvent, RequestGroup, RequestOutput
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup", "UNAVAILABLE"]
+
+UNAVAILABLE = "the LLM cannot serve requests"
+"""How the error of a request refused by an LLM that cannot serve (:meth:`LLM.health`) begins."""
 
 DEFAULT_CPU_KV_MEMORY_BYTES = 256 << 20
 """KV budget on the CPU when neither ``kv_memory_bytes`` nor ``kv_memory_fraction`` is given (a fraction
@@ -265,6 +269,7 @@ class LLM:
         self._counts = {"requests_submitted": 0, "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
                         "step_errors": 0, "prompt_tokens": 0}
         self._counts_lock = threading.Lock()
+        self._groups = weakref.WeakValueDictionary()  # group request id -> RequestGroup, while its caller holds it
         self._closed = False
         self._max_prompt_chars = None
         self._submit_lock = threading.Lock()
@@ -328,17 +333,25 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         from ..runtime.sampling import SamplingParams
 
+        problem = self.health()
+        if problem is not None:  # the request's content is not at fault: a server answers 503
+            request = AsyncRequest(self, next(self._ids), prompt if isinstance(prompt, str) else None, [],
+                                   sampling_params, streaming, self.stop_token_ids, _listener)
+            request._channel.put(RequestEvent([], True, "error", f"{UNAVAILABLE}: {problem}"))
+            self._count("requests_submitted", "requests_failed")
+            return request
+
         params = SamplingParams.greedy_params() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams) and params.num_sequences != 1 and _valid(params, self.model_config):
             if not streaming:
-                return RequestGroup([self.generate_async(prompt, child, chat_template=chat_template,
-                                                         _listener=_listener) for child in params.child_params()],
-                                    params)
+                return self._group(RequestGroup([self.generate_async(prompt, child, chat_template=chat_template,
+                                                                     _listener=_listener)
+                                                 for child in params.child_params()], params))
             if params.best_of in (None, params.n):
                 listener = queue.Queue()
-                return RequestGroup([self.generate_async(prompt, child, streaming=True, chat_template=chat_template,
-                                                         _listener=listener) for child in params.child_params()],
-                                    params, listener=listener)
+                return self._group(RequestGroup([self.generate_async(prompt, child, streaming=True,
+                                                                     chat_template=chat_template, _listener=listener)
+                                                 for child in params.child_params()], params, listener=listener))
         rid = next(self._ids)
         text = prompt if isinstance(prompt, str) else None
         try:
@@ -350,7 +363,7 @@ class LLM:
                                  "are known only at the end; use streaming=False)")
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             request = AsyncRequest(self, rid, text, [], params, streaming, self.stop_token_ids, _listener)
-            request._channel.put(RequestEvent([], True, "error", _message(exc)))
+            request._channel.put(RequestEvent([], True, "error", self._failure(exc)))
             self._count("requests_submitted", "requests_failed")
             return request
         request = AsyncRequest(self, rid, text, ids, params, streaming, self.stop_token_ids, _listener)
@@ -375,9 +388,10 @@ class LLM:
         return self._max_prompt_chars
 
     def _prompt_ids(self, prompt, chat_template: bool) -> list[int]:
+        from ..generation.prompts import check_prompt_text
+
         if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("empty prompt: at least one non-blank character is needed")
+            check_prompt_text(prompt)  # "" is empty; whitespace is a prompt (OpenAI and vLLM take it)
             if self.tokenizer is None:
                 raise ValueError("the model has no tokenizer files: give prompts as lists of token ids")
             limit = self.max_prompt_chars()
@@ -391,11 +405,44 @@ class LLM:
             raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)  # checked by check_prompt_ids
 
+    def health(self) -> str | None:
+        """``None`` while this LLM can serve, else why not: its generation loop stopped, or its executor cannot step
+        again (a tensor-parallel group whose rank failed or exited:
+        :attr:`~trtllm_diffkv.parallel.TensorParallelExecutor.broken`). Cheap (no step is waited for): servers
+        answer ``/health`` with it. From then on every request fails at once with an error starting with
+        :data:`UNAVAILABLE` (``trtllm-diffkv serve``: a 503); create a new ``LLM``."""
+        if self._closed:
+            return "the LLM was shut down"
+        if not self._thread.is_alive():
+            return "the generation loop is not running"
+        broken = getattr(self.executor, "broken", None)
+        if broken is not None:
+            return f"the tensor-parallel group is broken: {broken}"
+        return None
+
+    def _failure(self, exc: Exception) -> str:
+        """The error message of a request that ``exc`` refused: :data:`UNAVAILABLE` and why when the LLM cannot
+        serve any more (the executor raised because its group broke), else the exception's own."""
+        problem = self.health()
+        return f"{UNAVAILABLE}: {problem}" if problem is not None else _message(exc)
+
+    def _group(self, group: RequestGroup) -> RequestGroup:
+        """Remember ``group`` under its ``request_id`` (its first child's) while the caller holds it, so that
+        :meth:`abort` of that id cancels every child."""
+        with self._counts_lock:
+            self._groups[group.request_id] = group
+        return group
+
     def abort(self, request_id: int) -> None:
         """Cancel a request: it finishes with ``finish_reason == "cancelled"``; its pages are freed by the
-        loop thread before its next step. A finished or unknown id is ignored."""
-        if not self._closed:
-            self._commands.put(("abort", request_id))
+        loop thread before its next step. The ``request_id`` of a :class:`RequestGroup` (``n > 1`` /
+        ``best_of``) cancels every child, as ``group.abort()``. A finished or unknown id is ignored."""
+        if self._closed:
+            return
+        with self._counts_lock:
+            group = self._groups.get(request_id)
+        for rid in [request_id] if group is None else [child.request_id for child in group.children]:
+            self._commands.put(("abort", rid))
 
     def stats(self) -> dict:
         """LLM counters (``requests_submitted``, ``requests_finished``, ``requests_failed``,
@@ -454,7 +501,7 @@ class LLM:
             self.executor.add_request(request.prompt_token_ids, request.sampling_params,
                                       request_id=request.request_id)
         except Exception as exc:  # noqa: BLE001 - the request fails alone
-            self._finish_aborted(request.request_id, _message(exc))
+            self._finish_aborted(request.request_id, self._failure(exc))
 
     def _step(self) -> None:
         if not self.executor.has_unfinished():  # nothing left to run for requests still waiting here

@@ -354,7 +354,8 @@ class RequestGroup:
     The same calls as :class:`AsyncRequest`: ``result(timeout)``, ``await``, ``aresult()``, iteration (the
     final output only; with ``streaming``, one cumulative output of all ``n`` sequences each time any child
     has new tokens, ``index`` 0 .. n - 1, each with its own ``*_diff`` since the previous one, then the final
-    output), ``abort()`` (every child: all their pages go back). Streaming needs ``best_of`` unset or ``n``.
+    output; nothing once ``result()`` gave the final output, as :class:`AsyncRequest`), ``abort()`` (every
+    child: all their pages go back; so does ``llm.abort(group.request_id)``). Streaming needs ``best_of`` unset or ``n``.
     The final :class:`RequestOutput` holds ``n`` :class:`CompletionOutput` (``index`` 0 .. n - 1): with
     ``best_of > n`` the ``n`` children with the highest ``cumulative_logprob``, best first
     (:func:`~trtllm_diffkv.runtime.sampling.best_of_order`), else the children in order. A child that
@@ -408,7 +409,7 @@ class RequestGroup:
         return self
 
     def __next__(self) -> RequestOutput:
-        if self._given:
+        if self._given or self._final is not None:  # the final output was handed out (iteration or result())
             raise StopIteration
         if self.streaming:
             return self._next_streamed()
@@ -419,7 +420,7 @@ class RequestGroup:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._given:
+        if self._given or self._final is not None:
             raise StopAsyncIteration
         if self.streaming:  # the children's events come through one thread-safe queue: wait for it off the loop
             return await asyncio.get_running_loop().run_in_executor(None, self._next_streamed)

@@ -24,6 +24,7 @@ import torch
 from . import gguf_checkpoint
 from .gguf_meta import read_gguf_metadata
 from .llama import ModelConfig
+from ..progress import heartbeat
 
 CACHE_ENV = "TRTLLM_DIFFKV_CACHE_DIR"
 GGUF_CONVERSION_VERSION = 2
@@ -106,7 +107,8 @@ def convert_gguf(gguf: str | os.PathLike, target: str | os.PathLike, name: str |
     try:
         start = time.perf_counter()
         log(f"dequantizing {gguf} with transformers")
-        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **_fp32_kwarg())
+        with heartbeat("dequantizing the GGUF weights"):
+            hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **_fp32_kwarg())
         log("writing safetensors, config and tokenizer")
         config = _converted_config(hf_model, header_config)
         config["_name_or_path"] = name or gguf.stem
@@ -116,7 +118,8 @@ def convert_gguf(gguf: str | os.PathLike, target: str | os.PathLike, name: str |
         hf_model.generation_config.eos_token_id = config["eos_token_id"]
         hf_model.generation_config.to_json_file(str(tmp / "generation_config.json"))
         if "tokenizer.ggml.model" in meta.fields:
-            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+            with heartbeat("building the tokenizer from the GGUF"):
+                AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
         source = {"gguf": str(gguf.resolve()), "gguf_bytes": gguf.stat().st_size,
                   "gguf_stop_token_ids": header_config["eos_token_id"],
                   "conversion_version": GGUF_CONVERSION_VERSION}

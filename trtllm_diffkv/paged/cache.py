@@ -243,7 +243,8 @@ class PagedDiffKVCache:
     # ------------------------------------------------------------------ planning
     def plan(self, slots: Sequence[int], seq_lens: Sequence[int], positions: Sequence[int],
              is_prefill: Sequence[bool], *, pad_to: int | None = None,
-             known_free_pages: int | None = None, prompt_lens: Sequence[int] | None = None) -> None:
+             known_free_pages: int | None = None, prompt_lens: Sequence[int] | None = None,
+             decoded_from: Sequence[int] | None = None) -> None:
         """Describe the next step (host side; before the layers run).
 
         Args:
@@ -276,6 +277,12 @@ class PagedDiffKVCache:
                 chunk continues the slot's staged prompt; the final chunk
                 (``seq_lens[i] == prompt_lens[i]``) tiers and writes the whole prompt.
                 ``None``: every prefill brings a whole prompt (``prompt_lens = seq_lens``).
+            decoded_from: keyword-only ``[n]`` (entries of decode requests ignored): each prefill request's first
+                position whose token was decoded before: a request re-prefilled after a preemption brings its
+                prompt and then the tokens it generated. Without compression (``fp16``) those rows attend over
+                keys and values rounded as the pool stores them, as their decode steps did
+                (:func:`.prefill.prefill_layer`), so the recompute repeats the decode's numbers instead of
+                attending over the model dtype's. ``None``: no decoded token in any prompt.
 
         The step's packed tokens are each prefill request's ``seq_len - position`` tokens,
         then one token per decode request (``cu_seqlens`` built here), then the padding.
@@ -328,7 +335,10 @@ class PagedDiffKVCache:
         free = self.manager.free_pages() if known_free_pages is None or need > known_free_pages else known_free_pages
         if need > free:
             raise OutOfPagesError(f"the step needs up to {need} free pages, {free} are free")
-        step = StepPlan(slots, seq_lens, positions, n_pre, num_tokens, prompt_lens)
+        if decoded_from is not None and len(decoded_from) != n:
+            raise ValueError("decoded_from must have one entry per request")
+        step = StepPlan(slots, seq_lens, positions, n_pre, num_tokens, prompt_lens,
+                        None if decoded_from is None else [int(x) for x in decoded_from])
         decoding = bool(n - n_pre) or pad_to is not None
         parts = (prefill.host_inputs(self, step) if n_pre else []) + ([decode.host_inputs(step)] if decoding else [])
         inputs = self.step_inputs.to_device(parts)  # ONE host-to-device copy of the step's integers

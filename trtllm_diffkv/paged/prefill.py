@@ -108,8 +108,9 @@ def plan_prefill(cache, step, inputs: list[torch.Tensor]) -> None:
         err_idx=slots[req].to(torch.int32).repeat_interleave(cache.num_kv_heads), finishing=finishing,
         prompt_tokens=n_tok,
         chunked=any(a or b < n for a, b, n in zip(starts, ends, totals)),
-        chunks=[PrefillChunk(slots_host[i], starts[i], ends[i], totals[i], bounds[i], bounds[i + 1])
-                for i in range(n_pre)],
+        chunks=[PrefillChunk(slots_host[i], starts[i], ends[i], totals[i], bounds[i], bounds[i + 1],
+                             None if step.decoded_from is None or step.decoded_from[i] >= totals[i]
+                             else step.decoded_from[i]) for i in range(n_pre)],
         write_group_layers=write_group_layers(cache, sum(lens)),
     )
     if step.prefill.chunked:
@@ -152,6 +153,8 @@ def prefill_layer(cache, step, layer, q, k, v, out) -> None:
     With chunks in the step (:func:`plan_prefill`), the attention runs per prompt (:func:`_chunk_attention`)
     and the tiers and writes cover the whole prompts that end in this step."""
     cfg, p = cache.config, step.prefill
+    if not cfg.compress:  # before _chunk_attention: a final chunk's staging is its K/V source here
+        decoded = _decoded_rows_as_stored(cache, p, layer, q, k, v)
     if p.chunked:
         k, v, sums = _chunk_attention(cache, p, layer, q, k, v, out)
     else:
@@ -159,6 +162,9 @@ def prefill_layer(cache, step, layer, q, k, v, out) -> None:
                                            num_scoring_queries=cfg.prompt_score_window_tokens, out=out,
                                            score_sums=cache.score_sums[:q.shape[0]],
                                            **_window_kwarg(cache, layer))
+    if not cfg.compress:
+        for rows, rows_out in decoded:
+            out[rows] = rows_out
     if p.finishing:
         _write_layer(cache, p, layer, k, v, sums)
 
@@ -231,6 +237,34 @@ def _chunk_attention(cache, p: PrefillPlan, layer, q, k, v, out):
     if not keys:
         return None, None, None
     return torch.cat(keys), torch.cat(values), torch.cat(sums)
+
+
+def _decoded_rows_as_stored(cache, p: PrefillPlan, layer, q, k, v) -> list:
+    """Without compression (``fp16``): the attention outputs of the rows whose tokens were decoded before (a
+    prompt re-prefilled after a preemption: :attr:`~.step_plan.PrefillChunk.decoded_from`), over keys and values
+    rounded to the pool's FP16, as each of those tokens' decode step read them from the pages (its own included),
+    instead of the model dtype's fresh ones that the prompt rows attend over. So the recompute gives those rows
+    the numbers of their decode steps (up to the order of the sums), not a difference of FP16 rounding: in a
+    preemption storm on a tiny model, logprob differences after the recompute fell from up to 1e-4 to the
+    batching noise of the requests never preempted (issue 44, item 8). ``[(row slice, outputs)]``, written over
+    the prefill attention's rows by the caller."""
+    done = []
+    for c in p.chunks:
+        if c.decoded_from is None or c.decoded_from >= c.end:
+            continue
+        lo = max(c.start, c.decoded_from)  # the chunk's first decoded position
+        if c.start == 0:
+            keys, values = k[c.first_row:c.end_row], v[c.first_row:c.end_row]  # positions 0 .. end
+        else:  # a later chunk: the earlier chunks' K/V from the staging, then this chunk's
+            st = cache.staging[c.slot]
+            keys = torch.cat([st.keys[layer, :c.start], k[c.first_row:c.end_row]])
+            values = torch.cat([st.values[layer, :c.start], v[c.first_row:c.end_row]])
+        rows = slice(c.first_row + lo - c.start, c.end_row)
+        stored_k, stored_v = (x.to(torch.float16).float() for x in (keys, values))  # fp32 math, as the decode
+        attended = chunk_causal_attention(q[rows].float(), stored_k, stored_v, lo, cache.sm_scale,
+                                          _window_kwarg(cache, layer).get("sliding_window_tokens"))
+        done.append((rows, attended.to(q.dtype)))
+    return done
 
 
 def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sm_scale: float,

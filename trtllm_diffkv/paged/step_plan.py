@@ -47,6 +47,9 @@ class PrefillChunk:
     prompt_tokens: int
     first_row: int
     end_row: int
+    decoded_from: int | None = None
+    """The first position of a token that was decoded before (a prompt re-prefilled after a preemption brings the
+    original prompt and then the tokens generated so far); ``None``: none (every position is the prompt's)."""
 
     @property
     def whole(self) -> bool:
@@ -161,6 +164,8 @@ class StepPlan:
         num_tokens: tokens the step carries (prefill chunks, then one per decode request, then padding).
         prompt_lens: ``[n]`` each prefill request's whole prompt tokens (``None`` given: ``seq_lens``; entries of
             decode requests unused).
+        decoded_from: ``[n]`` or ``None``: each prefill request's first position whose token was decoded before
+            (a re-prefill after a preemption; :attr:`PrefillChunk.decoded_from`); at or past its prompt: none.
         prefill_tokens: the packed tokens of the prefill requests (``sum(seq_lens - positions)`` over them).
         next_layer: the next layer ``forward`` runs (layers run 0..L-1 once each, in order).
         replayed: the step's layers ran as one CUDA-graph replay (no ``forward`` calls): set by the graph runner
@@ -175,6 +180,7 @@ class StepPlan:
     n_pre: int
     num_tokens: int
     prompt_lens: list[int] | None = None
+    decoded_from: list[int] | None = None
     prefill_tokens: int = field(init=False)
     next_layer: int = 0
     replayed: bool = False

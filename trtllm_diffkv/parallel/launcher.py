@@ -141,6 +141,16 @@ class TensorParallelExecutor:
         """Ids of the requests not yet finished (any of them may be in the running step)."""
         return list(self._live)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the group cannot run another step (a rank failed or exited, or it was closed), else ``None``.
+        A rank process that exited is noticed here at once, also while no step runs (``/health``)."""
+        if self._broken is None:
+            dead = next((rank for rank, proc in enumerate(self._procs) if not proc.is_alive()), None)
+            if dead is not None:
+                return f"rank {dead} exited (code {self._procs[dead].exitcode})"
+        return self._broken
+
     def has_unfinished(self) -> bool:
         """Whether any request added here has not had its final update."""
         return bool(self._live) and self._broken is None

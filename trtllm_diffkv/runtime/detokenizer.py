@@ -1,7 +1,8 @@
 """Incremental detokenization: the text of a growing token sequence, a few tokens decoded at a time.
 
 One home for the rule: the executor's :class:`~.stop_checker.StopChecker` searches stop strings in its text,
-and the ``LLM`` API's request handles (:mod:`trtllm_diffkv.llmapi.outputs`) stream it.
+and the ``LLM`` API's request handles (:mod:`trtllm_diffkv.llmapi.outputs`) stream it. :func:`token_texts` and
+:func:`token_bytes` give single tokens' text and bytes (log-probability listings).
 """
 from __future__ import annotations
 
@@ -81,3 +82,32 @@ def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
     if not hasattr(tokenizer, "batch_decode"):  # a minimal tokenizer: decode only
         return [tokenizer.decode([int(t)]) for t in token_ids]
     return list(tokenizer.batch_decode([[int(t)] for t in token_ids], skip_special_tokens=False))
+
+
+def _byte_level_table(tokenizer) -> dict[str, int] | None:
+    """Character -> byte of a byte-level BPE vocabulary (GPT-2's byte-to-unicode map: SmolLM2, Llama 3, Qwen,
+    ...), from transformers; ``None`` when ``tokenizer`` is not byte-level (its backend's decoder is not
+    ``ByteLevel``) or the map is not importable."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if type(decoder).__name__ != "ByteLevel":
+        return None
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:
+        return None
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_ids: list[int]) -> list[bytes]:
+    """Each token's own bytes, for OpenAI's ``bytes`` and character offsets: with a byte-level BPE vocabulary the
+    bytes the token stands for (a multi-byte character split over tokens gives each token its part, so the
+    tokens' bytes joined are the text's UTF-8); a special token, a token outside the byte map, or another kind of
+    tokenizer: the UTF-8 of :func:`token_texts` (U+FFFD for a partial character)."""
+    texts = token_texts(tokenizer, token_ids)
+    table = _byte_level_table(tokenizer) if tokenizer is not None and token_ids else None
+    if table is None:
+        return [text.encode("utf-8") for text in texts]
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    pieces = tokenizer.convert_ids_to_tokens([int(t) for t in token_ids])
+    return [text.encode("utf-8") if int(token) in special or piece is None or any(c not in table for c in piece)
+            else bytes(table[c] for c in piece) for token, piece, text in zip(token_ids, pieces, texts)]

@@ -503,8 +503,8 @@ class Executor:
     def _check(self, request: Request) -> None:
         params = request.sampling_params
         request.prompt_token_ids = self.check_request(request.prompt_token_ids, params)
-        self._checkers[request.request_id] = StopChecker(params, self.stop_token_ids, self.tokenizer)
-        self.sampler.add(request.request_id, params, len(request.prompt_token_ids))
+        checker = self._checkers[request.request_id] = StopChecker(params, self.stop_token_ids, self.tokenizer)
+        self.sampler.add(request.request_id, params, len(request.prompt_token_ids), checker.min_tokens_stop_ids)
         request.prefill_token_ids = list(request.prompt_token_ids)
         request.history = list(request.prompt_token_ids)
         request.checked = True

@@ -194,7 +194,8 @@ class DiffKVResourceManager:
             self.cache.plan([r.slot for r in reqs], [r.seq_len for r in reqs],
                             [r.num_cached_tokens for r in reqs], [r.is_prefill for r in reqs],
                             pad_to=pad_to, known_free_pages=known_free_pages,
-                            prompt_lens=[len(r.prefill_token_ids) if r.is_prefill else r.seq_len for r in reqs])
+                            prompt_lens=[len(r.prefill_token_ids) if r.is_prefill else r.seq_len for r in reqs],
+                            decoded_from=[len(r.prompt_token_ids) if r.is_prefill else r.seq_len for r in reqs])
         except Exception:
             for request in taken:
                 self._give_slot(request)

@@ -4,9 +4,9 @@
   ``SamplingParams`` (``tensorrt_llm/sampling_params.py``: ``max_tokens``, ``temperature``,
   ``top_k``, ``top_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
   ``stop``, ``stop_token_ids``, ``ignore_eos``, ``end_id``, ``pad_id``, ``n``, ``best_of``,
-  ``logprobs``, ``prompt_logprobs``), checked by :meth:`SamplingParams.validate`; TensorRT-LLM's
-  other fields (:data:`TRTLLM_NEUTRAL`: ``use_beam_search``, ``min_tokens``, ...) are accepted at
-  their neutral values and refused by name otherwise.
+  ``logprobs``, ``prompt_logprobs``, ``min_tokens``, ``include_stop_str_in_output``), checked by
+  :meth:`SamplingParams.validate`; TensorRT-LLM's other fields (:data:`TRTLLM_NEUTRAL`: ``use_beam_search``,
+  ...) are accepted at their neutral values and refused by name otherwise.
 - :class:`Sampler`: one :meth:`Sampler.sample` call per executor step for every running request:
   repetition, presence and frequency penalties, temperature, top-k, top-p as per-row tensors, then
   one draw per row; :meth:`Sampler.sample_with_logprobs` adds the rows' log-probabilities.
@@ -33,7 +33,9 @@ import math
 import numbers
 from dataclasses import dataclass, replace
 
-import torch
+from ..lazy import LazyModule
+
+torch = LazyModule("torch")  # imported at first use: SamplingParams (and the CLI's flag checks) need no torch
 
 __all__ = ["SamplingParams", "Sampler", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
            "StepLogprobs", "prompt_logprobs", "best_of_order", "child_seed", "MAX_LOGPROBS"]
@@ -84,9 +86,8 @@ SEED_STRIDE = 0x9E3779B97F4A7C15
 TRTLLM_NEUTRAL = {
     "use_beam_search": (False,), "beam_width_array": (None,),
     "beam_search_diversity_rate": (None, 0), "length_penalty": (None, 1), "early_stopping": (None,),
-    "min_tokens": (None, 0, 1),
     "no_repeat_ngram_size": (None,), "min_p": (None, 0), "top_p_min": (None,), "top_p_reset_ids": (None,),
-    "top_p_decay": (None,), "bad": (None,), "bad_token_ids": (None,), "include_stop_str_in_output": (False,),
+    "top_p_decay": (None,), "bad": (None,), "bad_token_ids": (None,),
     "embedding_bias": (None,), "logits_processor": (None,), "apply_batched_logits_processor": (False,),
     "return_context_logits": (False,),
     "return_generation_logits": (False,), "exclude_input_from_output": (True,), "return_encoder_output": (False,),
@@ -96,8 +97,8 @@ TRTLLM_NEUTRAL = {
 }
 """TensorRT-LLM ``SamplingParams`` fields (``tensorrt_llm/sampling_params.py``) this runtime does not implement:
 field -> the values accepted (its default and the values that change nothing, e.g.
-``use_beam_search=False``, ``min_tokens`` 0). Another value fails the request with a ``ValueError``
-naming the field; booleans are never counts (``min_tokens=True`` is refused: :func:`is_neutral_value`)."""
+``use_beam_search=False``, ``length_penalty`` 1). Another value fails the request with a ``ValueError``
+naming the field; booleans are never counts (``length_penalty=True`` is refused: :func:`is_neutral_value`)."""
 
 
 def is_neutral_value(value, neutrals) -> bool:
@@ -151,7 +152,17 @@ class SamplingParams:
         end_id: TensorRT-LLM's end token: an id >= 0 is one more stop id (added to
             ``stop_token_ids``); ``-1`` means no end token, run to ``max_tokens`` (sets ``ignore_eos``).
         pad_id: accepted and unused (outputs are not padded).
-        use_beam_search, min_tokens, ...: TensorRT-LLM's fields at their neutral values only
+        min_tokens: vLLM's and TensorRT-LLM's: no stop before this many tokens are generated; ``None`` or
+            0 = off; ``<= max_tokens``. vLLM's rule (``MinTokensLogitsProcessor`` and ``check_stop``): while
+            fewer than ``min_tokens`` tokens are generated, the logits of every stop id (``stop_token_ids``,
+            ``end_id`` and the model's own end ids, these even with ``ignore_eos``) are ``-inf``, so the
+            request cannot stop on an id before; a stop string counts only when it ends in the text of a
+            token past the first ``min_tokens`` (it may begin before). The log-probabilities see the masked
+            logits.
+        include_stop_str_in_output: vLLM's: keep the matched stop string in the text (cut after it,
+            not before), and the text of a stop id that ended the request (special tokens such as the
+            end-of-sequence id decode to nothing). Default ``False``.
+        use_beam_search, length_penalty, ...: TensorRT-LLM's fields at their neutral values only
             (:data:`TRTLLM_NEUTRAL`).
 
     Validation is explicit (:meth:`validate`), not in ``__init__``, so that an executor can
@@ -217,7 +228,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)) and type(value) is not float:
                 object.__setattr__(self, name, float(value))
-        for name in ("max_tokens", "top_k", "seed", "n", "best_of", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "top_k", "seed", "n", "best_of", "logprobs", "prompt_logprobs", "min_tokens"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
                 object.__setattr__(self, name, int(value))
@@ -342,6 +353,12 @@ class SamplingParams:
                 _check_int("stop_token_ids", token, 0, upper, where)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.min_tokens is not None:
+            _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                       f"None or an int in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be True or False, got "
+                             f"{self.include_stop_str_in_output!r}")
         if self.pad_id is not None:
             _check_int("pad_id", self.pad_id, 0, None, "None or an int >= 0")
         for name, neutrals in TRTLLM_NEUTRAL.items():
@@ -500,14 +517,16 @@ class Sampler:
         self._seen: dict = {}       # request_id -> (ids folded into the mask, bool mask [V])
         self._counts: dict = {}     # request_id -> (ids folded in, float32 counts [V] of the generated ids)
         self._prompt_tokens: dict = {}  # request_id -> prompt length (where its history's generated ids start)
+        self._min_tokens: dict = {}  # request_id -> (min_tokens, int64 [S] stop ids masked until then)
         self._shared = torch.Generator(device=self.device)
         self._shared.seed()
 
-    def add(self, request_id, params: SamplingParams, prompt_tokens: int = 0) -> None:
+    def add(self, request_id, params: SamplingParams, prompt_tokens: int = 0, stop_token_ids=()) -> None:
         """Register a request (validates ``params`` against the vocabulary; makes its generator).
 
-        ``prompt_tokens``: the prompt's length: the presence and frequency penalties count only the
-        history's ids past it (the generated ones).
+        ``prompt_tokens``: the prompt's length: the presence and frequency penalties and ``min_tokens`` count
+        only the history's ids past it (the generated ones). ``stop_token_ids``: the ids whose logits are
+        ``-inf`` while fewer than ``params.min_tokens`` are generated (:attr:`.stop_checker.StopChecker.min_tokens_stop_ids`).
 
         Raises:
             ValueError: bad ``params`` (see :meth:`SamplingParams.validate`) or ``request_id``
@@ -518,12 +537,16 @@ class Sampler:
             raise ValueError(f"request {request_id!r} is already registered with the sampler")
         self._params[request_id] = params
         self._prompt_tokens[request_id] = prompt_tokens
+        ids = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < self.vocab_size})
+        if params.min_tokens and ids:
+            self._min_tokens[request_id] = (params.min_tokens, torch.tensor(ids, dtype=torch.long, device=self.device))
         if params.seed is not None and not params.greedy:
             self._generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
 
     def remove(self, request_id) -> None:
         """Forget a request (no error if unknown)."""
-        for table in (self._params, self._generators, self._seen, self._counts, self._prompt_tokens):
+        for table in (self._params, self._generators, self._seen, self._counts, self._prompt_tokens,
+                      self._min_tokens):
             table.pop(request_id, None)
 
     def __contains__(self, request_id) -> bool:
@@ -604,18 +627,21 @@ class Sampler:
 
     @staticmethod
     def reads_history(params: SamplingParams) -> bool:
-        """Whether a row's draw reads its host history (the repetition, presence or frequency penalty: the
-        tokens generated so far must all be on the host); without them a step can be sampled before the last
-        step's token is read (the executor's overlap)."""
-        return params.repetition_penalty != 1.0 or params.penalizes_counts
+        """Whether a row's draw reads its host history (the repetition, presence or frequency penalty, or
+        ``min_tokens``: the tokens generated so far must all be on the host); without them a step can be sampled
+        before the last step's token is read (the executor's overlap)."""
+        return params.repetition_penalty != 1.0 or params.penalizes_counts or bool(params.min_tokens)
 
     def _penalized(self, logits, params, request_ids, histories) -> torch.Tensor:
         """[B, V] float32 logits with the repetition penalty, then the presence and frequency penalties,
-        applied (may alias float32 ``logits``)."""
+        applied, and the stop ids of rows short of their ``min_tokens`` at ``-inf`` (may alias float32
+        ``logits``)."""
         scores = finite_logits(logits)
         rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
         counted = [b for b, p in enumerate(params) if p.penalizes_counts]
-        if not rows and not counted:
+        short = [b for b, rid in enumerate(request_ids) if rid in self._min_tokens
+                 and len(histories[b]) - self._prompt_tokens[rid] < self._min_tokens[rid][0]]
+        if not rows and not counted and not short:
             return scores
         scores = scores.clone()
         if rows:
@@ -631,6 +657,8 @@ class Sampler:
             frequency = torch.tensor([float(params[b].frequency_penalty or 0) for b in counted], dtype=torch.float32,
                                      device=scores.device).unsqueeze(1)
             scores[counted] = scores[counted] - counts * frequency - (counts > 0).float() * presence
+        for b in short:  # vLLM's MinTokensLogitsProcessor: no stop id before min_tokens
+            scores[b, self._min_tokens[request_ids[b]][1]] = -math.inf
         return scores
 
     def _generated_counts(self, request_id, history: list[int]) -> torch.Tensor:

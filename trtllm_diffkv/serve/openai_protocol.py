@@ -11,7 +11,9 @@ unless absent or ``null`` (:data:`UNSUPPORTED`). Where OpenAI's API says integer
 is accepted: ``true`` or ``"3"`` is a 400 naming the field, never coerced (pydantic's strict types);
 number fields take integers and floats but not booleans or strings. ``top_k``,
 ``repetition_penalty`` and ``ignore_eos`` are extensions (vLLM and TensorRT-LLM's
-``trtllm-serve`` accept the same names). Unknown fields are ignored, as OpenAI's SDK may add some.
+``trtllm-serve`` accept the same names), and so are vLLM's ``stop_token_ids``, ``min_tokens`` and
+``include_stop_str_in_output`` (implemented as vLLM's rules:
+:class:`~trtllm_diffkv.runtime.sampling.SamplingParams`). Unknown fields are ignored, as OpenAI's SDK may add some.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "UsageInfo", "ErrorBody", "new_id",
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "UsageInfo", "ErrorBody", "new_id",
            "NEUTRAL", "CHAT_NEUTRAL", "UNSUPPORTED", "CHAT_UNSUPPORTED", "is_neutral"]
 
 NEUTRAL = {"logit_bias": (None, {}), "suffix": (None, "")}
@@ -55,6 +57,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a JSON boolean: ``"false"`` is a 400, as OpenAI answers, never
+    truthy) adds a usage chunk before ``[DONE]``; vLLM's ``continuous_usage_stats`` is refused unless false
+    (no per-chunk usage here). Unknown keys are ignored, as in the request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -68,13 +81,20 @@ class _Request(BaseModel):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: StrictBool = False
-    stream_options: dict | None = Field(default=None, description='{"include_usage": true} adds a usage chunk')
+    stream_options: StreamOptions | None = Field(default=None, description='{"include_usage": true} adds a usage '
+                                                 'chunk')
     ignore_eos: StrictBool = False
     n: StrictInt | None = Field(default=None, description="choices per prompt (independent requests, seeds "
                                 "derived from seed); default 1")
     presence_penalty: StrictFloat | None = Field(default=None, description="OpenAI's, in [-2, 2]")
     frequency_penalty: StrictFloat | None = Field(default=None, description="OpenAI's, in [-2, 2]")
     logit_bias: dict | None = None
+    stop_token_ids: list[StrictInt] | None = Field(default=None, description="extension (vLLM): token ids that "
+                                                   "stop generation besides the model's end ids")
+    min_tokens: StrictInt | None = Field(default=None, description="extension (vLLM): no stop id or stop string "
+                                         "before this many tokens")
+    include_stop_str_in_output: StrictBool | None = Field(default=None, description="extension (vLLM): keep the "
+                                                          "matched stop string (or stop id's text) in the text")
     user: str | None = None
     tools: object = None
     tool_choice: object = None

@@ -42,6 +42,7 @@ goes to the ``trtllm_diffkv.serve.access`` logger at INFO.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import time
@@ -51,9 +52,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from . import is_server_fault
+from . import is_server_fault, is_unavailable
+from .http_limits import host_allowed
 from .metrics import ServingMetrics
-from ..runtime.detokenizer import token_texts
+from ..runtime.detokenizer import token_bytes, token_texts
 from ..runtime.sampling import best_of_order
 from .openai_protocol import (CHAT_NEUTRAL, CHAT_UNSUPPORTED, NEUTRAL, UNSUPPORTED, ChatCompletionRequest, CompletionRequest, created,
                               is_neutral, new_id)
@@ -134,14 +136,18 @@ class Drain:
 
 
 class _Guard:
-    """Pure ASGI middleware: the body cap (413), the draining state (503) and the access log.
+    """Pure ASGI middleware: the ``Host`` rule (400), the body cap (413), the body's deadline (408), UTF-8 bodies
+    (400), the draining state (503) and the access log.
 
     The body cap checks ``Content-Length`` before anything is read and counts the bytes of a chunked
-    body as they arrive, so an oversized request never reaches JSON parsing.
+    body as they arrive, so an oversized request never reaches JSON parsing. ``allowed_hosts``: the
+    :func:`~trtllm_diffkv.serve.http_limits.host_allowed` patterns (``None``: any host); ``receive_timeout_s``: the
+    body must be in within this many seconds of the request head (``None``: no deadline).
     """
 
-    def __init__(self, app, drain: Drain, max_body_bytes: int):
+    def __init__(self, app, drain: Drain, max_body_bytes: int, allowed_hosts=None, receive_timeout_s=None):
         self.app, self.drain, self.max_body_bytes = app, drain, max_body_bytes
+        self.allowed_hosts, self.receive_timeout_s = allowed_hosts, receive_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -163,17 +169,29 @@ class _Guard:
                             usage.get("completion_tokens", "-"))
 
     async def _guarded(self, scope, receive, send):
+        headers = dict(scope.get("headers") or ())
+        host = headers.get(b"host")
+        if not host_allowed(None if host is None else host.decode("latin-1"), self.allowed_hosts):
+            return await _send_json(send, 400, _error_body(
+                f"Host {host.decode('latin-1')!r} is not served here (allowed: {', '.join(self.allowed_hosts)}; "
+                "trtllm-diffkv serve --allowed-hosts adds names)"))
         if self.drain.draining and scope["path"].startswith("/v1/") and scope["method"] == "POST":
             return await _send_json(send, 503, _error_body(SHUTDOWN_MESSAGE, status=503))
-        length = dict(scope.get("headers") or ()).get(b"content-length")
+        length = headers.get(b"content-length")
         too_big = _error_body(f"the request body is larger than {self.max_body_bytes} bytes", status=413)
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_json(send, 413, too_big)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = None if self.receive_timeout_s is None else time.monotonic() + self.receive_timeout_s
         while True:  # read the body here, counting: a chunked body has no Content-Length
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), None if deadline is None else
+                                                 max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await _send_json(send, 408, _error_body(
+                    f"the request body did not arrive within {self.receive_timeout_s:g} s", status=408))
             if message["type"] != "http.request":
                 return  # the client left
             chunks.append(message.get("body", b""))
@@ -183,6 +201,9 @@ class _Guard:
             if not message.get("more_body"):
                 break
         body, sent = b"".join(chunks), [False]
+        if body and json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):  # json.loads would take UTF-16/32
+            return await _send_json(send, 400, _error_body(
+                f"the request body is not UTF-8 JSON (it reads as {json.detect_encoding(body).upper()})"))
 
         async def replay():
             if not sent[0]:
@@ -234,6 +255,9 @@ def _sampling_params(body, max_tokens: int):
         if name in type(body).model_fields and not is_neutral(name, getattr(body, name), table):
             allowed = " or ".join(repr(v) if v is not None else "null" for v in neutrals)
             raise BadRequest(f"'{name}' = {getattr(body, name)!r} is not supported (only {allowed})", name)
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise BadRequest("'stream_options.continuous_usage_stats' is not supported (usage comes in one chunk at the "
+                         "end with include_usage)", "stream_options.continuous_usage_stats")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
@@ -248,7 +272,9 @@ def _sampling_params(body, max_tokens: int):
                             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                             seed=body.seed, stop=[s for s in stop if s] or None if stop else None,
                             ignore_eos=body.ignore_eos, n=1 if body.n is None else body.n, best_of=best_of,
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop_token_ids=body.stop_token_ids,
+                            min_tokens=body.min_tokens,
+                            include_stop_str_in_output=bool(body.include_stop_str_in_output))
     try:
         params.validate()
     except ValueError as exc:  # the message starts with the field's name
@@ -262,13 +288,14 @@ def _sampling_params(body, max_tokens: int):
     return params
 
 
-def _logprob_texts(tokenizer, ids, entries) -> dict[int, str]:
-    """Token id -> its text for every id in ``ids`` and in the ``entries`` (one decode call)."""
+def _logprob_texts(tokenizer, ids, entries, as_bytes: bool = False) -> dict[int, str] | dict[int, bytes]:
+    """Token id -> its text (``as_bytes``: its bytes, :func:`~trtllm_diffkv.runtime.detokenizer.token_bytes`) for
+    every id in ``ids`` and in the ``entries`` (one decode call)."""
     wanted = set(ids)
     for entry in entries:
         wanted.update(entry or ())
     wanted = sorted(wanted)
-    return dict(zip(wanted, token_texts(tokenizer, wanted)))
+    return dict(zip(wanted, (token_bytes if as_bytes else token_texts)(tokenizer, wanted)))
 
 
 class _CompletionChoice:
@@ -285,33 +312,40 @@ class _CompletionChoice:
     def __init__(self, tokenizer, prompt, echo: bool, logprobs: int | None, prompt_only: bool):
         self.tokenizer, self.prompt, self.echo, self.logprobs = tokenizer, prompt, echo, logprobs
         self.prompt_only, self.started, self.offset = prompt_only, False, 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # text_offset: characters completed so far
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def piece(self, output, text: str, token_ids: list[int], entries) -> tuple[str, dict | None]:
         """``(text, logprobs object)`` of what is new: ``text`` / ``token_ids`` / ``entries`` (the output's
         ``logprobs`` entries of those ids) new since the previous piece; the prompt first when echoing."""
-        ids, listed, out = [], [], ""
+        ids, listed, out, in_text = [], [], "", []
         if self.echo and not self.started:
             prompt_ids = list(output.prompt_token_ids)
             out = self.prompt if isinstance(self.prompt, str) else (
                 self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "")
             ids += prompt_ids
             listed += getattr(output.outputs[0], "prompt_logprobs", None) or [None] * len(prompt_ids)
+            # a text prompt is the client's text: a special token the tokenizer added (BOS) is not in it
+            in_text += [not isinstance(self.prompt, str) or t not in self._special for t in prompt_ids]
         self.started = True
         if not self.prompt_only:
             ids += list(token_ids)
             listed += list(entries or [None] * len(token_ids))
+            in_text += [t not in self._special for t in token_ids]  # the text skips special tokens
             out += text
         if self.logprobs is None:
             return out, None
         texts = _logprob_texts(self.tokenizer, ids, listed)
+        pieces = _logprob_texts(self.tokenizer, ids, (), as_bytes=True)
         body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, entry in zip(ids, listed):
+        for token, entry, shown in zip(ids, listed, in_text):
             body["tokens"].append(texts[token])
             body["token_logprobs"].append(None if entry is None else entry[token].logprob)
             body["top_logprobs"].append(None if entry is None else
                                         {texts[t]: lp.logprob for t, lp in sorted(entry.items(), key=_rank)})
-            body["text_offset"].append(self.offset)
-            self.offset += len(texts[token])
+            body["text_offset"].append(self.offset)  # where the token's first whole character starts
+            if shown:  # characters count once complete: the 3 tokens of one emoji start at the same offset
+                self.offset += len(self._utf8.decode(pieces[token]))
         return out, body
 
 
@@ -320,15 +354,18 @@ def _rank(item) -> int:
 
 
 def _chat_logprobs(tokenizer, token_ids: list[int], entries, top: int) -> dict:
-    """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) of ``token_ids`` with their entries."""
+    """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) of ``token_ids`` with their entries. ``bytes``
+    are each token's own bytes (:func:`~trtllm_diffkv.runtime.detokenizer.token_bytes`): a token holding part of
+    a multi-byte character has that part, not the UTF-8 of U+FFFD, so the tokens' bytes joined rebuild the text
+    (what OpenAI's field is for); ``token`` is the token's decode (U+FFFD for such a part)."""
     texts = _logprob_texts(tokenizer, token_ids, entries)
+    pieces = _logprob_texts(tokenizer, token_ids, entries, as_bytes=True)
     content = []
     for token, entry in zip(token_ids, entries or ()):
         tops = sorted(entry.items(), key=_rank)[:top]
-        content.append({"token": texts[token], "logprob": entry[token].logprob,
-                        "bytes": list(texts[token].encode("utf-8")),
-                        "top_logprobs": [{"token": texts[t], "logprob": lp.logprob,
-                                          "bytes": list(texts[t].encode("utf-8"))} for t, lp in tops]})
+        content.append({"token": texts[token], "logprob": entry[token].logprob, "bytes": list(pieces[token]),
+                        "top_logprobs": [{"token": texts[t], "logprob": lp.logprob, "bytes": list(pieces[t])}
+                                         for t, lp in tops]})
     return {"content": content}
 
 
@@ -378,27 +415,37 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts=None,
+               receive_timeout_s: float | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` under the model id ``model_name``.
 
     Args:
         llm: an :class:`~trtllm_diffkv.llmapi.llm.LLM` (or an object with its ``generate_async``, ``tokenizer``,
-            ``max_seq_len`` and ``stats``).
+            ``max_seq_len`` and ``stats``; ``health()`` when it has one).
         model_name: the id clients send as ``model``.
         max_body_bytes: request bodies above this get a 413 (read no further).
+        allowed_hosts: ``Host`` header values answered (names, IP addresses, networks, ``"*"``; any port:
+            :func:`~trtllm_diffkv.serve.http_limits.host_allowed`); others get a 400. ``None``: any host.
+        receive_timeout_s: a request body not in within this many seconds of its head gets a 408 (``None``: no
+            deadline; the head's deadline is the HTTP protocol's: :func:`~trtllm_diffkv.serve.http_limits.http_protocol`).
 
     The app does not own ``llm``: the caller shuts it down (``trtllm-diffkv serve`` does after uvicorn exits).
     ``app.state.drain`` is its :class:`Drain`.
 
     Raises:
-        ValueError: ``max_body_bytes`` < 1.
+        ValueError: ``max_body_bytes`` < 1, a bad ``allowed_hosts`` entry.
     """
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     app = FastAPI(title="trtllm-diffkv OpenAI-compatible server")
     drain = app.state.drain = Drain()
     serving_metrics = app.state.metrics = ServingMetrics(llm, model_name)
-    app.add_middleware(_Guard, drain=drain, max_body_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        from .http_limits import check_allowed_hosts
+
+        allowed_hosts = check_allowed_hosts(allowed_hosts)
+    app.add_middleware(_Guard, drain=drain, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts,
+                       receive_timeout_s=receive_timeout_s)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -433,9 +480,9 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
 
     @app.get("/health")
     async def health():
-        thread = getattr(llm, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            return _error("the LLM's generation loop is not running", status=503)
+        problem = llm.health() if hasattr(llm, "health") else None
+        if problem is not None:  # a broken tensor-parallel group, a stopped loop: restart the server
+            return _error(f"the server cannot serve requests: {problem}", status=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -520,11 +567,12 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES) ->
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
         _check_text(body.model_dump(), "")
-        params = _sampling_params(body, 1)  # refuses unsupported fields before the chat template runs
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        # refuses unsupported fields and bad values before the chat template runs
+        params = _sampling_params(body, llm.max_seq_len if max_tokens is None else max_tokens)
         _check_prompt_chars(llm, [m.content if isinstance(m.content, str) else json.dumps(m.content)
                                   for m in body.messages], "messages")
         ids = await asyncio.to_thread(_chat_prompt_ids, llm, body)  # the template and tokenizer: off the loop
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max(1, llm.max_seq_len - len(ids)) if max_tokens is None else max_tokens)
         handles = [llm.generate_async(ids, child, streaming=body.stream) for child in params.child_params()]
         drain.add(handles)
@@ -638,7 +686,7 @@ def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
             server_side = is_server_fault(final)  # a failed executor step, a shutdown: not the request's fault
             if server_side:
                 LOG.error("request failed in the LLM: %s", final.error)
-            raise BadRequest(final.error, None, 500 if server_side else 400)
+            raise BadRequest(final.error, None, 503 if is_unavailable(final) else 500 if server_side else 400)
 
 
 async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain: Drain, observe, render,
@@ -654,7 +702,7 @@ async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain
     except BaseException:
         drain.discard(handles)
         raise
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
 
     async def events():
         outputs, pending, ready = list(firsts), {}, list(range(len(handles)))

@@ -109,8 +109,13 @@ class ServerProcess:
         raise TimeoutError(f"{Path(self.command[0]).name} not ready at {self.ready_url} after {timeout_s:.0f} s; "
                            f"log {self.log_path}:\n{tail}")
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
+    def stop(self, grace_s: float = 20.0, give_up=None) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace_s`` seconds if anything is left, reap.
+
+        Args:
+            grace_s: seconds between SIGTERM and SIGKILL at most.
+            give_up: called about every 0.1 s while the group lives; ``True`` sends SIGKILL at once (the
+                server has done all it will do; :meth:`TritonServer.stop` uses it).
 
         Returns:
             the server's exit code (negative: the signal that ended it), or ``None`` if never started.
@@ -121,6 +126,8 @@ class ServerProcess:
         self._signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and (self.proc.poll() is None or group_pids(pgid)):
+            if give_up is not None and give_up():
+                break
             time.sleep(0.1)
         if self.proc.poll() is None or group_pids(pgid):
             self._signal_group(pgid, signal.SIGKILL)

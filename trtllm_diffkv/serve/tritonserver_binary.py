@@ -26,15 +26,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import sysconfig
+import time
 import uuid
 from pathlib import Path
 
 from .process import ServerProcess, free_port
 
 __all__ = ["TritonServer", "TritonUnavailable", "TritonInstall", "find_triton", "stub_env", "stub_env_dir"]
+
+DRAINED_EXIT_S = 5.0
+"""Seconds :meth:`TritonServer.stop` lets tritonserver exit by itself after every DiffKV model drained, before it
+kills the process group (a client's open gRPC stream keeps Triton 2.51 up: :meth:`TritonServer.stop`)."""
 
 STUB_NUMPY = "numpy>=1.26,<2"
 """What the stub environment installs when this process runs NumPy 2 (the stub's pybind11 needs NumPy 1)."""
@@ -214,6 +220,7 @@ class TritonServer(ServerProcess):
         env.setdefault("OMP_NUM_THREADS", "1")
         super().__init__(command, f"http://{host}:{self.http_port}/v2/health/ready", workspace / "tritonserver.log",
                          env=env)
+        self.killed_after_drain = False
 
     @property
     def http_url(self) -> str:
@@ -230,10 +237,43 @@ class TritonServer(ServerProcess):
         """The Prometheus metrics URL (Triton's own metrics and the model's ``trtllm_diffkv_*`` gauges)."""
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
+    def stop(self, grace_s: float = 20.0, drained_exit_s: float = DRAINED_EXIT_S) -> int | None:
         """Stop the server and its stubs (see :meth:`ServerProcess.stop`), then remove this run's
-        ``/dev/shm`` regions that a killed stub may have left."""
-        code = super().stop(grace_s)
+        ``/dev/shm`` regions that a killed stub may have left.
+
+        At SIGTERM each DiffKV model drains (its ``shutdown_timeout_s``) and logs
+        :data:`~trtllm_diffkv.serve.DRAINED_MESSAGE` with the KV pages it still holds. Triton 2.51 then
+        exits, unless a client keeps a gRPC stream open (with no request in it, too): its gRPC server waits
+        for every open stream, until ``--exit-timeout-secs`` and then for ever (Triton added a shutdown
+        timer to its gRPC frontend later, server PR #7969). So once every model that started draining has
+        drained and the server is still up ``drained_exit_s`` seconds later, the group is killed at once
+        instead of after ``grace_s``; :attr:`drained` then tells whether the drain itself was clean.
+
+        Returns:
+            tritonserver's exit code (``-9`` when it was killed), ``None`` if never started.
+        """
+        since = []
+
+        def stuck_after_drain() -> bool:
+            if not self.drained:
+                return False
+            since.append(time.monotonic())
+            self.killed_after_drain = since[-1] - since[0] >= drained_exit_s
+            return self.killed_after_drain
+
+        self.killed_after_drain = False
+        code = super().stop(grace_s, give_up=stuck_after_drain)
         for region in Path("/dev/shm").glob(self.shm_prefix + "*"):
             region.unlink(missing_ok=True)
         return code
+
+    @property
+    def drained(self) -> bool:
+        """Whether every DiffKV model that began its shutdown drain logged that it drained with no KV page held
+        (read from the server's log; ``False`` before any drain began)."""
+        from . import DRAINED_MESSAGE, DRAINING_MESSAGE
+
+        log = self.log_tail(1 << 22)
+        began = log.count(DRAINING_MESSAGE + ":")
+        ends = re.findall(re.escape(DRAINED_MESSAGE) + r"; KV pool pages held: (\d+)", log)
+        return began > 0 and len(ends) >= began and all(int(pages) == 0 for pages in ends)

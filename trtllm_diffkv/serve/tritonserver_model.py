@@ -159,7 +159,9 @@ class TritonPythonModel:
             pass
         if not self.draining:
             self.draining = True
-            pb_utils.Logger.log_info(f"trtllm-diffkv: shutting down: {len(self.live)} request(s) in flight get "
+            from trtllm_diffkv.serve import DRAINING_MESSAGE  # importable once initialize() set the path
+
+            pb_utils.Logger.log_info(f"{DRAINING_MESSAGE}: {len(self.live)} request(s) in flight get "
                                      f"{self.shutdown_timeout_s} s")
             asyncio.ensure_future(self._drain())
 
@@ -173,6 +175,12 @@ class TritonPythonModel:
                                      f"{self.shutdown_timeout_s} s")
             for handle in list(self.live):
                 handle.abort()
+        while self.live:  # the aborted requests end at the LLM's next step, their final flags sent
+            await asyncio.sleep(0.05)
+        from trtllm_diffkv.serve import DRAINED_MESSAGE  # importable once initialize() set the path
+
+        stats = await asyncio.get_running_loop().run_in_executor(None, self.llm.stats)
+        pb_utils.Logger.log_info(f"{DRAINED_MESSAGE}; KV pool pages held: {stats['used_pages']}")
 
     def _shutdown_error(self):
         return pb_utils.InferenceResponse(error=_error(f"{SHUTDOWN_MESSAGE}: the request was cancelled before it "

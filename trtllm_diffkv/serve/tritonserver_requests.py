@@ -63,7 +63,8 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("temperature", "TYPE_FP32", (1,), doc=">= 0; 0 = greedy; no temperature/top_k/top_p = greedy"),
     TensorSpec("length_penalty", "TYPE_FP32", (1,), neutral=1.0, doc="beam search only: must be 1"),
     TensorSpec("repetition_penalty", "TYPE_FP32", (1,), doc="> 0, 1 = off (CTRL/HF rule)"),
-    TensorSpec("min_tokens", "TYPE_INT32", (1,), neutral=0, doc="not supported: must be 0"),
+    TensorSpec("min_tokens", "TYPE_INT32", (1,), doc="no end id or stop word before this many tokens are generated "
+               "(0 = off; vLLM's rule: SamplingParams.min_tokens)"),
     TensorSpec("presence_penalty", "TYPE_FP32", (1,), doc="OpenAI's, in [-2, 2] over the generated tokens; 0 = off"),
     TensorSpec("frequency_penalty", "TYPE_FP32", (1,), doc="OpenAI's, in [-2, 2] over the generated tokens; 0 = off"),
     TensorSpec("seed", "TYPE_UINT64", (1,), doc="per-request sampling seed"),
@@ -224,7 +225,8 @@ def parse_request(inputs: dict[str, np.ndarray]) -> list[RowRequest]:
             seed=None if seed is None else int(seed),
             stop=_stop_strings(values["stop_words"]) or None if "stop_words" in values else None,
             stop_token_ids=None if end_id is None or end_id < 0 else [int(end_id)],
-            ignore_eos=end_id is not None and end_id < 0)
+            ignore_eos=end_id is not None and end_id < 0,
+            min_tokens=int(scalars["min_tokens"]) if "min_tokens" in scalars else None)
         rows.append(RowRequest(_text("text_input", scalars["text_input"]), params, bool(scalars.get("stream", False)),
                                bool(scalars.get("exclude_input_in_output", False)),
                                bool(scalars.get("return_log_probs", False))))
