@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
+
+from .validators import is_int, is_number
 
 SUPPORTED_BITS = (2, 4, 8, 16)
 """Bit widths a tier may use; 16 means "stored unquantized" (no compression)."""
@@ -56,7 +57,7 @@ def _check_choice(name: str, value, allowed) -> None:
 
 
 def _check_range(name: str, value, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not lo <= value <= hi:
+    if not is_number(value) or not lo <= value <= hi:
         raise ValueError(f"{name}={value!r} is out of range; allowed range: [{lo}, {hi}]")
 
 
@@ -237,7 +238,7 @@ class DiffKVConfig:
             object.__setattr__(self, "low", FP16_TIER)
         for name in ("recent_window_tokens", "prompt_score_window_tokens", "rotation_seed", "score_pool_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise ValueError(f"{name}={value!r} must be an integer")
         _check_range("recent_window_tokens", self.recent_window_tokens, 0, 65536)
         _check_range("prompt_score_window_tokens", self.prompt_score_window_tokens, 1, 65536)
@@ -250,7 +251,7 @@ class DiffKVConfig:
         if self.calibrated_for is not None:
             shape = self.calibrated_for
             if (not isinstance(shape, tuple) or len(shape) != 3
-                    or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in shape)):
+                    or any(not is_int(x) or x <= 0 for x in shape)):
                 raise ValueError(f"calibrated_for={shape!r} must be (num_heads, num_kv_heads, head_dim), "
                                  "three positive integers")
         if self.compress and (self.high.key_bits < self.low.key_bits or self.high.value_bits < self.low.value_bits):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import get_preset, resolve_kv_config
+from ..validators import positive_int
 from .workload_prompts import make_prompts
 
 if TYPE_CHECKING:
@@ -84,8 +85,7 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "output_tokens", "num_requests", "fp16_capacity", "max_batch_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"workload {self.name}: {name}={value!r} must be a positive integer")
+            positive_int(f"workload {self.name}: {name}", value)
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"workload {self.name}: kv_memory_bytes={self.kv_memory_bytes!r} must be a positive "
                              "integer")

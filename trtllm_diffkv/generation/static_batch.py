@@ -23,6 +23,7 @@ from .prompts import check_prompt_ids
 from .reference import ReferenceGenerator, sync_device
 from .results import GenerationResult, PagedGenerationResult, result_from_fields
 from ..paged.cache import OutOfPagesError, PagedDiffKVCache
+from ..validators import optional_positive_int
 
 
 class PagedGenerator(ReferenceGenerator):
@@ -47,8 +48,7 @@ class PagedGenerator(ReferenceGenerator):
     def __init__(self, model, tokenizer, model_config, kv_config, stop_token_ids=None, *,
                  num_pages: int | None = None, high_tokens_per_page: int = 32, use_triton: bool | None = None):
         super().__init__(model, tokenizer, model_config, kv_config, stop_token_ids)
-        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
-            raise ValueError(f"num_pages={num_pages!r} must be a positive integer, or None to size each batch's pool")
+        optional_positive_int("num_pages", num_pages, allowed="a positive integer, or None to size each batch's pool")
         self.num_pages, self.high_tokens_per_page, self.use_triton = num_pages, high_tokens_per_page, use_triton
         self.last_cache: PagedDiffKVCache | None = None
 

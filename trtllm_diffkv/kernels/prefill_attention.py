@@ -25,6 +25,7 @@ import triton
 
 from .attn_prefill_kernels import _prompt_lse_kernel, _prompt_lse_merge_kernel, _prompt_score_kernel
 from .sizes import next_pow2
+from ..validators import positive_int
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,8 +51,7 @@ def _check(q, k, v, cu_seqlens, num_scoring_queries, out, score_sums):
         raise ValueError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be int32 [num_seqs + 1], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    if isinstance(num_scoring_queries, bool) or not isinstance(num_scoring_queries, int) or num_scoring_queries < 1:
-        raise ValueError(f"num_scoring_queries={num_scoring_queries!r} must be a positive integer")
+    positive_int("num_scoring_queries", num_scoring_queries)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     if score_sums is not None and (score_sums.shape != (total, num_kv_heads) or score_sums.dtype != torch.float32

@@ -24,6 +24,7 @@ import queue
 import threading
 from dataclasses import asdict, is_dataclass
 
+from ..validators import is_int, optional_positive_int
 from .outputs import AsyncRequest, CompletionOutput, RequestEvent, RequestGroup, RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup"]
@@ -125,7 +126,7 @@ def set_num_threads(num_threads: int | None) -> None:
     """
     if num_threads is None:
         return
-    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+    if not is_int(num_threads) or num_threads < 1:
         raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
     import torch
 
@@ -185,9 +186,7 @@ class LLM:
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
                  max_seq_len: int | None = None, num_threads: int | None = None,
                  tensor_parallel_size: int | None = None, **executor_kwargs):
-        if tensor_parallel_size is not None and (isinstance(tensor_parallel_size, bool) or not isinstance(
-                tensor_parallel_size, int) or tensor_parallel_size < 1):
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        optional_positive_int("tensor_parallel_size", tensor_parallel_size, allowed="a positive integer")
         if tensor_parallel_size is not None and tensor_parallel_size > 1:
             self._start_tensor_parallel(model, kv_config, tensor_parallel_size, device=device, dtype=dtype,
                                         max_batch_size=max_batch_size, kv_memory_bytes=kv_memory_bytes,
@@ -525,9 +524,7 @@ class LLM:
 
 
 def _is_int(value) -> bool:
-    import numbers
-
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value, integral=True)
 
 
 def _valid(params, model_config) -> bool:

@@ -35,6 +35,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..validators import is_int, is_number
+
 __all__ = ["SamplingParams", "Sampler", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
            "StepLogprobs", "prompt_logprobs", "best_of_order", "child_seed", "MAX_LOGPROBS"]
 
@@ -219,7 +221,7 @@ class SamplingParams:
                 object.__setattr__(self, name, float(value))
         for name in ("max_tokens", "top_k", "seed", "n", "best_of", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+            if is_int(value, integral=True) and type(value) is not int:
                 object.__setattr__(self, name, int(value))
         ids = self.stop_token_ids
         if isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids):
@@ -464,7 +466,7 @@ def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], top: int,
 
 def _is_int(value) -> bool:
     """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value, integral=True)
 
 
 def _check_int(name: str, value, low: int | None, high: int | None, allowed: str) -> None:
@@ -473,7 +475,7 @@ def _check_int(name: str, value, low: int | None, high: int | None, allowed: str
 
 
 def _check_float(name: str, value, in_range, allowed: str) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = is_number(value)  # NaN is refused by the finiteness check below either way
     if not number or not math.isfinite(value) or not in_range:
         raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
 
