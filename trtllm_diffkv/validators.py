@@ -36,15 +36,19 @@ def _refuse(name: str, value, allowed: str):
     raise ValueError(f"{name}={value!r} must be {allowed}")
 
 
+def _int_at_least(name: str, value, low: int, allowed: str, integral: bool):
+    if not is_int(value, integral=integral) or value < low:
+        _refuse(name, value, allowed)
+    return value
+
+
 def positive_int(name: str, value, *, allowed: str = "a positive integer", integral: bool = False):
     """``value`` if it is an integer >= 1 (:func:`is_int`).
 
     Raises:
         ValueError: ``"{name}={value!r} must be {allowed}"``.
     """
-    if not is_int(value, integral=integral) or value < 1:
-        _refuse(name, value, allowed)
-    return value
+    return _int_at_least(name, value, 1, allowed, integral)
 
 
 def optional_positive_int(name: str, value, *, allowed: str = "a positive integer (or None)"):
@@ -62,9 +66,7 @@ def non_negative_int(name: str, value, *, allowed: str = "an integer >= 0"):
     Raises:
         ValueError: ``"{name}={value!r} must be {allowed}"``.
     """
-    if not is_int(value) or value < 0:
-        _refuse(name, value, allowed)
-    return value
+    return _int_at_least(name, value, 0, allowed, False)
 
 
 def optional_non_negative_int(name: str, value, *, allowed: str = "an integer >= 0 (or None)"):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import get_preset, resolve_kv_config
+from ..engine_config import EngineConfig
 from ..validators import positive_int
 from .workload_prompts import make_prompts
 
@@ -198,11 +199,12 @@ def _executor(model, workload: Workload, preset: str, budget: int, tokenizer, pr
     from ..runtime.executor import Executor
 
     cpu = next(model.parameters()).device.type == "cpu"
-    return Executor(model, model.config, resolve_kv_config(preset), tokenizer=tokenizer,
-                    max_batch_size=workload.max_batch_size, kv_memory_bytes=budget,
-                    max_seq_len=workload.prompt_tokens + workload.output_tokens,
-                    use_triton=False if cpu else None, profile=profile, use_cuda_graphs=bool(cuda_graphs) and not cpu,
-                    disable_overlap_scheduler=disable_overlap_scheduler)
+    engine = EngineConfig(max_batch_size=workload.max_batch_size, kv_memory_bytes=budget,
+                          max_seq_len=workload.prompt_tokens + workload.output_tokens,
+                          use_triton=False if cpu else None, profile=profile,
+                          use_cuda_graphs=bool(cuda_graphs) and not cpu,
+                          disable_overlap_scheduler=disable_overlap_scheduler)
+    return Executor(model, model.config, resolve_kv_config(preset), engine, tokenizer=tokenizer)
 
 
 def _drive(executor, prompts, params, arrivals, on_finish) -> tuple[float, dict, dict]:

@@ -47,12 +47,14 @@ import torch
 
 from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
+from ..engine_config import PAGE_MANAGERS, READ_PATHS
 from ..memory import CpuPageManager, KVCachePool, PageFormat
 from . import decode, prefill, torch_ops
 from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
+from ..validators import choice, non_negative_int, optional_positive_int, positive_int
 
 
 class OutOfPagesError(RuntimeError):
@@ -132,6 +134,8 @@ class PagedDiffKVCache:
         read_path: ``"torch"`` runs the attention of the Triton path with the
             torch versions (:mod:`.torch_ops`; tests of the write path on the
             GPU); ``"auto"``: the read-path kernels when present.
+        kv_config_checked: the caller already ran ``config.validate_for_model`` for this model shape
+            (:class:`~trtllm_diffkv.runtime.resource_manager.DiffKVResourceManager` does): not again here.
 
     Raises:
         ValueError: a configuration the model cannot run, or a bad size.
@@ -157,12 +161,13 @@ class PagedDiffKVCache:
                  num_pages: int, max_slots: int, max_seq_len_tokens: int, max_num_tokens: int | None = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  high_tokens_per_page: int = 32, use_triton: bool | None = None, sm_scale: float | None = None,
-                 page_manager: str = "auto", read_path: str = "auto", staging_limit_bytes: int = 0) -> None:
-        config.validate_for_model(head_dim, num_heads, num_kv_heads)
+                 page_manager: str = "auto", read_path: str = "auto", staging_limit_bytes: int = 0,
+                 kv_config_checked: bool = False) -> None:
+        if not kv_config_checked:
+            config.validate_for_model(head_dim, num_heads, num_kv_heads)
         for name, value in (("num_layers", num_layers), ("max_slots", max_slots),
                             ("max_seq_len_tokens", max_seq_len_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, value)
         self.config = config
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
@@ -170,8 +175,7 @@ class PagedDiffKVCache:
         self.page_format = PageFormat.for_config(config, head_dim, high_tokens_per_page)
         self.pool = KVCachePool(self.page_format, num_pages, self.device)
         self.pool.buffer.zero_()
-        if page_manager not in ("auto", "cpu", "triton"):
-            raise ValueError(f"page_manager={page_manager!r}; allowed: 'auto', 'cpu', 'triton'")
+        choice("page_manager", page_manager, PAGE_MANAGERS)
         if page_manager == "triton" or (page_manager == "auto" and self.device.type == "cuda"):
             from ..memory.triton_page_manager import TritonPageManager
 
@@ -196,16 +200,11 @@ class PagedDiffKVCache:
             if num_heads // num_kv_heads > MAX_GROUP:  # refused at configuration time (edge case 7)
                 raise ValueError(f"query:KV head ratio {num_heads // num_kv_heads} exceeds the {MAX_GROUP} the decode "
                                  "attention kernel supports")
-        if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int)
-                                           or max_num_tokens < 1):
-            raise ValueError(f"max_num_tokens={max_num_tokens!r} must be a positive integer (or None)")
-        if read_path not in ("auto", "torch"):
-            raise ValueError(f"read_path={read_path!r}; allowed: 'auto', 'torch'")
+        optional_positive_int("max_num_tokens", max_num_tokens)
+        choice("read_path", read_path, READ_PATHS)
         self.ops, self.decode_attention, self.prefill_attention = kernel_functions(use_triton, read_path)
         self.prompt_scores = prompt_scores_function(use_triton, read_path)
-        if isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0:
-            raise ValueError(f"staging_limit_bytes={staging_limit_bytes!r} must be an integer >= 0")
-        self.staging_limit_bytes = staging_limit_bytes
+        self.staging_limit_bytes = non_negative_int("staging_limit_bytes", staging_limit_bytes)
         self.staging: dict = {}
         self.sm_scale = sm_scale if sm_scale is not None else torch_ops.default_sm_scale(head_dim)
         self.max_slots, self.max_seq_len_tokens = max_slots, max_seq_len_tokens
