@@ -7,8 +7,9 @@ policy is :class:`~trtllm_diffkv.config.DiffKVConfig`; the model's shape is its 
 <trtllm_diffkv.llmapi.LLM>` builds one from its keyword arguments (TensorRT-LLM's ``LLM`` names); the table of
 fields with units, defaults and rules is in docs/RUNTIME.md, "Engine config".
 
-``None`` in a size means "derived from the model": the resource manager fills it
-(:func:`~trtllm_diffkv.runtime.resource_manager.resolve_engine_config`).
+``None`` in a size means "derived from the model": the resource manager fills ``max_seq_len``,
+``max_num_tokens`` and ``device`` (:func:`~trtllm_diffkv.runtime.resource_manager.resolve_engine_config`), the paged
+cache ``chunk_staging_bytes``.
 
 Pure Python: the core's lowest floor may import it.
 """

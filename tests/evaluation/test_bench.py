@@ -112,11 +112,10 @@ def test_default_budget_holds_exactly_the_fp16_capacity(capacity, tokens):
                  fp16_capacity=capacity, max_batch_size=8)
     budget = budget_bytes(w, config)
     rows, pages_per_row = config.num_layers * config.num_kv_heads, -(-tokens // 32) + 2
-    sizes = dict(max_batch_size=8, max_seq_len=tokens, max_num_tokens=tokens, use_triton=False)
-    pool = DiffKVResourceManager(config, get_preset("fp16"), EngineConfig(kv_memory_bytes=budget, **sizes), device="cpu")
+    sizes = dict(max_batch_size=8, max_seq_len=tokens, max_num_tokens=tokens, device="cpu", use_triton=False)
+    pool = DiffKVResourceManager(config, get_preset("fp16"), EngineConfig(kv_memory_bytes=budget, **sizes))
     assert pool.get_max_resource_count() == capacity * rows * pages_per_row
-    smaller = DiffKVResourceManager(config, get_preset("fp16"), EngineConfig(kv_memory_bytes=budget - 1, **sizes),
-                                    device="cpu")
+    smaller = DiffKVResourceManager(config, get_preset("fp16"), EngineConfig(kv_memory_bytes=budget - 1, **sizes))
     assert smaller.get_max_resource_count() == capacity * rows * pages_per_row - 1
     fixed = Workload("a", "tiny-random", ("default", "fp16"), 8, 8, 1, 1, kv_memory_bytes=12345)
     assert budget_bytes(fixed, config) == 12345

@@ -62,7 +62,7 @@ def test_bad_budgets_are_clear_errors(model, kwargs, words):
     args = dict(max_batch_size=4, max_seq_len=64, max_num_tokens=64, use_triton=False)
     args.update(kwargs)
     with pytest.raises(ValueError, match=words):
-        DiffKVResourceManager(model.config, CFG, EngineConfig(**args), device="cpu")
+        DiffKVResourceManager(model.config, CFG, EngineConfig(device="cpu", **args))
 
 
 def _request(rid, prompt, max_tokens=8):
@@ -175,19 +175,26 @@ def test_needed_to_completion_bounds_the_pages_held_at_the_end(model, preset):
 
 
 def test_resolve_fills_the_model_derived_sizes_only(model):
-    """``None`` sizes come from the model (4096 positions, 3 layers, 2 KV / 8 query heads of 64) and the rule of
-    the defaults; given sizes stay as they are."""
+    """``None`` sizes come from the model (4096 positions) and the rule of the defaults; given sizes stay."""
     mc = model.config
-    got = resolve_engine_config(EngineConfig(max_batch_size=16), mc, CFG, torch.float16)
-    window = CFG.prompt_score_window_tokens
-    staging = (2 * 3 * 4096 * 2 * 64 + 3 * min(window, 4096) * 8 * 64) * 2  # K and V, plus the scored queries
-    assert (got.max_seq_len, got.max_num_tokens, got.chunk_staging_bytes) == (4096, 8192, staging)
-    assert resolve_engine_config(EngineConfig(max_batch_size=9000), mc, CFG, torch.float16).max_num_tokens == 9000
-    unchunked = resolve_engine_config(EngineConfig(enable_chunked_prefill=False, max_seq_len=10_000), mc, CFG,
-                                      torch.float32)
+    got = resolve_engine_config(EngineConfig(max_batch_size=16), mc)
+    assert (got.max_seq_len, got.max_num_tokens, got.chunk_staging_bytes) == (4096, 8192, None)
+    assert got.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_engine_config(EngineConfig(max_batch_size=9000), mc).max_num_tokens == 9000
+    unchunked = resolve_engine_config(EngineConfig(enable_chunked_prefill=False, max_seq_len=10_000), mc)
     assert (unchunked.max_seq_len, unchunked.max_num_tokens, unchunked.staging_limit_bytes) == (10_000, 10_000, 0)
-    given = EngineConfig(max_seq_len=64, max_num_tokens=100, chunk_staging_bytes=0)
-    assert resolve_engine_config(given, mc, CFG, torch.float32) is given
+    given = EngineConfig(max_seq_len=64, max_num_tokens=100, device="cpu")
+    assert resolve_engine_config(given, mc) is given
+
+
+def test_the_cache_sizes_a_default_staging_of_one_longest_prompt(model):
+    """``chunk_staging_bytes=None``: K and V of ``max_seq_len`` tokens plus the scored queries, in the model dtype
+    (3 layers, 2 KV / 8 query heads of 64); 0 without chunked prefill; a given value as it is."""
+    window = CFG.prompt_score_window_tokens
+    want = (2 * 3 * 64 * 2 * 64 + 3 * min(window, 64) * 8 * 64) * 4  # float32
+    assert _rm(model, max_seq_len=64).cache.staging_limit_bytes == want
+    assert _rm(model, max_seq_len=64, enable_chunked_prefill=False).cache.staging_limit_bytes == 0
+    assert _rm(model, max_seq_len=64, chunk_staging_bytes=12345).cache.staging_limit_bytes == 12345
 
 
 def test_the_manager_reads_its_sizes_from_the_engine_config(model):

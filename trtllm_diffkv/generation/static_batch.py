@@ -22,6 +22,7 @@ import torch
 from .prompts import check_prompt_ids
 from .reference import ReferenceGenerator, sync_device
 from .results import GenerationResult, PagedGenerationResult, result_from_fields
+from ..engine_config import EngineConfig
 from ..paged.cache import OutOfPagesError, PagedDiffKVCache
 from ..validators import optional_positive_int
 
@@ -92,9 +93,10 @@ class PagedGenerator(ReferenceGenerator):
             num_pages = len(admitted) * mc.num_layers * mc.num_kv_heads * (fmt.prompt_reserve_pages(max_len) + 2)
         tokens = sum(len(prompts[i]) for i in admitted)
         return PagedDiffKVCache(self.kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                num_pages=num_pages, max_slots=len(admitted), max_seq_len_tokens=max_len,
-                                max_num_tokens=max(tokens, len(admitted)), device=self.device, dtype=self.dtype,
-                                high_tokens_per_page=self.high_tokens_per_page, use_triton=self.use_triton)
+                                EngineConfig(max_batch_size=len(admitted), max_seq_len=max_len,
+                                             max_num_tokens=max(tokens, len(admitted)), device=self.device,
+                                             high_tokens_per_page=self.high_tokens_per_page, use_triton=self.use_triton,
+                                             enable_chunked_prefill=False), num_pages=num_pages, dtype=self.dtype)
 
     def _run(self, prompts, pending, max_new_tokens, results) -> list[int]:
         """Run the requests of ``pending`` the pool can take together; return those left for a later wave."""

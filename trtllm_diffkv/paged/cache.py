@@ -47,14 +47,14 @@ import torch
 
 from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
-from ..engine_config import PAGE_MANAGERS, READ_PATHS
+from ..engine_config import EngineConfig
 from ..memory import CpuPageManager, KVCachePool, PageFormat
 from . import decode, prefill, torch_ops
 from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
-from ..validators import choice, non_negative_int, optional_positive_int, positive_int
+from ..validators import positive_int
 
 
 class OutOfPagesError(RuntimeError):
@@ -112,28 +112,27 @@ def prompt_scores_function(use_triton: bool, read_path: str = "auto"):
 
 
 class PagedDiffKVCache:
-    """DiffKV cache of up to ``max_slots`` requests in unified pages; the model's attention backend.
+    """DiffKV cache of up to ``max_batch_size`` requests in unified pages; the model's attention backend.
 
     Args:
         config: DiffKV policy (``compress=False``: the fp16 preset, every token
             kept at 16 bits in the high tier, no scores).
         num_layers, num_heads, num_kv_heads, head_dim: model shape.
+        engine_config: the sizes and backends (:class:`~trtllm_diffkv.engine_config.EngineConfig`). Read here:
+            ``max_batch_size`` (request slots), ``max_seq_len`` (longest request, prompt + generated; required),
+            ``max_num_tokens`` (most tokens one step may carry, sizing the output buffer; ``None``: ``max_batch_size
+            * max_seq_len``), ``device`` (where the pool lives; ``None``: the CPU), ``high_tokens_per_page`` (page
+            sizing, :meth:`PageFormat.for_config`), ``use_triton`` (Triton kernels, default on CUDA; ``True`` on
+            the CPU needs ``TRITON_INTERPRET=1``; otherwise the torch versions, :mod:`.torch_ops`),
+            ``page_manager`` (``"triton"``: ``TritonPageManager``, ``"cpu"``: ``CpuPageManager``, ``"auto"``:
+            Triton on CUDA), ``read_path`` (``"torch"`` runs the attention of the Triton path with the torch
+            versions: tests of the write path on the GPU) and :attr:`EngineConfig.staging_limit_bytes`, the most
+            bytes the full-precision staging of prompts prefilled in chunks may hold at once (:mod:`.staging`;
+            outside the pool; 0 without chunked prefill; ``chunk_staging_bytes=None``: one prompt of
+            ``max_seq_len`` tokens in ``dtype``, :func:`~.staging.staging_bytes`).
         num_pages: pages in the pool.
-        max_slots: request slots (batch capacity).
-        max_seq_len_tokens: longest request (prompt + generated).
-        max_num_tokens: most tokens one step may carry (sizes the output buffer).
-        device, dtype: where the pool lives, and the model dtype of the outputs.
-        high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
-        use_triton: Triton kernels (default: on CUDA; ``True`` on the CPU needs
-            ``TRITON_INTERPRET=1``); otherwise the torch versions (:mod:`.torch_ops`).
+        dtype: the model dtype of the outputs (and of the staging).
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
-        page_manager: ``"triton"`` (``TritonPageManager``), ``"cpu"``
-            (``CpuPageManager``) or ``"auto"``: Triton on CUDA, CPU otherwise.
-        staging_limit_bytes: most bytes the full-precision staging of prompts prefilled in chunks may hold at once
-            (:mod:`.staging`; outside the pool; 0, the default: no chunked prompts).
-        read_path: ``"torch"`` runs the attention of the Triton path with the
-            torch versions (:mod:`.torch_ops`; tests of the write path on the
-            GPU); ``"auto"``: the read-path kernels when present.
         kv_config_checked: the caller already ran ``config.validate_for_model`` for this model shape
             (:class:`~trtllm_diffkv.runtime.resource_manager.DiffKVResourceManager` does): not again here.
 
@@ -157,25 +156,23 @@ class PagedDiffKVCache:
             (pinned buffers in rotation on CUDA).
     """
 
-    def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 num_pages: int, max_slots: int, max_seq_len_tokens: int, max_num_tokens: int | None = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 high_tokens_per_page: int = 32, use_triton: bool | None = None, sm_scale: float | None = None,
-                 page_manager: str = "auto", read_path: str = "auto", staging_limit_bytes: int = 0,
-                 kv_config_checked: bool = False) -> None:
+    def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 engine_config: EngineConfig, *, num_pages: int, dtype: torch.dtype = torch.float32,
+                 sm_scale: float | None = None, kv_config_checked: bool = False) -> None:
         if not kv_config_checked:
             config.validate_for_model(head_dim, num_heads, num_kv_heads)
-        for name, value in (("num_layers", num_layers), ("max_slots", max_slots),
-                            ("max_seq_len_tokens", max_seq_len_tokens)):
+        engine = engine_config
+        max_slots, max_seq_len_tokens, max_num_tokens = engine.max_batch_size, engine.max_seq_len, engine.max_num_tokens
+        use_triton, page_manager, read_path = engine.use_triton, engine.page_manager, engine.read_path
+        for name, value in (("num_layers", num_layers), ("max_seq_len", max_seq_len_tokens)):
             positive_int(name, value)
         self.config = config
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
-        self.device = torch.device(device)
+        self.device = torch.device("cpu" if engine.device is None else engine.device)
         self.dtype = dtype
-        self.page_format = PageFormat.for_config(config, head_dim, high_tokens_per_page)
+        self.page_format = PageFormat.for_config(config, head_dim, engine.high_tokens_per_page)
         self.pool = KVCachePool(self.page_format, num_pages, self.device)
         self.pool.buffer.zero_()
-        choice("page_manager", page_manager, PAGE_MANAGERS)
         if page_manager == "triton" or (page_manager == "auto" and self.device.type == "cuda"):
             from ..memory.triton_page_manager import TritonPageManager
 
@@ -200,11 +197,13 @@ class PagedDiffKVCache:
             if num_heads // num_kv_heads > MAX_GROUP:  # refused at configuration time (edge case 7)
                 raise ValueError(f"query:KV head ratio {num_heads // num_kv_heads} exceeds the {MAX_GROUP} the decode "
                                  "attention kernel supports")
-        optional_positive_int("max_num_tokens", max_num_tokens)
-        choice("read_path", read_path, READ_PATHS)
         self.ops, self.decode_attention, self.prefill_attention = kernel_functions(use_triton, read_path)
         self.prompt_scores = prompt_scores_function(use_triton, read_path)
-        self.staging_limit_bytes = non_negative_int("staging_limit_bytes", staging_limit_bytes)
+        staging_limit = engine.staging_limit_bytes
+        if staging_limit is None:  # chunked prefill, no limit given: one prompt of max_seq_len
+            staging_limit = staging_bytes(num_layers, num_kv_heads, num_heads, head_dim, max_seq_len_tokens,
+                                          config.prompt_score_window_tokens, dtype)
+        self.staging_limit_bytes = staging_limit
         self.staging: dict = {}
         self.sm_scale = sm_scale if sm_scale is not None else torch_ops.default_sm_scale(head_dim)
         self.max_slots, self.max_seq_len_tokens = max_slots, max_seq_len_tokens

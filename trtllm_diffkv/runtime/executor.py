@@ -206,10 +206,9 @@ class Executor:
         if not kv_config_checked:
             kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
         limit = position_limit(model_config)
-        if engine.max_seq_len is None or engine.max_seq_len > limit:
-            engine = engine.replace(max_seq_len=limit)
-        resource_manager = self.parallel.resource_manager(model_config, kv_config, engine, device=self.device,
-                                                          dtype=param.dtype, kv_config_checked=True)
+        engine = engine.replace(max_seq_len=min(engine.max_seq_len or limit, limit), device=self.device)
+        resource_manager = self.parallel.resource_manager(model_config, kv_config, engine, dtype=param.dtype,
+                                                          kv_config_checked=True)
         self.rm = resource_manager
         self.cache = resource_manager.cache
         self.engine_config = resource_manager.engine_config

@@ -39,7 +39,6 @@ from ..generation.prompts import position_limit
 from ..memory import PageFormat, PageManager
 from ..paged.cache import NONFINITE_KV_ERROR, PagedDiffKVCache
 from ..paged.row_meta import RowMetadataFormat
-from ..paged.staging import staging_bytes
 from ..validators import number_in_range, positive_int
 from .request import Request
 
@@ -85,15 +84,14 @@ def kv_budget_bytes(kv_memory_bytes: int | None, kv_memory_fraction: float | Non
     return int(free_bytes * fraction)
 
 
-def resolve_engine_config(engine_config: EngineConfig, model_config, kv_config: DiffKVConfig,
-                          dtype: torch.dtype) -> EngineConfig:
+def resolve_engine_config(engine_config: EngineConfig, model_config) -> EngineConfig:
     """``engine_config`` with its model-derived sizes filled in (the one home of those defaults).
 
     ``max_seq_len`` ``None``: the model's positions (:func:`~trtllm_diffkv.generation.prompts.position_limit`;
     a given value is kept as is: the executor caps it). ``max_num_tokens`` ``None``: ``max(8192,
-    max_batch_size)`` with chunked prefill, else ``max(8192, max_seq_len)``. ``chunk_staging_bytes`` ``None``:
-    the staging of one prompt of ``max_seq_len`` tokens in ``dtype``
-    (:func:`~trtllm_diffkv.paged.staging.staging_bytes`). A config with every size given comes back unchanged.
+    max_batch_size)`` with chunked prefill, else ``max(8192, max_seq_len)``. ``device`` ``None``: CUDA when
+    available, else the CPU. ``chunk_staging_bytes`` stays as it is: the paged cache, the staging's owner, sizes
+    ``None`` (one prompt of ``max_seq_len`` tokens). A config with those three given comes back unchanged.
     """
     engine, mc = engine_config, model_config
     max_seq_len = engine.max_seq_len or position_limit(mc)
@@ -101,14 +99,11 @@ def resolve_engine_config(engine_config: EngineConfig, model_config, kv_config: 
     if max_num_tokens is None:
         max_num_tokens = max(DEFAULT_MAX_NUM_TOKENS, engine.max_batch_size) if engine.enable_chunked_prefill \
             else max(8192, max_seq_len)
-    staging = engine.chunk_staging_bytes
-    if staging is None:
-        staging = staging_bytes(mc.num_layers, mc.num_kv_heads, mc.num_heads, mc.head_dim, max_seq_len,
-                                kv_config.prompt_score_window_tokens, dtype)
-    if (max_seq_len, max_num_tokens, staging) == (engine.max_seq_len, engine.max_num_tokens,
-                                                  engine.chunk_staging_bytes):
+    device = engine.device if engine.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = dict(max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, device=device)
+    if all(getattr(engine, name) == value for name, value in resolved.items()):
         return engine
-    return engine.replace(max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, chunk_staging_bytes=staging)
+    return engine.replace(**resolved)
 
 
 def pages_in_budget(budget_bytes: int, page_format: PageFormat, *, max_slots: int, rows_per_slot: int,
@@ -140,9 +135,9 @@ class DiffKVResourceManager:
             metadata) or ``kv_memory_fraction`` (of the free GPU memory now, ``torch.cuda.mem_get_info``; 0.9 on
             CUDA when neither is given, as TensorRT-LLM's ``free_gpu_memory_fraction``), ``high_tokens_per_page``,
             ``use_triton``, ``page_manager``, ``read_path``, and the staging of prompts prefilled in chunks
-            (:attr:`EngineConfig.staging_limit_bytes`; outside the budget). ``None`` sizes are filled by
-            :func:`resolve_engine_config`.
-        device, dtype: where the pool lives (default: CUDA when available), the model dtype.
+            (:attr:`EngineConfig.staging_limit_bytes`; outside the budget), ``device`` (where the pool lives).
+            ``None`` sizes and device are filled by :func:`resolve_engine_config` (the staging by the cache).
+        dtype: the model dtype.
         kv_config_checked: the caller already ran ``kv_config.validate_for_model`` for this model (the executor
             does, before building this manager): not again here.
 
@@ -157,11 +152,10 @@ class DiffKVResourceManager:
     """
 
     def __init__(self, model_config, kv_config: DiffKVConfig, engine_config: EngineConfig | None = None, *,
-                 device=None, dtype: torch.dtype = torch.float32, kv_config_checked: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, kv_config_checked: bool = False) -> None:
         mc = model_config
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        engine = resolve_engine_config(EngineConfig() if engine_config is None else engine_config, mc, kv_config,
-                                       dtype)
+        engine = resolve_engine_config(EngineConfig() if engine_config is None else engine_config, mc)
+        device = torch.device(engine.device)
         max_batch_size, max_seq_len_tokens = engine.max_batch_size, engine.max_seq_len
         self.budget_bytes = kv_budget_bytes(engine.kv_memory_bytes, engine.kv_memory_fraction, device)
         if not kv_config_checked:
@@ -175,13 +169,8 @@ class DiffKVResourceManager:
             raise ValueError(f"a KV budget of {self.budget_bytes} bytes holds no {fmt.page_size_bytes}-byte page once "
                              f"the page table of {max_batch_size} slots x {max_seq_len_tokens} tokens is paid; give more "
                              "bytes, or lower max_batch_size / max_seq_len")
-        self.cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                      num_pages=num_pages, max_slots=max_batch_size,
-                                      max_seq_len_tokens=max_seq_len_tokens, max_num_tokens=engine.max_num_tokens,
-                                      device=device, dtype=dtype, high_tokens_per_page=engine.high_tokens_per_page,
-                                      use_triton=engine.use_triton, page_manager=engine.page_manager,
-                                      read_path=engine.read_path, staging_limit_bytes=engine.staging_limit_bytes,
-                                      kv_config_checked=True)
+        self.cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, engine,
+                                      num_pages=num_pages, dtype=dtype, kv_config_checked=True)
         self.kv_config, self.device, self.engine_config = kv_config, device, engine
         self.max_batch_size, self.max_seq_len_tokens = max_batch_size, max_seq_len_tokens
         self.max_num_tokens = engine.max_num_tokens
