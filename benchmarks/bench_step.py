@@ -1,4 +1,5 @@
-"""One decode step against its roofline: FP16 and a DiffKV preset side by side in one run (issue 19).
+"""One decode step against its roofline: FP16, uniform K8V4 and a DiffKV preset side by side in one run (issues 19,
+41: at equal batch, a DiffKV step should cost no more than a K8V4 step, since it reads fewer bytes).
 
 For each point (model shape, batch, context) it measures, on one GPU:
 
@@ -290,10 +291,15 @@ def profile_host(step, steps: int, top: int = 30) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------- the run
+def step_presets(shape: StepShape) -> tuple[str, ...]:
+    """The presets of each point, in order: ``fp16``, the uniform ``k8v4``, then the shape's DiffKV preset."""
+    return tuple(dict.fromkeys(("fp16", "k8v4", shape.preset)))
+
+
 def run(shapes: list[StepShape], device: torch.device, *, timed_steps: int, warm_steps: int, repeats: int,
         profile_steps: int, copy_bytes: int, overlaps: tuple[bool, ...] = (True,), log=print) -> tuple[dict, dict]:
-    """Measure every point of ``shapes`` (per ``overlaps`` entry, ``fp16`` then the shape's preset; the profile
-    with the first entry); ``(step, profile)`` JSON dicts."""
+    """Measure every point of ``shapes`` (per ``overlaps`` entry, :func:`step_presets` in order; the profile with
+    the first entry); ``(step, profile)`` JSON dicts."""
     env = environment()
     bandwidth = copy_bandwidth_gbps(device, copy_bytes)
     log(f"copy bandwidth {bandwidth:.0f} GB/s on {env['gpu']}")
@@ -305,7 +311,7 @@ def run(shapes: list[StepShape], device: torch.device, *, timed_steps: int, warm
         largest = max(shape.points, key=lambda p: p[0] * p[1])
         for batch, context in shape.points:
             model_ms = model_no_attention_ms(model, batch, context, repeats)
-            for overlap, preset in [(o, p) for o in overlaps for p in ("fp16", shape.preset)]:
+            for overlap, preset in [(o, p) for o in overlaps for p in step_presets(shape)]:
                 profiled = profile_steps if (batch, context) == largest and overlap == overlaps[0] else 0
                 measured = executor_steps(model, preset, batch, context, timed_steps=timed_steps,
                                           warm_steps=warm_steps, profile_steps=profiled, overlap=overlap)
@@ -333,21 +339,27 @@ def run(shapes: list[StepShape], device: torch.device, *, timed_steps: int, warm
 
 
 def summary(step: dict) -> str:
-    """A text table of ``step.json``: each point's FP16 roofline, model alone, both steps and their ratio."""
+    """A text table of ``step.json``: each point's FP16 roofline, model alone, the fp16, k8v4 and DiffKV steps, the
+    DiffKV step over fp16's and over k8v4's, and each step's KV part over its floor."""
     lines = [f"{'shape':13s} {'point':>11s} {'overlap':>7s} {'roofline fp16':>13s} {'model alone':>11s} "
-             f"{'fp16 step':>9s} {'DiffKV step':>11s} {'ratio':>6s} {'KV part/floor fp16':>18s} {'DiffKV':>7s}"]
+             f"{'fp16 step':>9s} {'k8v4 step':>9s} {'DiffKV step':>11s} {'/fp16':>6s} {'/k8v4':>6s} "
+             f"{'KV part/floor fp16':>18s} {'k8v4':>6s} {'DiffKV':>7s}"]
     by_point: dict[tuple, dict] = {}
     for row in step["rows"]:
         key = (row["shape"], row["batch"], row["context_tokens"], row.get("overlap", False))
         by_point.setdefault(key, {})[row["preset"]] = row
+    part = lambda r: (r["step_ms"] - r["model_no_attention_ms"]) / r["kv_floor_ms"]  # noqa: E731
     for (shape, batch, context, overlap), rows in by_point.items():
-        fp16 = rows.pop("fp16")
-        diffkv = next(iter(rows.values()))
+        fp16, k8v4 = rows.pop("fp16"), rows.pop("k8v4", None)
+        diffkv = next(iter(rows.values()), k8v4)
         roof = fp16["weight_floor_ms"] + fp16["kv_floor_ms"]
-        part = lambda r: (r["step_ms"] - r["model_no_attention_ms"]) / r["kv_floor_ms"]  # noqa: E731
-        lines.append(f"{shape:13s} {batch:4d}x{context:<6d} {'on' if overlap else 'off':>7s} {roof:13.2f} {fp16['model_no_attention_ms']:11.2f} "
-                     f"{fp16['step_ms']:9.2f} {diffkv['step_ms']:11.2f} {diffkv['step_ms'] / fp16['step_ms']:6.2f} "
-                     f"{part(fp16):18.2f} {part(diffkv):7.2f}")
+        k8v4_ms = f"{k8v4['step_ms']:9.2f}" if k8v4 else f"{'':9s}"
+        over_k8v4 = f"{diffkv['step_ms'] / k8v4['step_ms']:6.2f}" if k8v4 else f"{'':6s}"
+        k8v4_part = f"{part(k8v4):6.2f}" if k8v4 else f"{'':6s}"
+        lines.append(f"{shape:13s} {batch:4d}x{context:<6d} {'on' if overlap else 'off':>7s} {roof:13.2f} "
+                     f"{fp16['model_no_attention_ms']:11.2f} {fp16['step_ms']:9.2f} {k8v4_ms} {diffkv['step_ms']:11.2f} "
+                     f"{diffkv['step_ms'] / fp16['step_ms']:6.2f} {over_k8v4} {part(fp16):18.2f} {k8v4_part} "
+                     f"{part(diffkv):7.2f}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 
 The weights are random (2 layers, hidden 128, 2 query / 1 KV heads of 64) but the vocabulary is the
 default model's 49152 tokens, so text prompts, chat templates, stop strings and multi-byte
-detokenization run through real tokenizer files in a second of CPU time.
+detokenization run through real tokenizer files in a second of CPU time. Also the last step of the tests'
+hand-written GGUF files (:func:`write_gguf_tensors`).
 """
 import json
 import shutil
@@ -49,3 +50,16 @@ def write_tiny_text_checkpoint(folder: Path, seed: int = 0) -> Path:
     tensors.pop("lm_head.weight", None)  # tied
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
+
+
+def write_gguf_tensors(writer, tensors: dict) -> None:
+    """Add ``tensors`` (GGUF name -> numpy array, stored as given: F32 for float32) to a ``gguf.GGUFWriter`` whose
+    fields are set, write the file (header, fields, tensors) and close it."""
+    import numpy as np
+
+    for name, array in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -83,6 +83,8 @@ METRICS = "trtllm_diffkv/serve/metrics.py"
 BASELINES = "trtllm_diffkv/evaluation/baselines.py"
 CALIBRATION = "trtllm_diffkv/evaluation/calibration.py"
 TP_HOOK = "trtllm_diffkv/parallel/executor_hook.py"
+ATTENTION_API = "trtllm_diffkv/model/attention_api.py"
+GEMMA3 = "trtllm_diffkv/model/gemma3.py"
 
 # Fast (not slow-marked) tests, cheapest and most specific first: -x stops at the first failure. A test is named
 # by its file name (found anywhere under tests/, so that moving tests into subfolders keeps the check working),
@@ -128,18 +130,23 @@ BASELINE_TESTS = ["test_eval_baselines.py"]
 CALIBRATION_TESTS = ["test_calibrate_command.py::test_choose_keeps_a_setting_exactly_at_each_tolerance",
                      "test_calibrate_command.py::test_sweep_grid_keeps_alpha_low_equal_to_alpha_high",
                      "test_calibrate_command.py::test_choose_takes_the_lowest_memory_within_the_tolerances"]
+HELD_OUT_TESTS = ["test_calibrate_heldout.py"]
 TP_STATUS_TESTS = ["test_tensor_parallel.py::test_step_status_takes_rank_0_tokens_every_rank_flag_and_the_fewest_free_pages",
                    "test_tensor_parallel.py::test_a_non_finite_key_on_rank_1_only_fails_its_request_on_rank_0"]
 FAILED_PLAN_TESTS = ["test_end_step.py::test_a_failed_plan_gives_back_its_new_prompts_and_leaves_its_decoding_slots_to_the_caller",
                      "test_end_step.py::test_a_plan_failing_after_its_reservation_gives_the_new_prompts_back"]
 REFUSED_STEP_TESTS = ["test_executor.py::test_a_step_the_cache_refuses_fails_its_requests_and_the_executor_goes_on",
                       "test_executor.py::test_a_step_refused_for_pages_is_retried_and_loses_nothing"]
+SLIDING_TESTS = ["test_sliding_window.py", "test_model_gemma3.py", "test_sliding_window_engines.py"]
+GEMMA_TESTS = ["test_model_gemma3.py"]
 
 AREAS = {"policy": "policy", "cache": "reference cache", "quant": "quantizer", "pages": "page manager",
          "runtime": "runtime (scheduler, executor, sampler, stop checks, resource manager)",
          "serve": "OpenAI server", "paged": "paged cache (decisions, decode planning and moves, gather, row metadata)",
          "kernels": "Triton kernels (decode attention, decision, write, prompt scores; interpreter)",
-         "eval": "evaluation baselines and calibration", "parallel": "tensor parallelism (the executor hook)"}
+         "eval": "evaluation baselines and calibration", "parallel": "tensor parallelism (the executor hook)",
+         "sliding": "sliding-window layers (Gemma 3) through the caches, kernels and engines",
+         "gemma": "the Gemma 3 decoder"}
 """Areas (``--area``): a mutation's area is its id's first word."""
 
 
@@ -201,12 +208,13 @@ MUTATIONS = [
       [("torch.where(importance >= low_threshold, TIER_LOW, TIER_PRUNED)",
         "torch.where(importance > low_threshold, TIER_LOW, TIER_PRUNED)")], REFERENCE_TESTS),
     # --------------------------------------------------------- reference cache
-    m("cache-prefill-no-causal-mask", CACHE, "prefill attention without the causal mask",
-      [("vh.repeat_interleave(group, 0), is_causal=True)", "vh.repeat_interleave(group, 0), is_causal=False)")],
+    m("cache-prefill-no-causal-mask", ATTENTION_API, "prefill attention without the causal mask",
+      [("return sdpa(q.transpose(0, 1), kh, vh, is_causal=True, scale=scale)",
+        "return sdpa(q.transpose(0, 1), kh, vh, scale=scale)")],
       CACHE_TESTS),
-    m("cache-prefill-wrong-kv-head", CACHE, "prefill: query heads of a group mapped to the wrong KV head",
-      [("kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0), is_causal=True)",
-        "kh.repeat(group, 1, 1), vh.repeat(group, 1, 1), is_causal=True)")], CACHE_TESTS),
+    m("cache-prefill-wrong-kv-head", ATTENTION_API, "prefill: query heads of a group mapped to the wrong KV head",
+      [("kh, vh = (x.transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))",
+        "kh, vh = (x.transpose(0, 1).repeat(group, 1, 1) for x in (k, v))")], CACHE_TESTS),
     m("cache-decode-wrong-kv-head", CACHE, "decode attention: query heads of a group mapped to the wrong KV head",
       [("qg = q.float().reshape(keys.shape[0], group, head_dim)",
         "qg = q.float().reshape(group, keys.shape[0], head_dim).transpose(0, 1)")], CACHE_TESTS),
@@ -234,9 +242,9 @@ MUTATIONS = [
       [("self.scores[layer_idx, :, :seq_len] += policy.merge_query_heads(probs, self.num_kv_heads)",
         "self.scores[layer_idx, :, :seq_len] = policy.merge_query_heads(probs, self.num_kv_heads)")], CACHE_TESTS),
     m("cache-candidate-never-low", CACHE, "decode: a candidate classified low is left high",
-      [("self._retier(layer_idx, cand_pos, decision.candidate_tier, ",
+      [("self._retier(layer_idx, cand_pos, decision.candidate_tier, k_low[:h]",
         "self._retier(layer_idx, cand_pos, torch.where(decision.candidate_tier == TIER_LOW, TIER_HIGH, "
-        "decision.candidate_tier).to(torch.int8), ")], CACHE_TESTS),
+        "decision.candidate_tier).to(torch.int8), k_low[:h]")], CACHE_TESTS),
     m("cache-victim-never-retiered", CACHE, "decode: the victim's decision is never applied",
       [("victim_tier = torch.where(decision.victim_pos >= 0, ", "victim_tier = torch.where(decision.victim_pos < -1, ")],
       CACHE_TESTS),
@@ -259,8 +267,8 @@ MUTATIONS = [
       [('low * self.config.token_bytes("low", self.head_dim)', 'low * self.config.token_bytes("high", self.head_dim)')],
       CACHE_TESTS),
     m("cache-stats-fp16-counts-query-heads", CACHE, "memory accounting: FP16 bytes counted per query head",
-      [("fp16_bytes = tiers.numel() * 2 * self.head_dim * 2",
-        "fp16_bytes = tiers.numel() * (self.num_heads // self.num_kv_heads) * 2 * self.head_dim * 2")], CACHE_TESTS),
+      [("fp16_bytes = total * 2 * self.head_dim * 2",
+        "fp16_bytes = total * (self.num_heads // self.num_kv_heads) * 2 * self.head_dim * 2")], CACHE_TESTS),
     # -------------------------------------------------------------------- quant
     m("quant-round-to-floor", QUANT, "rounding replaced by flooring",
       [("codes = torch.round(", "codes = torch.floor(")], QUANT_TESTS),
@@ -649,14 +657,27 @@ MUTATIONS = [
                               "rows = torch.arange(first_query_pos, first_query_pos + qc.shape[1],")],
       BASELINE_TESTS),
     m("eval-calibration-top1-tolerance-strict", CALIBRATION, "calibration: a setting exactly at the top-1 tolerance "
-      "is excluded (>= became >)", [('r["teacher_forced_top1"] >= yard["teacher_forced_top1"] - max_top1_drop',
-                                     'r["teacher_forced_top1"] > yard["teacher_forced_top1"] - max_top1_drop')],
+      "is excluded (< became <=)", [('if row["teacher_forced_top1"] < yard["teacher_forced_top1"] - max_top1_drop:',
+                                     'if row["teacher_forced_top1"] <= yard["teacher_forced_top1"] - max_top1_drop:')],
       CALIBRATION_TESTS),
     m("eval-calibration-kl-tolerance-strict", CALIBRATION, "calibration: a setting exactly at the KL tolerance is "
-      "excluded (<= became <)", [('and r["mean_kl_nats"] <= max_kl_nats', 'and r["mean_kl_nats"] < max_kl_nats')],
+      "excluded (> became >=)", [('if row["mean_kl_nats"] > max_kl_nats:', 'if row["mean_kl_nats"] >= max_kl_nats:')],
       CALIBRATION_TESTS),
     m("eval-calibration-grid-drops-equal", CALIBRATION, "calibration grid: alpha_low == alpha_high silently dropped",
       [("        if al <= ah:\n", "        if al < ah:\n")], CALIBRATION_TESTS),
+    m("eval-calibration-greedy-prefix-off-by-one", CALIBRATION, "calibration: the greedy common prefix counts the "
+      "first differing token", [("return differs[0] if differs else", "return differs[0] + 1 if differs else")],
+      HELD_OUT_TESTS),
+    m("eval-calibration-prefix-criterion-dropped", CALIBRATION, "calibration: the greedy prefix tolerance never "
+      "rejects", [('        failed.append("greedy_prefix_fraction")', "        pass")], HELD_OUT_TESTS),
+    m("eval-calibration-identical-any-prefix", CALIBRATION, "calibration: a prompt counts as greedy-identical once "
+      "its first token agrees", [("float(p == t)", "float(p > 0)")], HELD_OUT_TESTS),
+    m("eval-calibration-split-overlaps", CALIBRATION, "calibration: the held-out prompts stay in the chosen-on part",
+      [("return [i for i in range(count) if i not in held], sorted(held)", "return list(range(count)), sorted(held)")],
+      HELD_OUT_TESTS),
+    m("eval-calibration-held-out-never-fails", CALIBRATION, "calibration: the held-out check passes whatever it "
+      "measures", [('return {**figures, "failed": failed, "pass": not failed}',
+                    'return {**figures, "failed": failed, "pass": True}')], HELD_OUT_TESTS),
     m("parallel-nonfinite-rank-0-only", TP_HOOK, "tensor parallelism: non-finite flags from rank 0 only (a NaN in "
       "rank 1's KV heads no longer fails the request)",
       [("tokens, flags = gathered[0, :n], gathered[:, n:-2].amax(0)",
@@ -710,6 +731,50 @@ MUTATIONS = [
       [('for name in ("tp_size", "pp_size", "cp_size"):', 'for name in ("tp_size", "pp_size"):')],
       ["test_trtllm_compression_adapter.py::test_only_the_unsupported_parallel_size_is_refused",
        "test_trtllm_compression_adapter.py::test_refused_at_admission"]),
+    m("trtllm-adapter-gemma-accepted", TRTLLM_MANAGER,
+      "TensorRT-LLM adapter: a Gemma 3 config (parsed as Gemma3Config) served as if it were a Llama decoder",
+      [("    if type(model_config) is not ModelConfig:  # another family", "    if False:  # another family")],
+      ["test_trtllm_compression_adapter.py::test_unsupported_models_refused"]),
+    # ------------------------------------------------------------------ sliding-window layers (Gemma 3)
+    m("sliding-mask-off-by-one", POLICY, "window mask: a query also attends the key W positions back",
+      [("mask &= kp > qp - sliding_window_tokens", "mask &= kp >= qp - sliding_window_tokens")], SLIDING_TESTS),
+    m("sliding-prefill-mask-missing", ATTENTION_API,
+      "prompt attention ignores the window (plain causal)",
+      [("    window = sliding_window_tokens\n", "    window = None\n")], SLIDING_TESTS),
+    m("sliding-prompt-keeps-one-more", POLICY, "prompt tiers of a sliding layer keep W + 1 tokens",
+      [("tier[:, max(prompt_len - sliding_window_tokens, 0):] = TIER_HIGH",
+        "tier[:, max(prompt_len - sliding_window_tokens - 1, 0):] = TIER_HIGH")], SLIDING_TESTS),
+    m("sliding-reference-never-prunes", CACHE, "reference cache: the token leaving the window stays",
+      [("            self._slide(layer_idx, pos)", "            pass")], SLIDING_TESTS),
+    m("sliding-ring-off-by-one", DECISIONS, "paged decode: the new token replaces the window's second-oldest token",
+      [("ring = (pos - (prompt_len.long() - w).clamp(min=0)) % w",
+        "ring = (pos + 1 - (prompt_len.long() - w).clamp(min=0)) % w")], SLIDING_TESTS),
+    m("sliding-uniform-prompt-keeps-all", CACHE,
+      "reference cache, uniform presets (k8v4, k8v8): a sliding layer keeps the prompt tokens older than the window",
+      [("self._store_tiered(layer_idx, n, kh, vh, untiered)",
+        "self._store_tiered(layer_idx, n, kh, vh, torch.full_like(untiered, TIER_HIGH))")], SLIDING_TESTS),
+    m("sliding-paged-prompt-window-off-by-one", PREFILL, "paged prefill keeps W - 1 tokens of a sliding layer",
+      [("in_window = (p.t.long()[None, :] >= p.prompt_tokens[None, :] - w)",
+        "in_window = (p.t.long()[None, :] > p.prompt_tokens[None, :] - w)")], SLIDING_TESTS),
+    m("sliding-chunk-mask-missing", PREFILL, "chunked prefill: the chunks attend without the window",
+      [('chunk_causal_attention(qi, kf, vf, start, cache.sm_scale, window.get("sliding_window_tokens"))',
+        "chunk_causal_attention(qi, kf, vf, start, cache.sm_scale, None)")], SLIDING_TESTS),
+    m("sliding-kernel-ring-off-by-one", DECISION_KERNEL, "decision kernel: the ring slot one ahead",
+      [("w_new = tl.where(w_append, h_count, (pos - tl.maximum(prompt_len - w_safe, 0)) % w_safe)",
+        "w_new = tl.where(w_append, h_count, (pos + 1 - tl.maximum(prompt_len - w_safe, 0)) % w_safe)")],
+      DECISION_TESTS),
+    m("sliding-kernel-scores-unwindowed", PREFILL_KERNELS, "prompt scores: the window mask dropped in the score pass",
+      [("                keep = keep & (t[None, :] > pos[:, None] - WINDOW)\n            p = tl.where(keep",
+        "                pass\n            p = tl.where(keep")], ["test_kernels_prefill_scores.py::test_sliding_window"]),
+    m("gemma-norm-without-one", GEMMA3, "Gemma RMSNorm scales by w, not (1 + w)",
+      [("(normed * (1.0 + self.weight.float()))", "(normed * self.weight.float())")], GEMMA_TESTS),
+    m("gemma-query-scale-inverted", GEMMA3, "query scale sqrt(scalar / head_dim)",
+      [("ratio = config.head_dim / config.query_pre_attn_scalar", "ratio = config.query_pre_attn_scalar / config.head_dim")],
+      GEMMA_TESTS),
+    m("gemma-local-rope-global-theta", GEMMA3, "sliding layers use the global RoPE base",
+      [("rope = {False: self.model.rotary_emb(positions, h.dtype), True: self.model.rotary_emb_local(positions, h.dtype)}",
+        "rope = {False: self.model.rotary_emb(positions, h.dtype), True: self.model.rotary_emb(positions, h.dtype)}")],
+      GEMMA_TESTS),
 ]
 
 

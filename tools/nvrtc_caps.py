@@ -83,7 +83,7 @@ def main() -> None:
     if args.out:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "trtllm_diffkv", "scripts"],
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "trtllm_diffkv", "tools"],
                                capture_output=True, text=True).stdout.strip()
         Path(args.out).write_text(json.dumps({
             "compiler": "NVRTC 13.0 (pip nvidia-cuda-nvrtc), CuPy's sm_90 options", "date":

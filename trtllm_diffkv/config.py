@@ -16,7 +16,10 @@ policy (paper section 4; ``shared/reference/DiffKV.md``, "Policy details"):
 * low-tier key treatments beyond the paper: ``key_rotation`` (a randomized
   Hadamard transform per KV head, :mod:`trtllm_diffkv.model.rotation`; on in
   ``default``) and ``score_pool_tokens`` (SnapKV-style max-pooling of the
-  prompt scores).
+  prompt scores);
+* ``layers``: per-layer settings (:class:`LayerSettings`), today the sliding
+  window of a model's sliding-window attention layers (Gemma 3); filled from
+  the model by :meth:`DiffKVConfig.for_model`.
 
 A configuration can also come from a JSON file written by ``trtllm-diffkv
 calibrate`` (:func:`load_kv_config_file`); :func:`resolve_kv_config` is the one
@@ -145,6 +148,43 @@ TOKEN_METADATA_BYTES = 8
 accumulated attention score (fp32) and the token position (int32)
 (``DiffKV.md``, "Memory manager": the six page segments)."""
 
+MAX_SLIDING_WINDOW_TOKENS = 2**31 - 1
+"""Largest ``LayerSettings.sliding_window_tokens`` (positions are int32 in the pages)."""
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """Settings of one decoder layer that differ from the model-wide ones (``DiffKVConfig.layers``).
+
+    Attributes:
+        sliding_window_tokens: ``None`` for a full-attention layer; ``W`` for a
+            sliding-window attention layer, whose query at position ``i`` attends
+            only the keys at positions ``i - W < j <= i`` (transformers'
+            ``sliding_window_overlay``: ``W`` keys, the query's own included).
+            The cache keeps exactly the tokens such a layer's future queries can
+            attend, in every preset (``fp16`` and ``k8v4`` included, as real
+            engines hold only the window): the policy treats it as a per-layer
+            recent window of ``W`` tokens, kept at the high tier, every token
+            leaving it pruned at the step that makes it unreachable (the prompt's
+            tokens older than ``prompt_len - W`` at prefill; the token at ``pos -
+            W`` at the step writing ``pos``; :mod:`trtllm_diffkv.policy`). DiffKV's
+            thresholds and tiers apply to the full-attention layers only. In
+            ``[1, MAX_SLIDING_WINDOW_TOKENS]``.
+
+    Raises:
+        ValueError: a value out of range, naming the field.
+    """
+
+    sliding_window_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        w = self.sliding_window_tokens
+        if w is not None and not is_int(w):
+            raise ValueError(f"sliding_window_tokens={w!r} must be an integer or None")
+        if w is not None:
+            _check_range("sliding_window_tokens", w, 1, MAX_SLIDING_WINDOW_TOKENS)
+
+
 HIGH_K8V4 = TierConfig(8, 4)
 LOW_K4V2 = TierConfig(4, 2)
 FP16_TIER = TierConfig(16, 16)
@@ -202,6 +242,12 @@ class DiffKVConfig:
         calibrated_for: ``(num_heads, num_kv_heads, head_dim)`` of the model a
             calibration file was written for, or ``None``;
             :meth:`validate_for_model` refuses any other model.
+        layers: per-layer settings, one :class:`LayerSettings` per decoder layer,
+            or ``()`` (the default, every preset): every layer full attention
+            under the model-wide settings. A model with sliding-window layers
+            fills it from its own config (:meth:`for_model`, which every engine
+            calls); a list is stored as a tuple. :meth:`validate_for_model`
+            refuses a length other than the model's layers.
         name: preset name, for reports only.
 
     Raises:
@@ -221,6 +267,7 @@ class DiffKVConfig:
     rotation_seed: int = 0
     score_pool_tokens: int = 1
     calibrated_for: tuple[int, int, int] | None = None
+    layers: tuple[LayerSettings, ...] = ()
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -254,6 +301,10 @@ class DiffKVConfig:
                     or any(not is_int(x) or x <= 0 for x in shape)):
                 raise ValueError(f"calibrated_for={shape!r} must be (num_heads, num_kv_heads, head_dim), "
                                  "three positive integers")
+        if isinstance(self.layers, list):
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerSettings) for x in self.layers):
+            raise ValueError(f"layers={self.layers!r} must be a tuple of LayerSettings (one per decoder layer) or ()")
         if self.compress and (self.high.key_bits < self.low.key_bits or self.high.value_bits < self.low.value_bits):
             raise ValueError(
                 f"high tier {self.high.name} must have at least the bits of low tier {self.low.name}"
@@ -263,15 +314,64 @@ class DiffKVConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def validate_for_model(self, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (:class:`LayerSettings`), ``None`` for full attention
+        (and for every layer when :attr:`layers` is empty)."""
+        return self.layers[layer_idx].sliding_window_tokens if self.layers else None
+
+    def sliding_windows(self, num_layers: int) -> tuple[int | None, ...]:
+        """``num_layers`` entries of :meth:`sliding_window_of` (``None``: full attention).
+
+        Raises:
+            ValueError: :attr:`layers` set for another number of layers.
+        """
+        self._check_layer_count(num_layers)
+        return tuple(self.sliding_window_of(i) for i in range(num_layers)) if self.layers else (None,) * num_layers
+
+    def for_model(self, model_config) -> "DiffKVConfig":
+        """This configuration with :attr:`layers` holding ``model_config``'s sliding windows: the one place a
+        model's sliding-window layers enter the policy (every engine calls it before building a cache).
+
+        Args:
+            model_config: an object with ``num_layers`` and ``sliding_windows`` (one ``int | None`` per layer;
+                :class:`~trtllm_diffkv.model.llama.ModelConfig`).
+
+        Returns:
+            ``self`` when the model has no sliding-window layer and :attr:`layers` sets none, or when
+            :attr:`layers` already holds exactly the model's windows; else a copy with them.
+
+        Raises:
+            ValueError: :attr:`layers` set (a kv-config file) with another length or other windows than the
+                model's, naming the first differing layer.
+        """
+        windows = tuple(model_config.sliding_windows)
+        mine = self.sliding_windows(len(windows)) if self.layers else None
+        if mine is not None and mine != windows:
+            i = next(i for i, (a, b) in enumerate(zip(mine, windows)) if a != b)
+            raise ValueError(f"kv-config {self.name!r} sets layers[{i}].sliding_window_tokens={mine[i]}; the model's "
+                             f"layer {i} has sliding window {windows[i]}")
+        if mine is not None or all(w is None for w in windows):
+            return self
+        return self.replace(layers=tuple(LayerSettings(w) for w in windows))
+
+    def _check_layer_count(self, num_layers: int) -> None:
+        if self.layers and len(self.layers) != num_layers:
+            raise ValueError(f"kv-config {self.name!r} has settings for {len(self.layers)} layers; the model has "
+                             f"{num_layers}")
+
+    def validate_for_model(self, head_dim: int, num_heads: int, num_kv_heads: int,
+                           num_layers: int | None = None) -> None:
         """Refuse a model this configuration cannot run, at configuration time.
 
         Raises:
             ValueError: unsupported head_dim for a quantized tier or for
                 ``key_rotation``, ``num_heads`` not a positive multiple of
-                ``num_kv_heads``, or a model other than ``calibrated_for``
-                (naming the differing field).
+                ``num_kv_heads``, a model other than ``calibrated_for``
+                (naming the differing field), or (with ``num_layers``)
+                :attr:`layers` set for another number of layers.
         """
+        if num_layers is not None:
+            self._check_layer_count(num_layers)
         if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
@@ -373,16 +473,35 @@ KV_CONFIG_FILE_VERSION = 1
 _TOP_KEYS = ("format", "version", "model", "kv_config", "calibration")
 _MODEL_KEYS = ("num_heads", "num_kv_heads", "head_dim")
 _TIER_KEYS = ("key_bits", "value_bits", "key_groups", "value_groups")
+_LAYER_KEYS = tuple(f.name for f in dataclasses.fields(LayerSettings))
 _CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(DiffKVConfig) if f.name != "calibrated_for")
 
 
 def kv_config_to_dict(config: DiffKVConfig) -> dict:
-    """JSON-ready dict of every field but ``calibrated_for`` (tiers as ``{key_bits, value_bits, ...}``)."""
+    """JSON-ready dict of every field but ``calibrated_for`` (tiers as ``{key_bits, value_bits, ...}``, ``layers``
+    as a list of ``{sliding_window_tokens}`` objects)."""
     out = {}
     for name in _CONFIG_KEYS:
         value = getattr(config, name)
-        out[name] = {k: getattr(value, k) for k in _TIER_KEYS} if isinstance(value, TierConfig) else value
+        if isinstance(value, TierConfig):
+            value = {k: getattr(value, k) for k in _TIER_KEYS}
+        elif name == "layers":
+            value = [{k: getattr(layer, k) for k in _LAYER_KEYS} for layer in value]
+        out[name] = value
     return out
+
+
+def _layers_from_list(where: str, value) -> tuple[LayerSettings, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a JSON list of per-layer objects, got {type(value).__name__}")
+    layers = []
+    for i, item in enumerate(value):
+        _refuse_unknown(f"{where}[{i}]", item, _LAYER_KEYS)
+        try:
+            layers.append(LayerSettings(**item))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}[{i}]: {exc}") from None
+    return tuple(layers)
 
 
 def _refuse_unknown(where: str, data, known) -> None:
@@ -414,6 +533,8 @@ def kv_config_from_dict(data: dict, model: dict | None = None, where: str = "kv_
                 value = TierConfig(**value)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{where}.{name}: {exc}") from None
+        elif name == "layers":
+            value = _layers_from_list(f"{where}.layers", value)
         kwargs[name] = value
     if model is not None:
         _refuse_unknown("model", model, _MODEL_KEYS)
@@ -490,7 +611,8 @@ def load_kv_config_file(path) -> DiffKVConfig:
     """Read a kv-config JSON file (``trtllm-diffkv calibrate`` writes them).
 
     Layout: ``{"format": "trtllm-diffkv-kv-config", "version": 1, "model": {"num_heads", "num_kv_heads",
-    "head_dim"} (optional), "kv_config": {DiffKVConfig fields; tiers as objects}, "calibration": {...}
+    "head_dim"} (optional), "kv_config": {DiffKVConfig fields; tiers as objects; ``layers`` as a list of
+    ``{"sliding_window_tokens": int or null}``, one per decoder layer, optional}, "calibration": {...}
     (optional, not read)}``. The ``model`` object makes the config refuse any other model
     (:meth:`DiffKVConfig.validate_for_model`).
 

@@ -24,6 +24,20 @@ paper's thresholds were calibrated (README, "How the rules are implemented"):
   token's score (:func:`merge_query_heads`). Each step changes a head's high
   and low token counts by 0 or +1 each.
 
+* Sliding-window attention layers (``LayerSettings.sliding_window_tokens`` =
+  ``W``, Gemma 3's local layers): the query at position ``i`` attends keys
+  ``i - W < j <= i`` (:func:`window_attention_mask`), so a key is reachable by
+  no later query once ``W`` newer tokens exist. Such a layer has a per-layer
+  recent window of ``W`` tokens, kept high, and every token leaving it is
+  pruned at the step that makes it unreachable, whatever its score and
+  whatever the preset (``fp16`` and ``k8v4`` too): at prefill every prompt
+  token older than ``prompt_len - W`` (:func:`prompt_tiers` with
+  ``sliding_window_tokens``), in decode the token at ``pos - W`` at the step
+  writing ``pos`` (:func:`sliding_window_decision`), before the step's
+  attention, which then reads exactly the window. Each step still changes a
+  head's high count by 0 or +1 (+1 only while ``pos < W``) and never its low
+  count. Full-attention layers follow the rules above unchanged.
+
 Tier codes are small integers shared by every layer of the system (cache,
 page manager, kernels): :data:`TIER_PRUNED`, :data:`TIER_HIGH`, :data:`TIER_LOW`.
 """
@@ -187,9 +201,48 @@ def pool_importance(importance: torch.Tensor, score_pool_tokens: int) -> torch.T
                                           padding=score_pool_tokens // 2)[:, 0, :]
 
 
+def window_attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                          sliding_window_tokens: int | None) -> torch.Tensor:
+    """Which keys each query attends: causal, and within the sliding window when one is given.
+
+    The one home of the masking rule every torch attention path uses (transformers' ``causal_mask_function``
+    and ``sliding_window_overlay``: ``kv_idx <= q_idx`` and ``kv_idx > q_idx - W``).
+
+    Args:
+        query_positions: int ``[m]`` absolute positions of the queries.
+        key_positions: int ``[n]`` absolute positions of the keys.
+        sliding_window_tokens: ``W`` or ``None`` (full causal attention).
+
+    Returns:
+        bool ``[m, n]``: ``True`` where query ``i`` attends key ``j``.
+    """
+    qp, kp = query_positions[:, None], key_positions[None, :]
+    mask = kp <= qp
+    if sliding_window_tokens is not None:
+        mask &= kp > qp - sliding_window_tokens
+    return mask
+
+
+def reachable_tokens(seq_len: int, sliding_window_tokens: int | None) -> int:
+    """Tokens of a sequence of ``seq_len`` that a layer's next query can attend, which is what every cache keeps
+    of it at most: ``min(seq_len, W)`` for a sliding-window layer, ``seq_len`` for a full one. The memory figures
+    count these for FP16 as for DiffKV (an FP16 engine holds only the window of a sliding layer too)."""
+    return seq_len if sliding_window_tokens is None else min(seq_len, sliding_window_tokens)
+
+
+def sliding_window_prompt_tiers(num_kv_heads: int, prompt_len: int, sliding_window_tokens: int,
+                                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Prompt tiers of a sliding-window layer (module docstring): ``int8 [num_kv_heads, prompt_len]``, the last
+    ``W`` tokens :data:`TIER_HIGH`, every older one :data:`TIER_PRUNED` (out of every later query's reach)."""
+    tier = torch.full((num_kv_heads, prompt_len), TIER_PRUNED, dtype=torch.int8, device=device)
+    tier[:, max(prompt_len - sliding_window_tokens, 0):] = TIER_HIGH
+    return tier
+
+
 def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
                  recent_window_tokens: int, prompt_score_window_tokens: int,
-                 threshold_base: str = "prompt_len", score_pool_tokens: int = 1) -> torch.Tensor:
+                 threshold_base: str = "prompt_len", score_pool_tokens: int = 1,
+                 sliding_window_tokens: int | None = None) -> torch.Tensor:
     """Prompt-phase tiers (paper section 4.2, "prompt phase").
 
     Args:
@@ -202,6 +255,9 @@ def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
             ``p`` with ``alpha / (p + 1)`` (the paper text's ``alpha / i``).
         score_pool_tokens: importance is max-pooled over this many neighbouring
             tokens before the comparison (:func:`pool_importance`; 1 = off).
+        sliding_window_tokens: ``W`` of a sliding-window layer (module docstring): the
+            last ``W`` tokens high, every older one pruned, the scores and thresholds
+            unused; ``None`` (full attention): the rules above.
 
     Raises:
         ValueError: unknown ``threshold_base``.
@@ -210,6 +266,8 @@ def prompt_tiers(score_sums: torch.Tensor, alpha_high: float, alpha_low: float,
         ``int8 [num_kv_heads, prompt_len]`` tier codes.
     """
     prompt_len = score_sums.shape[-1]
+    if sliding_window_tokens is not None:
+        return sliding_window_prompt_tiers(score_sums.shape[0], prompt_len, sliding_window_tokens, score_sums.device)
     positions = torch.arange(prompt_len, device=score_sums.device)
     counts = query_counts(positions, prompt_len, prompt_len, prompt_score_window_tokens)
     if threshold_base == "position":
@@ -250,6 +308,14 @@ def decode_candidate_pos(pos: int, recent_window_tokens: int) -> int:
     ``pos - 1``; in the prompt phase ``W = 0`` forces nothing high).
     """
     return pos - max(recent_window_tokens, 1)
+
+
+def sliding_window_decision(num_kv_heads: int, device: torch.device | str = "cpu") -> DecodeDecision:
+    """The decision of a sliding-window layer at a step with a candidate (``decode_candidate_pos(pos, W) >= 0``,
+    ``W`` the layer's window): the candidate, now out of every later query's reach, is pruned on every KV head,
+    no victim is re-checked (module docstring)."""
+    pruned = torch.full((num_kv_heads,), TIER_PRUNED, dtype=torch.int8, device=device)
+    return DecodeDecision(pruned, torch.full((num_kv_heads,), -1, dtype=torch.long, device=device), pruned.clone())
 
 
 def decode_step(tiers: torch.Tensor, importance: torch.Tensor, seq_len: int,

@@ -78,7 +78,8 @@ def test_calibrate_writes_a_file_that_generate_accepts(tmp_path, capsys):
     out, table = tmp_path / "kv.json", tmp_path / "table.json"
     rc = main(["calibrate", "--model", str(folder), "--output", str(out), "--table", str(table),
                "--alpha-low", "0,0.5", "--low-tier", "k4v2,rotated-k4v2", "--num-prompts", "1",
-               "--prompt-tokens", "160", "--span-tokens", "6", "--max-top1-drop", "1", "--max-kl", "100"])
+               "--prompt-tokens", "160", "--span-tokens", "6", "--max-top1-drop", "1", "--max-kl", "100",
+               "--max-identical-drop", "1", "--max-prefix-drop", "1"])
     assert rc == 0
     data = json.loads(out.read_text())
     rows = json.loads(table.read_text())["rows"]

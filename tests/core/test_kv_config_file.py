@@ -131,3 +131,41 @@ def test_cli_llm_triton_repo_and_build_accept_a_file(tmp_path):
                     dtype="float32", max_batch_size=1, max_seq_len=16)
     # An engine directory keeps the new fields (build writes kv_config_to_fields into config.json).
     assert kv_config_from_fields(kv_config_to_fields(CFG)) == CFG
+
+
+def test_per_layer_sliding_windows_validate_round_trip_and_follow_the_model(tmp_path):
+    """``DiffKVConfig.layers`` (config.LayerSettings): validated naming the field, written and read back by kv-config
+    files, filled from a model's sliding windows by ``for_model``; a file whose windows differ from the model's, or a
+    config for another layer count, is refused naming the layer."""
+    from types import SimpleNamespace
+
+    from trtllm_diffkv.config import DiffKVConfig, LayerSettings, save_kv_config_file
+
+    for bad in (0, -3, True, "512", 2**31):
+        with pytest.raises(ValueError, match="sliding_window_tokens"):
+            LayerSettings(bad)
+    with pytest.raises(ValueError, match="tuple of LayerSettings"):
+        DiffKVConfig(layers=(512, None))
+    gemma_like = SimpleNamespace(num_layers=3, sliding_windows=(8, 8, None))
+    llama_like = SimpleNamespace(num_layers=3, sliding_windows=(None, None, None))
+    base = DiffKVConfig(name="t")
+    assert base.for_model(llama_like) is base and base.sliding_windows(3) == (None, None, None)
+    cfg = base.for_model(gemma_like)
+    assert cfg.layers == (LayerSettings(8), LayerSettings(8), LayerSettings(None))
+    assert cfg.sliding_windows(3) == (8, 8, None) and cfg.for_model(gemma_like) is cfg
+    assert DiffKVConfig(layers=[LayerSettings(4)]).layers == (LayerSettings(4),)  # a list is stored as a tuple
+    with pytest.raises(ValueError, match=r"layers\[1\].sliding_window_tokens=8; the model's layer 1 has sliding window 16"):
+        cfg.for_model(SimpleNamespace(num_layers=3, sliding_windows=(8, 16, None)))
+    with pytest.raises(ValueError, match="settings for 3 layers; the model has 4"):
+        cfg.validate_for_model(64, 4, 1, num_layers=4)
+    save_kv_config_file(tmp_path / "w.json", cfg)
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert data["kv_config"]["layers"] == [{"sliding_window_tokens": 8}, {"sliding_window_tokens": 8},
+                                           {"sliding_window_tokens": None}]
+    assert load_kv_config_file(tmp_path / "w.json") == cfg
+    data["kv_config"]["layers"][2] = {"sliding_window_tokens": None, "alpha": 1}
+    with pytest.raises(ValueError, match=r"kv_config.layers\[2\]: unknown key 'alpha'"):
+        load_kv_config_file(_write(tmp_path / "x.json", data))
+    data["kv_config"]["layers"] = {"sliding_window_tokens": 8}
+    with pytest.raises(ValueError, match="kv_config.layers must be a JSON list"):
+        load_kv_config_file(_write(tmp_path / "y.json", data))

@@ -69,6 +69,33 @@ def test_numbers_are_consistent(smoke):
         assert (row["request_rate"] is None) == (row["workload"] != "c")
 
 
+def test_uniform_formats_run_beside_the_preset_by_default(smoke):
+    """Workloads a and b run the DiffKV preset, uniform K8V4 and K8V8, then fp16, side by side at one budget
+    (issue 41); c runs the preset and fp16. Each uniform format holds its preset's bytes per token and KV head
+    (``token_bytes``: 64 + 64 or 64 + 32 codes, scales and zeros, the token metadata where counted) over FP16's 256,
+    plus the key centring's 128 bytes of offsets per row over >= 40 tokens."""
+    from trtllm_diffkv.config import get_preset
+
+    result, _, _ = smoke
+    closed = [r for r in result["rows"] if r["request_rate"] is None]
+    assert [(r["workload"], r["preset"]) for r in closed] == [
+        ("a", "default"), ("a", "k8v4"), ("a", "k8v8"), ("a", "fp16"),
+        ("b", "llama3-8b"), ("b", "k8v4"), ("b", "k8v8"), ("b", "fp16")]
+    for workload in ("a", "b"):
+        mine = {r["preset"]: r for r in closed if r["workload"] == workload}
+        assert len({r["kv_memory_bytes"] for r in mine.values()}) == 1
+        for preset in ("k8v8", "k8v4"):
+            token_bytes = get_preset(preset).token_bytes("high", 64)
+            assert token_bytes / 256 < mine[preset]["kv_memory_fraction"] < (token_bytes + 128 / 40) / 256
+        assert mine["k8v8"]["kv_memory_fraction"] > mine["k8v4"]["kv_memory_fraction"]
+    assert {r["preset"] for r in result["rows"] if r["workload"] == "c"} == {"default", "fp16"}
+    table = bench.format_table(result["rows"]).splitlines()
+    k8v8 = next(line for line in table if line.startswith("| a | k8v8 |")).split(" | ")
+    a = {r["preset"]: r for r in closed if r["workload"] == "a"}
+    assert float(k8v8[6]) == pytest.approx(a["k8v8"]["output_tokens_per_s"] / a["fp16"]["output_tokens_per_s"], abs=0.006)
+    assert float(k8v8[7]) == pytest.approx(a["k8v8"]["output_tokens_per_s"] / a["k8v4"]["output_tokens_per_s"], abs=0.006)
+
+
 def test_diffkv_runs_more_requests_per_step_at_equal_budget(smoke):
     result, _, _ = smoke
     by = {(r["workload"], r["preset"]): r for r in result["rows"] if r["request_rate"] is None}
@@ -155,9 +182,14 @@ def test_flags_override_the_defaults():
                               "1024", "--request-rates", "1", "3", "--preset", "k8v4", "--c-num-requests", "10"])
     c, a = bench.workloads_from_args(args)
     assert (c.name, c.request_rates, c.num_requests, c.presets) == ("c", (1.0, 3.0), 10, ("k8v4", "fp16"))
+    assert a.presets == ("k8v4", "k8v8", "fp16")  # the preset is a baseline too: run once
     assert (a.name, a.kv_memory_bytes, a.output_tokens, a.prompt_tokens) == ("a", 1000000, 1024, 512)
     b = bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "b"]))[0]
-    assert (b.model, b.presets, b.output_tokens) == ("llama3-8b-random", ("llama3-8b", "fp16"), 512)
+    assert (b.model, b.presets, b.output_tokens) == ("llama3-8b-random", ("llama3-8b", "k8v4", "k8v8", "fp16"), 512)
+    only = bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "a", "--baselines", "none"]))[0]
+    assert only.presets == ("default", "fp16")
+    with pytest.raises(ValueError, match="--baselines: unknown kv-config preset 'k9v9'"):
+        bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "a", "--baselines", "k9v9"]))
 
 
 @pytest.mark.parametrize("disable, launched_early", [(False, True), (True, False)])
@@ -189,8 +221,8 @@ def test_overlap_and_profile_flags_default_to_the_overlapped_unsynchronized_run(
 
 def test_the_profile_flag_reaches_the_details(tmp_path):
     out = tmp_path / "t.json"
-    assert _run_cli(["--smoke", "--device", "cpu", "--workloads", "a", "--preset", "fp16", "--profile", "--no-plot",
-                     "--output", str(out)]) == 0
+    assert _run_cli(["--smoke", "--device", "cpu", "--workloads", "a", "--preset", "fp16", "--baselines", "none",
+                     "--profile", "--no-plot", "--output", str(out)]) == 0
     details = json.loads(out.with_name("t_details.json").read_text())
-    assert [d["profile"] for d in details] == [True, True]
-    assert [d["cuda_graphs"] for d in details] == [False, False]  # what ran: the CPU is always eager
+    assert [d["profile"] for d in details] == [True]
+    assert [d["cuda_graphs"] for d in details] == [False]  # what ran: the CPU is always eager

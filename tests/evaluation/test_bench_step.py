@@ -25,7 +25,8 @@ def test_schema_and_points(smoke):
     assert list(step) == ["gpu", "date", "commit", "command", "copy_bandwidth_gbps", "rows"]
     assert step["command"] == "python benchmarks/bench_step.py --smoke --output " + step["command"].split()[-1]
     (shape,) = bench_step.default_shapes(smoke=True)
-    want = [(shape.name, b, c, p) for b, c in shape.points for p in ("fp16", shape.preset)]
+    assert bench_step.step_presets(shape) == ("fp16", "k8v4", shape.preset)  # k8v4 at equal batch (issue 41)
+    want = [(shape.name, b, c, p) for b, c in shape.points for p in ("fp16", "k8v4", shape.preset)]
     assert [(r["shape"], r["batch"], r["context_tokens"], r["preset"]) for r in step["rows"]] == want
     for row in step["rows"]:
         assert tuple(row) == bench_step.ROW_FIELDS
@@ -44,12 +45,14 @@ def test_floors_follow_from_bytes(smoke):
     for row in step["rows"]:
         assert row["weight_floor_ms"] == pytest.approx(weight_bytes / bw * 1e3, rel=1e-9)
         assert row["kv_floor_ms"] == pytest.approx(row["kv_bytes_read"] / bw * 1e3, rel=1e-9)
-    for fp16, diffkv in zip(step["rows"][::2], step["rows"][1::2]):
+    for fp16, k8v4, diffkv in zip(step["rows"][::3], step["rows"][1::3], step["rows"][2::3]):
         # FP16 pages hold every token of every row at 2 bytes (K and V), plus page rounding and row metadata
         tokens = fp16["batch"] * fp16["context_tokens"]
         exact = tokens * L * cfg["num_kv_heads"] * cfg["head_dim"] * 2 * 2
         assert exact <= fp16["kv_bytes_read"] <= 3 * exact
         assert 0 < diffkv["kv_bytes_read"] < fp16["kv_bytes_read"]   # the DiffKV preset stores fewer bytes
+        assert 0 < k8v4["kv_bytes_read"] < fp16["kv_bytes_read"]     # so does uniform K8V4
+        assert (k8v4["preset"], k8v4["batch"], k8v4["context_tokens"]) == ("k8v4", fp16["batch"], fp16["context_tokens"])
 
 
 def test_profile_table(smoke):
@@ -57,7 +60,7 @@ def test_profile_table(smoke):
     (shape,) = bench_step.default_shapes(smoke=True)
     largest = max(shape.points, key=lambda p: p[0] * p[1])
     assert [(r["batch"], r["context_tokens"], r["preset"]) for r in prof["rows"]] == \
-        [(*largest, "fp16"), (*largest, shape.preset)]
+        [(*largest, "fp16"), (*largest, "k8v4"), (*largest, shape.preset)]
     for row in prof["rows"]:
         names = [k["name"] for k in row["kernels"]]
         assert "aten::mm" in names or "aten::linear" in names

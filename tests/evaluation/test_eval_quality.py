@@ -125,7 +125,7 @@ def test_eval_command_refuses_bad_input_in_one_line(tmp_path, capsys):
 
     assert main(["eval", "--tasks", "nope", "--output", str(tmp_path / "q.json")]) == 2
     assert "--tasks: unknown task(s) ['nope']" in capsys.readouterr().err
-    assert main(["eval", "--methods", "quest", "--output", str(tmp_path / "q.json")]) == 2
+    assert main(["eval", "--tasks", "passkey", "--methods", "quest", "--output", str(tmp_path / "q.json")]) == 2
     assert "unknown method(s) ['quest']" in capsys.readouterr().err
     assert main(["eval", "--kv-config", "nope", "--output", str(tmp_path / "q.json")]) == 2
     assert "unknown kv-config preset 'nope'" in capsys.readouterr().err

@@ -265,7 +265,8 @@ def test_decision_specs_follow_the_plan(preset):
     assert decide.kernel.endswith(":_decide_kernel") and locate.kernel.endswith(":_locate_kernel")
     assert decide.op == locate.op == "decode_plan"
     assert decide.constexprs == {"H_TOKENS": fmt.high_tokens_per_page, "L_TOKENS": fmt.low_tokens_per_page,
-                                 "BLOCK": dk.BLOCK_TOKENS, "COMPRESS": kv.compress, "ROWS": dk.ROWS_PER_PROGRAM}
+                                 "BLOCK": dk.BLOCK_TOKENS, "COMPRESS": kv.compress, "ROWS": dk.ROWS_PER_PROGRAM,
+                                 "WINDOWS": False, "NUM_KV_HEADS": 1}  # no sliding-window layers in an engine
     assert decide.scalars == {"G": 6, "R": shape.max_pages_per_row, "PAGE_BYTES": fmt.page_size_bytes,
                               "H_SC": fmt.high.score.offset_bytes, "H_PO": fmt.high.position.offset_bytes,
                               "L_SC": fmt.low.score.offset_bytes, "L_PO": fmt.low.position.offset_bytes,

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 FORMATS = {
     "default": DiffKVConfig(),
     "k8v4": PRESETS["k8v4"],
+    "k8v8": PRESETS["k8v8"],  # 8-bit values in both tiers: the uniform INT8 row of the quality tables
     "fp16": PRESETS["fp16"],
     "k4v2-1group": DiffKVConfig(low=TierConfig(4, 2, 1, 1)),
     "default-k8v2": PRESETS["default-k8v2"],  # 35-token low pages: an odd probability stride (CUDA merge)

@@ -30,6 +30,7 @@ def test_every_compressing_preset_is_covered(preset, head_dim):
 @pytest.mark.parametrize("fmt,heads,dtype,expect", [
     (_fmt(head_dim=96), (8, 2), torch.float16, "head_dim=96"),
     (_fmt(head_dim=256), (8, 2), torch.float16, "head_dim=256"),
+    (_fmt(PRESETS["k8v4"], head_dim=256), (4, 1), torch.bfloat16, "head_dim=256"),  # gemma-3-270m: Triton decodes
     (_fmt(), (32, 2), torch.float16, "ratio 32/2"),
     (_fmt(), (8, 2), torch.float32, "float32"),
     (_fmt(PRESETS["fp16"]), (8, 2), torch.float16, "key_bits=16"),

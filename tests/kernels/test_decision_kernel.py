@@ -6,7 +6,8 @@ unpadded one (Triton interpreter, tiny shapes; CI, no GPU).
    candidate absent from the high tier, positions before the first candidate) for every compressing
    preset of ``config.PRESETS``; the kernel's five action tensors must equal the reference's exactly,
    with loop blocks of 128 and of 8 tokens (ties across loop iterations); with ``compress=False`` it equals
-   ``decisions.append_only`` (the fp16 preset).
+   ``decisions.append_only`` (the fp16 preset); with a sliding-window layer, ``decisions.slide_windows`` of
+   either (both presets).
 2. A full paged cache run on the kernel path (decisions in the kernel) in lockstep with the reference
    cache (``DiffKVReferenceCache``, the independent dense implementation): kept positions, tiers, counts,
    pages, K/V, scores and attention outputs every step, for a preset that prunes and one with a low tier.
@@ -206,6 +207,23 @@ def check_kernel_equals_reference(seeds=(0, 1)) -> int:
             for a, b in zip(keep, (append.high_delta, append.low_delta, append.new_index, append.move_from,
                                    append.move_to)):
                 assert a.dtype == b.dtype and torch.equal(a, b), f"{cfg.name} seed {seed}: append-only actions differ"
+            # a sliding-window layer (layer 0, window 3; layer 1 full): its rows take decisions.slide_windows'
+            # actions, the full layer's rows keep theirs, with and without compression
+            windows = torch.tensor([3, 0], dtype=torch.int32)
+            row_windows = windows.repeat_interleave(3).repeat(slots.numel())
+            for compress, base in ((True, want), (False, append)):
+                slid = decisions.slide_windows(base, rows, tokens, pos.repeat_interleave(G),
+                                               prompt_len[slots].repeat_interleave(G), row_windows)
+                got = decide_rows(pool.pages(), fmt, table, tokens, slots, pos, prompt_len,
+                                  alpha_tensor(cfg.alpha_high, cfg.alpha_low, "cpu"), rows_per_slot=G,
+                                  recent_window_tokens=cfg.recent_window_tokens,
+                                  prompt_score_window_tokens=cfg.prompt_score_window_tokens, compress=compress,
+                                  layer_windows=windows, num_kv_heads=3)
+                for name, a, b in zip(("high_delta", "low_delta", "new_index", "move_from", "move_to"), got,
+                                      (slid.high_delta, slid.low_delta, slid.new_index, slid.move_from, slid.move_to)):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (
+                        f"{cfg.name} seed {seed} windows, compress={compress}: {name} differs at rows "
+                        f"{torch.nonzero(a != b).flatten().tolist()}")
             moved += (want.move_from >= 0).sum().item()
             kinds |= {(int(h), int(l), int(f >= 0)) for h, l, f in zip(want.high_delta, want.low_delta, want.move_from)}
             compared += rows.numel()

@@ -83,6 +83,14 @@ def test_head_dims(head_dim):
     run_decode(DiffKVConfig(), head_dim, 4, 2, [(12, 20), (3, 9)], dtype=torch.float16, high_tokens_per_page=4)
 
 
+@pytest.mark.parametrize("preset", ["default", "k8v4", "fp16"])
+def test_gemma3_270m_shape(preset):
+    """gemma-3-270m's attention: head_dim 256, 4 query heads on one KV head (MQA, group 4), bf16 queries (the GPU
+    dtype); a sliding layer's row holds only its window, in the high tier (the second sequence)."""
+    run_decode(PRESETS[preset], 256, 4, 1, [(12, 20), (16, 0)], dtype=torch.bfloat16, high_tokens_per_page=4,
+               num_partitions=2)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (28, 4), (40, 8), (12, 2), (8, 1), (32, 1), (6, 3)])
 def test_group_sizes(num_heads, num_kv_heads):
     """Edge case 7 (groups 1, 7, 5, 6, 8, MQA 32, 2): all query heads of a group read the same row."""

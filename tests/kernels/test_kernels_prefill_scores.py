@@ -26,7 +26,8 @@ from support.attention import prefill_reference as reference, rel_err  # noqa: E
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(lens, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, num_scoring=64, seed=0, key_scale=1.0):
+def run(lens, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, num_scoring=64, seed=0, key_scale=1.0,
+        window=None):
     g = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     total = int(cu[-1])
@@ -38,9 +39,9 @@ def run(lens, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, num_sco
     scale = 1 / math.sqrt(head_dim)
     got_out, got_sums = scored_prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu.to(DEVICE),
                                                  sm_scale=scale, num_scoring_queries=num_scoring, out=out,
-                                                 score_sums=sums)
+                                                 score_sums=sums, sliding_window_tokens=window)
     assert got_out is out and got_sums is sums
-    ref_out, ref_sums = reference(q, k, v, cu, num_scoring, scale)
+    ref_out, ref_sums = reference(q, k, v, cu, num_scoring, scale, window)
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
     if total:
         assert rel_err(out, ref_out) < tol
@@ -59,6 +60,16 @@ def test_group_sizes(num_heads, num_kv_heads):
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_head_dims(head_dim):
     run([17, 70], 4, 2, head_dim)
+
+
+@pytest.mark.parametrize("window,head_dim,num_heads", [(5, 64, 4), (70, 64, 8), (40, 256, 4)])
+def test_sliding_window(window, head_dim, num_heads):
+    """Sliding-window layers (Gemma 3; query i attends keys i - W < j <= i): prompts shorter than, around and
+    several times the window, one KV head (MQA, gemma-3-270m's group 4 at head_dim 256); scoring queries reach
+    back less than the prompt, so the scores of the tokens before their windows are zero."""
+    sums = run([1, 7, 30, 130], num_heads, 1, head_dim, num_scoring=16, window=window)
+    if window < 130 - 16:
+        assert float(sums[38:38 + 130 - 16 - window].abs().max()) == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

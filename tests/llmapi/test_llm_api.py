@@ -308,9 +308,9 @@ def test_one_llm_checks_its_kv_config_against_the_model_once(tmp_path, monkeypat
     folder = write_tiny_text_checkpoint(tmp_path / "tiny")
     calls, real = [], DiffKVConfig.validate_for_model
 
-    def spy(self, head_dim, num_heads, num_kv_heads):
+    def spy(self, head_dim, num_heads, num_kv_heads, num_layers=None):
         calls.append((head_dim, num_heads, num_kv_heads))
-        return real(self, head_dim, num_heads, num_kv_heads)
+        return real(self, head_dim, num_heads, num_kv_heads, num_layers)
 
     monkeypatch.setattr(DiffKVConfig, "validate_for_model", spy)
     with LLM(str(folder), "default", device="cpu", kv_memory_bytes=8 << 20, max_batch_size=2) as llm:

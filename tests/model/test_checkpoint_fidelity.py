@@ -21,6 +21,7 @@ gguf = pytest.importorskip("gguf")
 import numpy as np  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from tiny_checkpoint import write_gguf_tensors  # noqa: E402
 from trtllm_diffkv import get_preset  # noqa: E402
 from trtllm_diffkv.generation.reference import ReferenceGenerator  # noqa: E402
 from trtllm_diffkv.model import DenseCausalAttention, load_model  # noqa: E402
@@ -123,12 +124,7 @@ def write_gguf(hf, path, fields: dict | None = None, rope_freqs=None, arch: str 
             f"blk.{i}.ffn_up.weight": sd[p + "mlp.up_proj.weight"],
             f"blk.{i}.ffn_down.weight": sd[p + "mlp.down_proj.weight"],
         })
-    for name, array in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(array))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, tensors)
 
 
 def write_tiny_gguf(path, fields: dict | None = None, arch: str = "llama"):

@@ -535,9 +535,9 @@ def test_the_executor_takes_one_engine_config():
 def _count_kv_checks(monkeypatch) -> list:
     calls, real = [], DiffKVConfig.validate_for_model
 
-    def spy(self, head_dim, num_heads, num_kv_heads):
+    def spy(self, head_dim, num_heads, num_kv_heads, num_layers=None):
         calls.append((head_dim, num_heads, num_kv_heads))
-        return real(self, head_dim, num_heads, num_kv_heads)
+        return real(self, head_dim, num_heads, num_kv_heads, num_layers)
 
     monkeypatch.setattr(DiffKVConfig, "validate_for_model", spy)
     return calls

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_servers_gpu.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench_servers_gpu.py"
 
 
 @pytest.fixture(scope="module")

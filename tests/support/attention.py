@@ -146,11 +146,13 @@ def decode_reference(q: torch.Tensor, rows: PagedRows, row_ids: torch.Tensor, sm
     return out, deltas
 
 
-def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu, num_scoring: int, sm_scale: float):
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu, num_scoring: int, sm_scale: float,
+                      sliding_window: int | None = None):
     """float64 reference of :func:`~.prefill_attention.scored_prefill_attention`, materializing each prompt's softmax.
 
     Args: packed ``q [total, num_heads, D]``, ``k``/``v [total, num_kv_heads, D]``, ``cu`` int
-    ``[num_seqs + 1]`` prompt boundaries, ``num_scoring`` (S), ``sm_scale``.
+    ``[num_seqs + 1]`` prompt boundaries, ``num_scoring`` (S), ``sm_scale``; ``sliding_window`` ``W``: query ``i``
+    also masks every key ``j <= i - W`` (the band ``torch.tril(-W)``).
 
     Returns:
         ``(out float64 [total, num_heads, D], score_sums float64 [total, num_kv_heads])``: causal
@@ -169,8 +171,10 @@ def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu, num
         qq = q[a:b].double().cpu().transpose(0, 1)
         kk = k[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
         vv = v[a:b].double().cpu().repeat_interleave(group, 1).transpose(0, 1)
-        p = torch.softmax((qq @ kk.transpose(1, 2) * sm_scale).masked_fill(
-            torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
+        masked = torch.ones(n, n, dtype=torch.bool).triu(1)
+        if sliding_window is not None:
+            masked |= torch.ones(n, n, dtype=torch.bool).tril(-sliding_window)
+        p = torch.softmax((qq @ kk.transpose(1, 2) * sm_scale).masked_fill(masked, float("-inf")), -1)
         out[a:b] = (p @ vv).transpose(0, 1)
         sums[a:b] = p[:, n - s:].sum(1).view(num_kv_heads, group, n).amax(1).T
     return out, sums

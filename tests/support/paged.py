@@ -235,6 +235,7 @@ def _caches(model, kv_config, prompts, decode_steps, num_pages, use_triton, high
             read_path):
     mc = model.config
     device, dtype = model.device, model.dtype
+    kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any
     max_len = max(len(p) for p in prompts) + decode_steps
     cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
                              EngineConfig(max_batch_size=len(prompts), max_seq_len=max_len, device=device,

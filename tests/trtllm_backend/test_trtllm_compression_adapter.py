@@ -291,6 +291,9 @@ def test_only_the_unsupported_parallel_size_is_refused(trt, model):
 @pytest.mark.parametrize("changes, match", [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "does not serve this model"),
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}, "sliding-window"),
+    # a Gemma 3 config parses (as a Gemma3Config), but not even one without sliding layers is served inside TensorRT-LLM
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+      "layer_types": None, "sliding_window_pattern": 1, "sliding_window": None}, "Gemma3ForCausalLM"),
 ])
 def test_unsupported_models_refused(trt, model, changes, match):
     with pytest.raises(ValueError, match=match):

@@ -25,6 +25,12 @@ victim re-checked (:func:`trtllm_diffkv.policy.decode_step`); then the new
 token is written at high precision; then attention reads every kept token and
 its probabilities (max over each KV head's query heads) are added to the
 scores.
+
+Sliding-window layers (``config.layers``, :meth:`DiffKVConfig.for_model`; every
+preset, ``fp16`` included): the prefill attends within the window and keeps the
+last ``W`` prompt tokens, pruning the older ones; each decode step prunes the
+token at ``pos - W`` before writing ``pos`` (:mod:`trtllm_diffkv.policy`), so
+attention reads exactly the window.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import torch
 
 from .. import policy
 from ..config import DiffKVConfig, TierConfig
+from ..model.attention_api import causal_attention
 from ..policy import TIER_HIGH, TIER_LOW, TIER_PRUNED
 from ..quant import FP16_MAX, check_finite, fake_quantize
 
@@ -46,12 +53,16 @@ class CacheStats:
     Attributes:
         seq_len_tokens: tokens processed (prompt + generated so far).
         high_tokens, low_tokens, pruned_tokens: (layer, KV head, token)
-            triples in each tier; the recent window counts as high.
+            triples in each tier; the recent window counts as high. A
+            sliding-window layer counts only the tokens it can still attend
+            (:func:`~trtllm_diffkv.policy.reachable_tokens`): those that left its
+            window are in no tier.
         kv_cache_bytes: bytes the packed cache takes (codes, fp16 scale/zero,
             fp32 score and int32 position per kept token; no metadata for the
             uncompressed ``fp16`` preset).
-        fp16_kv_cache_bytes: an FP16 cache of the same tokens: 2 bytes x
-            head_dim x 2 (K and V) per token per KV head per layer.
+        fp16_kv_cache_bytes: an FP16 cache of the same reachable tokens: 2
+            bytes x head_dim x 2 (K and V) per token per KV head per layer (an
+            FP16 cache, too, holds only the window of a sliding layer).
     """
 
     seq_len_tokens: int
@@ -95,8 +106,9 @@ class DiffKVReferenceCache:
     def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, max_seq_len_tokens: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):
-        config.validate_for_model(head_dim, num_heads, num_kv_heads)
+        config.validate_for_model(head_dim, num_heads, num_kv_heads, num_layers)
         self.config = config
+        self.sliding_windows = config.sliding_windows(num_layers)  # read by the model (attention_api)
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
         self.max_seq_len_tokens = max_seq_len_tokens
         store_dtype = torch.float32 if config.compress else dtype
@@ -224,11 +236,8 @@ class DiffKVReferenceCache:
             self.seq_len = length
 
     def _prefill(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kh, vh = self._store_prompt(layer_idx, q, k, v)
-        group = self.num_heads // self.num_kv_heads
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0), is_causal=True)
-        return out.transpose(0, 1)
+        self._store_prompt(layer_idx, q, k, v)
+        return causal_attention(q, k, v, sliding_window_tokens=self.sliding_windows[layer_idx])
 
     def _store_prompt(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Score, tier and store the prompt of one layer; returns its ``(keys, values)`` ``[num_kv_heads, n,
@@ -242,24 +251,29 @@ class DiffKVReferenceCache:
         check_finite(kh, "key", layer_idx)
         check_finite(vh, "value", layer_idx)
         self.prompt_len = n
+        window = self.sliding_windows[layer_idx]
+        if not cfg.tiered:  # fp16 and uniform quantization: every token high (but those out of a layer's window)
+            untiered = torch.full((self.num_kv_heads, n), TIER_HIGH, dtype=torch.int8, device=kh.device) \
+                if window is None else policy.sliding_window_prompt_tiers(self.num_kv_heads, n, window, kh.device)
         if not cfg.compress:
-            self.keys[layer_idx, :, :n] = kh.to(self.keys.dtype)
-            self.values[layer_idx, :, :n] = vh.to(self.values.dtype)
-            self.tiers[layer_idx, :, :n] = TIER_HIGH
+            keep = (untiered != TIER_PRUNED)[..., None]
+            self.keys[layer_idx, :, :n] = (kh * keep).to(self.keys.dtype)
+            self.values[layer_idx, :, :n] = (vh * keep).to(self.values.dtype)
+            self.tiers[layer_idx, :, :n] = untiered
             return kh, vh
         qh = q.transpose(0, 1)
         if cfg.center_keys:
             self.key_offsets[layer_idx] = kh.float().mean(1).to(torch.float16).float()
-        if not cfg.tiered:  # uniform quantization: every token in the high tier's format, no scores
-            self._store_tiered(layer_idx, n, kh, vh, torch.full((self.num_kv_heads, n), TIER_HIGH, dtype=torch.int8,
-                                                                device=kh.device))
+        if not cfg.tiered:  # uniform quantization: the high tier's format, no scores
+            self._store_tiered(layer_idx, n, kh, vh, untiered)
             return kh, vh
         num_scoring = min(cfg.prompt_score_window_tokens, n)
-        probs = _causal_probs(qh[:, n - num_scoring:].float(), kh.float(), group, n - num_scoring)
+        probs = _causal_probs(qh[:, n - num_scoring:].float(), kh.float(), group, n - num_scoring, window)
         scores = policy.prompt_score_sums(probs, self.num_kv_heads)
         self.scores[layer_idx, :, :n] = scores
         tiers = policy.prompt_tiers(scores, cfg.alpha_high, cfg.alpha_low, cfg.recent_window_tokens,
-                                    cfg.prompt_score_window_tokens, cfg.prompt_threshold_base, cfg.score_pool_tokens)
+                                    cfg.prompt_score_window_tokens, cfg.prompt_threshold_base, cfg.score_pool_tokens,
+                                    sliding_window_tokens=window)
         self._store_tiered(layer_idx, n, kh, vh, tiers)
         return kh, vh
 
@@ -270,7 +284,9 @@ class DiffKVReferenceCache:
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, 1, head_dim]
         check_finite(kh, "key", layer_idx, first_token=pos)  # refused before anything changes
         check_finite(vh, "value", layer_idx, first_token=pos)
-        if cfg.tiered:
+        if self.sliding_windows[layer_idx] is not None:
+            self._slide(layer_idx, pos)  # the token leaving the window: no later query reaches it
+        elif cfg.tiered:
             self._compact(layer_idx, pos)  # decide from the scores through the previous step
         if cfg.compress:
             self.keys[layer_idx, :, pos] = self._quantized_keys(layer_idx, kh, cfg.high, first_token=pos)[:, 0]
@@ -286,6 +302,17 @@ class DiffKVReferenceCache:
             # Pruned tokens are masked out of the softmax: their probability is exactly 0.
             self.scores[layer_idx, :, :seq_len] += policy.merge_query_heads(probs, self.num_kv_heads)
         return out[None].to(q.dtype)
+
+    def _slide(self, layer_idx: int, pos: int) -> None:
+        """Prune the token leaving a sliding-window layer's window before position ``pos`` is written (every
+        preset; :func:`policy.sliding_window_decision`)."""
+        cand = policy.decode_candidate_pos(pos, self.sliding_windows[layer_idx])
+        if cand < 0:
+            return
+        decision = policy.sliding_window_decision(self.num_kv_heads, self.scores.device)
+        cand_pos = torch.full((self.num_kv_heads,), cand, dtype=torch.long, device=self.scores.device)
+        unused = self.keys.new_zeros(self.num_kv_heads, self.head_dim)  # no row goes to the low tier
+        self._retier(layer_idx, cand_pos, decision.candidate_tier, unused, unused, only_changed=False)
 
     def _compact(self, layer_idx: int, pos: int) -> None:
         """Tier the token leaving the recent window and re-check a victim, before position ``pos`` is written.
@@ -317,13 +344,15 @@ class DiffKVReferenceCache:
 
     # ------------------------------------------------------------------ report
     def stats(self) -> CacheStats:
-        """Tier counts and packed bytes over all layers and KV heads, at ``seq_len``."""
+        """Tier counts and packed bytes over all layers and KV heads, at ``seq_len`` (a sliding-window layer's
+        tokens that left its window counted nowhere: :class:`CacheStats`)."""
         n = self.seq_len
         tiers = self.tiers[:, :, :n]
         high = int((tiers == TIER_HIGH).sum())
         low = int((tiers == TIER_LOW).sum())
-        pruned = tiers.numel() - high - low
-        fp16_bytes = tiers.numel() * 2 * self.head_dim * 2
+        total = self.num_kv_heads * sum(policy.reachable_tokens(n, w) for w in self.sliding_windows)
+        pruned = total - high - low
+        fp16_bytes = total * 2 * self.head_dim * 2
         if self.config.compress:
             used = high * self.config.token_bytes("high", self.head_dim) + low * self.config.token_bytes("low", self.head_dim)
             if self.config.center_keys and n:  # one fp16 offset vector per (layer, KV head)
@@ -333,17 +362,19 @@ class DiffKVReferenceCache:
         return CacheStats(n, high, low, pruned, used, fp16_bytes)
 
 
-def _causal_probs(q: torch.Tensor, k: torch.Tensor, group: int, first_query_pos: int) -> torch.Tensor:
+def _causal_probs(q: torch.Tensor, k: torch.Tensor, group: int, first_query_pos: int,
+                  sliding_window_tokens: int | None = None) -> torch.Tensor:
     """Softmax probabilities of queries ``[num_heads, m, head_dim]`` at positions
-    ``first_query_pos..`` over keys ``[num_kv_heads, n, head_dim]``, causal, fp32.
+    ``first_query_pos..`` over keys ``[num_kv_heads, n, head_dim]``, causal (within the sliding window when one
+    is given, :func:`policy.window_attention_mask`), fp32.
 
     Returns ``[num_heads, m, n]`` with exact zeros where masked.
     """
     n = k.shape[1]
     logits = q @ k.repeat_interleave(group, 0).transpose(1, 2) / math.sqrt(q.shape[-1])
-    qpos = torch.arange(first_query_pos, first_query_pos + q.shape[1], device=q.device)[:, None]
-    mask = torch.arange(n, device=q.device)[None, :] > qpos
-    return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
+    qpos = torch.arange(first_query_pos, first_query_pos + q.shape[1], device=q.device)
+    attend = policy.window_attention_mask(qpos, torch.arange(n, device=q.device), sliding_window_tokens)
+    return torch.softmax(logits.masked_fill(~attend, float("-inf")), dim=-1)
 
 
 def attend_kept(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,14 @@
-"""``trtllm-diffkv bench``: serving throughput and latency, DiffKV preset against ``fp16`` at one KV budget.
+"""``trtllm-diffkv bench``: serving throughput and latency, a DiffKV preset against the uniform K8V4 / K8V8 and
+``fp16`` at one KV budget.
 
 Runs the workloads of :mod:`trtllm_diffkv.evaluation.throughput` (a: default model, b: Llama-3-8B-shaped
 random model, c: Poisson arrivals) with a progress bar per run and one line per finished run,
 then writes the results JSON (``{"gpu", "date", "commit", "command", "rows"}``), a details
 JSON beside it (``<stem>_details.json``: steps, preemptions, wall time, tier split, prompt
 source per run) and a PNG (``<stem>.png``): throughput and achieved batch size per workload,
-DiffKV against FP16 (paper figure 17), and mean latency against request rate (figure 16).
+every preset side by side (paper figure 17), and mean latency against request rate (figure 16). Workloads a, b
+and file run ``--preset`` (a, file) or ``--b-preset`` (b), then ``--baselines`` (default k8v4, k8v8), then
+``fp16``, each after its own warm-up pass, at the same KV budget; c runs the preset and ``fp16``.
 
 ``--prompts-file FILE`` runs the user's own requests (JSONL: prompts, or prompt/output token lengths;
 :mod:`trtllm_diffkv.evaluation.prompt_files`) on ``--model`` (workload ``file``), or sends them in client mode.
@@ -26,6 +29,7 @@ import sys
 from pathlib import Path
 
 from ..config import replaced_atomically, write_text_atomic
+from ..evaluation.throughput import UNIFORM_BASELINES, presets_with_baselines
 from .common import check_output_path, finite_float
 
 WORKLOADS = ("a", "b", "c")
@@ -56,6 +60,9 @@ def add_parser(subparsers) -> None:
                                                        "stem + .png")
     p.add_argument("--preset", help="DiffKV preset or kv-config JSON file of workloads a and c (default: default)")
     p.add_argument("--b-preset", help="DiffKV preset of workload b (default: llama3-8b)")
+    p.add_argument("--baselines", default=",".join(UNIFORM_BASELINES),
+                   help="comma-separated presets run beside the DiffKV preset and fp16 in workloads a, b and file, "
+                        f"at the same KV budget; 'none' for fp16 alone (default: {','.join(UNIFORM_BASELINES)})")
     p.add_argument("--kv-memory-bytes", type=int, help="KV budget of workloads a and file (default: the bytes that "
                                                        "hold --a-fp16-capacity full FP16 requests; file: a third of its "
                                                        "requests at their longest)")
@@ -208,19 +215,23 @@ def workloads_from_args(args) -> list:
         raise ValueError(f"--workloads {spec!r}: choose among {', '.join(known)}"
                          + ("" if prompts_file or "file" not in unknown else " (file needs --prompts-file)"))
     defaults = default_workloads(smoke=args.smoke)
+    baselines = parse_baselines(getattr(args, "baselines", ",".join(UNIFORM_BASELINES)))
     model_path = getattr(args, "model", None)
     out = []
     for name in dict.fromkeys(names):
         if name == "file":
-            out.append(_file_workload(args, defaults["a"], model_path))
+            out.append(_file_workload(args, defaults["a"], model_path, baselines))
             continue
         changes = {key: getattr(args, f"{name}_{key}") for key in _OVERRIDES
                    if getattr(args, f"{name}_{key}", None) is not None}
         if name == "a" and args.kv_memory_bytes is not None:
             changes["kv_memory_bytes"] = args.kv_memory_bytes
         preset = args.b_preset if name == "b" else args.preset
-        if preset is not None:
-            changes["presets"] = (preset, "fp16")
+        if name == "c":
+            if preset is not None:
+                changes["presets"] = tuple(dict.fromkeys((preset, "fp16")))
+        else:
+            changes["presets"] = presets_with_baselines(preset or defaults[name].presets[0], baselines)
         if name == "c" and args.request_rates:
             changes["request_rates"] = tuple(args.request_rates)
         if name != "b" and model_path is not None and defaults[name].model == "default":
@@ -229,9 +240,27 @@ def workloads_from_args(args) -> list:
     return out
 
 
-def _file_workload(args, base, model_path):
+def parse_baselines(spec: str) -> tuple[str, ...]:
+    """``--baselines``: comma-separated presets (``none`` or empty: none).
+
+    Raises:
+        ValueError: an unknown preset, naming ``--baselines``.
+    """
+    from ..config import resolve_kv_config
+
+    names = () if spec.strip().lower() in ("", "none") else tuple(n.strip() for n in spec.split(",") if n.strip())
+    for name in names:
+        try:
+            resolve_kv_config(name)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"--baselines: {exc}") from None
+    return names
+
+
+def _file_workload(args, base, model_path, baselines=UNIFORM_BASELINES):
     """Workload ``file``: the lines of ``--prompts-file`` on ``--model`` (``--smoke``: the tiny random model, which
-    has no tokenizer: lengths and ids only), presets ``--preset`` vs ``fp16``, all submitted at once."""
+    has no tokenizer: lengths and ids only), presets ``--preset``, the baselines and ``fp16``, all submitted at
+    once."""
     from dataclasses import replace
 
     from ..evaluation.prompt_files import read_prompts_file
@@ -240,7 +269,7 @@ def _file_workload(args, base, model_path):
         raise ValueError(f"--max-tokens {args.max_tokens} must be >= 1")
     lines = tuple(read_prompts_file(args.prompts_file))
     return replace(base, name="file", model=base.model, model_path=None if args.smoke else model_path,
-                   presets=(args.preset or base.presets[0], "fp16"), requests=lines, prompts_file=args.prompts_file,
+                   presets=presets_with_baselines(args.preset or base.presets[0], baselines), requests=lines, prompts_file=args.prompts_file,
                    prompt_tokens=1, output_tokens=args.max_tokens, num_requests=len(lines),
                    fp16_capacity=max(1, len(lines) // 3), kv_memory_bytes=args.kv_memory_bytes,
                    max_batch_size=min(64, max(len(lines), 1)))
@@ -332,22 +361,30 @@ def write_results(result: dict, details: list[dict], output: Path, *, plot: bool
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows as a Markdown table (the form docs/PERFORMANCE.md quotes)."""
+    """The rows as a Markdown table (the form docs/PERFORMANCE.md quotes); ``x fp16`` and ``x k8v4``: tokens/s over
+    those presets' in the same workload and rate (at the same KV budget), where both ran."""
     def cell(value, spec):
         return "" if value is None else format(value, spec)
 
-    lines = ["| workload | preset | rate req/s | requests | KV budget MB | tokens/s | mean batch | KV / FP16 "
-             "| bookkeeping | mean latency s |", "| --- | --- " + "| ---: " * 8 + "|"]
+    def ratio(r, base):
+        other = next((o for o in rows if o["workload"] == r["workload"] and o["preset"] == base
+                      and o["request_rate"] == r["request_rate"]), None)
+        return r["output_tokens_per_s"] / other["output_tokens_per_s"] if other and other["output_tokens_per_s"] \
+            else None
+
+    lines = ["| workload | preset | rate req/s | requests | KV budget MB | tokens/s | x fp16 | x k8v4 | mean batch "
+             "| KV / FP16 | bookkeeping | mean latency s |", "| --- | --- " + "| ---: " * 10 + "|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['preset']} | {cell(r['request_rate'], 'g')} | {r['num_requests']} | "
                      f"{r['kv_memory_bytes'] / 1e6:.1f} | {r['output_tokens_per_s']:.1f} | "
+                     f"{cell(ratio(r, 'fp16'), '.2f')} | {cell(ratio(r, 'k8v4'), '.2f')} | "
                      f"{cell(r['mean_batch_size'], '.1f')} | {cell(r['kv_memory_fraction'], '.3f')} | "
                      f"{cell(r['bookkeeping_fraction'], '.2%')} | {cell(r['mean_latency_s'], '.2f')} |")
     return "\n".join(lines)
 
 
 def plot_results(result: dict, path: Path) -> None:
-    """PNG: tokens/s and mean batch size per closed workload (DiffKV vs FP16, paper figure 17) and
+    """PNG: tokens/s and mean batch size per closed workload (every preset, x FP16 annotated; paper figure 17) and
     mean latency against request rate for workload c (figure 16)."""
     import matplotlib
 
@@ -362,21 +399,26 @@ def plot_results(result: dict, path: Path) -> None:
     axes = list(axes[0])
     if closed:
         workloads = list(dict.fromkeys(r["workload"] for r in closed))
+        presets = sorted(dict.fromkeys(r["preset"] for r in closed), key=lambda p: p == "fp16")  # fp16 last
+        width = 0.8 / len(presets)
+        colors = {"fp16": "#999999", "k8v4": "#e08a2b", "k8v8": "#c9b458"}
         for ax, key, label in ((axes.pop(0), "output_tokens_per_s", "output tokens/s"),
                                (axes.pop(0), "mean_batch_size", "mean batch size (requests/step)")):
-            values = {}
-            for offset, baseline in ((-0.2, False), (0.2, True)):
-                picked = [next((r for r in closed if r["workload"] == w and (r["preset"] == "fp16") == baseline), None)
+            base = {w: next((r[key] for r in closed if r["workload"] == w and r["preset"] == "fp16"), None)
+                    for w in workloads}
+            for j, preset in enumerate(presets):
+                offset = (j - (len(presets) - 1) / 2) * width
+                values = [next(((r[key] or 0) for r in closed if r["workload"] == w and r["preset"] == preset), 0)
                           for w in workloads]
-                values[baseline] = [(r[key] or 0) if r else 0 for r in picked]
-                ax.bar([i + offset for i in range(len(workloads))], values[baseline], width=0.4,
-                       label="FP16" if baseline else "DiffKV", color="#999999" if baseline else "#2a7ab9")
-            for i, (ours, base) in enumerate(zip(values[False], values[True])):
-                if ours and base:
-                    ax.annotate(f"{ours / base:.2f}x", (i - 0.2, ours), ha="center", va="bottom", fontsize=8)
+                ax.bar([i + offset for i in range(len(workloads))], values, width=width,
+                       label="FP16" if preset == "fp16" else preset, color=colors.get(preset))
+                for i, (w, value) in enumerate(zip(workloads, values)):
+                    if value and base[w] and preset != "fp16":
+                        ax.annotate(f"{value / base[w]:.2f}x", (i + offset, value), ha="center", va="bottom",
+                                    fontsize=7)
             ax.set_xticks(range(len(workloads)), [f"workload {w}" for w in workloads])
             ax.set_ylabel(label)
-            ax.legend()
+            ax.legend(fontsize=8)
     if poisson:
         ax = axes.pop(0)
         for preset in dict.fromkeys(r["preset"] for r in poisson):

@@ -36,7 +36,7 @@ from ..cache import DiffKVReferenceCache
 from ..config import DiffKVConfig, get_preset, replaced_atomically, resolve_kv_config
 from ..generation.reference import ReferenceGenerator
 from . import baselines
-from .tasks import Case, run_humaneval_tests, truncate_completion
+from .tasks import HUMANEVAL_STOP_SEQUENCES, Case, run_humaneval_tests, truncate_completion
 
 BOOTSTRAP_RESAMPLES = 1000
 CI_LEVEL = 0.95
@@ -191,14 +191,16 @@ def forced_logits_of_points(generators: list[PointGenerator], caches: list, prom
     return out
 
 
-def greedy_completion(gen: ReferenceGenerator, prompt_ids: list[int], max_new_tokens: int) -> str:
-    """Greedy text through ``gen``'s cache, ended by a stop token, ``max_new_tokens`` or the first of
-    :data:`~trtllm_diffkv.evaluation.tasks.HUMANEVAL_STOP_SEQUENCES` in the text (the HumanEval rule;
+def greedy_completion(gen: ReferenceGenerator, prompt_ids: list[int], max_new_tokens: int,
+                      stop=HUMANEVAL_STOP_SEQUENCES, *, return_cache: bool = False):
+    """Greedy text through ``gen``'s cache, ended by a stop token, ``max_new_tokens`` or the first of ``stop``
+    in the text (default :data:`~trtllm_diffkv.evaluation.tasks.HUMANEVAL_STOP_SEQUENCES`, the HumanEval rule;
     ``ReferenceGenerator.generate_ids`` knows no stop strings, and stopping early is what makes grading
     every method affordable).
 
     Returns:
-        the decoded completion, cut before the stop sequence.
+        the decoded completion, cut before the stop string; with ``return_cache``, ``(completion, generated
+        token ids, cache)`` (the cache as the request ends, for its ``stats()``).
     """
     model, device = gen.model, gen.device
     cache = gen.new_cache(len(prompt_ids) + max_new_tokens)
@@ -212,11 +214,12 @@ def greedy_completion(gen: ReferenceGenerator, prompt_ids: list[int], max_new_to
                 break
             out.append(token)
             text = gen.tokenizer.decode(out, skip_special_tokens=True)
-            if len(out) >= max_new_tokens or truncate_completion(text) != text:
-                return truncate_completion(text)
+            if len(out) >= max_new_tokens or truncate_completion(text, stop) != text:
+                break
             pos = torch.tensor([len(prompt_ids) + len(out) - 1], device=device)
             logits = model(torch.tensor([token], device=device), pos, cache)
-    return truncate_completion(gen.tokenizer.decode(out, skip_special_tokens=True))
+    text = truncate_completion(gen.tokenizer.decode(out, skip_special_tokens=True), stop)
+    return (text, out, cache) if return_cache else text
 
 
 def case_metrics(ref_logits: torch.Tensor, logits: torch.Tensor, span_ids: list[int]) -> dict[str, float]:
@@ -366,8 +369,10 @@ def _row(method, config, task, memory, metric, values) -> dict:
             "metric": metric, "value": mean, "ci_low": low, "ci_high": high, "n": len(values)}
 
 
-def plot_pareto(rows: list[dict], path, title: str = "") -> None:
-    """Memory fraction against each task's primary metric, one curve per method, 95 % bands as error bars."""
+def plot_pareto(rows: list[dict], path, title: str = "", metric_of: Callable[[str], str] | None = None) -> None:
+    """Memory fraction against each task's primary metric, one curve per method, 95 % bands as error bars.
+
+    ``metric_of(task)``: the metric of a task's panel (default :data:`PRIMARY_METRIC`, else ``span_top1``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,7 +386,7 @@ def plot_pareto(rows: list[dict], path, title: str = "") -> None:
     palette = plt.cm.tab20 if len(methods) > 10 else plt.cm.tab10  # one colour per curve
     colors = {m: palette(i % palette.N) for i, m in enumerate(methods)}
     for ax, task in zip(axes.flat, tasks):
-        metric = PRIMARY_METRIC.get(task, "span_top1")
+        metric = metric_of(task) if metric_of is not None else PRIMARY_METRIC.get(task, "span_top1")
         if not any(r["task"] == task and r["metric"] == metric for r in rows):
             metric = "span_top1"  # e.g. humaneval run without grading
         for method in methods:

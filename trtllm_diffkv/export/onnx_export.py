@@ -227,8 +227,12 @@ def _check_model(model, kv_config: DiffKVConfig):
     """Refuse a model the graphs cannot hold; returns the model to export: ``model`` or, with ``key_rotation``,
     its rotated copy (``model/rotation.py``: ``v_proj`` / ``o_proj`` folded, ``self_attn.key_rotation`` set, which
     :func:`_decoder` applies to q and k after RoPE)."""
+    from ..model.llama import LlamaForCausalLM
     from ..model.rotation import model_for_kv_config
 
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"the TensorRT graphs hold Llama-family decoders; {type(model).__name__} runs on the PyTorch "
+                         "engines (LLM, generate, serve)")
     cfg = model.config
     kv_config.validate_for_model(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())

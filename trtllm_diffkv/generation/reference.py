@@ -32,7 +32,7 @@ class ReferenceGenerator:
         tokenizer: a transformers tokenizer (for chat template, decode, EOS).
         model_config: the model's shape (num_layers, num_heads, num_kv_heads,
             head_dim, max_position_embeddings).
-        kv_config: the DiffKV policy.
+        kv_config: the DiffKV policy (with the model's sliding windows added, :meth:`DiffKVConfig.for_model`).
         stop_token_ids: ids that end generation, besides the tokenizer's
             ``eos_token_id``; pass
             :func:`trtllm_diffkv.model.loader.stop_token_ids` of the
@@ -45,7 +45,9 @@ class ReferenceGenerator:
 
     def __init__(self, model, tokenizer, model_config, kv_config: DiffKVConfig,
                  stop_token_ids: set[int] | None = None):
-        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+        kv_config = kv_config.for_model(model_config)  # the model's sliding-window layers, if any
+        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
+                                     model_config.num_layers)
         model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy (model/rotation.py)
         self.model, self.tokenizer, self.model_config, self.kv_config = model, tokenizer, model_config, kv_config
         param = next(model.parameters())

@@ -8,6 +8,9 @@ probabilities with each query's base-2 log-sum-exp, sums over the queries and
 keeps the max over the group's heads. Constexprs: ``GROUP`` query heads per
 KV head, ``HEAD_DIM`` / ``BLOCK_D`` head dim and its power-of-two pad,
 ``LSE_STRIDE`` the per-head stride of the lse buffer, ``IEEE`` exact fp32 dots.
+``WINDOW``: 0 for causal attention, ``W > 0`` for a sliding-window layer
+(query ``i`` sees keys ``i - W < t <= i``, ``policy.window_attention_mask``); a
+constexpr, so a model without such layers compiles exactly the kernels it did.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import triton.language as tl
 @triton.jit
 def _prompt_score_kernel(q_ptr, k_ptr, lse_ptr, cu_ptr, score_ptr, qk_scale, num_scoring, num_heads, num_kv_heads,
                          LSE_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr,
+                         WINDOW: tl.constexpr = 0):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     blk = tl.program_id(2)
@@ -51,6 +55,8 @@ def _prompt_score_kernel(q_ptr, k_ptr, lse_ptr, cu_ptr, score_ptr, qk_scale, num
                 logits = tl.dot(qv, tl.trans(k))
             lse = tl.load(lse_ptr + (seq * num_heads + h) * LSE_STRIDE + i, mask=i_mask, other=0.0)
             keep = i_mask[:, None] & (t[None, :] <= pos[:, None]) & t_mask[None, :]
+            if WINDOW > 0:
+                keep = keep & (t[None, :] > pos[:, None] - WINDOW)
             p = tl.where(keep, tl.exp2(logits * qk_scale - lse[:, None]), 0.0)
             col += tl.sum(p, axis=0)
         best = tl.maximum(best, col)
@@ -61,7 +67,7 @@ def _prompt_score_kernel(q_ptr, k_ptr, lse_ptr, cu_ptr, score_ptr, qk_scale, num
 def _prompt_lse_kernel(q_ptr, k_ptr, cu_ptr, part_m_ptr, part_l_ptr, qk_scale, num_scoring, num_heads, num_kv_heads,
                        num_chunks, LSE_STRIDE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, WINDOW: tl.constexpr = 0):
     """Partial base-2 (max, sum) of each scoring query of head ``h`` over the keys of chunk ``c`` (causal).
 
     Grid ``(num_seqs, num_heads, num_chunks)``; writes ``part_m / part_l [seq, h, c, LSE_STRIDE]``.
@@ -96,6 +102,8 @@ def _prompt_lse_kernel(q_ptr, k_ptr, cu_ptr, part_m_ptr, part_l_ptr, qk_scale, n
             else:
                 logits = tl.dot(qv, tl.trans(k))
             keep = i_mask[:, None] & (t[None, :] <= pos[:, None]) & (t < k_end)[None, :]
+            if WINDOW > 0:
+                keep = keep & (t[None, :] > pos[:, None] - WINDOW)
             logits = tl.where(keep, logits * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(logits, axis=1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)

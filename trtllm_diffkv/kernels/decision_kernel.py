@@ -20,7 +20,8 @@ to fp32 (the alphas come in an fp64 tensor: a Python float argument would be
 rounded to fp32 first), ties go to the lowest position, and a NaN importance
 among the eligible tokens gives what ``torch.amin`` gives (NaN, column 0).
 For a preset that keeps every token (fp16) the same launch writes
-``decisions.append_only``'s actions.
+``decisions.append_only``'s actions. Rows of sliding-window layers (``layer_windows``) are
+not scanned: they get ``decisions.slide_windows``'s actions (the window's ring slot).
 
 :func:`locate_rows` (after the page manager's ``append_decode``, which may
 give a row the page its new token goes to) turns the actions into page ids and
@@ -131,17 +132,20 @@ def _classify(imp, thr_h, thr_l):
 
 @triton.jit
 def _decide_kernel(
-    f32_ptr, i32_ptr, table_ptr, tokens_ptr, slots_ptr, pos_ptr, prompt_len_ptr, alpha_ptr,
+    f32_ptr, i32_ptr, table_ptr, tokens_ptr, slots_ptr, pos_ptr, prompt_len_ptr, alpha_ptr, win_ptr,
     dh_ptr, dl_ptr, new_ptr, from_ptr, to_ptr,
     G, R, PAGE_BYTES, H_SC, H_PO, L_SC, L_PO, W, S,
     H_TOKENS: tl.constexpr, L_TOKENS: tl.constexpr, BLOCK: tl.constexpr, COMPRESS: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, WINDOWS: tl.constexpr = False, NUM_KV_HEADS: tl.constexpr = 1,
 ):
     """Program ``(b, c)``: the decisions of items ``i = b * G + g``, ``g`` in ``[c * ROWS, (c + 1) * ROWS)`` (rows
     ``slots[b] * G + g``; see :func:`decide_rows`): one sequence's consecutive rows (with ``ROWS`` = num_kv_heads,
     the KV heads of one layer) in one program.
 
     ``COMPRESS=False`` (fp16 preset, ``decisions.append_only``): every new token appended to the high tier.
+    ``WINDOWS``: ``win_ptr`` holds int32 ``[num_layers]`` windows (0: full attention); the rows of a layer with one
+    take ``decisions.slide_windows``'s actions and are not scanned (row ``g``'s layer: ``g // NUM_KV_HEADS``).
+    Both constexprs: a model without sliding-window layers compiles exactly the kernel it did.
     """
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -153,20 +157,29 @@ def _decide_kernel(
     prompt_len = tl.load(prompt_len_ptr + slot).to(tl.int64)
     h_count = tl.load(tokens_ptr + row * 2, mask=live, other=0).to(tl.int64)
     l_count = tl.load(tokens_ptr + row * 2 + 1, mask=live, other=0).to(tl.int64)
+    if WINDOWS:
+        win = tl.load(win_ptr + g // NUM_KV_HEADS, mask=live, other=0).to(tl.int64)
+    else:
+        win = tl.zeros((ROWS,), tl.int64)
+    sliding = win > 0
+    w_safe = tl.maximum(win, 1)
+    w_append = pos < w_safe
+    w_new = tl.where(w_append, h_count, (pos - tl.maximum(prompt_len - w_safe, 0)) % w_safe)
     if not COMPRESS:
-        tl.store(dh_ptr + i, tl.zeros((ROWS,), tl.int32) + 1, mask=live)
+        tl.store(dh_ptr + i, tl.where(sliding, w_append.to(tl.int32), 1), mask=live)
         tl.store(dl_ptr + i, tl.zeros((ROWS,), tl.int32), mask=live)
-        tl.store(new_ptr + i, h_count, mask=live)
+        tl.store(new_ptr + i, tl.where(sliding, w_new, h_count), mask=live)
         tl.store(from_ptr + i, tl.zeros((ROWS,), tl.int64) - 1, mask=live)
         tl.store(to_ptr + i, tl.zeros((ROWS,), tl.int64) - 1, mask=live)
         return
+    scan = live & ~sliding
     cand = pos - W
     n = tl.maximum(pos, 1).to(tl.float64)
     thr_h = (tl.load(alpha_ptr) / n).to(tl.float32)
     thr_l = (tl.load(alpha_ptr + 1) / n).to(tl.float32)
-    imp_vh, iv_h, c_found, ic, imp_c = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, h_count, live, cand, prompt_len,
+    imp_vh, iv_h, c_found, ic, imp_c = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, h_count, scan, cand, prompt_len,
                                                   pos, R, PAGE_BYTES, H_SC, H_PO, S, H_TOKENS, False, BLOCK, ROWS)
-    imp_vl, iv_l, _f, _c, _i = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, l_count, live, cand, prompt_len, pos,
+    imp_vl, iv_l, _f, _c, _i = _scan_tier(f32_ptr, i32_ptr, table_ptr, row, l_count, scan, cand, prompt_len, pos,
                                           R, PAGE_BYTES, L_SC, L_PO, S, L_TOKENS, True, BLOCK, ROWS)
     found = (cand >= 0) & (c_found > 0)
     c_tier = _classify(imp_c, thr_h, thr_l)
@@ -178,11 +191,11 @@ def _decide_kernel(
     append = (~found) | (c_high & (vh_tier == 1))
     demote = c_high & (vh_tier == 2)
     to_low_end = demote | (c_low & ~vl_pruned)
-    tl.store(dh_ptr + i, append.to(tl.int32), mask=live)
-    tl.store(dl_ptr + i, to_low_end.to(tl.int32), mask=live)
-    tl.store(new_ptr + i, tl.where(append, h_count, tl.where(c_high, iv_h, ic)), mask=live)
-    tl.store(from_ptr + i, tl.where(demote, iv_h, tl.where(c_low, ic, -1)), mask=live)
-    tl.store(to_ptr + i, tl.where(to_low_end, l_count, tl.where(c_low, iv_l, -1)), mask=live)
+    tl.store(dh_ptr + i, tl.where(sliding, w_append, append).to(tl.int32), mask=live)
+    tl.store(dl_ptr + i, tl.where(sliding, 0, to_low_end.to(tl.int32)), mask=live)
+    tl.store(new_ptr + i, tl.where(sliding, w_new, tl.where(append, h_count, tl.where(c_high, iv_h, ic))), mask=live)
+    tl.store(from_ptr + i, tl.where(sliding, -1, tl.where(demote, iv_h, tl.where(c_low, ic, -1))), mask=live)
+    tl.store(to_ptr + i, tl.where(sliding, -1, tl.where(to_low_end, l_count, tl.where(c_low, iv_l, -1))), mask=live)
 
 
 @triton.jit
@@ -244,7 +257,8 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
                 alphas: torch.Tensor, *, rows_per_slot: int, recent_window_tokens: int,
                 prompt_score_window_tokens: int, out: tuple[torch.Tensor, ...] | None = None,
                 block_tokens: int = BLOCK_TOKENS, compress: bool = True,
-                rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = DECIDE_WARPS):
+                rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = DECIDE_WARPS,
+                layer_windows: torch.Tensor | None = None, num_kv_heads: int = 1):
     """The decode decisions of every row of ``n`` sequences, one launch (= ``decisions.decide``, bit for bit).
 
     Args:
@@ -268,6 +282,9 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
             e.g. ``num_kv_heads``: a layer's KV heads); launch tuning (:data:`ROWS_PER_PROGRAM`),
             the results do not depend on it.
         num_warps: warps per program (launch tuning).
+        layer_windows: int32 ``[num_layers]`` on the device, each layer's sliding window (0: full attention),
+            or ``None`` (no sliding-window layer); the rows of a sliding layer get
+            ``decisions.slide_windows``'s actions. num_kv_heads: H, to find a row's layer (``g // H``).
 
     Returns:
         ``(high_delta, low_delta, new_index, move_from, move_to)``, each ``[n * G]`` in item
@@ -294,12 +311,13 @@ def decide_rows(pool_pages: torch.Tensor, page_format: PageFormat, page_table: t
         return out
     f32, i32 = _pool_views(pool_pages)
     _decide_kernel[(slots.numel(), triton.cdiv(rows_per_slot, rows_per_program))](
-        f32, i32, page_table, tier_tokens, slots, pos, prompt_len, alphas, *out,
+        f32, i32, page_table, tier_tokens, slots, pos, prompt_len, alphas,
+        layer_windows if layer_windows is not None else slots, *out,
         rows_per_slot, page_table.shape[1], page_format.page_size_bytes,
         high.score.offset_bytes, high.position.offset_bytes, low.score.offset_bytes, low.position.offset_bytes,
         max(recent_window_tokens, 1), prompt_score_window_tokens,
         H_TOKENS=high.tokens_per_page, L_TOKENS=low.tokens_per_page, BLOCK=block_tokens, COMPRESS=compress,
-        ROWS=rows_per_program, num_warps=num_warps)
+        ROWS=rows_per_program, WINDOWS=layer_windows is not None, NUM_KV_HEADS=num_kv_heads, num_warps=num_warps)
     return out
 
 

@@ -313,8 +313,12 @@ class DecodeAttention:
             args["FOLD"] = args["NG"] * gp2 <= 16 or nchunk > 1 or not FOLD_WIDE_FALLBACK
         dt = _tl_dtype("fp32" if q_dtype == torch.float32 else "fp16")  # dot operands (a bf16 q is cast to fp16)
         per_tier = ("TOKENS", "PPI", "BLOCK_T", "KB", "KG", "VB", "VG", "KC", "KM", "VC", "VM", "NG", "FOLD")
-        if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16:
-            max_registers = DEFAULT_MAX_REGISTERS  # 32 stacked rows need more registers than the cap (spills)
+        if max_registers is None and (num_warps or 4) == 4 and max(high["NG"], low["NG"]) * gp2 <= 16 \
+                and head_dim <= 128:
+            # 32 stacked rows need more registers than the cap (spills); so does head_dim 256 (gemma-3-270m, 4
+            # query heads on 1 KV head: ptxas sm_90a, 508 / 672 spill bytes at 128 registers for default / k8v4,
+            # none at 249 / 255 uncapped; not timed on a GPU)
+            max_registers = DEFAULT_MAX_REGISTERS
         self.partial_parts = nparts * nchunk
         self.partial_constexprs = dict(
             R=max_pages_per_row, PAGE_BYTES=page_format.page_size_bytes, PMAX=pmax, GROUP=group, GROUP_PAD=gp,

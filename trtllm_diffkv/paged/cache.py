@@ -34,6 +34,14 @@ Step protocol (host-side planning apart from launch-only layers, as FlashInfer's
    slots whose keys/values were not finite; :meth:`release` when a request
    ends or fails (every page goes back).
 
+Sliding-window layers (``config.layers``, :meth:`DiffKVConfig.for_model`;
+every preset, ``fp16`` included): the prefill attends within each such layer's
+window ``W`` and keeps its prompt's last ``W`` tokens, at the high tier, in
+position order at high-tier indices ``0..``; each decode step writes its token
+into the high slot of the token at ``pos - W`` (pruned: out of every later
+query's reach), or appends it while ``pos < W`` (:mod:`.decisions`), so the
+row holds exactly the window and its attention reads nothing else.
+
 Memory: the pool (pages held x page size) plus the row metadata of active
 rows; :meth:`pool_used_bytes` and :meth:`request_stats` report both next to
 the accounted bytes of the packed tokens (:class:`CacheStats`).
@@ -49,6 +57,7 @@ from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
 from ..engine_config import EngineConfig
 from ..memory import CpuPageManager, KVCachePool, PageFormat
+from ..policy import reachable_tokens
 from . import decode, prefill, torch_ops
 from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
@@ -143,6 +152,9 @@ class PagedDiffKVCache:
     runner, the TensorRT layer's operations):
         ops, decode_attention, prefill_attention: the kernel functions (:func:`kernel_functions`);
             prompt_scores: :func:`prompt_scores_function`.
+        sliding_windows: ``config.sliding_windows(num_layers)``, one ``int | None`` per layer (read by the model,
+            :func:`~trtllm_diffkv.model.attention_api.check_backend_windows`); layer_windows: the same as int32
+            ``[num_layers]`` on the device, 0 for full attention (the decode decisions' input).
         staging: ``{slot: PromptStaging}`` of the prompts whose later chunks are still to come (:mod:`.staging`).
         score_sums: fp32 ``[max_num_tokens, num_kv_heads]`` scratch of the scored prefill.
         prompt_len_device: int64 ``[max_slots]`` prompt length per slot on the device (written by each prompt's
@@ -159,16 +171,19 @@ class PagedDiffKVCache:
     def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  engine_config: EngineConfig, *, num_pages: int, dtype: torch.dtype = torch.float32,
                  sm_scale: float | None = None, kv_config_checked: bool = False) -> None:
-        if not kv_config_checked:
-            config.validate_for_model(head_dim, num_heads, num_kv_heads)
         engine = engine_config
         max_slots, max_seq_len_tokens, max_num_tokens = engine.max_batch_size, engine.max_seq_len, engine.max_num_tokens
         use_triton, page_manager, read_path = engine.use_triton, engine.page_manager, engine.read_path
         for name, value in (("num_layers", num_layers), ("max_seq_len", max_seq_len_tokens)):
             positive_int(name, value)
+        if not kv_config_checked:
+            config.validate_for_model(head_dim, num_heads, num_kv_heads, num_layers)
         self.config = config
-        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
         self.device = torch.device("cpu" if engine.device is None else engine.device)
+        self.sliding_windows = config.sliding_windows(num_layers)
+        self.layer_windows = torch.tensor([w or 0 for w in self.sliding_windows], dtype=torch.int32,
+                                          device=self.device)
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
         self.dtype = dtype
         self.page_format = PageFormat.for_config(config, head_dim, engine.high_tokens_per_page)
         self.pool = KVCachePool(self.page_format, num_pages, self.device)
@@ -563,12 +578,13 @@ class PagedDiffKVCache:
             self.row_meta.format.row_bytes
 
     def request_stats(self, slot: int) -> PagedCacheStats:
-        """Tier counts, accounted packed bytes and really held pool bytes of one request (a device read)."""
+        """Tier counts, accounted packed bytes and really held pool bytes of one request (a device read); a
+        sliding-window layer counts only its reachable tokens (:class:`CacheStats`)."""
         rows = torch.arange(slot * self.rows_per_slot, (slot + 1) * self.rows_per_slot, device=self.device)
         tokens = self.manager.tokens[rows].sum(0).tolist()
         pages = int(self.manager.pages[rows].sum())
         n = self.seq_len[slot]
-        total = n * self.rows_per_slot
+        total = self.num_kv_heads * sum(reachable_tokens(n, w) for w in self.sliding_windows)
         fp16_bytes = total * 2 * self.head_dim * 2
         meta = self.rows_per_slot * self.row_meta.format.row_bytes if n else 0
         if self.config.compress:

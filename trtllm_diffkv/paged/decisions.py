@@ -31,6 +31,18 @@ cand LOW, low victim pruned            (0, 0)      cand -> victim's slot   candi
 cand PRUNED                            (0, 0)      -                       candidate's slot
 =====================================  ==========  ======================  =====================
 
+Rows of a sliding-window layer (window ``W``; :mod:`trtllm_diffkv.policy`, any preset) take no
+decision from scores: their high tier holds exactly the window, the prompt's last ``min(n, W)`` tokens
+written at indices ``0..`` in position order (``prefill.py``), and each step's new token replaces the
+token at ``pos - W``, which no later query reaches. By induction token ``t`` sits at high index
+``(t - max(n - W, 0)) mod W``, so the step writing ``pos`` puts its token at ``(pos - max(n - W, 0))
+mod W``: appended (``(+1, 0)``) while ``pos < W``, in the departing token's slot (``(0, 0)``) after;
+nothing moves to the low tier (:func:`slide_windows`). Why a formula and not the scan that finds a full layer's
+candidate by position: the fp16 preset's pages carry no position segment (its bytes are FP16's), and
+every preset must keep exactly the window; the formula is O(1) per row, needs no metadata and is the same
+for every preset and on both paths (the Triton kernel skips the scan of these rows). The tests check the kept positions against the
+window itself (``tests/paged/test_sliding_window.py``), not against this formula.
+
 :func:`decide` is the reference and the torch path; the Triton path computes
 the same actions bit for bit in one launch
 (:func:`trtllm_diffkv.kernels.decision_kernel.decide_rows`,
@@ -145,6 +157,31 @@ def decide(pool: KVCachePool, page_table: torch.Tensor, tier_tokens: torch.Tenso
     move_from = torch.where(c_high & v_demoted, iv_h, torch.where(c_low, ic, neg))
     move_to = torch.where((c_high & v_demoted) | (c_low & ~vl_pruned), l_count, torch.where(c_low, iv_l, neg))
     return StepActions(dh.to(torch.int32), dl.to(torch.int32), new_index, move_from, move_to)
+
+
+def slide_windows(act: StepActions, rows: torch.Tensor, tier_tokens: torch.Tensor, pos: torch.Tensor,
+                  prompt_len: torch.Tensor, row_windows: torch.Tensor) -> StepActions:
+    """``act`` with the rows of sliding-window layers replaced by the window's actions (module docstring).
+
+    Args:
+        act: the step's actions from :func:`decide` or :func:`append_only`.
+        rows: int64 ``[m]`` table rows; tier_tokens: the manager's ``tokens`` before the step.
+        pos: int64 ``[m]`` the position each row's step writes; prompt_len: int64 ``[m]`` its prompt's tokens.
+        row_windows: int ``[m]`` each row's layer window, 0 for a full-attention layer (left as ``act`` has it).
+
+    Returns:
+        :class:`StepActions`: sliding rows ``(+1, 0)`` appended while ``pos < W``, else ``(0, 0)`` at high index
+        ``(pos - max(prompt_len - W, 0)) mod W``; no move.
+    """
+    sliding = row_windows > 0
+    w = row_windows.long().clamp(min=1)
+    append = pos < w
+    ring = (pos - (prompt_len.long() - w).clamp(min=0)) % w
+    neg = torch.full_like(act.move_from, -1)
+    return StepActions(torch.where(sliding, append.to(torch.int32), act.high_delta),
+                       torch.where(sliding, torch.zeros_like(act.low_delta), act.low_delta),
+                       torch.where(sliding, torch.where(append, tier_tokens[rows, 0].long(), ring), act.new_index),
+                       torch.where(sliding, neg, act.move_from), torch.where(sliding, neg, act.move_to))
 
 
 def append_only(rows: torch.Tensor, tier_tokens: torch.Tensor) -> StepActions:

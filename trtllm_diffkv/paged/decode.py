@@ -125,6 +125,14 @@ def _scratch(cache) -> dict:
     return s
 
 
+def _windows_kwargs(cache) -> dict:
+    """``decide_rows``'s sliding-window arguments for a cache with sliding-window layers, else ``{}``."""
+    windows = getattr(cache, "sliding_windows", None)  # absent on the plugins' cache views
+    if windows is None or all(w is None for w in windows):
+        return {}
+    return dict(layer_windows=cache.layer_windows, num_kv_heads=cache.num_kv_heads)
+
+
 def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: DecodeBuffers) -> None:
     """Triton path: decide (one launch), append_decode (two), locate (one), moves (read + write).
 
@@ -141,7 +149,8 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: DecodeB
     act = decision_kernel.decide_rows(
         cache.pool.pages(), fmt, man.page_table, man.tokens, slots, pos_seq, cache.prompt_len_device, s["alphas"],
         rows_per_slot=G, recent_window_tokens=cfg.recent_window_tokens,
-        prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.tiered)
+        prompt_score_window_tokens=cfg.prompt_score_window_tokens, out=s["actions"], compress=cfg.tiered,
+        **_windows_kwargs(cache))
     man.append_decode(slots, act[0].view(shape), act[1].view(shape))
     moves = tuple(t[:m] for t in s["moves"]) if cfg.tiered else None
     decision_kernel.locate_rows(man.page_table, fmt, slots, pos_seq, act, bufs.located(), moves,
@@ -175,6 +184,9 @@ def _plan_torch(cache, step, slots, pos_seq, bufs: DecodeBuffers) -> None:
                                prompt_score_window_tokens=cfg.prompt_score_window_tokens, max_pos=max(pos_host))
     else:
         act = decisions.append_only(rows, tokens)
+    if any(w is not None for w in cache.sliding_windows):
+        act = decisions.slide_windows(act, rows, tokens, pos, cache.prompt_len_device[slots].repeat_interleave(G),
+                                      cache.layer_windows.repeat_interleave(H).repeat(n))
     shape = (n, L, H)
     cache.manager.append_decode(slots, act.high_delta.reshape(shape), act.low_delta.reshape(shape))
     if cfg.tiered:

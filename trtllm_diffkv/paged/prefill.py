@@ -18,6 +18,11 @@ pages (a prompt step attends over its own full-precision K/V), so a planned step
 step's cost is mostly its host work per layer (docs/PERFORMANCE.md, "Chunked prefill steps"). A
 caller without a plan (the TensorRT plugin op, one layer a call) writes each layer in its call.
 
+Sliding-window layers (``cache.sliding_windows``): the prompt's attention (every path: whole, grouped and
+chunked) applies the layer's window ``W``; the tiers keep the last ``W`` tokens high and prune the older ones
+whatever the preset (:func:`trtllm_diffkv.policy.sliding_window_prompt_tiers`), so the kept tokens sit at
+high-tier indices ``0..W-1`` in position order, where the decode step's ring expects them (:mod:`.decisions`).
+
 Chunked prefill (:mod:`.staging`): a prefill request of the step may bring the chunk
 ``[start, end)`` of a prompt of ``n`` tokens. Its first chunk reserves the whole prompt's pages;
 every chunk attends causally over the kept full-precision K/V of the earlier chunks plus itself
@@ -30,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from .. import policy
+from ..model.attention_api import causal_attention
 from .gather import token_location
 from .staging import PromptStaging
 from .step_plan import PrefillChunk, PrefillPlan, WholePrompts
@@ -100,6 +106,7 @@ def plan_prefill(cache, step, inputs: list[torch.Tensor]) -> None:
         reserved=reserved_pages[req],
         counts=torch.zeros(len(lens), cache.num_layers, cache.num_kv_heads, 2, dtype=torch.int32, device=dev),
         err_idx=slots[req].to(torch.int32).repeat_interleave(cache.num_kv_heads), finishing=finishing,
+        prompt_tokens=n_tok,
         chunked=any(a or b < n for a, b, n in zip(starts, ends, totals)),
         chunks=[PrefillChunk(slots_host[i], starts[i], ends[i], totals[i], bounds[i], bounds[i + 1])
                 for i in range(n_pre)],
@@ -150,9 +157,17 @@ def prefill_layer(cache, step, layer, q, k, v, out) -> None:
     else:
         _, sums = cache.prefill_attention(q, k, v, p.cu, sm_scale=cache.sm_scale,
                                            num_scoring_queries=cfg.prompt_score_window_tokens, out=out,
-                                           score_sums=cache.score_sums[:q.shape[0]])
+                                           score_sums=cache.score_sums[:q.shape[0]],
+                                           **_window_kwarg(cache, layer))
     if p.finishing:
         _write_layer(cache, p, layer, k, v, sums)
+
+
+def _window_kwarg(cache, layer: int) -> dict:
+    """``{"sliding_window_tokens": W}`` for a sliding-window layer, ``{}`` otherwise (the attention functions of a
+    model without such layers, a caller's stand-ins included, are called as before)."""
+    window = getattr(cache, "sliding_windows", None)
+    return {"sliding_window_tokens": window[layer]} if window is not None and window[layer] is not None else {}
 
 
 def _write_layer(cache, p: PrefillPlan, layer, k, v, sums) -> None:
@@ -181,12 +196,14 @@ def _chunk_attention(cache, p: PrefillPlan, layer, q, k, v, out):
     in this step, in order (``None`` each when none does)."""
     cfg, dev = cache.config, cache.device
     S = cfg.prompt_score_window_tokens
+    window = _window_kwarg(cache, layer)
     keys, values, sums = [], [], []
     whole = p.whole
     if whole is not None:  # every whole prompt of the step in one call, as an unchunked step runs them
         rows = whole.rows
         wq, wk, wv = q[rows], k[rows], v[rows]
-        wo, ws = cache.prefill_attention(wq, wk, wv, whole.cu, sm_scale=cache.sm_scale, num_scoring_queries=S)
+        wo, ws = cache.prefill_attention(wq, wk, wv, whole.cu, sm_scale=cache.sm_scale, num_scoring_queries=S,
+                                         **window)
         out[rows] = wo
     for c in p.chunks:
         slot, start, end, n, cs, ce = c.slot, c.start, c.end, c.prompt_tokens, c.first_row, c.end_row
@@ -197,17 +214,17 @@ def _chunk_attention(cache, p: PrefillPlan, layer, q, k, v, out):
         qi, ki, vi = q[cs:ce], k[cs:ce], v[cs:ce]
         if c.whole:  # a whole prompt: the unchunked computation, bit for bit
             _, s = cache.prefill_attention(qi, ki, vi, torch.tensor([0, n], dtype=torch.int32), sm_scale=cache.sm_scale,
-                                           num_scoring_queries=S, out=out[cs:ce])
+                                           num_scoring_queries=S, out=out[cs:ce], **window)
             keys.append(ki), values.append(vi), sums.append(s)
             continue
         st = cache.staging[slot]
         st.put(layer, start, qi, ki, vi)
         kf, vf = st.keys[layer, :end], st.values[layer, :end]  # never the unwritten rows past the chunk
-        out[cs:ce] = chunk_causal_attention(qi, kf, vf, start, cache.sm_scale)
+        out[cs:ce] = chunk_causal_attention(qi, kf, vf, start, cache.sm_scale, window.get("sliding_window_tokens"))
         if end == n:  # the final chunk: the last S queries of the WHOLE prompt score every token
             if cfg.tiered:
                 s = cache.prompt_scores(st.scoring_queries(layer), kf, torch.tensor([0, n], dtype=torch.int32),
-                                        sm_scale=cache.sm_scale, num_scoring_queries=S)
+                                        sm_scale=cache.sm_scale, num_scoring_queries=S, **window)
             else:
                 s = torch.zeros(n, cache.num_kv_heads, dtype=torch.float32, device=dev)
             keys.append(kf), values.append(vf), sums.append(s)
@@ -216,26 +233,36 @@ def _chunk_attention(cache, p: PrefillPlan, layer, q, k, v, out):
     return torch.cat(keys), torch.cat(values), torch.cat(sums)
 
 
-def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sm_scale: float) -> torch.Tensor:
-    """Causal attention of one chunk's queries over its prompt's keys so far (torch SDPA with a boolean mask).
+def chunk_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sm_scale: float,
+                           sliding_window_tokens: int | None = None) -> torch.Tensor:
+    """Causal attention of one chunk's queries over its prompt's keys so far
+    (:func:`~trtllm_diffkv.model.attention_api.causal_attention`).
 
     Args:
         q: ``[c, num_heads, head_dim]``, the queries of positions ``[start, start + c)``.
         k, v: ``[start + c, num_kv_heads, head_dim]``, the keys and values of positions ``[0, start + c)``.
         start: the chunk's first position; sm_scale: the softmax scale.
+        sliding_window_tokens: ``W`` of a sliding-window layer (query ``i`` attends keys ``i - W < j <= i``), or
+            ``None``.
 
     Returns:
         ``[c, num_heads, head_dim]`` in q's dtype: query ``i`` attends keys ``0 .. start + i`` (GQA: query head ``h``
-        reads KV head ``h // (num_heads // num_kv_heads)``).
+        reads KV head ``h // (num_heads // num_kv_heads)``), within the window when one is given.
     """
-    c, num_heads, _ = q.shape
-    total, num_kv_heads = k.shape[0], k.shape[1]
-    group = num_heads // num_kv_heads
-    qh = q.transpose(0, 1).unsqueeze(0)
-    kh, vh = (x.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0) for x in (k, v))
-    mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(start, start + c, device=q.device)[:, None]
-    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
-    return o[0].transpose(0, 1)
+    return causal_attention(q, k, v, scale=sm_scale, first_query_pos=start, sliding_window_tokens=sliding_window_tokens)
+
+
+def _slide_prompt_tiers(cache, p: PrefillPlan, first_layer: int, G: int, high: torch.Tensor, low: torch.Tensor):
+    """``(high, low)`` bool ``[G, T, H]`` with the rows of sliding-window layers replaced by their rule
+    (:func:`trtllm_diffkv.policy.sliding_window_prompt_tiers`: a prompt's last ``W`` tokens high, the rest pruned);
+    unchanged for a model without such layers."""
+    windows = getattr(cache, "sliding_windows", None)
+    if windows is None or all(w is None for w in windows[first_layer:first_layer + G]):
+        return high, low
+    w = cache.layer_windows[first_layer:first_layer + G].long()[:, None]  # [G, 1]
+    in_window = (p.t.long()[None, :] >= p.prompt_tokens[None, :] - w)[..., None]  # [G, T, 1]
+    sliding = (w > 0)[..., None]
+    return torch.where(sliding, in_window, high), low & ~sliding
 
 
 def _tier_and_write(cache, p: PrefillPlan, first_layer, k, v, sums) -> None:
@@ -263,6 +290,7 @@ def _tier_and_write(cache, p: PrefillPlan, first_layer, k, v, sums) -> None:
     else:
         high = torch.ones(rows.shape, dtype=torch.bool, device=dev)
         low = torch.zeros_like(high)
+    high, low = _slide_prompt_tiers(cache, p, first_layer, G, high, low)
     for ti, (tier, sel) in enumerate((("high", high), ("low", low))):
         p.counts[:, first_layer:first_layer + G, :, ti].index_add_(0, p.req, sel.transpose(0, 1).to(torch.int32))
         sel64 = sel.to(torch.int64)

@@ -83,6 +83,8 @@ class PrefillPlan:
         pending: the K/V and score sums of the current write group's layers so far
             (``[G, T, num_kv_heads, head_dim]`` twice and fp32 ``[G, T, num_kv_heads]``), ``None`` between groups.
         whole: the whole prompts of a chunked step run as one call (:class:`WholePrompts`), else ``None``.
+        prompt_tokens: int64 ``[T]`` the whole prompt's tokens ``n`` of each token's prompt (the sliding-window
+            layers' tiers: :func:`.prefill._slide_prompt_tiers`); ``None`` where the builder has no such layers.
     """
 
     slots: torch.Tensor
@@ -105,6 +107,7 @@ class PrefillPlan:
     write_group_layers: int = 1
     pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     whole: WholePrompts | None = None
+    prompt_tokens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -19,6 +19,8 @@ import math
 import torch
 
 from ..memory import KVCachePool, PageFormat
+from ..model.attention_api import causal_attention
+from ..policy import window_attention_mask
 from ..quant import FP16_MAX, quantize
 from .gather import dequantize_tier, gather_tier
 
@@ -122,33 +124,31 @@ def paged_decode_attention(q, pool_pages, page_format, page_table, tier_tokens, 
         start += width
 
 
-def scored_prefill_attention(q, k, v, cu_seqlens, *, sm_scale, num_scoring_queries=64, out=None, score_sums=None):
+def scored_prefill_attention(q, k, v, cu_seqlens, *, sm_scale, num_scoring_queries=64, out=None, score_sums=None,
+                             sliding_window_tokens=None):
     """Causal prefill attention per request plus the prompt scores (DiffKV.md "Policy details").
 
     score_sums[t, h] (fp32 ``[total, num_kv_heads]``): per query head, the sum
     of the causal probabilities token t receives from the last
     ``min(num_scoring_queries, n)`` queries of its request; max over the KV
-    head's query heads.
+    head's query heads. ``sliding_window_tokens`` ``W``: query ``i`` attends keys
+    ``i - W < j <= i`` only, in the output and the scores.
     """
     total, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     score_sums = torch.zeros(total, num_kv_heads, dtype=torch.float32, device=q.device) if score_sums is None else score_sums
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds, bounds[1:]):
-        n = end - start
-        if n == 0:
-            continue
-        qh, kh, vh = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0), is_causal=True, scale=sm_scale)
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
-    prompt_scores(q, k, cu_seqlens, sm_scale=sm_scale, num_scoring_queries=num_scoring_queries, score_sums=score_sums)
+        if end > start:
+            out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], scale=sm_scale,
+                                              sliding_window_tokens=sliding_window_tokens).to(out.dtype)
+    prompt_scores(q, k, cu_seqlens, sm_scale=sm_scale, num_scoring_queries=num_scoring_queries, score_sums=score_sums,
+                  sliding_window_tokens=sliding_window_tokens)
     return out, score_sums
 
 
-def prompt_scores(q, k, cu_seqlens, *, sm_scale, num_scoring_queries=64, score_sums=None):
+def prompt_scores(q, k, cu_seqlens, *, sm_scale, num_scoring_queries=64, score_sums=None, sliding_window_tokens=None):
     """Torch version of :func:`trtllm_diffkv.kernels.prefill_attention.prompt_scores`: the scores of
     :func:`scored_prefill_attention` alone, reading only the last ``min(num_scoring_queries, n)`` query rows
     of each request (fp32 ``[total, num_kv_heads]``)."""
@@ -165,8 +165,9 @@ def prompt_scores(q, k, cu_seqlens, *, sm_scale, num_scoring_queries=64, score_s
         m = min(num_scoring_queries, n)
         qh, kh = q[end - m:end].transpose(0, 1), k[start:end].transpose(0, 1)
         logits = qh.float() @ kh.float().repeat_interleave(group, 0).transpose(1, 2) * sm_scale
-        mask = torch.arange(n, device=q.device)[None, :] > torch.arange(n - m, n, device=q.device)[:, None]
-        probs = torch.softmax(logits.masked_fill(mask, float("-inf")), -1)
+        attend = window_attention_mask(torch.arange(n - m, n, device=q.device), torch.arange(n, device=q.device),
+                                       sliding_window_tokens)
+        probs = torch.softmax(logits.masked_fill(~attend, float("-inf")), -1)
         sums = probs.sum(1).reshape(num_kv_heads, group, n).amax(1)  # [num_kv_heads, n]
         score_sums[start:end] = sums.transpose(0, 1)
     return score_sums

@@ -48,12 +48,16 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int, kv_con
     """Refuse a model (and DiffKV configuration) that cannot be split over ``tensor_parallel_size`` ranks.
 
     Raises:
-        ValueError: ``tensor_parallel_size`` not a positive int; ``num_heads``, ``num_kv_heads`` or
+        ValueError: ``tensor_parallel_size`` not a positive int; a model other than the Llama family (Gemma 3:
+            its sharding is not written) with more than one rank; ``num_heads``, ``num_kv_heads`` or
             ``intermediate_size`` not divisible by it (each naming the field; see the module docstring
             for why KV heads are not replicated); or ``kv_config`` refusing the whole model (:meth:`DiffKVConfig.validate_for_model`).
     """
     tp = tensor_parallel_size
     positive_int("tensor_parallel_size", tp)
+    if tp > 1 and type(config) is not ModelConfig:
+        raise ValueError(f"tensor parallelism covers the Llama-family decoders; {config.architecture} runs on one "
+                         "device (tensor_parallel_size=1)")
     if config.num_kv_heads % tp:
         raise ValueError(
             f"num_kv_heads={config.num_kv_heads} is not divisible by tensor_parallel_size={tp}: each rank must own "

