@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trtllm_diffkv.config import get_preset  # noqa: E402
+from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.evaluation.throughput import LLAMA3_8B_SHAPE, TINY_SHAPE, environment, random_llama  # noqa: E402
 from trtllm_diffkv.model import ModelConfig  # noqa: E402
 from trtllm_diffkv.runtime.executor import Executor  # noqa: E402
@@ -61,9 +62,9 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
 def _executor(model, config, device, *, batch, max_num_tokens, chunked, split, max_seq_len=8192,
               use_cuda_graphs=None):
     kw = dict(kv_memory_fraction=0.5) if device.type == "cuda" else dict(kv_memory_bytes=64 << 20)
-    return Executor(model, config, get_preset("default"), max_batch_size=batch, max_num_tokens=max_num_tokens,
-                    enable_chunked_prefill=chunked, max_seq_len=max_seq_len, use_cuda_graphs=use_cuda_graphs,
-                    split_mixed_steps=split, **kw)
+    return Executor(model, config, get_preset("default"),
+                    EngineConfig(max_batch_size=batch, max_num_tokens=max_num_tokens, enable_chunked_prefill=chunked,
+                                 max_seq_len=max_seq_len, use_cuda_graphs=use_cuda_graphs, split_mixed_steps=split, **kw))
 
 
 def _classify(ex, log: list) -> None:

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trtllm_diffkv.config import get_preset  # noqa: E402
+from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.model import ModelConfig  # noqa: E402
 from trtllm_diffkv.runtime.executor import Executor  # noqa: E402
 from trtllm_diffkv.runtime.sampling import SamplingParams  # noqa: E402
@@ -194,10 +195,10 @@ def executor_steps(model, preset: str, batch: int, context_tokens: int, *, timed
     prefill_steps = math.ceil(batch * context_tokens / max_num_tokens) + batch  # decodes while the rest prefill
     max_tokens = prefill_steps + warm_steps + timed_steps + 2 * profile_steps + 4
     max_seq_len = context_tokens + max_tokens
-    executor = Executor(model, config, get_preset(preset), max_batch_size=batch, max_num_tokens=max_num_tokens,
-                        max_seq_len=max_seq_len, kv_memory_bytes=kv_budget_bytes(config, batch, max_seq_len),
-                        use_triton=None if cuda else False, use_cuda_graphs=cuda,
-                        disable_overlap_scheduler=not overlap)
+    engine = EngineConfig(max_batch_size=batch, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                          kv_memory_bytes=kv_budget_bytes(config, batch, max_seq_len),
+                          use_triton=None if cuda else False, use_cuda_graphs=cuda, disable_overlap_scheduler=not overlap)
+    executor = Executor(model, config, get_preset(preset), engine)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size, (batch, context_tokens), generator=g).tolist()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

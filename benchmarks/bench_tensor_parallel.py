@@ -47,6 +47,7 @@ def rank_run(group, shape: dict, preset: str, batch: int, prompt_tokens: int, ma
     from trtllm_diffkv.model import ModelConfig
     from trtllm_diffkv.parallel.executor_hook import TensorParallelHook
     from trtllm_diffkv.parallel.sharding import WeightShard, local_kv_config, make_row_parallel
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.runtime.executor import Executor
     from trtllm_diffkv.runtime.sampling import SamplingParams
 
@@ -54,9 +55,10 @@ def rank_run(group, shape: dict, preset: str, batch: int, prompt_tokens: int, ma
     local = WeightShard(group.rank, group.world_size).config(config)
     dtype = torch.bfloat16 if group.device.type == "cuda" else torch.float32
     model = make_row_parallel(random_llama(local, device=group.device, dtype=dtype, seed=group.rank), group)
-    executor = Executor(model, local, local_kv_config(get_preset(preset), group.world_size), max_batch_size=batch,
-                        max_seq_len=prompt_tokens + max_tokens, kv_memory_fraction=kv_memory_fraction,
-                        kv_memory_bytes=kv_memory_bytes, use_cuda_graphs=False, parallel=TensorParallelHook(group))
+    engine = EngineConfig(max_batch_size=batch, max_seq_len=prompt_tokens + max_tokens,
+                          kv_memory_fraction=kv_memory_fraction, kv_memory_bytes=kv_memory_bytes, use_cuda_graphs=False)
+    executor = Executor(model, local, local_kv_config(get_preset(preset), group.world_size), engine,
+                        parallel=TensorParallelHook(group))
     g = torch.Generator().manual_seed(0)  # the same prompts on every rank
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for _ in range(batch):

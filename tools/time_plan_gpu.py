@@ -41,6 +41,7 @@ sys.path.insert(0, REPO)
 from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.memory import PageFormat  # noqa: E402
 from trtllm_diffkv.model import LlamaForCausalLM, ModelConfig  # noqa: E402
+from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.paged import PagedDiffKVCache  # noqa: E402
 from trtllm_diffkv.runtime.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
@@ -193,9 +194,10 @@ def run_batch(args, model, n: int) -> list[dict]:
     per_row = fmt.prompt_reserve_pages(args.context) + fmt.pages_for_tokens("high", decode_tokens) + \
         fmt.pages_for_tokens("low", decode_tokens) + 4  # + the worst case of one step (plan's check)
     num_pages = n * mc.num_layers * mc.num_kv_heads * per_row
-    cache = PagedDiffKVCache(kv, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=num_pages,
-                             max_slots=n, max_seq_len_tokens=total, max_num_tokens=args.prefill_chunk * args.context,
-                             device=model.device, dtype=model.dtype, high_tokens_per_page=32)
+    cache = PagedDiffKVCache(kv, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                             EngineConfig(max_batch_size=n, max_seq_len=total,
+                                          max_num_tokens=args.prefill_chunk * args.context, device=model.device,
+                                          high_tokens_per_page=32), num_pages=num_pages, dtype=model.dtype)
     cuda = model.device.type == "cuda"
     t0 = time.perf_counter()
     runner = DecodeGraphRunner(model, cache, buckets=(n,)) if cuda else None

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
+
+from .validators import is_int, is_number
 
 SUPPORTED_BITS = (2, 4, 8, 16)
 """Bit widths a tier may use; 16 means "stored unquantized" (no compression)."""
@@ -59,7 +60,7 @@ def _check_choice(name: str, value, allowed) -> None:
 
 
 def _check_range(name: str, value, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not lo <= value <= hi:
+    if not is_number(value) or not lo <= value <= hi:
         raise ValueError(f"{name}={value!r} is out of range; allowed range: [{lo}, {hi}]")
 
 
@@ -178,7 +179,7 @@ class LayerSettings:
 
     def __post_init__(self) -> None:
         w = self.sliding_window_tokens
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+        if w is not None and not is_int(w):
             raise ValueError(f"sliding_window_tokens={w!r} must be an integer or None")
         if w is not None:
             _check_range("sliding_window_tokens", w, 1, MAX_SLIDING_WINDOW_TOKENS)
@@ -284,7 +285,7 @@ class DiffKVConfig:
             object.__setattr__(self, "low", FP16_TIER)
         for name in ("recent_window_tokens", "prompt_score_window_tokens", "rotation_seed", "score_pool_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise ValueError(f"{name}={value!r} must be an integer")
         _check_range("recent_window_tokens", self.recent_window_tokens, 0, 65536)
         _check_range("prompt_score_window_tokens", self.prompt_score_window_tokens, 1, 65536)
@@ -297,7 +298,7 @@ class DiffKVConfig:
         if self.calibrated_for is not None:
             shape = self.calibrated_for
             if (not isinstance(shape, tuple) or len(shape) != 3
-                    or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in shape)):
+                    or any(not is_int(x) or x <= 0 for x in shape)):
                 raise ValueError(f"calibrated_for={shape!r} must be (num_heads, num_kv_heads, head_dim), "
                                  "three positive integers")
         if isinstance(self.layers, list):

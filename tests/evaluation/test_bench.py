@@ -131,6 +131,7 @@ def _tiny_config():
 def test_default_budget_holds_exactly_the_fp16_capacity(capacity, tokens):
     """The executor's fp16 pool built from the budget has the capacity's pages, and one byte less has fewer."""
     from trtllm_diffkv.config import get_preset
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.runtime.resource_manager import DiffKVResourceManager
 
     config = _tiny_config()
@@ -138,10 +139,10 @@ def test_default_budget_holds_exactly_the_fp16_capacity(capacity, tokens):
                  fp16_capacity=capacity, max_batch_size=8)
     budget = budget_bytes(w, config)
     rows, pages_per_row = config.num_layers * config.num_kv_heads, -(-tokens // 32) + 2
-    sizes = dict(max_batch_size=8, max_seq_len_tokens=tokens, max_num_tokens=tokens, device="cpu", use_triton=False)
-    pool = DiffKVResourceManager(config, get_preset("fp16"), kv_memory_bytes=budget, **sizes)
+    sizes = dict(max_batch_size=8, max_seq_len=tokens, max_num_tokens=tokens, device="cpu", use_triton=False)
+    pool = DiffKVResourceManager(config, get_preset("fp16"), EngineConfig(kv_memory_bytes=budget, **sizes))
     assert pool.get_max_resource_count() == capacity * rows * pages_per_row
-    smaller = DiffKVResourceManager(config, get_preset("fp16"), kv_memory_bytes=budget - 1, **sizes)
+    smaller = DiffKVResourceManager(config, get_preset("fp16"), EngineConfig(kv_memory_bytes=budget - 1, **sizes))
     assert smaller.get_max_resource_count() == capacity * rows * pages_per_row - 1
     fixed = Workload("a", "tiny-random", ("default", "fp16"), 8, 8, 1, 1, kv_memory_bytes=12345)
     assert budget_bytes(fixed, config) == 12345

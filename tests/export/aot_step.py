@@ -56,11 +56,12 @@ def run_decode_step(kv, device: str, manifest: dict, launch, target: str = "sm_9
     """
     from trtllm_diffkv.export.ort_ops import decode_feeds
     from trtllm_diffkv.kernels import decode_attention as da
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.paged.cache import PagedDiffKVCache
 
     shape = engine(kv)
-    cache = PagedDiffKVCache(kv, L, H, HKV, D, num_pages=PAGES, max_slots=SLOTS, max_seq_len_tokens=MAX_SEQ,
-                             device=device, use_triton=True)
+    cache = PagedDiffKVCache(kv, L, H, HKV, D, EngineConfig(max_batch_size=SLOTS, max_seq_len=MAX_SEQ, device=device,
+                                                            use_triton=True), num_pages=PAGES)
     g = torch.Generator().manual_seed(1)
     lens = [37, 5]
     cache.plan([0, 2], lens, [0, 0], [True, True])

@@ -26,6 +26,7 @@ from conftest import tiny_llama  # noqa: E402
 from trtllm_diffkv.export import onnx_export, ort_ops  # noqa: E402
 from trtllm_diffkv.export.fields import kv_config_from_fields  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
+from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.paged.cache import PagedDiffKVCache  # noqa: E402
 from trtllm_diffkv.model.rotation import model_for_kv_config  # noqa: E402
 
@@ -123,8 +124,9 @@ def test_graph_nodes_are_described_plugins_and_inference_matches_onnxruntime():
 
 def _cache(model, kv, slots=2, pages=96, max_len=64):
     c = model.config
-    return PagedDiffKVCache(kv, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, num_pages=pages,
-                            max_slots=slots, max_seq_len_tokens=max_len, max_num_tokens=max_len * slots)
+    return PagedDiffKVCache(kv, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                            EngineConfig(max_batch_size=slots, max_seq_len=max_len, max_num_tokens=max_len * slots),
+                            num_pages=pages)
 
 
 def _prefill_inputs(prompts):

@@ -303,13 +303,16 @@ def test_executor_reports_its_decode_backend_and_refuses_a_forced_cuda_one(monke
 
     model = tiny_llama()
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    kw = dict(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 22)
-    assert Executor(model, model.config, DiffKVConfig(), use_triton=False, **kw).decode_backend == "torch"
-    assert Executor(model, model.config, DiffKVConfig(), use_triton=True, **kw).decode_backend == "triton"
+    from trtllm_diffkv.engine_config import EngineConfig
+
+    torch_ops, triton = (EngineConfig(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 22, use_triton=use)
+                         for use in (False, True))
+    assert Executor(model, model.config, DiffKVConfig(), torch_ops).decode_backend == "torch"
+    assert Executor(model, model.config, DiffKVConfig(), triton).decode_backend == "triton"
     monkeypatch.setenv(BACKEND_ENV, "cuda")
-    assert Executor(model, model.config, DiffKVConfig(), use_triton=False, **kw).decode_backend == "torch"
+    assert Executor(model, model.config, DiffKVConfig(), torch_ops).decode_backend == "torch"
     with pytest.raises(ValueError, match=f"{BACKEND_ENV}=cuda, but the CUDA decode kernel cannot run"):
-        Executor(model, model.config, DiffKVConfig(), use_triton=True, **kw)
+        Executor(model, model.config, DiffKVConfig(), triton)
 
 
 class _FakeCupy:

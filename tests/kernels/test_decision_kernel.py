@@ -286,6 +286,7 @@ def check_padded_plan(page_manager: str = "cpu", read_path: str = "auto") -> Non
     """Plans with ``pad_to`` give the unpadded plan's attention outputs, pool bytes and page-manager state."""
     from conftest import random_llama
     from trtllm_diffkv.config import DiffKVConfig
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.paged import PagedDiffKVCache
 
     model = random_llama(5, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -293,8 +294,9 @@ def check_padded_plan(page_manager: str = "cpu", read_path: str = "auto") -> Non
     kv = DiffKVConfig(recent_window_tokens=2, prompt_score_window_tokens=4, alpha_high=1.0, alpha_low=0.3)
     mc = model.config
     plain, padded = caches = [PagedDiffKVCache(kv, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                               num_pages=120, max_slots=4, max_seq_len_tokens=40, use_triton=True,
-                                               high_tokens_per_page=4, page_manager=page_manager, read_path=read_path)
+                                               EngineConfig(max_batch_size=4, max_seq_len=40, use_triton=True,
+                                                            high_tokens_per_page=4, page_manager=page_manager,
+                                                            read_path=read_path), num_pages=120)
                               for _ in range(2)]
     from trtllm_diffkv.paged import decode
 

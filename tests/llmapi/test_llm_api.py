@@ -9,7 +9,7 @@ import torch
 
 from conftest import peaked_tiny_llama, tiny_llama
 from tiny_checkpoint import write_tiny_text_checkpoint
-from trtllm_diffkv.config import get_preset
+from trtllm_diffkv.config import DiffKVConfig, get_preset
 from trtllm_diffkv.generation.reference import ReferenceGenerator
 from trtllm_diffkv.llmapi.llm import LLM
 from trtllm_diffkv.llmapi.outputs import IncrementalDetokenizer
@@ -345,3 +345,24 @@ def test_vllm_stop_token_ids_min_tokens_and_include_stop_str_end_to_end(tmp_path
             assert entry[token].logprob == pytest.approx(max(allowed.values()), abs=1e-3), (k, token)
         assert out.finish_reason == ("stop" if out.token_ids[-1] == stop_id else "length")
         assert _free(llm)
+
+
+
+def test_one_llm_checks_its_kv_config_against_the_model_once(tmp_path, monkeypatch):
+    """Issue 40: ``LLM(model)`` ran ``validate_for_model`` 4 times (loader, executor, resource manager, cache)."""
+    folder = write_tiny_text_checkpoint(tmp_path / "tiny")
+    calls, real = [], DiffKVConfig.validate_for_model
+
+    def spy(self, head_dim, num_heads, num_kv_heads, num_layers=None):
+        calls.append((head_dim, num_heads, num_kv_heads))
+        return real(self, head_dim, num_heads, num_kv_heads, num_layers)
+
+    monkeypatch.setattr(DiffKVConfig, "validate_for_model", spy)
+    with LLM(str(folder), "default", device="cpu", kv_memory_bytes=8 << 20, max_batch_size=2) as llm:
+        assert calls == [(64, 2, 1)]  # tiny_checkpoint.TINY_TEXT_CONFIG: head_dim 64, 2 query / 1 KV heads
+        assert llm.executor.engine_config.max_batch_size == 2
+        assert llm.generate([5, 6, 7], GREEDY(2)).error is None
+    assert len(calls) == 1
+    model = tiny_llama()
+    with LLM.from_model(model, None, model.config, "default", kv_memory_bytes=4 << 20) as llm:  # not loaded here
+        assert calls[1:] == [(model.config.head_dim, model.config.num_heads, model.config.num_kv_heads)]

@@ -14,6 +14,7 @@ import torch
 from conftest import Recorder, peaked_tiny_llama, random_llama
 from oracle import attention as dense
 from oracle.quant import quantize_row
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.evaluation.accuracy import teacher_forced_logits
 from trtllm_diffkv.cache import DiffKVReferenceCache
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
@@ -128,8 +129,8 @@ def test_fp16_preset_with_rotation_equals_without(model):
 
 
 def _executor_tokens(model, cfg, prompt, n):
-    ex = Executor(model, model.config, cfg, max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 22,
-                  high_tokens_per_page=4, use_triton=False)
+    ex = Executor(model, model.config, cfg, EngineConfig(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 22,
+                                                         high_tokens_per_page=4, use_triton=False))
     assert (ex.model.model.layers[0].self_attn.key_rotation is not None) == (cfg.key_rotation == "hadamard")
     ex.add_request(prompt, SamplingParams.greedy_params(n))
     tokens = []

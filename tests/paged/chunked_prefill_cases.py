@@ -9,6 +9,7 @@ equal dense fp32 causal attention over the prompt's tokens so far.
 import torch
 
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged.cache import PagedDiffKVCache
 
 SHAPE = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
@@ -28,9 +29,12 @@ def kv_config(name: str) -> DiffKVConfig:
 
 
 def make_cache(config, *, device, dtype, use_triton, prompt_tokens, staging=True):
-    return PagedDiffKVCache(config, **SHAPE, num_pages=4096, max_slots=2, max_seq_len_tokens=prompt_tokens + 8,
-                            max_num_tokens=prompt_tokens, device=device, dtype=dtype, high_tokens_per_page=16,
-                            use_triton=use_triton, staging_limit_bytes=1 << 28 if staging else 0)
+    return PagedDiffKVCache(config, **SHAPE,
+                            engine_config=EngineConfig(max_batch_size=2, max_seq_len=prompt_tokens + 8,
+                                                       max_num_tokens=prompt_tokens, device=device,
+                                                       high_tokens_per_page=16, use_triton=use_triton,
+                                                       chunk_staging_bytes=1 << 28 if staging else 0),
+                            num_pages=4096, dtype=dtype)
 
 
 def random_qkv(prompt_tokens, *, device, dtype, seed=0):

@@ -10,6 +10,7 @@ import torch
 
 from chunked_prefill_cases import check_chunked_equals_unchunked, kv_config, make_cache, prefill, random_qkv
 from conftest import poison_prompt_staging
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged.cache import OutOfPagesError, PagedDiffKVCache
 
 
@@ -102,9 +103,11 @@ def test_whole_prompts_beside_a_chunk_equal_an_unchunked_step(name):
     config = kv_config(name)
     lens = (70, 100, 90)
     qkvs = [random_qkv(n, device="cpu", dtype=torch.float32, seed=s) for n, s in zip(lens, (3, 4, 5))]
-    caches = [PagedDiffKVCache(config, **SHAPE, num_pages=4096, max_slots=3, max_seq_len_tokens=128,
-                               max_num_tokens=256, device="cpu", dtype=torch.float32, high_tokens_per_page=16,
-                               use_triton=False, staging_limit_bytes=1 << 28) for _ in range(2)]
+    caches = [PagedDiffKVCache(config, **SHAPE,
+                               engine_config=EngineConfig(max_batch_size=3, max_seq_len=128, max_num_tokens=256,
+                                                          device="cpu", high_tokens_per_page=16, use_triton=False,
+                                                          chunk_staging_bytes=1 << 28),
+                               num_pages=4096, dtype=torch.float32) for _ in range(2)]
     caches[0].plan([0, 1], [70, 100], [0, 0], [True, True])
     caches[1].plan([0, 1, 2], [70, 100, 40], [0, 0, 0], [True] * 3, prompt_lens=list(lens))
     assert caches[1].planned_step.prefill.whole is not None
@@ -151,9 +154,12 @@ def test_prompt_writes_in_layer_groups_equal_the_per_layer_writes(name, monkeypa
     for group in (1, 2, 5):
         monkeypatch.setattr(paged_prefill, "WRITE_GROUP_BYTES", group * layer_bytes)
         for chunked in (False, True):
-            cache = PagedDiffKVCache(config, **shape, num_pages=4096, max_slots=2, max_seq_len_tokens=128,
-                                     max_num_tokens=256, device="cpu", dtype=torch.float32, high_tokens_per_page=16,
-                                     use_triton=False, staging_limit_bytes=1 << 28)
+            cache = PagedDiffKVCache(config, **shape,
+                                     engine_config=EngineConfig(max_batch_size=2, max_seq_len=128,
+                                                                max_num_tokens=256, device="cpu",
+                                                                high_tokens_per_page=16, use_triton=False,
+                                                                chunk_staging_bytes=1 << 28),
+                                     num_pages=4096, dtype=torch.float32)
             if chunked:  # prompt 1's first 50 tokens in a step of their own, its last 40 beside prompt 0 whole
                 cache.plan([1], [50], [0], [True], prompt_lens=[90])
                 for layer in range(5):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trtllm_diffkv.config import DiffKVConfig
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged import PagedDiffKVCache
 from trtllm_diffkv.paged.step_plan import DecodeBuffers, PrefillPlan, StepPlan
 
@@ -17,8 +18,8 @@ L, HQ, H, D = 3, 4, 2, 64
 
 
 def _cache(**kwargs):
-    return PagedDiffKVCache(CFG, L, HQ, H, D, num_pages=200, max_slots=2, max_seq_len_tokens=64,
-                            high_tokens_per_page=4, **kwargs)
+    return PagedDiffKVCache(CFG, L, HQ, H, D, EngineConfig(max_batch_size=2, max_seq_len=64, high_tokens_per_page=4,
+                                                           **kwargs), num_pages=200)
 
 
 def _run_layers(cache, num_tokens, layers=range(L), seed=0):
@@ -169,7 +170,7 @@ def test_a_plan_failing_after_its_reservation_gives_the_new_prompts_back(monkeyp
     failed plan now undoes the new prompts' reservations and staging; the slot plans again."""
     from trtllm_diffkv.paged import prefill
 
-    cache = _cache(staging_limit_bytes=1 << 22)
+    cache = _cache(chunk_staging_bytes=1 << 22)
     free = cache.manager.free_pages()
 
     def out_of_memory(*args, **kwargs):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trtllm_diffkv.config import DiffKVConfig
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged import PagedDiffKVCache
 from trtllm_diffkv.paged.host_inputs import StepInputs
 
@@ -30,8 +31,8 @@ def test_pinning_needs_cuda_and_two_buffers():
 
 
 def test_every_plan_makes_one_copy():
-    cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, num_pages=200, max_slots=3, max_seq_len_tokens=64,
-                             high_tokens_per_page=4)
+    cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, EngineConfig(max_batch_size=3, max_seq_len=64, high_tokens_per_page=4),
+                             num_pages=200)
     g = torch.Generator().manual_seed(0)
 
     def run(num_tokens):

@@ -12,6 +12,7 @@ import torch
 from conftest import peaked_tiny_llama, random_llama, tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, get_preset
 from trtllm_diffkv.model.attention_api import DenseCausalAttention
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged import OutOfPagesError, PagedDiffKVCache
 from support.paged_oracle import gather_request
 from support.paged import run_lockstep
@@ -57,7 +58,8 @@ def test_lockstep_default_page_size_and_gqa_groups(peaked_model):
 
 def test_page_boundaries_edge_case_4(peaked_model):
     """Prompt lengths P-1 .. 2P+1 around each tier's page capacity, then 8 decode steps."""
-    probe = PagedDiffKVCache(CFG, 1, 8, 2, 64, num_pages=1, max_slots=1, max_seq_len_tokens=8, high_tokens_per_page=4)
+    probe = PagedDiffKVCache(CFG, 1, 8, 2, 64, EngineConfig(max_batch_size=1, max_seq_len=8, high_tokens_per_page=4),
+                             num_pages=1)
     lengths = sorted({n for p in (probe.page_format.high_tokens_per_page, probe.page_format.low_tokens_per_page)
                       for n in range(p - 1, 2 * p + 2)})
     report = run_lockstep(peaked_model, CFG, _prompts(lengths, seed=4), 8, num_pages=600, kv_atol=KV_ATOL,
@@ -83,7 +85,7 @@ def test_tiny_prompts_edge_case_8():
         assert got.token_ids == want.token_ids and got.kv_cache_bytes == want.kv_cache_bytes
         assert got.high_fraction == 1.0  # everything still fits in the recent window: no demotion, no pruning
     assert paged.last_cache.manager.free_pages() == paged.last_cache.manager.num_pages
-    cache = PagedDiffKVCache(cfg, 3, 8, 2, 64, num_pages=50, max_slots=2, max_seq_len_tokens=32)
+    cache = PagedDiffKVCache(cfg, 3, 8, 2, 64, EngineConfig(max_batch_size=2, max_seq_len=32), num_pages=50)
     with pytest.raises(ValueError, match="empty prompt"):
         cache.plan([0, 1], [5, 0], [0, 0], [True, True])
     assert cache.manager.free_pages() == 50 and cache.active_slots == []
@@ -94,8 +96,8 @@ def test_fp16_preset_equals_dense_attention():
     cfg = get_preset("fp16")
     mc = model.config
     prompt = _prompts((11,), seed=6)[0]
-    cache = PagedDiffKVCache(cfg, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=40,
-                             max_slots=1, max_seq_len_tokens=16, high_tokens_per_page=4)
+    cache = PagedDiffKVCache(cfg, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                             EngineConfig(max_batch_size=1, max_seq_len=16, high_tokens_per_page=4), num_pages=40)
     ids = list(prompt)
     with torch.inference_mode():
         cache.plan([0], [len(ids)], [0], [True])
@@ -144,8 +146,8 @@ def test_mixed_prefill_and_decode_step(peaked_model):
     """A step may carry prefill requests (first) and decode requests together."""
     mc = peaked_model.config
     a, b = _prompts((9, 12), seed=7)
-    cache = PagedDiffKVCache(CFG, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=120,
-                             max_slots=2, max_seq_len_tokens=24, high_tokens_per_page=4)
+    cache = PagedDiffKVCache(CFG, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                             EngineConfig(max_batch_size=2, max_seq_len=24, high_tokens_per_page=4), num_pages=120)
     with torch.inference_mode():
         cache.plan([0], [9], [0], [True])
         tok_a = int(peaked_model(torch.tensor(a), torch.arange(9), cache)[-1].argmax())
@@ -155,8 +157,8 @@ def test_mixed_prefill_and_decode_step(peaked_model):
         pos = torch.cat([torch.arange(12), torch.tensor([9])])
         mixed = peaked_model(ids, pos, cache, logits_indices=torch.tensor([11, 12]))
         cache.end_step()
-        solo = PagedDiffKVCache(CFG, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=120,
-                                max_slots=1, max_seq_len_tokens=24, high_tokens_per_page=4)
+        solo = PagedDiffKVCache(CFG, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                EngineConfig(max_batch_size=1, max_seq_len=24, high_tokens_per_page=4), num_pages=120)
         solo.plan([0], [9], [0], [True])
         peaked_model(torch.tensor(a), torch.arange(9), solo)
         solo.end_step()
@@ -167,7 +169,7 @@ def test_mixed_prefill_and_decode_step(peaked_model):
 
 
 def test_bad_plans_change_nothing():
-    cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, num_pages=20, max_slots=2, max_seq_len_tokens=40)
+    cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, EngineConfig(max_batch_size=2, max_seq_len=40), num_pages=20)
     cases = [
         (([0, 1], [5, 1], [0, 5], [False, True]), "prefill requests must come before"),
         (([0], [2], [1], [False]), "decode step"),
@@ -188,7 +190,7 @@ def test_bad_plans_change_nothing():
 def test_non_finite_keys_fail_their_request_only():
     """A request whose keys overflow fp16 is flagged after the step; the other one goes on."""
     cfg = CFG
-    cache = PagedDiffKVCache(cfg, 1, 4, 2, 64, num_pages=40, max_slots=2, max_seq_len_tokens=16)
+    cache = PagedDiffKVCache(cfg, 1, 4, 2, 64, EngineConfig(max_batch_size=2, max_seq_len=16), num_pages=40)
     q, k, v = torch.randn(9, 4, 64), torch.randn(9, 2, 64), torch.randn(9, 2, 64)
     k[6, 1, 3] = 1e6  # token 1 of request 1
     cache.plan([0, 1], [5, 4], [0, 0], [True, True])

@@ -8,6 +8,7 @@ import torch
 
 from conftest import peaked_tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged import PagedDiffKVCache
 from support.paged import run_lockstep, teacher_forced_agreement
 
@@ -134,7 +135,8 @@ def test_lockstep_with_reference_at_default_page_size(read_path):
 
 @pytest.mark.parametrize("read_path", ["auto", "torch"])
 def test_page_boundaries_edge_case_4_on_gpu(read_path):
-    probe = PagedDiffKVCache(CFG, 1, 8, 2, 64, num_pages=1, max_slots=1, max_seq_len_tokens=8, device="cuda")
+    probe = PagedDiffKVCache(CFG, 1, 8, 2, 64, EngineConfig(max_batch_size=1, max_seq_len=8, device="cuda"),
+                             num_pages=1)
     caps = (probe.page_format.high_tokens_per_page, probe.page_format.low_tokens_per_page)
     lengths = sorted({n for p in caps for n in (p - 1, p, p + 1, 2 * p - 1, 2 * p, 2 * p + 1)})
     report = run_lockstep(_peaked_model(), CFG, _prompts(lengths, seed=4), 8, num_pages=6000, kv_atol=KV_ATOL,
@@ -151,8 +153,8 @@ def test_fp16_preset_on_gpu(read_path):
 def test_decode_step_does_not_synchronize():
     model = _peaked_model()
     mc = model.config
-    cache = PagedDiffKVCache(CFG, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=2000,
-                             max_slots=2, max_seq_len_tokens=128, device="cuda")
+    cache = PagedDiffKVCache(CFG, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                             EngineConfig(max_batch_size=2, max_seq_len=128, device="cuda"), num_pages=2000)
     prompts = _prompts((60, 45), seed=9)
     with torch.inference_mode():
         cache.plan([0, 1], [60, 45], [0, 0], [True, True])
@@ -222,8 +224,9 @@ def test_decode_step_timing_at_default_model_shape():
 
     L, Hq, H, D, n, prompt = 30, 9, 3, 64, 16, 1024
     cfg = get_preset("default")
-    cache = PagedDiffKVCache(cfg, L, Hq, H, D, num_pages=n * L * H * 40, max_slots=n, max_seq_len_tokens=prompt + 64,
-                             max_num_tokens=n * prompt, device="cuda", dtype=torch.float16)
+    cache = PagedDiffKVCache(cfg, L, Hq, H, D, EngineConfig(max_batch_size=n, max_seq_len=prompt + 64,
+                                                            max_num_tokens=n * prompt, device="cuda"),
+                             num_pages=n * L * H * 40, dtype=torch.float16)
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape):
@@ -264,8 +267,9 @@ def test_pinned_step_inputs_equal_the_pageable_ones():
     from trtllm_diffkv.paged.host_inputs import StepInputs
 
     L, Hq, H, D = 3, 4, 2, 64
-    pinned, pageable = caches = [PagedDiffKVCache(CFG, L, Hq, H, D, num_pages=2000, max_slots=4,
-                                                  max_seq_len_tokens=256, device="cuda") for _ in range(2)]
+    pinned, pageable = caches = [PagedDiffKVCache(CFG, L, Hq, H, D, EngineConfig(max_batch_size=4, max_seq_len=256,
+                                                                                 device="cuda"),
+                                                  num_pages=2000) for _ in range(2)]
     pageable.step_inputs = StepInputs(torch.device("cuda"), pinned=False)
     assert pinned.step_inputs.pinned
     g = torch.Generator(device="cuda").manual_seed(5)

@@ -14,6 +14,7 @@ from conftest import tiny_llama
 from trtllm_diffkv.cache import DiffKVReferenceCache
 from trtllm_diffkv.config import DiffKVConfig, get_preset
 from trtllm_diffkv.generation.reference import ReferenceGenerator
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged import PagedDiffKVCache
 from trtllm_diffkv.generation.static_batch import PagedGenerator
 
@@ -35,8 +36,8 @@ def test_a_decode_query_of_another_dtype_than_the_cache_is_refused():
     from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4
 
     patch_interpreter_for_numpy_2_4()
-    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, num_pages=60, max_slots=1, max_seq_len_tokens=32,
-                             high_tokens_per_page=4, use_triton=True, dtype=torch.float32)
+    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, EngineConfig(max_batch_size=1, max_seq_len=32, high_tokens_per_page=4,
+                                                            use_triton=True), num_pages=60, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     cache.plan([0], [6], [0], [True])
     cache.forward(0, *(torch.randn(6, h, 64, generator=g) for h in (4, 2, 2)))
@@ -57,8 +58,8 @@ def test_keys_beyond_fp16_once_centered_flag_their_request(use_triton):
 
         patch_interpreter_for_numpy_2_4()
     q, k, v = _far_keys()
-    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, num_pages=40, max_slots=1, max_seq_len_tokens=16,
-                             use_triton=use_triton)
+    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, EngineConfig(max_batch_size=1, max_seq_len=16, use_triton=use_triton),
+                             num_pages=40)
     cache.plan([0], [3], [0], [True])
     cache.forward(0, q, k, v)  # never raises: the request is flagged, no NaN is stored as a success
     cache.end_step()
@@ -93,7 +94,7 @@ def test_overflow_after_centering_fails_only_its_request_in_a_batch():
     q1, k1, v1 = _far_keys()
     g = torch.Generator().manual_seed(2)
     q0, k0, v0 = torch.randn(5, 4, 64, generator=g), torch.randn(5, 2, 64, generator=g), torch.randn(5, 2, 64, generator=g)
-    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, num_pages=40, max_slots=2, max_seq_len_tokens=16)
+    cache = PagedDiffKVCache(CFG, 1, 4, 2, 64, EngineConfig(max_batch_size=2, max_seq_len=16), num_pages=40)
     cache.plan([0, 1], [5, 3], [0, 0], [True, True])
     cache.forward(0, torch.cat([q0, q1]), torch.cat([k0, k1]), torch.cat([v0, v1]))
     cache.end_step()
@@ -144,7 +145,7 @@ def test_a_wave_that_raises_fails_only_its_own_requests():
 
 
 def test_step_protocol_is_enforced():
-    cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, num_pages=40, max_slots=2, max_seq_len_tokens=16)
+    cache = PagedDiffKVCache(CFG, 2, 4, 2, 64, EngineConfig(max_batch_size=2, max_seq_len=16), num_pages=40)
     q, k, v = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
     cache.plan([0], [3], [0], [True])
     with pytest.raises(ValueError, match="already planned"):
@@ -164,7 +165,7 @@ def test_step_protocol_is_enforced():
 
 def test_group_size_beyond_the_kernel_is_refused_at_configuration():
     with pytest.raises(ValueError, match="query:KV head ratio 80 exceeds"):
-        PagedDiffKVCache(CFG, 1, 80, 1, 64, num_pages=8, max_slots=1, max_seq_len_tokens=8, use_triton=True)
+        PagedDiffKVCache(CFG, 1, 80, 1, 64, EngineConfig(max_batch_size=1, max_seq_len=8, use_triton=True), num_pages=8)
 
 
 @pytest.mark.parametrize("engine", [ReferenceGenerator, PagedGenerator])

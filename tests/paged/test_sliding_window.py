@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from tiny_gemma import SLIDING_WINDOW as W, setup  # noqa: E402
 from trtllm_diffkv.cache import DiffKVReferenceCache  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
+from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.paged.cache import PagedDiffKVCache  # noqa: E402
 from trtllm_diffkv.paged.gather import gather_tier  # noqa: E402
 
@@ -41,8 +42,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, where: str, tol: float) -> Non
 def _paged(config, kv, max_slots=2, use_triton=False, num_pages=400):
     kv = kv.for_model(config)
     return PagedDiffKVCache(kv, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim,
-                            num_pages=num_pages, max_slots=max_slots, max_seq_len_tokens=64, max_num_tokens=64,
-                            use_triton=use_triton, high_tokens_per_page=4)
+                            EngineConfig(max_batch_size=max_slots, max_seq_len=64, max_num_tokens=64,
+                                         use_triton=use_triton, high_tokens_per_page=4), num_pages=num_pages)
 
 
 def _lockstep(model, cache, prompts, refs, paged: bool, check=None):

@@ -282,8 +282,11 @@ def _run_executor(model, requests, parallel=None, steps=60, live=None):
     that gets the executor under ``"ex"`` before the first request."""
     from trtllm_diffkv.runtime.executor import Executor
 
-    ex = Executor(model, model.config, SMALL_WINDOWS, max_batch_size=4, max_seq_len=64, kv_memory_bytes=4 << 20,
-                  use_triton=False, parallel=parallel)
+    from trtllm_diffkv.engine_config import EngineConfig
+
+    ex = Executor(model, model.config, SMALL_WINDOWS, EngineConfig(max_batch_size=4, max_seq_len=64,
+                                                                   kv_memory_bytes=4 << 20, use_triton=False),
+                  parallel=parallel)
     if live is not None:
         live["ex"] = ex
     names = {ex.add_request(prompt, SamplingParams.greedy_params(n)): name for name, (prompt, n) in requests.items()}

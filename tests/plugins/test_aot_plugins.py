@@ -17,10 +17,11 @@ def _dt(t):
 
 
 def _cache(kv, L=2, H=4, Hkv=2, D=64):
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.paged.cache import PagedDiffKVCache
 
-    return PagedDiffKVCache(kv, L, H, Hkv, D, num_pages=64, max_slots=3, max_seq_len_tokens=80, use_triton=False,
-                            page_manager="cpu")
+    return PagedDiffKVCache(kv, L, H, Hkv, D, EngineConfig(max_batch_size=3, max_seq_len=80, use_triton=False,
+                                                           page_manager="cpu"), num_pages=64)
 
 
 @pytest.mark.parametrize("preset", ["default", "llama3-8b"])

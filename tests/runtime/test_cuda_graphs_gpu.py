@@ -13,6 +13,7 @@ import torch
 
 from conftest import random_llama
 from trtllm_diffkv.config import PRESETS, DiffKVConfig
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged import PagedDiffKVCache
 
 pytestmark = pytest.mark.gpu
@@ -26,9 +27,9 @@ def _model():
 
 def _cache(model, kv):
     mc = model.config
-    return PagedDiffKVCache(kv, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=3000,
-                            max_slots=8, max_seq_len_tokens=512, device="cuda", dtype=torch.float16,
-                            high_tokens_per_page=16)
+    return PagedDiffKVCache(kv, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                            EngineConfig(max_batch_size=8, max_seq_len=512, device="cuda", high_tokens_per_page=16),
+                            num_pages=3000, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("preset", ["custom", "fp16"])

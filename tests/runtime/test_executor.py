@@ -6,6 +6,7 @@ reference generator (:class:`ReferenceGenerator`, the exact oracle cache) and th
 tables (pages held per row + free ring entries = pool; ``check_invariants``; the cache's active
 slots = the running requests' slots), and idle executors must be back at the initial free count.
 """
+import inspect
 import random
 import threading
 
@@ -14,6 +15,7 @@ import torch
 
 from conftest import peaked_tiny_llama, random_llama, tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, get_preset
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.generation.reference import ReferenceGenerator
 from trtllm_diffkv.generation.static_batch import PagedGenerator
 from trtllm_diffkv.runtime.executor import Executor
@@ -42,17 +44,19 @@ def _greedy(n):
 
 def budget_for_pages(model, kv_config, num_pages, max_batch_size=8, max_seq_len=128):
     """The byte budget that holds exactly ``num_pages`` pages once the bookkeeping is paid."""
-    probe = DiffKVResourceManager(model.config, kv_config, kv_memory_bytes=1 << 26, max_batch_size=max_batch_size,
-                                  max_seq_len_tokens=max_seq_len, max_num_tokens=max_seq_len,
-                                  high_tokens_per_page=TPP, use_triton=False)
+    probe = DiffKVResourceManager(model.config, kv_config, EngineConfig(
+        kv_memory_bytes=1 << 26, max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_seq_len,
+        high_tokens_per_page=TPP, use_triton=False))
     fixed = probe.bookkeeping_bytes - 4 * probe.cache.manager.num_pages  # one int32 ring entry per page
     return fixed + num_pages * (probe.cache.page_format.page_size_bytes + 4)
 
 
 def make(model, kv_config=CFG, num_pages=2000, max_batch_size=8, max_seq_len=128, **kw):
-    ex = Executor(model, model.config, kv_config, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                  kv_memory_bytes=budget_for_pages(model, kv_config, num_pages, max_batch_size, max_seq_len),
-                  high_tokens_per_page=TPP, use_triton=kw.pop("use_triton", False), **kw)
+    executor_kw = {k: kw.pop(k) for k in ("tokenizer", "stop_token_ids", "parallel") if k in kw}
+    ex = Executor(model, model.config, kv_config, EngineConfig(
+        max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+        kv_memory_bytes=budget_for_pages(model, kv_config, num_pages, max_batch_size, max_seq_len),
+        high_tokens_per_page=TPP, use_triton=kw.pop("use_triton", False), **kw), **executor_kw)
     assert ex.rm.get_max_resource_count() == num_pages
     return ex
 
@@ -520,3 +524,30 @@ def test_unhashable_request_id_is_a_value_error(model):
     with pytest.raises(ValueError, match="hashable"):
         ex.add_request([1, 2, 3], _greedy(2), request_id=["a"])
     assert not ex.has_unfinished()
+
+
+def test_the_executor_takes_one_engine_config():
+    """Issue 40: the sizes and backends travel as one EngineConfig, not as a long parameter list."""
+    params = [name for name in inspect.signature(Executor.__init__).parameters if name != "self"]
+    assert params[:4] == ["model", "model_config", "kv_config", "engine_config"] and len(params) <= 8
+
+
+def _count_kv_checks(monkeypatch) -> list:
+    calls, real = [], DiffKVConfig.validate_for_model
+
+    def spy(self, head_dim, num_heads, num_kv_heads, num_layers=None):
+        calls.append((head_dim, num_heads, num_kv_heads))
+        return real(self, head_dim, num_heads, num_kv_heads, num_layers)
+
+    monkeypatch.setattr(DiffKVConfig, "validate_for_model", spy)
+    return calls
+
+
+def test_an_executor_checks_its_kv_config_once_and_still_refuses_a_bad_one(model, monkeypatch):
+    calls, mc = _count_kv_checks(monkeypatch), model.config
+    engine = EngineConfig(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 22, use_triton=False)
+    Executor(model, mc, CFG, engine)  # the executor, its resource manager and its cache
+    assert calls == [(mc.head_dim, mc.num_heads, mc.num_kv_heads)]
+    wrong = DiffKVConfig(calibrated_for=(mc.num_heads, mc.num_kv_heads, 2 * mc.head_dim))
+    with pytest.raises(ValueError, match=f"calibrated for head_dim={2 * mc.head_dim}; this model has head_dim="):
+        Executor(model, mc, wrong, engine)

@@ -13,6 +13,7 @@ import torch
 from conftest import peaked_tiny_llama
 from test_executor import CFG, FP16, _greedy, _prompts, arrivals_params, check_pool, drive, make
 from trtllm_diffkv.config import get_preset
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.runtime.executor import Executor
 from trtllm_diffkv.runtime.sampling import SamplingParams
 
@@ -106,7 +107,7 @@ def test_status_read_is_one_pinned_copy_per_step(model):
 
 def test_kv_memory_fraction_sizes_the_pool_from_free_memory(model):
     free_before, _ = torch.cuda.mem_get_info()
-    ex = Executor(model, model.config, CFG, max_batch_size=4, max_seq_len=256, kv_memory_fraction=0.02)
+    ex = Executor(model, model.config, CFG, EngineConfig(max_batch_size=4, max_seq_len=256, kv_memory_fraction=0.02))
     assert abs(ex.rm.budget_bytes - 0.02 * free_before) <= 0.001 * free_before
     assert ex.rm.allocated_bytes() <= ex.rm.budget_bytes
 
@@ -133,8 +134,9 @@ def test_default_model_executor_vs_reference_and_static_batch():
                                                "What is the capital of France?",
                                                "List three prime numbers greater than 100.")]
     # the static generator's geometry (slots, longest request): same decode split-K partitions, same reductions
-    ex = Executor(model, model_config, cfg, tokenizer=tokenizer, stop_token_ids=reference.stop_token_ids,
-                  max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + 32, kv_memory_bytes=512 << 20)
+    ex = Executor(model, model_config, cfg, EngineConfig(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + 32,
+                                                         kv_memory_bytes=512 << 20),
+                  tokenizer=tokenizer, stop_token_ids=reference.stop_token_ids)
     ids = [ex.add_request(p, _greedy(32)) for p in prompts]
     done = ex.run_until_done()
     static = PagedGenerator(model, tokenizer, model_config, cfg, reference.stop_token_ids).generate_batch(prompts, 32)
@@ -160,8 +162,9 @@ def test_default_model_throughput_smoke(use_cuda_graphs):
         model, tokenizer, model_config = load_model(None, device="cuda", dtype=torch.float16)
     except FileNotFoundError as exc:
         pytest.skip(f"default model not available on this machine: {exc}")
-    ex = Executor(model, model_config, get_preset("default"), tokenizer=tokenizer, max_batch_size=16,
-                  max_seq_len=512, kv_memory_bytes=256 << 20, profile=True, use_cuda_graphs=use_cuda_graphs)
+    ex = Executor(model, model_config, get_preset("default"),
+                  EngineConfig(max_batch_size=16, max_seq_len=512, kv_memory_bytes=256 << 20, profile=True,
+                               use_cuda_graphs=use_cuda_graphs), tokenizer=tokenizer)
     g = torch.Generator().manual_seed(0)
     for _ in range(16):
         ids = torch.randint(100, model_config.vocab_size - 100, (300,), generator=g).tolist()

@@ -13,6 +13,7 @@ import pytest
 
 from test_executor import (CFG, FP16, CharTokenizer, _greedy, _prompts, arrivals_params, check_pool, drive, make,
                            model, solo)  # noqa: F401 (fixture)
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.runtime.executor import Executor
 from trtllm_diffkv.runtime.resource_manager import DiffKVResourceManager
 from trtllm_diffkv.runtime.sampling import SamplingParams
@@ -212,10 +213,11 @@ def test_the_option_is_checked(model):
             return status
 
     with pytest.raises(ValueError, match="tensor-parallel"):
-        Executor(model, model.config, CFG, max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 24,
-                 use_triton=False, parallel=TwoRanks(), disable_overlap_scheduler=False)
-    assert not Executor(model, model.config, CFG, max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 24,
-                        use_triton=False, parallel=TwoRanks()).overlap_steps
+        Executor(model, model.config, CFG, EngineConfig(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 24,
+                                                        use_triton=False, disable_overlap_scheduler=False),
+                 parallel=TwoRanks())
+    assert not Executor(model, model.config, CFG, EngineConfig(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 24,
+                                                               use_triton=False), parallel=TwoRanks()).overlap_steps
     assert not make(model).overlap_steps and make(model, **OVERLAP).overlap_steps
 
 

@@ -8,10 +8,11 @@ import torch
 
 from conftest import tiny_llama
 from trtllm_diffkv.config import DiffKVConfig, get_preset
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged import OutOfPagesError
 from trtllm_diffkv.runtime.executor import Executor
 from trtllm_diffkv.runtime.request import Request
-from trtllm_diffkv.runtime.resource_manager import DiffKVResourceManager, ScheduledBatch
+from trtllm_diffkv.runtime.resource_manager import DiffKVResourceManager, ScheduledBatch, resolve_engine_config
 from trtllm_diffkv.runtime.sampling import SamplingParams
 
 CFG = DiffKVConfig(recent_window_tokens=4, prompt_score_window_tokens=8, alpha_high=1.0, alpha_low=0.3)
@@ -23,9 +24,9 @@ def model():
 
 
 def _rm(model, kv_config=CFG, budget=1 << 20, **kw):
-    kw = dict(dict(max_batch_size=4, max_seq_len_tokens=64, max_num_tokens=128, high_tokens_per_page=4,
+    kw = dict(dict(max_batch_size=4, max_seq_len=64, max_num_tokens=128, high_tokens_per_page=4,
                    use_triton=False), **kw)
-    return DiffKVResourceManager(model.config, kv_config, kv_memory_bytes=budget, **kw)
+    return DiffKVResourceManager(model.config, kv_config, EngineConfig(kv_memory_bytes=budget, **kw))
 
 
 def _allocated(rm) -> int:
@@ -58,10 +59,10 @@ def test_budget_covers_pool_and_bookkeeping(model, preset, budget):
     (dict(kv_memory_bytes=1 << 20, max_batch_size=0), "max_batch_size"),
 ])
 def test_bad_budgets_are_clear_errors(model, kwargs, words):
-    args = dict(max_batch_size=4, max_seq_len_tokens=64, max_num_tokens=64, use_triton=False, device="cpu")
+    args = dict(max_batch_size=4, max_seq_len=64, max_num_tokens=64, use_triton=False)
     args.update(kwargs)
     with pytest.raises(ValueError, match=words):
-        DiffKVResourceManager(model.config, CFG, **args)
+        DiffKVResourceManager(model.config, CFG, EngineConfig(device="cpu", **args))
 
 
 def _request(rid, prompt, max_tokens=8):
@@ -160,8 +161,8 @@ def test_update_resources_names_the_request_with_non_finite_keys(model):
 @pytest.mark.parametrize("preset", ["fp16", "default"])
 def test_needed_to_completion_bounds_the_pages_held_at_the_end(model, preset):
     kv = CFG if preset == "default" else get_preset("fp16")
-    ex = Executor(model, model.config, kv, max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 20,
-                  high_tokens_per_page=4, use_triton=False)
+    ex = Executor(model, model.config, kv, EngineConfig(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 20,
+                                                        high_tokens_per_page=4, use_triton=False))
     prompt = list(range(3, 22))
     rid = ex.add_request(prompt, SamplingParams.greedy_params(17))
     request = ex.requests[rid]
@@ -171,3 +172,33 @@ def test_needed_to_completion_bounds_the_pages_held_at_the_end(model, preset):
     assert result.generated_tokens == 17 and 0 < result.pool_pages <= need
     if preset == "fp16":  # every token high: the bound is exact up to the last token, which is never stored
         assert need == rows * -(-(19 + 17) // 4) and need - result.pool_pages <= rows
+
+
+def test_resolve_fills_the_model_derived_sizes_only(model):
+    """``None`` sizes come from the model (4096 positions) and the rule of the defaults; given sizes stay."""
+    mc = model.config
+    got = resolve_engine_config(EngineConfig(max_batch_size=16), mc)
+    assert (got.max_seq_len, got.max_num_tokens, got.chunk_staging_bytes) == (4096, 8192, None)
+    assert got.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_engine_config(EngineConfig(max_batch_size=9000), mc).max_num_tokens == 9000
+    unchunked = resolve_engine_config(EngineConfig(enable_chunked_prefill=False, max_seq_len=10_000), mc)
+    assert (unchunked.max_seq_len, unchunked.max_num_tokens, unchunked.staging_limit_bytes) == (10_000, 10_000, 0)
+    given = EngineConfig(max_seq_len=64, max_num_tokens=100, device="cpu")
+    assert resolve_engine_config(given, mc) is given
+
+
+def test_the_cache_sizes_a_default_staging_of_one_longest_prompt(model):
+    """``chunk_staging_bytes=None``: K and V of ``max_seq_len`` tokens plus the scored queries, in the model dtype
+    (3 layers, 2 KV / 8 query heads of 64); 0 without chunked prefill; a given value as it is."""
+    window = CFG.prompt_score_window_tokens
+    want = (2 * 3 * 64 * 2 * 64 + 3 * min(window, 64) * 8 * 64) * 4  # float32
+    assert _rm(model, max_seq_len=64).cache.staging_limit_bytes == want
+    assert _rm(model, max_seq_len=64, enable_chunked_prefill=False).cache.staging_limit_bytes == 0
+    assert _rm(model, max_seq_len=64, chunk_staging_bytes=12345).cache.staging_limit_bytes == 12345
+
+
+def test_the_manager_reads_its_sizes_from_the_engine_config(model):
+    rm = _rm(model, max_batch_size=3, max_seq_len=48, max_num_tokens=96)
+    assert (rm.max_batch_size, rm.max_seq_len_tokens, rm.max_num_tokens) == (3, 48, 96)
+    assert (rm.cache.max_slots, rm.cache.max_seq_len_tokens, rm.cache.max_num_tokens) == (3, 48, 96)
+    assert rm.cache.page_format.high_tokens_per_page == 4 and rm.cache.use_triton is False

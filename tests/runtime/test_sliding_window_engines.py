@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_gemma import setup  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
+from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.generation.reference import ReferenceGenerator  # noqa: E402
 from trtllm_diffkv.generation.static_batch import PagedGenerator  # noqa: E402
 from trtllm_diffkv.runtime.executor import Executor  # noqa: E402
@@ -44,8 +45,10 @@ def test_reference_and_static_batch_generators_equal_transformers(gemma):
 
 
 def _executor(model, config, preset, **kw):
-    return Executor(model, config, get_preset(preset), max_batch_size=4, max_seq_len=64, max_num_tokens=16,
-                    kv_memory_bytes=kw.pop("kv_memory_bytes", 8 << 20), high_tokens_per_page=4, use_triton=False, **kw)
+    return Executor(model, config, get_preset(preset),
+                    EngineConfig(max_batch_size=4, max_seq_len=64, max_num_tokens=16,
+                                 kv_memory_bytes=kw.pop("kv_memory_bytes", 8 << 20), high_tokens_per_page=4,
+                                 use_triton=False, **kw))
 
 
 def _run(ex, arrivals, aborts=None, max_steps=200):

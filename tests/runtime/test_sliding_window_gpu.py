@@ -54,12 +54,13 @@ def _drive(ex, prompts, params, aborts=()):
 
 def test_executor_with_cuda_graphs_equals_transformers(gemma_cuda):
     from trtllm_diffkv.config import get_preset
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.runtime.executor import Executor
     from trtllm_diffkv.runtime.sampling import SamplingParams
 
     model, config, prompts, refs = gemma_cuda
-    ex = Executor(model, config, get_preset("fp16"), max_batch_size=8, max_seq_len=256, max_num_tokens=64,
-                  kv_memory_bytes=64 << 20)
+    ex = Executor(model, config, get_preset("fp16"),
+                  EngineConfig(max_batch_size=8, max_seq_len=256, max_num_tokens=64, kv_memory_bytes=64 << 20))
     assert ex._graphs is not None and ex.cache.use_triton  # the decode steps replay graphs
     got = _drive(ex, prompts, SamplingParams(max_tokens=STEPS, temperature=0.0))
     assert got == refs
@@ -68,12 +69,13 @@ def test_executor_with_cuda_graphs_equals_transformers(gemma_cuda):
 @pytest.mark.parametrize("preset", ["k8v4", "default"])
 def test_diffkv_presets_hold_the_window_and_return_every_page(gemma_cuda, preset):
     from trtllm_diffkv.config import get_preset
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.runtime.executor import Executor
     from trtllm_diffkv.runtime.sampling import SamplingParams
 
     model, config, prompts, _ = gemma_cuda
-    ex = Executor(model, config, get_preset(preset), max_batch_size=8, max_seq_len=256, max_num_tokens=64,
-                  kv_memory_bytes=64 << 20)
+    ex = Executor(model, config, get_preset(preset),
+                  EngineConfig(max_batch_size=8, max_seq_len=256, max_num_tokens=64, kv_memory_bytes=64 << 20))
     H, cache = config.num_kv_heads, ex.cache
     for p in prompts:
         ex.add_request(p, SamplingParams(max_tokens=STEPS, temperature=0.0))

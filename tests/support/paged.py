@@ -28,6 +28,7 @@ from trtllm_diffkv.kernels.interpreter import patch_interpreter_for_numpy_2_4  #
 
 from trtllm_diffkv.cache import DiffKVReferenceCache
 from trtllm_diffkv.policy import TIER_PRUNED
+from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged.cache import PagedDiffKVCache
 from .paged_oracle import gather_request
 
@@ -236,10 +237,11 @@ def _caches(model, kv_config, prompts, decode_steps, num_pages, use_triton, high
     device, dtype = model.device, model.dtype
     kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any
     max_len = max(len(p) for p in prompts) + decode_steps
-    cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, num_pages=num_pages,
-                             max_slots=len(prompts), max_seq_len_tokens=max_len, device=device, dtype=dtype,
-                             use_triton=use_triton, high_tokens_per_page=high_tokens_per_page, page_manager=page_manager,
-                             read_path=read_path)
+    cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                             EngineConfig(max_batch_size=len(prompts), max_seq_len=max_len, device=device,
+                                          use_triton=use_triton, high_tokens_per_page=high_tokens_per_page,
+                                          page_manager=page_manager, read_path=read_path), num_pages=num_pages,
+                             dtype=dtype)
     refs = [DiffKVReferenceCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, max_len,
                                  device, dtype) for _ in prompts]
     return cache, refs

@@ -115,6 +115,7 @@ def record_executor_run(executor, prompts, params, abort_after: dict | None = No
 
 
 def _scenario_executor(model, model_config, scenario, parallel=None, pages_scale: int = 1):
+    from trtllm_diffkv.engine_config import EngineConfig
     from trtllm_diffkv.runtime.executor import Executor
 
     kw = dict(scenario.get("executor_kwargs", {}))
@@ -124,7 +125,7 @@ def _scenario_executor(model, model_config, scenario, parallel=None, pages_scale
     kw["kv_memory_bytes"] = budget_for_pages(model_config, kv, scenario["num_pages"] * pages_scale,
                                              max_batch_size=kw["max_batch_size"], max_seq_len_tokens=kw["max_seq_len"],
                                              high_tokens_per_page=kw["high_tokens_per_page"])
-    return Executor(model, model_config, kv, parallel=parallel, **kw)
+    return Executor(model, model_config, kv, EngineConfig(**kw), parallel=parallel)
 
 
 def tensor_parallel_runs(group, folder, scenarios) -> list[dict]:

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..validators import is_int
+
 __all__ = ["BenchPrompt", "read_prompts_file", "materialize", "PROMPT_KEYS", "OUTPUT_KEYS"]
 
 PROMPT_KEYS = ("prompt", "text", "input_ids", "input_length")
@@ -57,7 +59,7 @@ class BenchPrompt:
 
 
 def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def read_prompts_file(path) -> list[BenchPrompt]:
@@ -120,7 +122,7 @@ def _prompt(record: dict, where: str, number: int) -> BenchPrompt:
     if key == "input_ids":
         if not isinstance(value, list) or not value:
             raise ValueError(f"{where}: field 'input_ids' must be a non-empty list of token ids")
-        bad = next((v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 0), None)
+        bad = next((v for v in value if not is_int(v) or v < 0), None)
         if bad is not None:
             raise ValueError(f"{where}: field 'input_ids' holds {bad!r}, not a token id (an integer >= 0)")
         return BenchPrompt(token_ids=tuple(value), output_tokens=output, line=number)

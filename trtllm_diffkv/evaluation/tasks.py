@@ -38,6 +38,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..validators import positive_int
+
 EVAL_PROBLEMS = range(0, 100)
 """HumanEval problems the tasks draw from; 100-163 are the calibration split (docs/CALIBRATION.md)."""
 
@@ -294,8 +296,7 @@ def build_cases(task: str, tokenizer, num_cases: int, context_tokens: int, span_
     if task not in BUILDERS:
         raise ValueError(f"unknown task {task!r}; known tasks: {sorted(BUILDERS)}")
     for name, value in (("num_cases", num_cases), ("context_tokens", context_tokens), ("span_tokens", span_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        positive_int(name, value, allowed="an integer >= 1")
     if task == "fewshot_reasoning":
         return fewshot_reasoning(tokenizer, num_cases, context_tokens, span_tokens, seed, bigbench)
     return BUILDERS[task](tokenizer, num_cases, context_tokens, span_tokens, seed)

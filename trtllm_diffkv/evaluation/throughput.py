@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import get_preset, resolve_kv_config
+from ..engine_config import EngineConfig
+from ..validators import positive_int
 from .workload_prompts import make_prompts
 
 if TYPE_CHECKING:
@@ -88,8 +90,7 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "output_tokens", "num_requests", "fp16_capacity", "max_batch_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"workload {self.name}: {name}={value!r} must be a positive integer")
+            positive_int(f"workload {self.name}: {name}", value)
         if self.kv_memory_bytes is not None and (not isinstance(self.kv_memory_bytes, int) or self.kv_memory_bytes < 1):
             raise ValueError(f"workload {self.name}: kv_memory_bytes={self.kv_memory_bytes!r} must be a positive "
                              "integer")
@@ -225,11 +226,12 @@ def _executor(model, workload: Workload, preset: str, budget: int, tokenizer, pr
     from ..runtime.executor import Executor
 
     cpu = next(model.parameters()).device.type == "cpu"
-    return Executor(model, model.config, resolve_kv_config(preset), tokenizer=tokenizer,
-                    max_batch_size=workload.max_batch_size, kv_memory_bytes=budget,
-                    max_seq_len=workload.prompt_tokens + workload.output_tokens,
-                    use_triton=False if cpu else None, profile=profile, use_cuda_graphs=bool(cuda_graphs) and not cpu,
-                    disable_overlap_scheduler=disable_overlap_scheduler)
+    engine = EngineConfig(max_batch_size=workload.max_batch_size, kv_memory_bytes=budget,
+                          max_seq_len=workload.prompt_tokens + workload.output_tokens,
+                          use_triton=False if cpu else None, profile=profile,
+                          use_cuda_graphs=bool(cuda_graphs) and not cpu,
+                          disable_overlap_scheduler=disable_overlap_scheduler)
+    return Executor(model, model.config, resolve_kv_config(preset), engine, tokenizer=tokenizer)
 
 
 def _drive(executor, prompts, params, arrivals, on_finish) -> tuple[float, dict, dict]:

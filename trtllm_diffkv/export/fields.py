@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import DiffKVConfig, TierConfig
+from ..validators import positive_int
 
 _TIER_FIELDS = ("key_bits", "value_bits", "key_groups", "value_groups")
 _BOOL_FIELDS = ("center_keys", "compress")
@@ -104,8 +105,7 @@ class EngineShape:
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len",
                      "high_tokens_per_page"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, value)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: {list(SUPPORTED_DTYPES)}")
         from ..kernels.prefill_attention import SUPPORTED_HEAD_DIMS

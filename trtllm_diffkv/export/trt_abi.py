@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .launches import TORCH_TO_TRITON, decode_constexpr, eval_expr, expr_names, kernel_parameters
+from ..validators import is_int
 
 _TL = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8", "i16": "int16",
        "i32": "int32", "i64": "int64", "u8": "uint8", "i1": "int1"}
@@ -429,7 +430,7 @@ def launch_plan(attrs: dict, dim, cdiv=None) -> tuple[tuple, list]:
                              f"(attrs['dims']: {sorted(steps)}) do not give")
         return eval_expr(expr, scope, cdiv)
 
-    constexprs = {k: v for k, v in get("constexprs").items() if isinstance(v, int) and not isinstance(v, bool)}
+    constexprs = {k: v for k, v in get("constexprs").items() if is_int(v)}
     sizes = {k: evaluate(f"size {k}", v, steps) for k, v in get("sizes").items()}
     scope = {**steps, **constexprs, **sizes}
     grid = [evaluate(f"grid[{i}]", g, scope) for i, g in enumerate(get("grid"))]

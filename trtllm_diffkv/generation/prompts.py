@@ -6,7 +6,7 @@ One home for the rule (the reference loop, the static-batch loop, the executor a
 """
 from __future__ import annotations
 
-import numbers
+from ..validators import is_int, positive_int
 
 
 def position_limit(model_config) -> int:
@@ -48,12 +48,11 @@ def check_prompt_ids(prompt_ids, max_new_tokens: int, model_config) -> list[int]
         raise ValueError(f"a prompt is a list of token ids, got {type(prompt_ids).__name__}")
     if len(prompt_ids) == 0:
         raise ValueError("empty prompt: at least one token is needed")
-    not_int = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    not_int = [t for t in prompt_ids if not is_int(t, integral=True)]
     if not_int:
         raise ValueError(f"token id {not_int[0]!r} is not an integer")
     prompt_ids = [int(t) for t in prompt_ids]
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    positive_int("max_new_tokens", max_new_tokens, allowed="an integer >= 1")
     vocab = model_config.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:

@@ -22,7 +22,9 @@ import torch
 from .prompts import check_prompt_ids
 from .reference import ReferenceGenerator, sync_device
 from .results import GenerationResult, PagedGenerationResult, result_from_fields
+from ..engine_config import EngineConfig
 from ..paged.cache import OutOfPagesError, PagedDiffKVCache
+from ..validators import optional_positive_int
 
 
 class PagedGenerator(ReferenceGenerator):
@@ -47,8 +49,7 @@ class PagedGenerator(ReferenceGenerator):
     def __init__(self, model, tokenizer, model_config, kv_config, stop_token_ids=None, *,
                  num_pages: int | None = None, high_tokens_per_page: int = 32, use_triton: bool | None = None):
         super().__init__(model, tokenizer, model_config, kv_config, stop_token_ids)
-        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1):
-            raise ValueError(f"num_pages={num_pages!r} must be a positive integer, or None to size each batch's pool")
+        optional_positive_int("num_pages", num_pages, allowed="a positive integer, or None to size each batch's pool")
         self.num_pages, self.high_tokens_per_page, self.use_triton = num_pages, high_tokens_per_page, use_triton
         self.last_cache: PagedDiffKVCache | None = None
 
@@ -92,9 +93,10 @@ class PagedGenerator(ReferenceGenerator):
             num_pages = len(admitted) * mc.num_layers * mc.num_kv_heads * (fmt.prompt_reserve_pages(max_len) + 2)
         tokens = sum(len(prompts[i]) for i in admitted)
         return PagedDiffKVCache(self.kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                num_pages=num_pages, max_slots=len(admitted), max_seq_len_tokens=max_len,
-                                max_num_tokens=max(tokens, len(admitted)), device=self.device, dtype=self.dtype,
-                                high_tokens_per_page=self.high_tokens_per_page, use_triton=self.use_triton)
+                                EngineConfig(max_batch_size=len(admitted), max_seq_len=max_len,
+                                             max_num_tokens=max(tokens, len(admitted)), device=self.device,
+                                             high_tokens_per_page=self.high_tokens_per_page, use_triton=self.use_triton,
+                                             enable_chunked_prefill=False), num_pages=num_pages, dtype=self.dtype)
 
     def _run(self, prompts, pending, max_new_tokens, results) -> list[int]:
         """Run the requests of ``pending`` the pool can take together; return those left for a later wave."""

@@ -26,6 +26,7 @@ import triton
 from ..model.attention_api import causal_attention
 from .attn_prefill_kernels import _prompt_lse_kernel, _prompt_lse_merge_kernel, _prompt_score_kernel
 from .sizes import next_pow2
+from ..validators import optional_positive_int, positive_int
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,8 +52,7 @@ def _check(q, k, v, cu_seqlens, num_scoring_queries, out, score_sums):
         raise ValueError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be int32 [num_seqs + 1], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    if isinstance(num_scoring_queries, bool) or not isinstance(num_scoring_queries, int) or num_scoring_queries < 1:
-        raise ValueError(f"num_scoring_queries={num_scoring_queries!r} must be a positive integer")
+    positive_int("num_scoring_queries", num_scoring_queries)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     if score_sums is not None and (score_sums.shape != (total, num_kv_heads) or score_sums.dtype != torch.float32
@@ -62,9 +62,7 @@ def _check(q, k, v, cu_seqlens, num_scoring_queries, out, score_sums):
 
 
 def _check_window(sliding_window_tokens) -> None:
-    w = sliding_window_tokens
-    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-        raise ValueError(f"sliding_window_tokens={w!r} must be a positive integer or None")
+    optional_positive_int("sliding_window_tokens", sliding_window_tokens, allowed="a positive integer or None")
 
 
 def scored_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,

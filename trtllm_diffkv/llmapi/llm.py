@@ -25,6 +25,8 @@ import threading
 import weakref
 from dataclasses import asdict, is_dataclass
 
+from ..engine_config import EngineConfig
+from ..validators import is_int, optional_positive_int
 from .outputs import AsyncRequest, CompletionOutput, RequestEvent, RequestGroup, RequestOutput
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncRequest", "RequestGroup", "UNAVAILABLE"]
@@ -104,7 +106,7 @@ def _with_default_sizes(executor_kwargs: dict, device) -> dict:
     = 64 when not given (the budget only off CUDA, where a fraction of free memory cannot be read)."""
     import torch
 
-    budget_given = {"kv_memory_bytes", "kv_memory_fraction", "resource_manager"} & executor_kwargs.keys()
+    budget_given = {"kv_memory_bytes", "kv_memory_fraction"} & executor_kwargs.keys()
     if torch.device(device).type != "cuda" and not budget_given:
         executor_kwargs["kv_memory_bytes"] = DEFAULT_CPU_KV_MEMORY_BYTES
     executor_kwargs.setdefault("max_batch_size", 64)
@@ -131,7 +133,7 @@ def set_num_threads(num_threads: int | None) -> None:
     """
     if num_threads is None:
         return
-    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+    if not is_int(num_threads) or num_threads < 1:
         raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
     import torch
 
@@ -173,8 +175,9 @@ class LLM:
             the CPU, NCCL with one GPU per rank, rank ``r`` on ``cuda:r``: ``device`` picks only the
             type); ``kv_memory_bytes``/``kv_memory_fraction`` are then per rank. Takes a HF folder, a
             ``.gguf`` or ``None`` (not an engine dir). docs/RUNTIME.md "Tensor parallelism".
-        **executor_kwargs: passed to :class:`~trtllm_diffkv.runtime.executor.Executor`, e.g.
-            ``max_num_tokens`` (tokens per step; default 8192), ``enable_chunked_prefill`` (default ``True``) and
+        **executor_kwargs: the other fields of the :class:`~trtllm_diffkv.engine_config.EngineConfig` the
+            :class:`~trtllm_diffkv.runtime.executor.Executor` gets (built once here; docs/RUNTIME.md "Engine
+            config"), e.g. ``max_num_tokens`` (tokens per step; default 8192), ``enable_chunked_prefill`` (default ``True``) and
             ``disable_overlap_scheduler`` (default ``None``: overlap where decode replays CUDA graphs in one
             process; ``False`` forces it on and is refused with ``tensor_parallel_size`` > 1, before any rank
             starts), TensorRT-LLM's ``LLM`` names.
@@ -191,9 +194,7 @@ class LLM:
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
                  max_seq_len: int | None = None, num_threads: int | None = None,
                  tensor_parallel_size: int | None = None, **executor_kwargs):
-        if tensor_parallel_size is not None and (isinstance(tensor_parallel_size, bool) or not isinstance(
-                tensor_parallel_size, int) or tensor_parallel_size < 1):
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        optional_positive_int("tensor_parallel_size", tensor_parallel_size, allowed="a positive integer")
         if tensor_parallel_size is not None and tensor_parallel_size > 1:
             self._start_tensor_parallel(model, kv_config, tensor_parallel_size, device=device, dtype=dtype,
                                         max_batch_size=max_batch_size, kv_memory_bytes=kv_memory_bytes,
@@ -207,7 +208,7 @@ class LLM:
             max_seq_len = info.max_seq_len if max_seq_len is None else max_seq_len
         self._start(net, tokenizer, model_config, kv_config, stop_ids, max_batch_size=max_batch_size,
                     kv_memory_bytes=kv_memory_bytes, kv_memory_fraction=kv_memory_fraction,
-                    max_seq_len=max_seq_len, **executor_kwargs)
+                    max_seq_len=max_seq_len, kv_config_checked=True, **executor_kwargs)
 
     @classmethod
     def from_model(cls, model, tokenizer, model_config, kv_config="default", *, stop_token_ids=(),
@@ -248,7 +249,10 @@ class LLM:
                     executor=executor)
 
     def _start(self, model, tokenizer, model_config, kv_config, stop_ids, *, max_seq_len=None, executor=None,
-               **executor_kwargs):
+               kv_config_checked: bool = False, **executor_kwargs):
+        """Start the loop thread over ``executor``, or over an :class:`Executor` built from one
+        :class:`~trtllm_diffkv.engine_config.EngineConfig` of ``max_seq_len`` and ``executor_kwargs`` (``None``
+        values left out); ``kv_config_checked``: :func:`load_source` already validated ``kv_config`` for the model."""
         from ..runtime.executor import Executor
 
         self.tokenizer, self.model_config, self.kv_config = tokenizer, model_config, kv_config
@@ -257,9 +261,9 @@ class LLM:
         if executor is None:
             executor_kwargs = {k: v for k, v in executor_kwargs.items() if v is not None}
             device = executor_kwargs.get("device") or next(model.parameters()).device
-            executor_kwargs = _with_default_sizes(executor_kwargs, device)
-            executor = Executor(model, model_config, kv_config, tokenizer=tokenizer,
-                                stop_token_ids=tuple(self.stop_token_ids), max_seq_len=max_seq_len, **executor_kwargs)
+            engine_config = EngineConfig(max_seq_len=max_seq_len, **_with_default_sizes(executor_kwargs, device))
+            executor = Executor(model, model_config, kv_config, engine_config, tokenizer=tokenizer,
+                                stop_token_ids=tuple(self.stop_token_ids), kv_config_checked=kv_config_checked)
         self.executor = executor
         self.max_batch_size = executor.max_batch_size
         self.max_seq_len = self.executor.max_seq_len  # checked and capped at the model's positions there
@@ -574,9 +578,7 @@ class LLM:
 
 
 def _is_int(value) -> bool:
-    import numbers
-
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value, integral=True)
 
 
 def _valid(params, model_config) -> bool:

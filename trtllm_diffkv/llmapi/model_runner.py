@@ -17,13 +17,13 @@ only one beam, and tensors stay on the CPU (``.cuda()`` them if needed).
 """
 from __future__ import annotations
 
-import numbers
 import queue
 
 import torch
 
 from .llm import LLM, take_all
 from ..runtime.sampling import is_neutral_value
+from ..validators import is_int
 
 # TensorRT-LLM generate() arguments we accept only at their "off" value (anything else is refused).
 _OFF_VALUES = {"num_beams": (1,), "num_return_sequences": (None, 1), "length_penalty": (1.0,),
@@ -156,7 +156,7 @@ class ModelRunner:
                                      ("pad_id", pad_id, "an int in [0, 2**31)")):
             if value is None or (name == "end_id" and value == -1):
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < 2 ** 31:
+            if not is_int(value, integral=True) or not 0 <= value < 2 ** 31:
                 raise ValueError(f"{name}={value!r} must be a token id ({allowed})")
         no_end = end_id == -1  # TensorRT-LLM's convention: no end token, run to max_new_tokens
         end_id = None if no_end else end_id
@@ -198,11 +198,11 @@ class ModelRunner:
             if getattr(getattr(ids, "dtype", None), "kind", "i") not in "iu":
                 raise ValueError(f"batch_input_ids[{index}]: an integer array is needed, got dtype {ids.dtype}")
             ids = ids.tolist()
-        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
+        ids = [int(t) if is_int(t, integral=True) else t for t in ids]
         if not ids:
             raise ValueError(f"batch_input_ids[{index}] is empty: at least one token is needed")
         vocab = self.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"batch_input_ids[{index}]: token id {bad[0]!r} is not an int in [0, {vocab})")
         return ids
@@ -342,7 +342,7 @@ def _stop_words(stop_words_list, batch_size: int) -> list[list[list[int]]]:
     words = []
     for i, per_request in enumerate(stop_words_list):
         seqs = [[w] if isinstance(w, int) else list(w) for w in (per_request or [])]
-        if any(not s or not all(isinstance(t, int) and not isinstance(t, bool) for t in s) for s in seqs):
+        if any(not s or not all(is_int(t) for t in s) for s in seqs):
             raise ValueError(f"stop_words_list[{i}]: each stop word is a non-empty list of token ids")
         words.append(seqs)
     return words

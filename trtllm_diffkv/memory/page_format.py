@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import SUPPORTED_HEAD_DIMS, TOKEN_METADATA_BYTES, DiffKVConfig, TierConfig
+from ..validators import is_int, positive_int
 
 PAGE_BASE_ALIGNMENT_BYTES = 128
 """Pages start on 128-byte (cache-line) boundaries: the page size is a multiple of this."""
@@ -131,8 +132,7 @@ def _layout(tier: TierConfig, head_dim: int, tokens: int, alignment_bytes: int, 
 
 
 def _check_alignment(alignment_bytes: int) -> None:
-    if isinstance(alignment_bytes, bool) or not isinstance(alignment_bytes, int) or alignment_bytes <= 0 \
-            or alignment_bytes & (alignment_bytes - 1):
+    if not is_int(alignment_bytes) or alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):
         raise ValueError(f"alignment_bytes={alignment_bytes!r} must be a positive power of two")
 
 
@@ -209,8 +209,7 @@ class PageFormat:
         """
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head_dim={head_dim} is not supported; allowed values: {list(SUPPORTED_HEAD_DIMS)}")
-        if isinstance(high_tokens_per_page, bool) or not isinstance(high_tokens_per_page, int) or high_tokens_per_page < 1:
-            raise ValueError(f"high_tokens_per_page={high_tokens_per_page!r} must be a positive integer")
+        positive_int("high_tokens_per_page", high_tokens_per_page)
         _check_alignment(alignment_bytes)
         meta = config.tiered
         config.high.validate_for_head_dim(head_dim)

@@ -61,6 +61,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .page_format import MAX_PAGES, PageFormat
+from ..validators import positive_int
 
 
 class PageStatus(enum.IntFlag):
@@ -218,8 +219,7 @@ class PageManager(abc.ABC):
     ) -> None:
         for name, value in (("num_pages", num_pages), ("max_slots", max_slots), ("num_layers", num_layers),
                             ("num_kv_heads", num_kv_heads), ("max_seq_len_tokens", max_seq_len_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, value)
         if num_pages > MAX_PAGES:
             raise ValueError(f"num_pages={num_pages} exceeds {MAX_PAGES} (page ids are int32)")
         self.page_format = page_format

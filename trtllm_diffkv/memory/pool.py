@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .page_format import PageFormat
+from ..validators import positive_int
 
 SEGMENT_DTYPES = {
     "key_codes": torch.uint8,
@@ -40,8 +41,7 @@ class KVCachePool:
     """
 
     def __init__(self, page_format: PageFormat, num_pages: int, device: str | torch.device = "cuda") -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages={num_pages!r} must be a positive integer")
+        positive_int("num_pages", num_pages)
         self.page_format = page_format
         self.num_pages = num_pages
         self.buffer = torch.empty(num_pages * page_format.page_size_bytes, dtype=torch.uint8, device=device)

@@ -16,6 +16,7 @@ from typing import Any
 
 from .gguf_meta import EOG_TOKEN_KEYS, GGUFMetadata, SkippedArray
 from .llama import ModelConfig
+from ..validators import is_int
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM"}
@@ -183,4 +184,4 @@ def _gemma3_fields(meta: GGUFMetadata, config: dict) -> dict[str, Any]:
 def stop_token_ids(meta: GGUFMetadata) -> set[int]:
     """Token ids that end generation per the file's own metadata (:data:`EOG_TOKEN_KEYS`)."""
     ids = (meta.fields.get(key) for key in EOG_TOKEN_KEYS)
-    return {int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)}
+    return {int(i) for i in ids if is_int(i)}

@@ -48,6 +48,7 @@ from .attention_api import AttentionBackend
 from . import fused as _fused_ops
 from .fused import qkv_rope, rms_norm, rms_norm_reference, rotate_heads, silu_mul
 from .rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rope, normalize_rope_scaling, rope_inv_freq  # noqa: F401
+from ..validators import positive_int
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """HF ``architectures`` names this module runs."""
@@ -117,8 +118,7 @@ class ModelConfig:
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, value)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:

@@ -67,6 +67,7 @@ from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .gguf_meta import read_gguf_metadata
 from .llama import CausalLM, LlamaForCausalLM, ModelConfig, check_weight_names_and_shapes
 from ..progress import heartbeat
+from ..validators import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def stop_token_ids(path: str | os.PathLike | None) -> set[int]:
 def _eos_ids(file: Path) -> set[int]:
     eos = (_read_json(file) or {}).get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
-    return {int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)}
+    return {int(i) for i in ids if is_int(i)}
 
 
 def _read_json(file: Path) -> dict | None:

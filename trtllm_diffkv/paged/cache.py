@@ -55,6 +55,7 @@ import torch
 
 from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
+from ..engine_config import EngineConfig
 from ..memory import CpuPageManager, KVCachePool, PageFormat
 from ..policy import reachable_tokens
 from . import decode, prefill, torch_ops
@@ -62,6 +63,7 @@ from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
+from ..validators import positive_int
 
 
 class OutOfPagesError(RuntimeError):
@@ -119,28 +121,29 @@ def prompt_scores_function(use_triton: bool, read_path: str = "auto"):
 
 
 class PagedDiffKVCache:
-    """DiffKV cache of up to ``max_slots`` requests in unified pages; the model's attention backend.
+    """DiffKV cache of up to ``max_batch_size`` requests in unified pages; the model's attention backend.
 
     Args:
         config: DiffKV policy (``compress=False``: the fp16 preset, every token
             kept at 16 bits in the high tier, no scores).
         num_layers, num_heads, num_kv_heads, head_dim: model shape.
+        engine_config: the sizes and backends (:class:`~trtllm_diffkv.engine_config.EngineConfig`). Read here:
+            ``max_batch_size`` (request slots), ``max_seq_len`` (longest request, prompt + generated; required),
+            ``max_num_tokens`` (most tokens one step may carry, sizing the output buffer; ``None``: ``max_batch_size
+            * max_seq_len``), ``device`` (where the pool lives; ``None``: the CPU), ``high_tokens_per_page`` (page
+            sizing, :meth:`PageFormat.for_config`), ``use_triton`` (Triton kernels, default on CUDA; ``True`` on
+            the CPU needs ``TRITON_INTERPRET=1``; otherwise the torch versions, :mod:`.torch_ops`),
+            ``page_manager`` (``"triton"``: ``TritonPageManager``, ``"cpu"``: ``CpuPageManager``, ``"auto"``:
+            Triton on CUDA), ``read_path`` (``"torch"`` runs the attention of the Triton path with the torch
+            versions: tests of the write path on the GPU) and :attr:`EngineConfig.staging_limit_bytes`, the most
+            bytes the full-precision staging of prompts prefilled in chunks may hold at once (:mod:`.staging`;
+            outside the pool; 0 without chunked prefill; ``chunk_staging_bytes=None``: one prompt of
+            ``max_seq_len`` tokens in ``dtype``, :func:`~.staging.staging_bytes`).
         num_pages: pages in the pool.
-        max_slots: request slots (batch capacity).
-        max_seq_len_tokens: longest request (prompt + generated).
-        max_num_tokens: most tokens one step may carry (sizes the output buffer).
-        device, dtype: where the pool lives, and the model dtype of the outputs.
-        high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
-        use_triton: Triton kernels (default: on CUDA; ``True`` on the CPU needs
-            ``TRITON_INTERPRET=1``); otherwise the torch versions (:mod:`.torch_ops`).
+        dtype: the model dtype of the outputs (and of the staging).
         sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
-        page_manager: ``"triton"`` (``TritonPageManager``), ``"cpu"``
-            (``CpuPageManager``) or ``"auto"``: Triton on CUDA, CPU otherwise.
-        staging_limit_bytes: most bytes the full-precision staging of prompts prefilled in chunks may hold at once
-            (:mod:`.staging`; outside the pool; 0, the default: no chunked prompts).
-        read_path: ``"torch"`` runs the attention of the Triton path with the
-            torch versions (:mod:`.torch_ops`; tests of the write path on the
-            GPU); ``"auto"``: the read-path kernels when present.
+        kv_config_checked: the caller already ran ``config.validate_for_model`` for this model shape
+            (:class:`~trtllm_diffkv.runtime.resource_manager.DiffKVResourceManager` does): not again here.
 
     Raises:
         ValueError: a configuration the model cannot run, or a bad size.
@@ -165,27 +168,26 @@ class PagedDiffKVCache:
             (pinned buffers in rotation on CUDA).
     """
 
-    def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 num_pages: int, max_slots: int, max_seq_len_tokens: int, max_num_tokens: int | None = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 high_tokens_per_page: int = 32, use_triton: bool | None = None, sm_scale: float | None = None,
-                 page_manager: str = "auto", read_path: str = "auto", staging_limit_bytes: int = 0) -> None:
-        for name, value in (("num_layers", num_layers), ("max_slots", max_slots),
-                            ("max_seq_len_tokens", max_seq_len_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        config.validate_for_model(head_dim, num_heads, num_kv_heads, num_layers)
+    def __init__(self, config: DiffKVConfig, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 engine_config: EngineConfig, *, num_pages: int, dtype: torch.dtype = torch.float32,
+                 sm_scale: float | None = None, kv_config_checked: bool = False) -> None:
+        engine = engine_config
+        max_slots, max_seq_len_tokens, max_num_tokens = engine.max_batch_size, engine.max_seq_len, engine.max_num_tokens
+        use_triton, page_manager, read_path = engine.use_triton, engine.page_manager, engine.read_path
+        for name, value in (("num_layers", num_layers), ("max_seq_len", max_seq_len_tokens)):
+            positive_int(name, value)
+        if not kv_config_checked:
+            config.validate_for_model(head_dim, num_heads, num_kv_heads, num_layers)
         self.config = config
+        self.device = torch.device("cpu" if engine.device is None else engine.device)
         self.sliding_windows = config.sliding_windows(num_layers)
-        self.layer_windows = torch.tensor([w or 0 for w in self.sliding_windows], dtype=torch.int32, device=device)
+        self.layer_windows = torch.tensor([w or 0 for w in self.sliding_windows], dtype=torch.int32,
+                                          device=self.device)
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = num_layers, num_heads, num_kv_heads, head_dim
-        self.device = torch.device(device)
         self.dtype = dtype
-        self.page_format = PageFormat.for_config(config, head_dim, high_tokens_per_page)
+        self.page_format = PageFormat.for_config(config, head_dim, engine.high_tokens_per_page)
         self.pool = KVCachePool(self.page_format, num_pages, self.device)
         self.pool.buffer.zero_()
-        if page_manager not in ("auto", "cpu", "triton"):
-            raise ValueError(f"page_manager={page_manager!r}; allowed: 'auto', 'cpu', 'triton'")
         if page_manager == "triton" or (page_manager == "auto" and self.device.type == "cuda"):
             from ..memory.triton_page_manager import TritonPageManager
 
@@ -210,16 +212,13 @@ class PagedDiffKVCache:
             if num_heads // num_kv_heads > MAX_GROUP:  # refused at configuration time (edge case 7)
                 raise ValueError(f"query:KV head ratio {num_heads // num_kv_heads} exceeds the {MAX_GROUP} the decode "
                                  "attention kernel supports")
-        if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int)
-                                           or max_num_tokens < 1):
-            raise ValueError(f"max_num_tokens={max_num_tokens!r} must be a positive integer (or None)")
-        if read_path not in ("auto", "torch"):
-            raise ValueError(f"read_path={read_path!r}; allowed: 'auto', 'torch'")
         self.ops, self.decode_attention, self.prefill_attention = kernel_functions(use_triton, read_path)
         self.prompt_scores = prompt_scores_function(use_triton, read_path)
-        if isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0:
-            raise ValueError(f"staging_limit_bytes={staging_limit_bytes!r} must be an integer >= 0")
-        self.staging_limit_bytes = staging_limit_bytes
+        staging_limit = engine.staging_limit_bytes
+        if staging_limit is None:  # chunked prefill, no limit given: one prompt of max_seq_len
+            staging_limit = staging_bytes(num_layers, num_kv_heads, num_heads, head_dim, max_seq_len_tokens,
+                                          config.prompt_score_window_tokens, dtype)
+        self.staging_limit_bytes = staging_limit
         self.staging: dict = {}
         self.sm_scale = sm_scale if sm_scale is not None else torch_ops.default_sm_scale(head_dim)
         self.max_slots, self.max_seq_len_tokens = max_slots, max_seq_len_tokens

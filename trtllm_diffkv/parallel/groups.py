@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..validators import positive_int
+
 DEFAULT_TIMEOUT_S = 300.0
 """How long a collective waits for the other ranks before it raises (seconds): a rank that died or
 diverged ends the group instead of hanging it forever."""
@@ -87,8 +89,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device=No
         ValueError: a rank outside ``[0, world_size)``; a CUDA device when fewer GPUs than ranks are visible.
         RuntimeError: from ``torch.distributed`` when the rendezvous fails.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    positive_int("world_size", world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     if device is None:

@@ -43,7 +43,7 @@ class TensorParallelExecutor:
         dtype: the model dtype (default float32 on the CPU, bfloat16 on CUDA).
         num_threads: each rank's ``torch.set_num_threads`` (``None``: torch's default).
         timeout_s: collective timeout (:data:`~.groups.DEFAULT_TIMEOUT_S`).
-        **executor_kwargs: each rank's :class:`Executor` arguments (``max_batch_size``, ``kv_memory_bytes``
+        **executor_kwargs: each rank's :class:`~trtllm_diffkv.engine_config.EngineConfig` fields (``max_batch_size``, ``kv_memory_bytes``
             per rank, ``max_seq_len``, ...); ``use_cuda_graphs`` is forced off (graphs over collectives
             are not wired).
 
@@ -299,6 +299,7 @@ def _serve_checks(executor, conn) -> None:
 
 def _worker_main(rank: int, spec: dict, conn, check_conn) -> None:
     """One rank: join the group, load the shard, build the executor, then serve the parent's commands."""
+    from ..engine_config import EngineConfig
     from ..model.rotation import model_for_kv_config
     from ..runtime.executor import Executor
     from .executor_hook import TensorParallelHook
@@ -313,8 +314,8 @@ def _worker_main(rank: int, spec: dict, conn, check_conn) -> None:
         model, tokenizer, local_config = load_model_shard(spec["path"], group, spec["dtype"])
         model = model_for_kv_config(model, spec["kv_config"], in_place=True)  # the rank's own: no second copy
         executor = Executor(model, local_config, local_kv_config(spec["kv_config"], spec["world_size"]),
-                            tokenizer=tokenizer, stop_token_ids=spec["stop_token_ids"],
-                            parallel=TensorParallelHook(group), **spec["executor_kwargs"])
+                            EngineConfig(**spec["executor_kwargs"]), tokenizer=tokenizer,
+                            stop_token_ids=spec["stop_token_ids"], parallel=TensorParallelHook(group))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         try:
             conn.send(("failed", exc, traceback.format_exc()))

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..model.llama import LlamaForCausalLM, ModelConfig
 from .groups import TensorParallelGroup
+from ..validators import positive_int
 
 _COLUMN = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
@@ -53,8 +54,7 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int, kv_con
             for why KV heads are not replicated); or ``kv_config`` refusing the whole model (:meth:`DiffKVConfig.validate_for_model`).
     """
     tp = tensor_parallel_size
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer")
+    positive_int("tensor_parallel_size", tp)
     if tp > 1 and type(config) is not ModelConfig:
         raise ValueError(f"tensor parallelism covers the Llama-family decoders; {config.architecture} runs on one "
                          "device (tensor_parallel_size=1)")

@@ -61,25 +61,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine_config import DEFAULT_MAX_NUM_TOKENS, EngineConfig  # noqa: F401 - DEFAULT_MAX_NUM_TOKENS re-exported
 from ..generation.prompts import check_prompt_ids, position_limit
 from ..generation.results import PagedGenerationResult, result_fields
 from ..model.rotation import model_for_kv_config
 from ..paged.cache import OutOfPagesError
-from ..paged.staging import staging_bytes, staging_fits
+from ..paged.staging import staging_fits
 from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
 from .sampling import Sampler, SamplingParams, prompt_logprobs
 from .scheduler import Scheduler
 from .stop_checker import StopChecker
-
-
-DEFAULT_MAX_NUM_TOKENS = 8192
-"""Default ``max_num_tokens`` with chunked prefill: a step carries the running decodes and at most this many
-tokens in all (TensorRT-LLM's ``max_num_tokens`` default). Prompts that a step can carry beside the decodes go
-whole (waiting a step when earlier prompts used the room); longer ones are chunked. Not vLLM's 2048: on the
-H200 each prompt step is ~35 ms of host work at the default model's shape, and 2048-token steps ran the
-servers' workload (one ~2k-token prompt in eight) at about half the requests/s of 8192 on the executor alone
-(docs/PERFORMANCE.md, "Chunked prefill steps")."""
+from ..validators import optional_boolean
 
 
 def prefill_chunk_positions(batch: ScheduledBatch) -> list[tuple[int, int]]:
@@ -113,8 +106,7 @@ def check_overlap_setting(disable_overlap_scheduler, *, tensor_parallel: bool) -
             status before the next). :class:`~trtllm_diffkv.parallel.TensorParallelExecutor` calls it before
             it spawns the ranks, each rank's :class:`Executor` again.
     """
-    if disable_overlap_scheduler is not None and not isinstance(disable_overlap_scheduler, bool):
-        raise ValueError(f"disable_overlap_scheduler={disable_overlap_scheduler!r} must be True, False or None")
+    optional_boolean("disable_overlap_scheduler", disable_overlap_scheduler)
     if disable_overlap_scheduler is False and tensor_parallel:
         raise ValueError("disable_overlap_scheduler=False: a tensor-parallel run does not overlap steps (every "
                          "rank reads each step's status before the next)")
@@ -171,46 +163,27 @@ class Executor:
             (:class:`~trtllm_diffkv.model.llama.LlamaForCausalLM`); its device and dtype are used.
         model_config: the model's shape, ``vocab_size`` and position limit.
         kv_config: the DiffKV policy (``fp16`` preset: no compression).
+        engine_config: the sizes, budget and backends (:class:`~trtllm_diffkv.engine_config.EngineConfig`, its
+            fields documented there and in docs/RUNTIME.md "Engine config"; ``None``: its defaults). Here:
+            ``max_seq_len`` is capped at the model's positions; ``max_num_tokens`` must be ``>= max_batch_size``;
+            ``use_cuda_graphs`` replays decode-only steps from CUDA graphs over bucketed batch sizes
+            (:class:`~.cuda_graphs.DecodeGraphRunner`, its forward graphs captured here; a capture that fails
+            warns and decodes eagerly; ``None``: on when the device is CUDA and the cache runs the Triton
+            kernels); ``split_mixed_steps`` (``None``: as ``use_cuda_graphs``, so every rank of a
+            tensor-parallel run decides alike even where its capture failed) runs a mixed step as two model
+            calls (module docstring; outputs are the unsplit step's up to the last bit of batched matmuls);
+            ``disable_overlap_scheduler`` ``None`` overlaps when CUDA graphs are asked for (or defaulted) in one
+            process; ``profile`` synchronizes around the timed regions (:meth:`stats`'s
+            ``bookkeeping_fraction`` then measures device time).
         tokenizer: decodes result texts and stop strings (optional; stop strings need it).
         stop_token_ids: the checkpoint's stop ids (``model.loader.stop_token_ids``), plus the
             tokenizer's ``eos_token_id``.
-        resource_manager: an existing one; default: built from the sizes below.
-        max_batch_size: most requests in a step (request slots).
-        max_num_tokens: most tokens a step carries (TensorRT-LLM's name): decodes first, then prompt
-            chunks. Default :data:`DEFAULT_MAX_NUM_TOKENS` (8192, or ``max_batch_size`` if larger) with
-            chunked prefill; without it ``max(8192, max_seq_len)``.
-        enable_chunked_prefill: split prompts over steps (default ``True``; TensorRT-LLM's and vLLM's
-            name); ``False``: each prompt is prefilled in one step (and, with a re-prefill after
-            preemption, prompt + ``max_tokens`` - 1 must fit ``max_num_tokens``).
-        chunk_staging_bytes: most bytes the full-precision staging of half-prefilled prompts holds at
-            once (outside the KV budget; allocated per prompt at its first chunk, freed at its final chunk
-            or its end). Default: one prompt of ``max_seq_len`` tokens. A chunked prompt is admitted
-            only when its staging fits.
-        max_seq_len: longest request, prompt + ``max_tokens`` (default: the model's positions).
-        kv_memory_bytes, kv_memory_fraction: the KV budget (:class:`DiffKVResourceManager`).
-        device: default the model's device.
-        use_cuda_graphs: replay decode-only steps from CUDA graphs over bucketed batch sizes
-            (:class:`~.cuda_graphs.DecodeGraphRunner`, its forward graphs captured here);
-            prefill steps run eagerly, and so do mixed steps unless ``split_mixed_steps``. ``None`` (default): on when the device is CUDA
-            and the cache runs the Triton kernels; a capture that fails warns and decodes
-            eagerly. ``True`` on a CPU raises.
-        split_mixed_steps: run a step's decodes and its prompts as two model calls, decodes first (module
-            docstring). ``None`` (default): when ``use_cuda_graphs`` is on (asked or defaulted), so every
-            rank of a tensor-parallel run decides alike even where its capture failed. Outputs are the
-            unsplit step's (each request's computation is its own; the batched matmuls' rounding may differ
-            in the last bit).
-        disable_overlap_scheduler: ``True``: every step reads its own host copy before it returns. ``False``:
-            overlap decode-only steps (module docstring), also eagerly and on the CPU (where it gains nothing).
-            ``None`` (default): overlap when CUDA graphs are asked for (or defaulted) in one process (also if
-            their capture failed and decode runs eagerly) (TensorRT-LLM's
-            name; its default is the overlap scheduler on). Tensor parallelism never overlaps.
-        high_tokens_per_page, use_triton: page sizing and kernels (:class:`PagedDiffKVCache`).
-        profile: synchronize around the timed regions so that :meth:`stats`'s
-            ``bookkeeping_fraction`` measures device time (slower; benchmarks only; it also leaves the overlap
-            nothing to overlap).
         parallel: the hook of a multi-process run (:class:`SingleProcess` when ``None``): it builds
             the resource manager and combines the step's status over the processes
             (:class:`trtllm_diffkv.parallel.TensorParallelHook`: every rank takes the same decisions).
+        kv_config_checked: the caller already ran ``kv_config.validate_for_model`` for this model (:class:`LLM
+            <trtllm_diffkv.llmapi.LLM>` does when it loads the model): not again. Otherwise it runs here, once
+            (the resource manager and the cache built here do not repeat it).
 
     Raises:
         ValueError: a bad size or budget (also ``max_num_tokens < max_batch_size``), ``kv_config`` cannot run
@@ -218,74 +191,53 @@ class Executor:
             ``TRTLLM_DIFFKV_DECODE_BACKEND`` that is not ``auto``/``cuda``/``triton``.
     """
 
-    def __init__(self, model, model_config, kv_config, *, tokenizer=None, stop_token_ids=(),
-                 resource_manager: DiffKVResourceManager | None = None, max_batch_size: int = 64,
-                 max_num_tokens: int | None = None, max_seq_len: int | None = None,
-                 kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None, device=None,
-                 use_cuda_graphs: bool | None = None, high_tokens_per_page: int = 32,
-                 use_triton: bool | None = None, profile: bool = False, parallel=None,
-                 enable_chunked_prefill: bool = True, chunk_staging_bytes: int | None = None,
-                 split_mixed_steps: bool | None = None, disable_overlap_scheduler: bool | None = None) -> None:
+    def __init__(self, model, model_config, kv_config, engine_config: EngineConfig | None = None, *,
+                 tokenizer=None, stop_token_ids=(), parallel=None, kv_config_checked: bool = False) -> None:
         from ..kernels.cuda_decode import configured_backend
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
+        engine = EngineConfig() if engine_config is None else engine_config
+        if not isinstance(engine, EngineConfig):
+            raise TypeError(f"engine_config must be an EngineConfig, got {type(engine).__name__}")
         param = next(model.parameters())
         kv_config = kv_config.for_model(model_config)  # the model's sliding-window layers, if any
         self.model, self.model_config, self.kv_config, self.tokenizer = model, model_config, kv_config, tokenizer
-        self.device = torch.device(device) if device is not None else param.device
+        self.device = torch.device(engine.device) if engine.device is not None else param.device
         self.parallel = SingleProcess() if parallel is None else parallel
-        if not isinstance(enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r} must be True or False")
-        if resource_manager is None:
-            limit = position_limit(model_config)
-            for name, value in (("max_seq_len", max_seq_len), ("max_num_tokens", max_num_tokens)):
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(f"{name}={value!r} must be a positive integer (or None)")
-            if chunk_staging_bytes is not None and (isinstance(chunk_staging_bytes, bool)
-                                                    or not isinstance(chunk_staging_bytes, int) or chunk_staging_bytes < 0):
-                raise ValueError(f"chunk_staging_bytes={chunk_staging_bytes!r} must be an integer >= 0 (or None)")
-            max_seq_len = min(max_seq_len or limit, limit)
-            if max_num_tokens is None:
-                max_num_tokens = max(DEFAULT_MAX_NUM_TOKENS, max_batch_size if isinstance(max_batch_size, int) else 0) \
-                    if enable_chunked_prefill else max(8192, max_seq_len)
-            if chunk_staging_bytes is None:
-                chunk_staging_bytes = staging_bytes(model_config.num_layers, model_config.num_kv_heads,
-                                                    model_config.num_heads, model_config.head_dim, max_seq_len,
-                                                    kv_config.prompt_score_window_tokens, param.dtype)
-            resource_manager = self.parallel.resource_manager(
-                model_config, kv_config, kv_memory_bytes=kv_memory_bytes, kv_memory_fraction=kv_memory_fraction,
-                max_batch_size=max_batch_size, max_seq_len_tokens=max_seq_len,
-                max_num_tokens=max_num_tokens, device=self.device, dtype=param.dtype,
-                high_tokens_per_page=high_tokens_per_page, use_triton=use_triton,
-                staging_limit_bytes=chunk_staging_bytes if enable_chunked_prefill else 0)
+        if not kv_config_checked:
+            kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
+                                         model_config.num_layers)
+        limit = position_limit(model_config)
+        engine = engine.replace(max_seq_len=min(engine.max_seq_len or limit, limit), device=self.device)
+        resource_manager = self.parallel.resource_manager(model_config, kv_config, engine, dtype=param.dtype,
+                                                          kv_config_checked=True)
         self.rm = resource_manager
         self.cache = resource_manager.cache
-        kv_config.validate_for_model(model_config.head_dim, model_config.num_heads, model_config.num_kv_heads,
-                                     model_config.num_layers)
+        self.engine_config = resource_manager.engine_config
         self.model = model_for_kv_config(model, kv_config)  # key_rotation: the rotated copy
         self.decode_backend = self._decode_backend(param.dtype)
         self.max_batch_size, self.max_num_tokens = resource_manager.max_batch_size, resource_manager.max_num_tokens
         if self.max_num_tokens < self.max_batch_size:  # every running request decodes in every step
             raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= max_batch_size={self.max_batch_size} "
                              "(a step carries one token of each running request)")
-        self.max_seq_len = min(resource_manager.max_seq_len_tokens, position_limit(model_config))
+        self.max_seq_len = min(resource_manager.max_seq_len_tokens, limit)
+        use_cuda_graphs, split_mixed_steps = engine.use_cuda_graphs, engine.split_mixed_steps
+        disable_overlap_scheduler = engine.disable_overlap_scheduler
         if use_cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graphs=True needs a CUDA device, got {self.device}")
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda" and self.cache.use_triton
-        if split_mixed_steps is not None and not isinstance(split_mixed_steps, bool):
-            raise ValueError(f"split_mixed_steps={split_mixed_steps!r} must be True, False or None")
         self.split_mixed_steps = bool(use_cuda_graphs) if split_mixed_steps is None else split_mixed_steps
         single = isinstance(self.parallel, SingleProcess)
         check_overlap_setting(disable_overlap_scheduler, tensor_parallel=not single)
         self.overlap_steps = single and (bool(use_cuda_graphs) if disable_overlap_scheduler is None
                                          else not disable_overlap_scheduler)
-        self.profile = profile
+        self.profile = engine.profile
         self._graphs = self._capture_graphs() if use_cuda_graphs else None  # DecodeGraphRunner
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = set(stop_token_ids or ()) | ({eos} if eos is not None else set())
         self.sampler = Sampler(model_config.vocab_size, self.device)
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_chunked_prefill = engine.enable_chunked_prefill
         self.scheduler = Scheduler(self.rm, self.max_batch_size, self.max_num_tokens, self.enable_chunked_prefill)
         self.requests: dict = {}  # live requests by id
         self._checkers: dict = {}

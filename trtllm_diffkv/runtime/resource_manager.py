@@ -34,9 +34,12 @@ from types import SimpleNamespace
 import torch
 
 from ..config import DiffKVConfig
+from ..engine_config import DEFAULT_MAX_NUM_TOKENS, EngineConfig
+from ..generation.prompts import position_limit
 from ..memory import PageFormat, PageManager
 from ..paged.cache import NONFINITE_KV_ERROR, PagedDiffKVCache
 from ..paged.row_meta import RowMetadataFormat
+from ..validators import number_in_range, positive_int
 from .request import Request
 
 
@@ -72,16 +75,35 @@ def kv_budget_bytes(kv_memory_bytes: int | None, kv_memory_fraction: float | Non
     if kv_memory_bytes is not None and kv_memory_fraction is not None:
         raise ValueError("give one of kv_memory_bytes and kv_memory_fraction, not both")
     if kv_memory_bytes is not None:
-        if isinstance(kv_memory_bytes, bool) or not isinstance(kv_memory_bytes, int) or kv_memory_bytes < 1:
-            raise ValueError(f"kv_memory_bytes={kv_memory_bytes!r} must be a positive integer")
-        return kv_memory_bytes
+        return positive_int("kv_memory_bytes", kv_memory_bytes)
     if device.type != "cuda":
         raise ValueError(f"on {device} give kv_memory_bytes (kv_memory_fraction is a fraction of free GPU memory)")
     fraction = 0.9 if kv_memory_fraction is None else kv_memory_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
-        raise ValueError(f"kv_memory_fraction={kv_memory_fraction!r} must be in (0, 1]")
+    number_in_range("kv_memory_fraction", fraction, 0, 1, low_open=True)
     free_bytes, _total = torch.cuda.mem_get_info(device)
     return int(free_bytes * fraction)
+
+
+def resolve_engine_config(engine_config: EngineConfig, model_config) -> EngineConfig:
+    """``engine_config`` with its model-derived sizes filled in (the one home of those defaults).
+
+    ``max_seq_len`` ``None``: the model's positions (:func:`~trtllm_diffkv.generation.prompts.position_limit`;
+    a given value is kept as is: the executor caps it). ``max_num_tokens`` ``None``: ``max(8192,
+    max_batch_size)`` with chunked prefill, else ``max(8192, max_seq_len)``. ``device`` ``None``: CUDA when
+    available, else the CPU. ``chunk_staging_bytes`` stays as it is: the paged cache, the staging's owner, sizes
+    ``None`` (one prompt of ``max_seq_len`` tokens). A config with those three given comes back unchanged.
+    """
+    engine, mc = engine_config, model_config
+    max_seq_len = engine.max_seq_len or position_limit(mc)
+    max_num_tokens = engine.max_num_tokens
+    if max_num_tokens is None:
+        max_num_tokens = max(DEFAULT_MAX_NUM_TOKENS, engine.max_batch_size) if engine.enable_chunked_prefill \
+            else max(8192, max_seq_len)
+    device = engine.device if engine.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = dict(max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, device=device)
+    if all(getattr(engine, name) == value for name, value in resolved.items()):
+        return engine
+    return engine.replace(**resolved)
 
 
 def pages_in_budget(budget_bytes: int, page_format: PageFormat, *, max_slots: int, rows_per_slot: int,
@@ -107,40 +129,39 @@ class DiffKVResourceManager:
     Args:
         model_config: the model's shape (``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``).
         kv_config: the DiffKV policy (``fp16`` preset: no compression).
-        kv_memory_bytes: bytes for the pool + bookkeeping + row metadata; or
-        kv_memory_fraction: fraction in (0, 1] of the free GPU memory now (``torch.cuda.mem_get_info``;
-            default 0.9 on CUDA when neither is given, as TensorRT-LLM's ``free_gpu_memory_fraction``).
-        max_batch_size: request slots (most requests in one step).
-        max_seq_len_tokens: longest request (prompt + generated tokens); sizes the page table.
-        max_num_tokens: most tokens one step carries (sizes the cache's output buffer).
-        device, dtype: where the pool lives, the model dtype.
-        high_tokens_per_page: page sizing (:meth:`PageFormat.for_config`).
-        use_triton, page_manager, read_path: as :class:`PagedDiffKVCache`.
-        staging_limit_bytes: most bytes the full-precision staging of prompts prefilled in chunks holds at once
-            (:class:`PagedDiffKVCache`; outside the budget; 0: no chunked prompts).
+        engine_config: the sizes and backends (:class:`~trtllm_diffkv.engine_config.EngineConfig`; default: its
+            defaults). Read here: ``max_batch_size`` (request slots), ``max_seq_len`` (sizes the page table),
+            ``max_num_tokens`` (sizes the cache's output buffer), ``kv_memory_bytes`` (pool + bookkeeping + row
+            metadata) or ``kv_memory_fraction`` (of the free GPU memory now, ``torch.cuda.mem_get_info``; 0.9 on
+            CUDA when neither is given, as TensorRT-LLM's ``free_gpu_memory_fraction``), ``high_tokens_per_page``,
+            ``use_triton``, ``page_manager``, ``read_path``, and the staging of prompts prefilled in chunks
+            (:attr:`EngineConfig.staging_limit_bytes`; outside the budget), ``device`` (where the pool lives).
+            ``None`` sizes and device are filled by :func:`resolve_engine_config` (the staging by the cache).
+        dtype: the model dtype.
+        kv_config_checked: the caller already ran ``kv_config.validate_for_model`` for this model (the executor
+            does, before building this manager): not again here.
 
     Attributes:
         cache: the :class:`PagedDiffKVCache`; the model's attention backend.
         budget_bytes: the budget the sizes were computed from.
+        engine_config: ``engine_config`` resolved (:func:`resolve_engine_config`).
 
     Raises:
         ValueError: a bad budget (see :func:`kv_budget_bytes`), a budget below one page after
             the bookkeeping, or a configuration the cache refuses.
     """
 
-    def __init__(self, model_config, kv_config: DiffKVConfig, *, kv_memory_bytes: int | None = None,
-                 kv_memory_fraction: float | None = None, max_batch_size: int = 64, max_seq_len_tokens: int,
-                 max_num_tokens: int, device=None, dtype: torch.dtype = torch.float32,
-                 high_tokens_per_page: int = 32, use_triton: bool | None = None, page_manager: str = "auto",
-                 read_path: str = "auto", staging_limit_bytes: int = 0) -> None:
+    def __init__(self, model_config, kv_config: DiffKVConfig, engine_config: EngineConfig | None = None, *,
+                 dtype: torch.dtype = torch.float32, kv_config_checked: bool = False) -> None:
         mc = model_config
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size!r} must be a positive integer")
-        self.budget_bytes = kv_budget_bytes(kv_memory_bytes, kv_memory_fraction, device)
-        kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any
-        kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads, mc.num_layers)
-        fmt = PageFormat.for_config(kv_config, mc.head_dim, high_tokens_per_page)
+        engine = resolve_engine_config(EngineConfig() if engine_config is None else engine_config, mc)
+        device = torch.device(engine.device)
+        max_batch_size, max_seq_len_tokens = engine.max_batch_size, engine.max_seq_len
+        self.budget_bytes = kv_budget_bytes(engine.kv_memory_bytes, engine.kv_memory_fraction, device)
+        kv_config = kv_config.for_model(mc)  # the model's sliding-window layers, if any (self when already there)
+        if not kv_config_checked:
+            kv_config.validate_for_model(mc.head_dim, mc.num_heads, mc.num_kv_heads, mc.num_layers)
+        fmt = PageFormat.for_config(kv_config, mc.head_dim, engine.high_tokens_per_page)
         rows_per_slot = mc.num_layers * mc.num_kv_heads
         num_pages = pages_in_budget(self.budget_bytes, fmt, max_slots=max_batch_size, rows_per_slot=rows_per_slot,
                                     max_seq_len_tokens=max_seq_len_tokens,
@@ -149,14 +170,11 @@ class DiffKVResourceManager:
             raise ValueError(f"a KV budget of {self.budget_bytes} bytes holds no {fmt.page_size_bytes}-byte page once "
                              f"the page table of {max_batch_size} slots x {max_seq_len_tokens} tokens is paid; give more "
                              "bytes, or lower max_batch_size / max_seq_len")
-        self.cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                      num_pages=num_pages, max_slots=max_batch_size,
-                                      max_seq_len_tokens=max_seq_len_tokens, max_num_tokens=max_num_tokens,
-                                      device=device, dtype=dtype, high_tokens_per_page=high_tokens_per_page,
-                                      use_triton=use_triton, page_manager=page_manager, read_path=read_path,
-                                      staging_limit_bytes=staging_limit_bytes)
-        self.kv_config, self.device = kv_config, device
-        self.max_batch_size, self.max_seq_len_tokens, self.max_num_tokens = max_batch_size, max_seq_len_tokens, max_num_tokens
+        self.cache = PagedDiffKVCache(kv_config, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, engine,
+                                      num_pages=num_pages, dtype=dtype, kv_config_checked=True)
+        self.kv_config, self.device, self.engine_config = kv_config, device, engine
+        self.max_batch_size, self.max_seq_len_tokens = max_batch_size, max_seq_len_tokens
+        self.max_num_tokens = engine.max_num_tokens
         self._free_slots = list(range(max_batch_size - 1, -1, -1))  # pop() takes the lowest slot
         self._slot_owner: dict[int, Request] = {}
         self.free_pages_after_step = num_pages  # true count read with the last step's status

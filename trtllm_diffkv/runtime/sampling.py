@@ -37,6 +37,8 @@ from ..lazy import LazyModule
 
 torch = LazyModule("torch")  # imported at first use: SamplingParams (and the CLI's flag checks) need no torch
 
+from ..validators import is_int, is_number
+
 __all__ = ["SamplingParams", "Sampler", "TRTLLM_NEUTRAL", "is_neutral_value", "Logprob",
            "StepLogprobs", "prompt_logprobs", "best_of_order", "child_seed", "MAX_LOGPROBS"]
 
@@ -230,7 +232,7 @@ class SamplingParams:
                 object.__setattr__(self, name, float(value))
         for name in ("max_tokens", "top_k", "seed", "n", "best_of", "logprobs", "prompt_logprobs", "min_tokens"):
             value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+            if is_int(value, integral=True) and type(value) is not int:
                 object.__setattr__(self, name, int(value))
         ids = self.stop_token_ids
         if isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids):
@@ -481,7 +483,7 @@ def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], top: int,
 
 def _is_int(value) -> bool:
     """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value, integral=True)
 
 
 def _check_int(name: str, value, low: int | None, high: int | None, allowed: str) -> None:
@@ -490,7 +492,7 @@ def _check_int(name: str, value, low: int | None, high: int | None, allowed: str
 
 
 def _check_float(name: str, value, in_range, allowed: str) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = is_number(value)  # NaN is refused by the finiteness check below either way
     if not number or not math.isfinite(value) or not in_range:
         raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
 

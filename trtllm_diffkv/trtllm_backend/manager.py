@@ -47,6 +47,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..engine_config import EngineConfig
 from ..model import ModelConfig
 from ..paged.cache import NONFINITE_KV_ERROR
 from ..runtime.request import Request
@@ -173,12 +174,14 @@ class DiffKVCompressionManager(KVCacheCompressionManager):
             return
         config = self.config
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        engine = EngineConfig(max_batch_size=kv_cache_manager.max_batch_size, max_seq_len=kv_cache_manager.max_seq_len,
+                              max_num_tokens=kv_cache_manager.max_num_tokens, kv_memory_bytes=config.kv_memory_bytes,
+                              kv_memory_fraction=config.kv_memory_fraction,
+                              high_tokens_per_page=config.high_tokens_per_page, enable_chunked_prefill=False,
+                              device=device)
         self.rm = DiffKVResourceManager(
-            self.model_config, self.kv_config, kv_memory_bytes=config.kv_memory_bytes,
-            kv_memory_fraction=config.kv_memory_fraction, max_batch_size=kv_cache_manager.max_batch_size,
-            max_seq_len_tokens=kv_cache_manager.max_seq_len, max_num_tokens=kv_cache_manager.max_num_tokens,
-            device=device, dtype=self._dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16),
-            high_tokens_per_page=config.high_tokens_per_page)
+            self.model_config, self.kv_config, engine,
+            dtype=self._dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16), kv_config_checked=True)
         need, total = self.rm.prefill_pages_needed(kv_cache_manager.max_seq_len), self.rm.get_max_resource_count()
         if need > total:  # else a prompt TensorRT-LLM admits could only fail every request of its iteration
             self.shutdown()
