@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+from ..policy import window_attention_mask
 
 
 @runtime_checkable
@@ -77,7 +78,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         bit-identical); otherwise blocks of :data:`WINDOW_QUERY_BLOCK_TOKENS` queries with an explicit mask over
         the keys they can reach.
     """
-    from ..policy import window_attention_mask
 
     m, num_heads, _ = q.shape
     n, num_kv_heads = k.shape[0], k.shape[1]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from .rope import apply_rope
 
 try:  # the CPU path needs no Triton
     import triton
@@ -204,7 +205,6 @@ def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
     Raises:
         ValueError: shapes that disagree.
     """
-    from .rope import apply_rope
 
     n = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or \

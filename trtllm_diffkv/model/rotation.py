@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..config import ROTATION_HEAD_DIMS, DiffKVConfig
+from .fused import use_fused_kernels
 
 
 def _is_prime(n: int) -> bool:
@@ -220,7 +221,6 @@ def rotate_model(model, seed: int = 0, first_kv_head: int | None = None):
         for t in list(module._buffers.values()) + list(module.__dict__.values()):
             if isinstance(t, torch.Tensor):
                 memo[id(t)] = t
-    from .fused import use_fused_kernels
 
     rotated = copy.deepcopy(model, memo)
     rotated.__dict__.pop("_rotated_copies", None)

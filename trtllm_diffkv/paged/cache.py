@@ -64,6 +64,7 @@ from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
 from ..validators import positive_int
+from ..kernels import quant_write
 
 
 class OutOfPagesError(RuntimeError):
@@ -92,7 +93,6 @@ def kernel_functions(use_triton: bool, read_path: str = "auto"):
     torch versions (:mod:`.torch_ops`) with ``use_triton=False`` or for the attention with ``read_path="torch"``."""
     if not use_triton:
         return torch_ops, torch_ops.paged_decode_attention, torch_ops.scored_prefill_attention
-    from ..kernels import quant_write
 
     if read_path == "torch":
         return quant_write, torch_ops.paged_decode_attention, torch_ops.scored_prefill_attention

@@ -27,6 +27,8 @@ import torch
 from . import decisions, torch_ops
 from .gather import token_location
 from .step_plan import DecodeBuffers
+from ..kernels import decision_kernel
+from ..kernels import decode_attention as da
 
 
 def host_inputs(step) -> list[int]:
@@ -140,7 +142,6 @@ def plan_device(cache, slots: torch.Tensor, pos_seq: torch.Tensor, bufs: DecodeB
     CUDA graph can capture it for a fixed ``n`` (``slots``, ``pos_seq``: int64 ``[n]`` at fixed
     addresses) and bucket (``bufs`` of :func:`step_buffers`).
     """
-    from ..kernels import decision_kernel
 
     cfg, fmt, man = cache.config, cache.page_format, cache.manager
     G, n = cache.rows_per_slot, slots.numel()
@@ -249,7 +250,6 @@ def decode_runner(cache, q_dtype: torch.dtype):
     resolved on first use (backend, tier arguments, grids, CUDA kernels) and reused by every layer and step, or
     ``None`` where the cache's decode function is not the kernels' ``paged_decode_attention`` (the torch read
     path, or a caller's stand-in), which then runs per call."""
-    from ..kernels import decode_attention as da
 
     runners = getattr(cache, "decode_runners", None)  # None: a stand-in view (export/plugin_ops.py): checked per call
     if runners is None or cache.decode_attention is not da.paged_decode_attention:

@@ -27,6 +27,9 @@ import torch
 
 from ..runtime.request import check_new_request_id
 from .groups import DEFAULT_TIMEOUT_S, local_init_method
+from ..engine_config import EngineConfig
+from ..model.rotation import model_for_kv_config
+from .groups import destroy_tensor_parallel, init_tensor_parallel
 
 READY_TIMEOUT_S = 600.0
 """How long the parent waits for every rank to load its shard and build its executor (seconds)."""
@@ -299,11 +302,8 @@ def _serve_checks(executor, conn) -> None:
 
 def _worker_main(rank: int, spec: dict, conn, check_conn) -> None:
     """One rank: join the group, load the shard, build the executor, then serve the parent's commands."""
-    from ..engine_config import EngineConfig
-    from ..model.rotation import model_for_kv_config
     from ..runtime.executor import Executor
     from .executor_hook import TensorParallelHook
-    from .groups import destroy_tensor_parallel, init_tensor_parallel
     from .sharding import load_model_shard, local_kv_config
 
     try:

@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from ..paged import torch_ops
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -88,7 +89,6 @@ class DecodeGraphRunner:
         if getattr(model.config, "max_supported_positions", None) is not None:
             raise ValueError("the decode forward of a sliding-window model reads positions on the host; "
                              "it cannot be captured (run it eagerly)")
-        from ..paged import torch_ops
 
         if not cache.use_triton or cache.decode_attention is torch_ops.paged_decode_attention:
             raise ValueError("CUDA graphs need the cache's Triton kernels (use_triton=True, read_path='auto'): "

@@ -73,6 +73,9 @@ from .sampling import Sampler, SamplingParams, prompt_logprobs
 from .scheduler import Scheduler
 from .stop_checker import StopChecker
 from ..validators import optional_boolean
+from ..kernels.cuda_decode import configured_backend
+from ..kernels.cuda_decode import choose_backend
+from .cuda_graphs import DecodeGraphRunner
 
 
 def prefill_chunk_positions(batch: ScheduledBatch) -> list[tuple[int, int]]:
@@ -193,7 +196,6 @@ class Executor:
 
     def __init__(self, model, model_config, kv_config, engine_config: EngineConfig | None = None, *,
                  tokenizer=None, stop_token_ids=(), parallel=None, kv_config_checked: bool = False) -> None:
-        from ..kernels.cuda_decode import configured_backend
 
         configured_backend()  # a bad TRTLLM_DIFFKV_DECODE_BACKEND fails here, naming the variable, before loading
         engine = EngineConfig() if engine_config is None else engine_config
@@ -629,7 +631,6 @@ class Executor:
         """
         if not self.cache.use_triton:
             return "torch"
-        from ..kernels.cuda_decode import choose_backend
 
         mc = self.model_config
         return choose_backend(None, self.cache.page_format, mc.num_heads, mc.num_kv_heads, dtype,
@@ -637,7 +638,6 @@ class Executor:
 
     def _capture_graphs(self):
         """Capture the decode forward graphs of every batch bucket; ``None`` (and a warning) on failure."""
-        from .cuda_graphs import DecodeGraphRunner
 
         try:
             return DecodeGraphRunner(self.model, self.cache)
