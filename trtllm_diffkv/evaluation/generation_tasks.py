@@ -38,6 +38,7 @@ import tokenize
 from dataclasses import dataclass, field
 
 from .tasks import EVAL_PROBLEMS, HUMANEVAL_STOP_SEQUENCES, humaneval_problems, run_humaneval_tests, truncate_completion
+from ..validators import is_int
 
 GENERATION_TASKS = ("copy", "recall")
 """Tasks of this module, in the order a run prints them."""
@@ -287,7 +288,7 @@ def _order(count: int, seed: int, salt: int) -> list[int]:
 
 def _check_sizes(num_cases: int, context_tokens: int) -> None:
     for name, value in (("num_cases", num_cases), ("context_tokens", context_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
 

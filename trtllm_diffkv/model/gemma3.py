@@ -55,6 +55,7 @@ from .attention_api import AttentionBackend, check_backend_windows
 from .fused import rotate_heads
 from .llama import MLP, Attention, CausalLM, ModelConfig
 from .rope import RotaryEmbedding, apply_rope
+from ..validators import is_number
 
 GEMMA3_ARCHITECTURE = "Gemma3ForCausalLM"
 """HF ``architectures`` name of the text-only Gemma 3 decoder."""
@@ -112,10 +113,10 @@ class Gemma3Config(ModelConfig):
                              "sliding_attention layers")
         for name in ("query_pre_attn_scalar", "rope_local_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if not is_number(value) or not value > 0:
                 raise ValueError(f"{name}={value!r} must be a positive number")
         cap = self.final_logit_softcapping
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        if cap is not None and (not is_number(cap) or not cap > 0):
             raise ValueError(f"final_logit_softcapping={cap!r} must be a positive number or None")
 
     @property

@@ -63,7 +63,7 @@ from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
-from ..validators import positive_int
+from ..validators import is_int, positive_int
 from ..kernels import quant_write
 
 
@@ -315,7 +315,7 @@ class PagedDiffKVCache:
             raise ValueError(f"slots must be distinct, got {slots}")
         for i, (slot, total, first, pre) in enumerate(zip(slots, seq_lens, positions, is_prefill)):
             self.check_request(i, slot, total, first, pre, prompt_lens[i] if pre else None)
-        if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int)
+        if pad_to is not None and (not is_int(pad_to)
                                    or not n - n_pre <= pad_to <= self.max_slots or pad_to < 1):
             raise ValueError(f"pad_to={pad_to!r} must be an integer in [max(1, decode requests={n - n_pre}), "
                              f"max_slots={self.max_slots}]")
