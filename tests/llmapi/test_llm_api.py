@@ -107,6 +107,16 @@ def test_whitespace_is_a_prompt_and_only_the_empty_string_is_empty(text_llm):
     assert _free(text_llm)
 
 
+def test_a_text_that_is_not_unicode_fails_alone_with_its_position(text_llm):
+    """A lone surrogate (``"\\ud800"``: what ``os.fsdecode`` or a JSON ``\\ud800`` escape hands over) cannot be
+    tokenized; the request fails alone with an error naming the character, not the tokenizer's TypeError."""
+    outs = text_llm.generate(["a\ud800b", "ab"], GREEDY(2))
+    assert outs[0].error == "prompt is not valid Unicode text: surrogates not allowed at character 1 ('\\ud800')"
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].prompt_token_ids == []
+    assert outs[1].error is None and outs[1].outputs[0].length == 2
+    assert _free(text_llm)
+
+
 def test_stream_deltas_concatenate_to_the_final_text_and_ids(text_llm, monkeypatch):
     tokenizer = text_llm.tokenizer
     step = text_llm.executor.step
