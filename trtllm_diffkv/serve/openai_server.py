@@ -240,6 +240,21 @@ def _check_text(value, param: str) -> None:
             _check_text(item, f"{param}[{index}]")
 
 
+def _body_problem(error: dict, content_type: str | None) -> str:
+    """What is wrong with a request body that is not a JSON object, from pydantic's error on the whole body:
+    empty, not read as JSON (FastAPI parses JSON only under ``Content-Type: application/json``; ``curl -d``
+    sends ``application/x-www-form-urlencoded``), or JSON of another type."""
+    value = error.get("input")
+    if error.get("type") == "missing" or value == b"":
+        return "the request body is empty: send a JSON object"
+    if isinstance(value, (bytes, bytearray)):
+        return ("the request body was not read as JSON: send it with Content-Type: application/json (got "
+                + (repr(content_type) if content_type else "none") + ")")
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+             type(None): "null"}
+    return f"the request body must be a JSON object, got {kinds.get(type(value), type(value).__name__)}"
+
+
 def _sampling_params(body, max_tokens: int):
     from ..runtime.sampling import SamplingParams
 
@@ -458,13 +473,15 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES, al
                        receive_timeout_s=receive_timeout_s)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
         if first.get("type") == "json_invalid":  # loc is ("body", <character offset>)
             offset = first.get("loc", (None, None))[-1]
             reason = (first.get("ctx") or {}).get("error", "")
             return _error(f"the request body is not valid JSON ({reason} at character {offset})"
                           if reason else f"the request body is not valid JSON (at character {offset})")
+        if tuple(first.get("loc", ())) == ("body",):  # the whole body: pydantic's words name neither it nor the fix
+            return _error(_body_problem(first, request.headers.get("content-type")))
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), where or None)
 
