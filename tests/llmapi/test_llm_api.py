@@ -77,6 +77,13 @@ def test_single_prompt_gives_one_output_and_a_list_gives_a_list(tiny):
     assert llm.generate([], GREEDY(3)) == []
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate([[1, 2]], [GREEDY(1), GREEDY(1)])
+    # a list of numbers is one prompt even when one is not an id: one output naming it, not a "batch" of
+    # prompts 5, True and 7 each refused as "a prompt is a str or a list of token ids, got int"
+    for bad, named in (([5, True, 7], "True"), ([5, 6, 7.0], "7.0"), ([torch.tensor(5).item(), 6.5], "6.5")):
+        out = llm.generate(bad, GREEDY(3))
+        assert not isinstance(out, list), bad
+        assert out.error == f"token id {named} is not an integer" and out.outputs[0].finish_reason == "error"
+    assert _free(llm)
 
 
 def test_bad_requests_fail_alone_and_free_everything(tiny):
