@@ -62,6 +62,25 @@ def test_sweep_grid_keeps_alpha_low_equal_to_alpha_high():
     assert s["ah=1 al=1 low=k8v2 pool=1"].alpha_low == s["ah=1 al=1 low=k8v2 pool=1"].alpha_high == 1.0
 
 
+def test_a_grid_with_no_alpha_pair_is_refused_not_shrunk_to_k8v4(capsys):
+    """``--alpha-high nan`` (``al <= nan`` is false), an empty list, or every alpha_low above every alpha_high left
+    only the k8v4 yardstick: calibrate ran, chose k8v4 and exited 0. The flags and the grid refuse them by name."""
+    from trtllm_diffkv.cli import build_parser
+
+    for flag, text, words in (("--alpha-high", "1,nan", "not a finite number"), ("--alpha-low", "inf", "not a finite"),
+                              ("--alpha-high", ",", "no value")):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["calibrate", "--output", "k.json", flag, text])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and words in err, err
+    assert build_parser().parse_args(["calibrate", "--output", "k.json", "--alpha-high", "1, 2"]).alpha_high == [1, 2]
+    with pytest.raises(ValueError, match="no setting: every --alpha-low .* is above every --alpha-high"):
+        cal.sweep_settings([0.001], [0.005, 0.01], ["k4v2"], [1])
+    with pytest.raises(ValueError, match="alpha_high=nan"):
+        cal.sweep_settings([float("nan")], [0.0], ["k4v2"], [1])
+
+
 def test_stdlib_recall_prompts_recall_an_earlier_span(tmp_path):
     _, tokenizer, _ = load_model(write_tiny_text_checkpoint(tmp_path / "m"))
     cases = cal.stdlib_recall_prompts(tokenizer, 2, prompt_tokens=200, span_tokens=8, cue_tokens=6)

@@ -172,6 +172,9 @@ def test_usage_errors(tmp_path, capsys):
         assert f"--request-rates: '{rate}' is not a finite number" in capsys.readouterr().err
     assert _run_cli(["--smoke", "--preset", "nope", "--output", out]) == 2
     assert "unknown kv-config preset 'nope'" in capsys.readouterr().err
+    # --smoke runs its tiny random model: a --model beside it (even one that does not exist) was ignored, exit 0
+    assert _run_cli(["--smoke", "--model", str(tmp_path / "missing"), "--output", out]) == 2
+    assert "--model is not used with --smoke" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 

@@ -77,6 +77,13 @@ def test_single_prompt_gives_one_output_and_a_list_gives_a_list(tiny):
     assert llm.generate([], GREEDY(3)) == []
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate([[1, 2]], [GREEDY(1), GREEDY(1)])
+    # a list of numbers is one prompt even when one is not an id: one output naming it, not a "batch" of
+    # prompts 5, True and 7 each refused as "a prompt is a str or a list of token ids, got int"
+    for bad, named in (([5, True, 7], "True"), ([5, 6, 7.0], "7.0"), ([torch.tensor(5).item(), 6.5], "6.5")):
+        out = llm.generate(bad, GREEDY(3))
+        assert not isinstance(out, list), bad
+        assert out.error == f"token id {named} is not an integer" and out.outputs[0].finish_reason == "error"
+    assert _free(llm)
 
 
 def test_bad_requests_fail_alone_and_free_everything(tiny):
@@ -104,6 +111,16 @@ def test_whitespace_is_a_prompt_and_only_the_empty_string_is_empty(text_llm):
         assert out.error is None and out.prompt_token_ids == text_llm.tokenizer(prompt)["input_ids"]
         assert len(out.outputs[0].token_ids) >= 1
     assert "empty prompt" in outs[2].error and outs[2].outputs[0].finish_reason == "error"
+    assert _free(text_llm)
+
+
+def test_a_text_that_is_not_unicode_fails_alone_with_its_position(text_llm):
+    """A lone surrogate (``"\\ud800"``: what ``os.fsdecode`` or a JSON ``\\ud800`` escape hands over) cannot be
+    tokenized; the request fails alone with an error naming the character, not the tokenizer's TypeError."""
+    outs = text_llm.generate(["a\ud800b", "ab"], GREEDY(2))
+    assert outs[0].error == "prompt is not valid Unicode text: surrogates not allowed at character 1 ('\\ud800')"
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].prompt_token_ids == []
+    assert outs[1].error is None and outs[1].outputs[0].length == 2
     assert _free(text_llm)
 
 

@@ -123,6 +123,25 @@ def test_a_value_of_the_wrong_json_type_is_refused_not_coerced(app, name, value)
     assert llm.calls == []
 
 
+@pytest.mark.parametrize("content, headers, message", [
+    (b'{"prompt": "hi"}', {"content-type": "application/x-www-form-urlencoded"},  # curl -d's default
+     "the request body was not read as JSON: send it with Content-Type: application/json (got "
+     "'application/x-www-form-urlencoded')"),
+    (b'{"prompt": "hi"}', {}, "the request body was not read as JSON: send it with Content-Type: application/json "
+                              "(got none)"),
+    (b"[1, 2]", {"content-type": "application/json"}, "the request body must be a JSON object, got an array"),
+    (b'"hi"', {"content-type": "application/json"}, "the request body must be a JSON object, got a string"),
+    (b"", {"content-type": "application/json"}, "the request body is empty: send a JSON object"),
+])
+def test_a_body_that_is_not_a_json_object_says_why(app, content, headers, message):
+    """Each was answered "Input should be a valid dictionary or object to extract fields from" (pydantic's words
+    for the whole body), which names neither the body nor the fix."""
+    http, llm = app
+    answer = http.post("/v1/completions", content=content, headers=headers)
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == message, answer.text
+    assert llm.calls == []
+
+
 def test_completion_logprobs_zero_asks_for_the_chosen_tokens_logprobs(app):
     http, llm = app
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 0}).status_code == 200

@@ -135,6 +135,31 @@ def test_a_prompt_longer_than_the_context_is_refused_before_tokenizing(server, s
         assert error["param"] == ("prompt" if path == "completions" else "messages")
 
 
+def test_a_bad_prompt_of_several_cancels_the_others_at_once(solo):
+    """A completion of several prompts, one of them refused (``""``; a text too long for the context is found only
+    once tokenized, the same way): the server waited for every other prompt to run to its end (here 1,500 tokens)
+    before answering 400. Now the refusal aborts the others at once, and the error names the prompt."""
+    from fastapi.testclient import TestClient
+
+    from trtllm_diffkv.serve.openai_server import create_app
+
+    llm = solo.llm
+    before = llm.stats()
+    with TestClient(create_app(llm, NAME), raise_server_exceptions=False) as http:
+        reply = http.post("/v1/completions", json={"model": NAME, "prompt": ["Once upon a time", ""], "n": 2,
+                                                   "max_tokens": 1500, "ignore_eos": True, "temperature": 1.0})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"] == "'prompt'[1]: empty prompt: at least one character is needed"
+    assert reply.json()["error"]["param"] == "prompt"
+    deadline = time.monotonic() + 30
+    while llm.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = llm.stats()
+    assert after["requests_cancelled"] - before["requests_cancelled"] == 2  # prompt 0's two sequences
+    assert after["requests_finished"] == before["requests_finished"]
+    assert after["free_pages"] == after["pool_pages"]
+
+
 def test_three_thousand_prompts_do_not_stall_health(server, solo):
     prompts = [f"Item {i}: " + "the quick brown fox jumps over the lazy dog " * 5 for i in range(3000)]
     with _HealthProbe(server.base_url) as probe:

@@ -104,13 +104,13 @@ def test_parse_request_maps_inputs_to_sampling_params():
                           "beam_width": _column([1, 1], np.int32)})
     assert [r.prompt for r in rows] == ["Hi", "caf\u00e9"] and all(r.stream for r in rows)
     assert rows[0].sampling_params == SamplingParams(max_tokens=5, temperature=0.5, top_k=3, seed=11,
-                                                     stop=["a", "b"], stop_token_ids=[2])
+                                                     stop=["a", "b"], end_id=2)
     assert rows[1].sampling_params == SamplingParams(max_tokens=7, temperature=0.0, top_k=0, seed=12,
-                                                     stop_token_ids=[9])
+                                                     end_id=9)
     only = parse_request({"text_input": _column([b"x"]), "random_seed": _column([4], np.uint64)})[0]
     assert only.sampling_params == SamplingParams(max_tokens=64, seed=4) and not only.stream
     no_end = parse_request({"text_input": _column([b"x"]), "end_id": _column([-1], np.int32)})[0]
-    assert no_end.sampling_params == SamplingParams(ignore_eos=True)  # TensorRT-LLM's "no end token"
+    assert no_end.sampling_params == SamplingParams(end_id=-1) and no_end.sampling_params.ignore_eos  # no end token
     at_least = parse_request({"text_input": _column([b"x"]), "min_tokens": _column([6], np.int32)})[0]
     assert at_least.sampling_params == SamplingParams(min_tokens=6)  # issue 44: was refused unless 0
 
@@ -129,6 +129,15 @@ def test_parse_request_takes_log_probs_and_penalties():
     cumulative, per_token = log_prob_values([[7, 3], [5]], entries)
     assert cumulative.shape == (2, 1) and per_token.shape == (2, 1, 2) and per_token.dtype == np.float32
     assert cumulative[:, 0].tolist() == [-2.5, 0.0] and per_token[0, 0].tolist() == [-0.5, -2.0]
+
+
+def test_parse_request_passes_end_id_on_so_a_negative_id_other_than_minus_1_is_refused():
+    """TensorRT-LLM's ``end_id`` is a token id or -1 (no end token); -5 was read as -1 and the request ran to
+    ``max_tokens`` ignoring the model's stop ids. The row's params carry ``end_id``, and its check refuses it."""
+    row = parse_request({"text_input": _column([b"x"]), "end_id": _column([-5], np.int32)})[0]
+    assert not row.sampling_params.ignore_eos
+    with pytest.raises(ValueError, match="end_id must be None, -1 .* got -5"):
+        row.sampling_params.validate()
 
 
 @pytest.mark.parametrize("extra, message", [

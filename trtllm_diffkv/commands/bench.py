@@ -200,7 +200,8 @@ def workloads_from_args(args) -> list:
     """The :class:`~trtllm_diffkv.evaluation.throughput.Workload` list the flags describe.
 
     Raises:
-        ValueError: an unknown workload name or a bad size (from :class:`Workload`).
+        ValueError: an unknown workload name, a bad size (from :class:`Workload`), or ``--model`` with
+            ``--smoke``.
     """
     from dataclasses import replace
 
@@ -217,6 +218,9 @@ def workloads_from_args(args) -> list:
     defaults = default_workloads(smoke=args.smoke)
     baselines = parse_baselines(getattr(args, "baselines", ",".join(UNIFORM_BASELINES)))
     model_path = getattr(args, "model", None)
+    if args.smoke and model_path is not None:  # else the run would measure another model than the one named
+        raise ValueError(f"--model is not used with --smoke (it runs a tiny random model): leave out --model "
+                         f"{model_path} or --smoke")
     out = []
     for name in dict.fromkeys(names):
         if name == "file":

@@ -23,7 +23,19 @@ from .common import add_threads_argument, cpu_threads, finite_float
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    """argparse ``type`` of a comma-separated float flag: each value a finite number (:func:`finite_float`: a NaN
+    would drop out of the grid, ``alpha_low <= nan`` being false), at least one value.
+
+    Raises:
+        argparse.ArgumentTypeError: a value that is not a finite number, or no value.
+    """
+    values = [finite_float(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no value")
+    return values
+
+
+_floats.reads_finite_float = True  # a float flag read by finite_float (tests/commands)
 
 
 def _ints(text: str) -> list[int]:

@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import inspect
 import itertools
+import math
 from dataclasses import dataclass
 
 from ..config import DiffKVConfig, TierConfig, get_preset
@@ -110,13 +111,21 @@ def sweep_settings(alpha_high: list[float], alpha_low: list[float], low_tiers: l
     ``base`` (default: the ``default`` preset's other fields).
 
     Raises:
-        ValueError: an unknown low-tier name (listing :data:`LOW_TIERS`), an unknown preset, or a value the
-            config refuses.
+        ValueError: an unknown low-tier name (listing :data:`LOW_TIERS`), an unknown preset, a value the
+            config refuses (NaN included), or no (alpha_high, alpha_low) pair at all: a grid holding the k8v4
+            yardstick alone would be "calibrated" to it without a word.
     """
     base = base or get_preset("default")
     unknown = [t for t in low_tiers if t not in LOW_TIERS]
     if unknown:
         raise ValueError(f"--low-tier {unknown[0]!r}: expected one of {sorted(LOW_TIERS)}")
+    for name, values in (("alpha_high", alpha_high), ("alpha_low", alpha_low)):
+        bad = [v for v in values if not math.isfinite(v)]  # alpha_low <= nan is false: a NaN would drop out below
+        if bad:
+            raise ValueError(f"{name}={bad[0]!r} is not a finite number")
+    if not any(al <= ah for ah in alpha_high for al in alpha_low):
+        raise ValueError(f"the grid holds no setting: every --alpha-low {list(alpha_low)} is above every "
+                         f"--alpha-high {list(alpha_high)} (alpha_low <= alpha_high)")
     settings = {"k8v4": get_preset("k8v4")}
     settings.update({f"preset:{name}": get_preset(name) for name in presets})
     for ah, al, tier, pool in itertools.product(alpha_high, alpha_low, low_tiers, score_pool_tokens):

@@ -21,13 +21,21 @@ def check_prompt_text(prompt) -> str:
     """Check a text prompt: any non-empty ``str``; whitespace alone is a prompt too (OpenAI and vLLM take
     ``" "``; it is at least one token), only ``""`` is empty (edge case 8: no token at all).
 
+    A ``str`` that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which a JSON ``\\ud800`` escape
+    or ``os.fsdecode`` of invalid UTF-8 yields) is refused too: no tokenizer can encode it.
+
     Raises:
-        ValueError: not a ``str``, or empty.
+        ValueError: not a ``str``, empty, or not valid Unicode (naming the character's position).
     """
     if not isinstance(prompt, str):
         raise ValueError(f"a text prompt is a str, got {type(prompt).__name__}")
     if not prompt:
         raise ValueError("empty prompt: at least one character is needed")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"prompt is not valid Unicode text: {exc.reason} at character {exc.start} "
+                         f"({prompt[exc.start]!a})") from None
     return prompt
 
 

@@ -20,6 +20,7 @@ the thread.
 from __future__ import annotations
 
 import itertools
+import numbers
 import queue
 import threading
 import weakref
@@ -285,7 +286,8 @@ class LLM:
         """Generate for one prompt or a batch, in-flight batched; blocks until all finish.
 
         Args:
-            prompts: a ``str``, a list of token ids, or a list of either (a batch).
+            prompts: a ``str``, a list of token ids, or a list of either (a batch). A list of numbers is one
+                prompt (a ``bool`` or ``float`` among them fails it, named), never a batch of numbers.
             sampling_params: ``None`` (greedy, 64 tokens), one
                 :class:`~trtllm_diffkv.runtime.sampling.SamplingParams` for all, or a list (one per prompt).
             chat_template: wrap ``str`` prompts in the tokenizer's chat template.
@@ -300,7 +302,7 @@ class LLM:
         if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 1:  # a 1-D tensor / array: one prompt
             prompts = prompts.tolist()
         single = isinstance(prompts, (str, bytes)) or (isinstance(prompts, (list, tuple)) and bool(prompts)
-                                                       and all(_is_int(t) for t in prompts))
+                                                       and all(isinstance(t, numbers.Number) for t in prompts))
         batch = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(batch):
@@ -575,10 +577,6 @@ class LLM:
         with self._counts_lock:
             for name in names:
                 self._counts[name] += 1
-
-
-def _is_int(value) -> bool:
-    return is_int(value, integral=True)
 
 
 def _valid(params, model_config) -> bool:

@@ -240,6 +240,21 @@ def _check_text(value, param: str) -> None:
             _check_text(item, f"{param}[{index}]")
 
 
+def _body_problem(error: dict, content_type: str | None) -> str:
+    """What is wrong with a request body that is not a JSON object, from pydantic's error on the whole body:
+    empty, not read as JSON (FastAPI parses JSON only under ``Content-Type: application/json``; ``curl -d``
+    sends ``application/x-www-form-urlencoded``), or JSON of another type."""
+    value = error.get("input")
+    if error.get("type") == "missing" or value == b"":
+        return "the request body is empty: send a JSON object"
+    if isinstance(value, (bytes, bytearray)):
+        return ("the request body was not read as JSON: send it with Content-Type: application/json (got "
+                + (repr(content_type) if content_type else "none") + ")")
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+             type(None): "null"}
+    return f"the request body must be a JSON object, got {kinds.get(type(value), type(value).__name__)}"
+
+
 def _sampling_params(body, max_tokens: int):
     from ..runtime.sampling import SamplingParams
 
@@ -370,18 +385,28 @@ def _chat_logprobs(tokenizer, token_ids: list[int], entries, top: int) -> dict:
 
 
 async def _finals(handles, request: Request) -> list:
-    """The final outputs of ``handles`` (non-streaming), with one disconnect watcher for all of them;
-    on a disconnect every handle is aborted and the list holds ``None``."""
-    together = asyncio.gather(*(handle.__anext__() for handle in handles))  # non-streaming: the final output
-    while True:
-        done, _ = await asyncio.wait({together}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return together.result()
-        if await request.is_disconnected():
-            for handle in handles:
-                handle.abort()
-            await together
-            return [None] * len(handles)
+    """The final outputs of ``handles`` (non-streaming; streaming: the first), with one disconnect watcher for all
+    of them; on a disconnect every handle is aborted and the list holds ``None``. One that comes with an error (a
+    refused prompt among several, a failed request) aborts the others at once: the response is that error, so
+    their work would be thrown away (they end ``cancelled`` soon after, freeing their pages)."""
+    tasks = [asyncio.ensure_future(handle.__anext__()) for handle in handles]
+    pending, aborted = set(tasks), False
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            if not aborted and any(task.exception() is not None or task.result().error is not None for task in done):
+                aborted = True
+                for handle in handles:
+                    handle.abort()
+            elif not done and await request.is_disconnected():
+                for handle in handles:
+                    handle.abort()
+                await asyncio.wait(pending)
+                return [None] * len(handles)
+        return [task.result() for task in tasks]
+    finally:
+        for task in pending:  # this coroutine was cancelled (the server stops): leave no task behind
+            task.cancel()
 
 
 def _usage(outputs, dropped_tokens: int = 0, sequences_per_prompt: int = 1) -> dict:
@@ -448,13 +473,15 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES, al
                        receive_timeout_s=receive_timeout_s)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
         if first.get("type") == "json_invalid":  # loc is ("body", <character offset>)
             offset = first.get("loc", (None, None))[-1]
             reason = (first.get("ctx") or {}).get("error", "")
             return _error(f"the request body is not valid JSON ({reason} at character {offset})"
                           if reason else f"the request body is not valid JSON (at character {offset})")
+        if tuple(first.get("loc", ())) == ("body",):  # the whole body: pydantic's words name neither it nor the fix
+            return _error(_body_problem(first, request.headers.get("content-type")))
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), where or None)
 
@@ -546,7 +573,8 @@ def create_app(llm, model_name: str, *, max_body_bytes: int = MAX_BODY_BYTES, al
             finals = await _finals(handles, request)
             for handle in handles:
                 serving_metrics.observe(handle)
-            _raise_first_error(finals, handles, drain)
+            _raise_first_error(finals, handles, drain,
+                               (lambda i: i // len(children)) if len(prompts) > 1 else None)
             choices, k = [], len(children)
             for p, prompt in enumerate(prompts):
                 group = finals[p * k:(p + 1) * k]
@@ -670,7 +698,11 @@ def _chat_prompt_ids(llm, body: ChatCompletionRequest) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
+def _raise_first_error(finals, handles, drain: Drain | None = None, prompt_of=None) -> None:
+    """Raise the :class:`BadRequest` of the first failed output of ``finals`` (after aborting every handle): 499
+    for a client gone, 503 for a shutdown or an LLM that cannot serve, 500 for a server fault, else 400.
+    ``prompt_of``: output index -> prompt index, for a completion of several prompts (a 400 then names
+    ``'prompt'[i]``)."""
     if any(f is None for f in finals):  # the client is gone: nobody reads the answer
         for handle in handles:
             handle.abort()
@@ -679,14 +711,17 @@ def _raise_first_error(finals, handles, drain: Drain | None = None) -> None:
         for handle in handles:
             handle.abort()
         raise BadRequest(f"{SHUTDOWN_MESSAGE}: the request was cancelled before it finished", status=503)
-    for final in finals:
+    for index, final in enumerate(finals):
         if final.error is not None:
             for handle in handles:
                 handle.abort()
             server_side = is_server_fault(final)  # a failed executor step, a shutdown: not the request's fault
             if server_side:
                 LOG.error("request failed in the LLM: %s", final.error)
-            raise BadRequest(final.error, None, 503 if is_unavailable(final) else 500 if server_side else 400)
+            status = 503 if is_unavailable(final) else 500 if server_side else 400
+            if status == 400 and prompt_of is not None:
+                raise BadRequest(f"'prompt'[{prompt_of(index)}]: {final.error}", "prompt")
+            raise BadRequest(final.error, None, status)
 
 
 async def _stream(handles, request: Request, body, meta: dict, chat: bool, drain: Drain, observe, render,

@@ -224,8 +224,7 @@ def parse_request(inputs: dict[str, np.ndarray]) -> list[RowRequest]:
             logprobs=0 if scalars.get("return_log_probs") else None,
             seed=None if seed is None else int(seed),
             stop=_stop_strings(values["stop_words"]) or None if "stop_words" in values else None,
-            stop_token_ids=None if end_id is None or end_id < 0 else [int(end_id)],
-            ignore_eos=end_id is not None and end_id < 0,
+            end_id=None if end_id is None else int(end_id),  # an id, or -1: no end token (SamplingParams' rule)
             min_tokens=int(scalars["min_tokens"]) if "min_tokens" in scalars else None)
         rows.append(RowRequest(_text("text_input", scalars["text_input"]), params, bool(scalars.get("stream", False)),
                                bool(scalars.get("exclude_input_in_output", False)),
