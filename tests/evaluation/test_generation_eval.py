@@ -315,3 +315,32 @@ def test_usage_errors(tiny, tmp_path, capsys):
     assert main(["eval", "--model", str(tiny), "--point", "default,alpha_low=2", "--output", out]) == 2
     assert "alpha_low=2.0 is out of range" in capsys.readouterr().err
     assert not Path(out).exists()
+
+
+def test_a_run_without_output_makes_its_default_folder(tiny, tmp_path, monkeypatch, capsys):
+    """The README's `eval` line (no --output) wrote into ~/.cache/trtllm-diffkv/eval/ and stopped at once when the
+    folder did not exist yet: the default folder is made; a later usage error (the shard) is what is reported."""
+    from trtllm_diffkv.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["eval", "--model", str(tiny), "--shard", "3/2"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" not in err and "shard" in err
+    assert (tmp_path / "cache" / "trtllm-diffkv" / "eval").is_dir()
+
+
+def test_a_point_longer_than_a_heartbeat_is_not_silent(tiny, tokenizer, monkeypatch, capsys):
+    """Every case of a point is submitted at once, so the progress bar moves only at the end; a point that runs
+    longer than a heartbeat prints a line meanwhile (issue 44: no silence over ~10 s)."""
+    import functools
+    import time
+
+    from trtllm_diffkv import progress
+    from trtllm_diffkv.evaluation import generation_eval as E
+
+    monkeypatch.setattr(E, "heartbeat", functools.partial(progress.heartbeat, every_s=0.05))
+    monkeypatch.setattr(E, "run_executor_point", lambda *a, **k: time.sleep(0.3) or [])
+    monkeypatch.setattr(E, "grade_records", lambda cases, got, workers: got)
+    cases = G.build_generation_cases("copy", tokenizer, 1, 200)
+    E.evaluate_generation(None, tokenizer, None, cases, [E.parse_point("k8v4")], model_name="tiny")
+    assert "[eval] ... still running point k8v4 (1 cases)" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..config import (DiffKVConfig, PRESETS, kv_config_from_dict, kv_config_to_dict, resolve_kv_config)
+from ..progress import heartbeat
 from .generation_tasks import GenerationCase, copied_lines
 
 TASK_METRIC = {"copy": "exact", "recall": "pass_at_1"}
@@ -322,7 +323,8 @@ def evaluate_generation(model, tokenizer, model_config, cases: list[GenerationCa
             continue
         t0 = time.perf_counter()
         bar = progress_bar(len(cases), point.name) if progress_bar is not None else NullProgress()
-        with bar:
+        # every case of a point is submitted at once, so the bar moves only near the end: a line every 10 s
+        with bar, heartbeat(f"running point {point.name} ({len(cases)} cases)", prefix="[eval]"):
             kw = dict(model_name=model_name, stop_token_ids=stop_token_ids, progress=lambda: bar.update(1))
             if point.path == "executor":
                 got = run_executor_point(model, tokenizer, model_config, point, cases, kv_memory_bytes=kv_memory_bytes,
