@@ -125,8 +125,6 @@ def _prepare_output(args, client: bool) -> Path:
     output = _output(args, client)
     if args.output:
         check_output_path(output, "--output")
-    else:
-        output.parent.mkdir(parents=True, exist_ok=True)
     return output
 
 

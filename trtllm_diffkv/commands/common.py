@@ -175,10 +175,16 @@ def default_results_path(command: str, file_name: str):
     never replaces committed results (``benchmarks/results/``). Used by ``bench`` and ``eval``.
 
     Returns:
-        a ``pathlib.Path`` (its folder is not created here).
+        a ``pathlib.Path`` whose folder exists (made here: it is ours, unlike an ``--output``'s, which
+        :func:`check_output_path` requires to exist).
+
+    Raises:
+        OSError: the folder cannot be made.
     """
     import os
     from pathlib import Path
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "trtllm-diffkv" / command / file_name
+    folder = cache / "trtllm-diffkv" / command
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / file_name

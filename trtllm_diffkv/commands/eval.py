@@ -171,8 +171,6 @@ def run(args) -> int:
         from .common import default_results_path
 
         args.output = args.plot_from or str(default_results_path("eval", "quality.json"))
-        if not args.plot_from:  # the default folder is ours to make (bench makes its own the same way)
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     output = Path(args.output)
     if args.plot_from:
         try:
