@@ -37,8 +37,8 @@ import random
 import tokenize
 from dataclasses import dataclass, field
 
-from .tasks import EVAL_PROBLEMS, HUMANEVAL_STOP_SEQUENCES, humaneval_problems, run_humaneval_tests, truncate_completion
 from ..validators import is_int
+from .tasks import EVAL_PROBLEMS, HUMANEVAL_STOP_SEQUENCES, humaneval_problems, run_humaneval_tests, truncate_completion
 
 GENERATION_TASKS = ("copy", "recall")
 """Tasks of this module, in the order a run prints them."""

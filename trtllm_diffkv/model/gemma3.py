@@ -51,11 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..validators import is_number
 from .attention_api import AttentionBackend, check_backend_windows
 from .fused import rotate_heads
 from .llama import MLP, Attention, CausalLM, ModelConfig
 from .rope import RotaryEmbedding, apply_rope
-from ..validators import is_number
 
 GEMMA3_ARCHITECTURE = "Gemma3ForCausalLM"
 """HF ``architectures`` name of the text-only Gemma 3 decoder."""

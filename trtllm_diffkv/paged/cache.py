@@ -56,15 +56,15 @@ import torch
 from ..cache.reference import CacheStats
 from ..config import DiffKVConfig
 from ..engine_config import EngineConfig
+from ..kernels import quant_write
 from ..memory import CpuPageManager, KVCachePool, PageFormat
 from ..policy import reachable_tokens
+from ..validators import is_int, positive_int
 from . import decode, prefill, torch_ops
 from .host_inputs import StepInputs
 from .row_meta import RowMetadata, RowMetadataFormat
 from .staging import staging_bytes, staging_fits
 from .step_plan import StepPlan
-from ..validators import is_int, positive_int
-from ..kernels import quant_write
 
 
 class OutOfPagesError(RuntimeError):

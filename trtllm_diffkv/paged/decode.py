@@ -24,11 +24,11 @@ import warnings
 
 import torch
 
+from ..kernels import decision_kernel
+from ..kernels import decode_attention as da
 from . import decisions, torch_ops
 from .gather import token_location
 from .step_plan import DecodeBuffers
-from ..kernels import decision_kernel
-from ..kernels import decode_attention as da
 
 
 def host_inputs(step) -> list[int]:

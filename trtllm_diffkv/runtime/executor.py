@@ -64,18 +64,17 @@ import torch
 from ..engine_config import DEFAULT_MAX_NUM_TOKENS, EngineConfig  # noqa: F401 - DEFAULT_MAX_NUM_TOKENS re-exported
 from ..generation.prompts import check_prompt_ids, position_limit
 from ..generation.results import PagedGenerationResult, result_fields
+from ..kernels.cuda_decode import choose_backend, configured_backend
 from ..model.rotation import model_for_kv_config
 from ..paged.cache import OutOfPagesError
 from ..paged.staging import staging_fits
+from ..validators import optional_boolean
+from .cuda_graphs import DecodeGraphRunner
 from .request import Request, RequestState, RequestUpdate, check_new_request_id
 from .resource_manager import DiffKVResourceManager, ScheduledBatch
 from .sampling import Sampler, SamplingParams, prompt_logprobs
 from .scheduler import Scheduler
 from .stop_checker import StopChecker
-from ..validators import optional_boolean
-from ..kernels.cuda_decode import configured_backend
-from ..kernels.cuda_decode import choose_backend
-from .cuda_graphs import DecodeGraphRunner
 
 
 def prefill_chunk_positions(batch: ScheduledBatch) -> list[tuple[int, int]]:
