@@ -56,7 +56,7 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> tuple[list[int], to
 
     The attention mask is given: without it ``generate`` masks every prompt token equal to ``pad_token_id`` (0)."""
     with torch.no_grad():
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=hf.device)
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                           min_new_tokens=max_new_tokens, do_sample=False)
         tokens = out[0, len(prompt):].tolist()

