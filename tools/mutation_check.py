@@ -139,6 +139,9 @@ REFUSED_STEP_TESTS = ["test_executor.py::test_a_step_the_cache_refuses_fails_its
                       "test_executor.py::test_a_step_refused_for_pages_is_retried_and_loses_nothing"]
 SLIDING_TESTS = ["test_sliding_window.py", "test_model_gemma3.py", "test_sliding_window_engines.py"]
 GEMMA_TESTS = ["test_model_gemma3.py"]
+GGUF_CONVERT = "trtllm_diffkv/model/gguf_convert.py"
+LOADER = "trtllm_diffkv/model/loader.py"
+GGUF_TESTS = ["test_gguf_tokenizer_check.py"]
 
 AREAS = {"policy": "policy", "cache": "reference cache", "quant": "quantizer", "pages": "page manager",
          "runtime": "runtime (scheduler, executor, sampler, stop checks, resource manager)",
@@ -146,7 +149,8 @@ AREAS = {"policy": "policy", "cache": "reference cache", "quant": "quantizer", "
          "kernels": "Triton kernels (decode attention, decision, write, prompt scores; interpreter)",
          "eval": "evaluation baselines and calibration", "parallel": "tensor parallelism (the executor hook)",
          "sliding": "sliding-window layers (Gemma 3) through the caches, kernels and engines",
-         "gemma": "the Gemma 3 decoder"}
+         "gemma": "the Gemma 3 decoder",
+         "gguf": "GGUF conversion (the rebuilt tokenizer's check, converting a stale folder again)"}
 """Areas (``--area``): a mutation's area is its id's first word."""
 
 
@@ -774,6 +778,17 @@ MUTATIONS = [
       [("rope = {False: self.model.rotary_emb(positions, h.dtype), True: self.model.rotary_emb_local(positions, h.dtype)}",
         "rope = {False: self.model.rotary_emb(positions, h.dtype), True: self.model.rotary_emb(positions, h.dtype)}")],
       GEMMA_TESTS),
+    # ------------------------------------------------------------------ GGUF conversion
+    m("gguf-tokenizer-split-word-passes", GGUF_CONVERT, "tokenizer check: a vocabulary word split into pieces passes",
+      [("if whole and not set(whole) & set(ids):", "if whole and not set(whole) | set(ids):")], GGUF_TESTS),
+    m("gguf-tokenizer-missing-bos-passes", GGUF_CONVERT, "tokenizer check: a missing BOS passes",
+      [("if first != [bos]:", "if not first:")], GGUF_TESTS),
+    m("gguf-tokenizer-id-names-unchecked", GGUF_CONVERT, "tokenizer check: ids are not compared with the file's names",
+      [("if not 0 <= i < len(vocab) or vocab[i]", "if not 0 <= i < len(vocab) or name")], GGUF_TESTS),
+    m("gguf-stale-folder-kept", LOADER, "a folder an older converter made is used as it is",
+      [("if made_by >= GGUF_CONVERSION_VERSION:", "if made_by >= 0:")], GGUF_TESTS),
+    m("gguf-failed-reconversion-loses-folder", LOADER, "a failed reconversion does not put the old folder back",
+      [("if not target.exists():\n", "if False:\n")], GGUF_TESTS),
 ]
 
 
