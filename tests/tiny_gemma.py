@@ -54,14 +54,52 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> tuple[list[int], to
     """transformers' greedy continuation of ``prompt`` and the fp32 logits ``[len(prompt) + max_new_tokens - 1,
     vocab]`` of one teacher-forced forward over prompt + continuation (row ``i``: the logits after token ``i``).
 
-    The attention mask is given: without it ``generate`` masks every prompt token equal to ``pad_token_id`` (0)."""
+    The continuation is the argmax of transformers' forward step by step over its own KV cache (the
+    ``DynamicCache`` with sliding-window layers that ``forward`` builds), not ``generate``: ``generate`` runs logits
+    processors, and the tiny model's config names token 1 as EOS, so ``min_new_tokens`` would set token 1's logit
+    to ``-inf`` while our engines (no tokenizer, no stop tokens) may pick it."""
+    import inspect
+
+    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # renamed in 5.x
     with torch.no_grad():
-        ids = torch.tensor([prompt], device=hf.device)
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                          min_new_tokens=max_new_tokens, do_sample=False)
-        tokens = out[0, len(prompt):].tolist()
-        logits = hf(out[:, :-1]).logits[0].float()
+        step_ids, cache, tokens = torch.tensor([prompt], device=hf.device), None, []
+        for _ in range(max_new_tokens):
+            out = hf(step_ids, use_cache=True, **({} if cache is None else {cache_arg: cache}))
+            cache = getattr(out, cache_arg)
+            tokens.append(int(out.logits[0, -1].argmax()))
+            step_ids = torch.tensor([tokens[-1:]], device=hf.device)
+        logits = hf(torch.tensor([prompt + tokens[:-1]], device=hf.device)).logits[0].float()
     return tokens, logits
+
+
+def greedy_margins(logits: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Top-1 minus top-2 logit of each greedy step: ``logits`` from :func:`hf_greedy` ``[prompt_len + steps - 1,
+    vocab]``; returns fp32 ``[steps]`` (logit units, equal to log-probability units)."""
+    top2 = logits[prompt_len - 1:].topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def check_greedy(got: list[int], tokens: list[int], logits: torch.Tensor, prompt_len: int, logprob_tol: float,
+                 label="") -> int:
+    """Assert an engine's greedy ``got`` against :func:`hf_greedy`'s ``(tokens, logits)``; returns the number of
+    leading steps that agree.
+
+    An engine whose log-probabilities are within ``logprob_tol`` of transformers' (fp16 K/V pages round them) may
+    swap transformers' top-2 tokens only where their margin is below ``2 * logprob_tol``; every later step may then
+    differ. So ``got`` must equal ``tokens`` up to its first difference, and there transformers' margin must be
+    below ``2 * logprob_tol`` and ``got`` must hold transformers' second token.
+
+    Raises:
+        AssertionError: naming ``label``, the step, the tokens and the margin."""
+    assert len(got) == len(tokens), (label, len(got), len(tokens))
+    first = next((s for s, (a, b) in enumerate(zip(got, tokens)) if a != b), None)
+    if first is None:
+        return len(got)
+    margin = float(greedy_margins(logits, prompt_len)[first])
+    second = int(logits[prompt_len - 1 + first].topk(2).indices[1])
+    assert margin < 2 * logprob_tol and got[first] == second, (
+        f"{label}: step {first} got {got[first]}, transformers {tokens[first]} (second {second}, margin {margin:.3g})")
+    return first
 
 
 def setup(folder, prompt_lens=(29, 5), decode_steps: int = 12, seed: int = 0):

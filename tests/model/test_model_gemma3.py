@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tiny_checkpoint import write_gguf_tensors  # noqa: E402
-from tiny_gemma import SLIDING_WINDOW, hf_config, save_tiny_gemma3  # noqa: E402
+from tiny_gemma import SLIDING_WINDOW, hf_config, hf_greedy, random_hf_gemma3, save_tiny_gemma3  # noqa: E402
 from trtllm_diffkv.model import DenseCausalAttention, Gemma3Config, Gemma3ForCausalLM, ModelConfig, load_model  # noqa: E402
 from trtllm_diffkv.model.attention_api import causal_attention  # noqa: E402
 
@@ -59,6 +59,24 @@ class _PretendWindows:
 
     def forward(self, layer_idx, q, k, v):
         return causal_attention(q, k, v)
+
+
+def test_hf_greedy_is_the_argmax_of_transformers_forward_even_on_the_eos_id():
+    """The parity tests' reference (``tiny_gemma.hf_greedy``) over a 5-token prompt whose greedy continuation holds
+    token 1, the tiny config's ``eos_token_id``: every token is the argmax of transformers' forward over the whole
+    sequence so far (no cache, no logits processors), and the teacher-forced logits are that forward's."""
+    hf = random_hf_gemma3(seed=0)
+    gen = torch.Generator().manual_seed(7)
+    prompt = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (61, 5)][1]
+    tokens, logits = hf_greedy(hf, prompt, 8)
+    assert hf.config.eos_token_id == 1 and 1 in tokens
+    seq = list(prompt)
+    with torch.no_grad():
+        for step in range(8):
+            row = hf(torch.tensor([seq])).logits[0, -1]
+            assert tokens[step] == int(row.argmax()), step
+            assert torch.allclose(logits[len(seq) - 1], row, atol=1e-5)
+            seq.append(tokens[step])
 
 
 def test_logits_at_selected_indices_and_dtype_moves(tmp_path):

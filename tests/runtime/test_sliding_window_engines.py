@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_gemma import setup  # noqa: E402
+from tiny_gemma import check_greedy, hf_greedy, save_tiny_gemma3, setup  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.generation.reference import ReferenceGenerator  # noqa: E402
@@ -124,3 +124,42 @@ def test_pages_conserved_after_finish_and_abort(gemma, preset):
     n = len(prompts[0]) + STEPS - 1
     assert result.fp16_kv_cache_bytes == config.num_kv_heads * (2 * n + 2 * 8) * 2 * config.head_dim * 2
     assert result.kv_cache_bytes < result.fp16_kv_cache_bytes
+
+
+GPU_SHAPE_PROMPT_LENS = (61, 5, 23, 130)
+GPU_SHAPE_STEPS = 24
+LOGPROB_TOL = 2e-3
+"""fp16 pages round K/V: greedy logprobs measured within 1.2e-3 of transformers' (fp32) on these prompts, top-2
+margins within 2e-3; the tiny model's own top-2 margins go down to 2.4e-3 here (:func:`tiny_gemma.check_greedy`)."""
+
+
+def test_executor_at_the_gpu_tests_shape_equals_transformers(tmp_path):
+    """The CPU twin of ``test_sliding_window_gpu.py``'s executor test (same model seed, prompts and engine limits;
+    torch kernels, no CUDA graphs; decodes and prompts split, overlap on): the 130-token prompt prefills in 64-token
+    chunks across window boundaries beside decoding requests, the 5-token one decodes across the window, and it
+    picks token 1 (the config's EOS id, not a stop token without a tokenizer) at step 5, which transformers'
+    ``generate(min_new_tokens=...)`` would have masked. Greedy tokens: :func:`tiny_gemma.check_greedy`; logprobs of a
+    second run within ``LOGPROB_TOL`` up to the first difference."""
+    hf = save_tiny_gemma3(tmp_path, seed=0)
+    from trtllm_diffkv.model import load_model
+
+    model, _, config = load_model(tmp_path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in GPU_SHAPE_PROMPT_LENS]
+    refs = [hf_greedy(hf, p, GPU_SHAPE_STEPS) for p in prompts]
+    assert 1 in refs[1][0]  # the EOS id is a greedy token of the short prompt
+    engine = EngineConfig(max_batch_size=8, max_seq_len=256, max_num_tokens=64, kv_memory_bytes=64 << 20,
+                          use_triton=False, split_mixed_steps=True, disable_overlap_scheduler=False)
+    for logprobs in (None, 2):  # None: decode-only steps overlap; 2: every step read before the next
+        ex = Executor(model, config, get_preset("fp16"), engine)
+        params = SamplingParams(max_tokens=GPU_SHAPE_STEPS, temperature=0.0, logprobs=logprobs)
+        got = _run(ex, {0: [(i, p, params) for i, p in enumerate(prompts)]})
+        if logprobs is None:
+            assert ex.stats()["overlapped_steps"] > 0
+        for i, (tokens, update, entries) in got.items():
+            want_tokens, want_logits = refs[i]
+            agree = check_greedy(tokens, want_tokens, want_logits, len(prompts[i]), LOGPROB_TOL, f"prompt {i}")
+            logp = torch.log_softmax(want_logits[len(prompts[i]) - 1:], -1)
+            for step, entry in enumerate(entries[:agree]):
+                for token, lp in entry.items():
+                    assert abs(lp.logprob - float(logp[step, token])) < LOGPROB_TOL, (i, step, token)
