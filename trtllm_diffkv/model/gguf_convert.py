@@ -151,11 +151,14 @@ def check_gguf_tokenizer(tokenizer, gguf: str | os.PathLike) -> None:
 
     * every id the tokenizer gives is a token of the file's vocabulary, named the same (a space and U+2581,
       SentencePiece's space mark, count as the same);
-    * a word of the prose probe (after its first) that is one token of the vocabulary (``▁word`` or
-      ``Ġword``) is encoded as that token (in code, an indent token may take the space instead);
-    * decoding the ids gives the probe back, where the vocabulary can spell each of its characters (as itself,
+    * a word of the prose probe (after its first, between spaces, without punctuation: a SentencePiece
+      vocabulary's merges may read ``result.`` otherwise) that is one token of the vocabulary (``▁word`` or
+      ``Ġword``) is encoded as that token;
+    * decoding the ids gives the probe back (or with one leading space, as SentencePiece's legacy decoders
+      give it), where the vocabulary can spell each of its characters (as itself,
       U+2581 for a space, GPT-2's byte symbol or a ``<0xNN>`` byte token; a toy vocabulary may not);
-    * where the file adds a BOS, the tokenizer's encoding starts with it.
+    * where the file adds a BOS (``add_bos_token``; absent, llama.cpp adds one to a SentencePiece vocabulary),
+      the tokenizer's encoding starts with it.
 
     Args:
         tokenizer: a transformers tokenizer (``__call__``, ``convert_ids_to_tokens``, ``decode``).
@@ -183,21 +186,32 @@ def check_gguf_tokenizer(tokenizer, gguf: str | os.PathLike) -> None:
             if not 0 <= i < len(vocab) or vocab[i].replace(" ", "\u2581") != name.replace(" ", "\u2581"):
                 raise ValueError(f"{where}: id {i} is {name!r} for the tokenizer but "
                                  f"{vocab[i] if 0 <= i < len(vocab) else 'out of range'!r} in the file; {fix}")
-        words = re.findall(r"[A-Za-z]+", probe)[1:] if probe is TOKENIZER_PROBES[0] else []  # prose: one space
-        for word in dict.fromkeys(words):
+        for word in dict.fromkeys(_spaced_words(probe) if probe is TOKENIZER_PROBES[0] else []):
             whole = [token_ids[t] for t in ("\u2581" + word, "\u0120" + word) if t in token_ids]
             if whole and not set(whole) & set(ids):
                 raise ValueError(f"{where}: {word!r} is one token of the file's vocabulary (id {whole[0]}) but the "
                                  f"tokenizer splits {probe!r} into {names}; {fix}")
-        decoded = tokenizer.decode(ids)
-        if _spells(token_ids, probe) and decoded != probe:
+        decoded = tokenizer.decode(ids)  # SentencePiece's legacy decoders keep the prefix space: the ids are right
+        if _spells(token_ids, probe) and decoded not in (probe, " " + probe):
             raise ValueError(f"{where}: {probe!r} decodes back as {decoded!r}; {fix}")
     bos = meta.fields.get("tokenizer.ggml.bos_token_id")
-    if meta.fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    # llama.cpp adds BOS to a SentencePiece ("llama") vocabulary whose file does not say otherwise
+    add_bos = meta.fields.get("tokenizer.ggml.add_bos_token", meta.fields.get("tokenizer.ggml.model") == "llama")
+    if add_bos and bos is not None:
         first = list(tokenizer(TOKENIZER_PROBES[0])["input_ids"])[:1]
         if first != [bos]:
             raise ValueError(f"{where}: the file adds BOS (id {bos}) before every text but the tokenizer starts "
                              f"with {first}; {fix}")
+
+
+def _spaced_words(text: str) -> list[str]:
+    """The words of ``text`` after its first that stand between spaces, with no punctuation attached.
+
+    Only these are sure to be read as their one vocabulary token where there is one: a SentencePiece
+    vocabulary does not split punctuation off, and its merges may spell ``result.`` as ``▁res`` ``ult.``
+    although ``▁result`` is a token.
+    """
+    return [word for word in text.split(" ")[1:] if re.fullmatch(r"[A-Za-z]+", word)]
 
 
 def _byte_symbols() -> dict[int, str]:
