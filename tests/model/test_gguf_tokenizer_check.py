@@ -165,3 +165,36 @@ def test_a_failed_reconversion_puts_the_old_folder_back(stale_default_folder, mo
         loader.default_model_path()
     assert json.loads((stale_default_folder / loader.SOURCE_FILE).read_text()) == {"conversion_version": 2}
     assert [p.name for p in stale_default_folder.parent.iterdir()] == [stale_default_folder.name]
+
+
+def _current(target) -> None:
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / loader.SOURCE_FILE).write_text(json.dumps({"conversion_version": loader.GGUF_CONVERSION_VERSION}))
+
+
+def test_a_process_that_finds_the_old_folder_moved_aside_by_another_converts(stale_default_folder, monkeypatch):
+    """Two processes see the old folder; the other renames it aside first, so ours finds nothing to move."""
+    rename, calls = loader.os.rename, []
+
+    def rename_after_the_other(src, dst):
+        if src == stale_default_folder and not calls:
+            loader.shutil.rmtree(stale_default_folder)  # the other process's rename aside, just before ours
+        return rename(src, dst)
+
+    monkeypatch.setattr(loader.os, "rename", rename_after_the_other)
+    monkeypatch.setattr(loader, "convert_gguf", lambda gguf_file, target, name=None: (calls.append(target),
+                                                                                        _current(target)))
+    assert loader.default_model_path() == stale_default_folder
+    assert calls == [stale_default_folder]
+    assert [p.name for p in stale_default_folder.parent.iterdir()] == [stale_default_folder.name]
+
+
+def test_an_old_folder_in_a_read_only_cache_is_refused_by_name(stale_default_folder, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(loader.tempfile, "mkdtemp", read_only)
+    with pytest.raises(PermissionError, match=f"read-only.*{loader.CACHE_ENV}"):
+        loader.default_model_path()
+    assert (stale_default_folder / "config.json").is_file()

@@ -307,8 +307,17 @@ def packaged_model_path(name: str) -> Path:
             return target
         log(f"{target} was converted by an older converter (version {made_by}, now {GGUF_CONVERSION_VERSION}); "
             f"converting it again")
-        stale = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.stale-", dir=target.parent))
-        os.rename(target, stale / "model")
+        try:
+            stale = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.stale-", dir=target.parent))
+        except PermissionError:
+            raise PermissionError(f"{target} was converted by an older converter and must be converted again, but "
+                                  f"{target.parent} is read-only; make it writable, or point {CACHE_ENV} at a "
+                                  f"writable folder") from None
+        try:
+            os.rename(target, stale / "model")
+        except FileNotFoundError:  # another process moved it aside first: its conversion or ours publishes
+            shutil.rmtree(stale, ignore_errors=True)
+            return packaged_model_path(name)
         try:
             return packaged_model_path(name)
         except BaseException:
