@@ -363,11 +363,9 @@ def _packaged_module(spec: PackagedModel):
 
 
 def _conversion_version(folder: Path) -> int:
-    """``conversion_version`` of a converted folder's source file (0: none recorded, or unreadable)."""
-    try:
-        return int(json.loads((folder / SOURCE_FILE).read_text()).get("conversion_version", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
+    """``conversion_version`` of a converted folder's source file (0: none recorded, or not an integer)."""
+    version = (_read_json(folder / SOURCE_FILE) or {}).get("conversion_version", 0)
+    return version if is_int(version) else 0
 
 
 def packaged_gguf_path(spec: PackagedModel) -> Path:
