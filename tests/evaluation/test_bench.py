@@ -229,3 +229,29 @@ def test_the_profile_flag_reaches_the_details(tmp_path):
     details = json.loads(out.with_name("t_details.json").read_text())
     assert [d["profile"] for d in details] == [True]
     assert [d["cuda_graphs"] for d in details] == [False]  # what ran: the CPU is always eager
+
+
+def test_the_warm_up_pass_runs_every_request_of_the_measured_run(monkeypatch):
+    """The warm-up pass submits the measured run's requests with the same sampling parameters, on an executor of
+    its own, so that every kernel shape the run meets is compiled before the clock starts (a 2-request, 4-token
+    warm-up left a cold Triton cache compiling inside the run: 8,595 vs 17,231 tok/s, H100)."""
+    from trtllm_diffkv.evaluation import throughput
+
+    workload = default_workloads(smoke=True)["a"]
+    model, tokenizer = throughput.load_bench_model(workload.model, torch.device("cpu"))
+    prompts, _ = throughput.make_prompts(workload, tokenizer, model.config.vocab_size)
+    passes, real_drive = [], throughput._drive
+
+    def recording_drive(executor, prompts_, params, arrivals, on_finish):
+        passes.append((executor, list(prompts_), params))
+        return real_drive(executor, prompts_, params, arrivals, on_finish)
+
+    monkeypatch.setattr(throughput, "_drive", recording_drive)
+    output_tokens = [workload.output_tokens - (i % 3) for i in range(len(prompts))]
+    result = throughput.measure(model, tokenizer, workload, "fp16", prompts, cuda_graphs=False,
+                                output_tokens=output_tokens)
+    assert len(passes) == 2 and passes[0][0] is not passes[1][0]  # warm-up, then the measured run, two executors
+    (_, warm_prompts, warm_params), (_, run_prompts, run_params) = passes
+    assert warm_prompts == run_prompts == prompts
+    assert [p.max_tokens for p in warm_params] == [p.max_tokens for p in run_params] == output_tokens
+    assert result.details["output_tokens"] == sum(output_tokens)
