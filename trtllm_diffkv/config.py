@@ -314,6 +314,11 @@ class DiffKVConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def same_configuration(self, other: "DiffKVConfig") -> bool:
+        """Whether ``other`` is this configuration under another name (every field but ``name`` equal): how the
+        ``default`` preset is told from the named point it currently is."""
+        return dataclasses.replace(self, name=other.name) == other
+
     def sliding_window_of(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (:class:`LayerSettings`), ``None`` for full attention
         (and for every layer when :attr:`layers` is empty)."""
