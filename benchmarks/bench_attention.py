@@ -88,7 +88,7 @@ def check_small_on_gpu(backend: str | None = None) -> None:
     """Kernels against the float64 reference on small caches of every preset format (raises on mismatch)."""
     from trtllm_diffkv.config import PRESETS
 
-    for preset, dtype in (("default", torch.float16), ("k8v4", torch.bfloat16), ("fp16", torch.float16)):
+    for preset, dtype in (("diffkv", torch.float16), ("k8v4", torch.bfloat16), ("fp16", torch.float16)):
         if backend == "cuda" and preset == "fp16":
             continue  # 16-bit tiers run on the Triton kernel
         cfg = PRESETS[preset]

@@ -1,7 +1,8 @@
 """What a step with a prompt chunk costs next to an unchunked prefill and a decode-only step (issue 22).
 
 Random-weight bf16 models (:func:`trtllm_diffkv.evaluation.throughput.random_llama`), random prompt ids, the
-``default`` preset, the GPU executor (Triton kernels, CUDA-graph decode). Two measurements per model shape:
+``diffkv`` preset (the tiered point), the GPU executor (Triton kernels, CUDA-graph decode). Two measurements per
+model shape:
 
 * **isolated steps**: ``--batch`` - 1 requests decoding at ``--context`` tokens, then, repeated, one prompt
   added and the steps until its first token timed (``torch.cuda.synchronize`` around each
@@ -62,7 +63,7 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
 def _executor(model, config, device, *, batch, max_num_tokens, chunked, split, max_seq_len=8192,
               use_cuda_graphs=None):
     kw = dict(kv_memory_fraction=0.5) if device.type == "cuda" else dict(kv_memory_bytes=64 << 20)
-    return Executor(model, config, get_preset("default"),
+    return Executor(model, config, get_preset("diffkv"),
                     EngineConfig(max_batch_size=batch, max_num_tokens=max_num_tokens, enable_chunked_prefill=chunked,
                                  max_seq_len=max_seq_len, use_cuda_graphs=use_cuda_graphs, split_mixed_steps=split, **kw))
 

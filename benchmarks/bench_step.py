@@ -80,11 +80,11 @@ class StepShape:
 
 def default_shapes(smoke: bool = False) -> list[StepShape]:
     """The issue's points: Llama-3-8B shape at 16/64 x 1024 and 16/48 x 4096 (``llama3-8b``), the default
-    model's shape at 64 x 1024 (``default``); ``smoke``: a 2-layer model at 2 x 24 and 3 x 40 (CPU)."""
+    model's shape at 64 x 1024 (``diffkv``, the tiered point); ``smoke``: a 2-layer model at 2 x 24 and 3 x 40 (CPU)."""
     if smoke:
-        return [StepShape("tiny", TINY_SHAPE, "default", ((2, 24), (3, 40)))]
+        return [StepShape("tiny", TINY_SHAPE, "diffkv", ((2, 24), (3, 40)))]
     return [StepShape("llama3-8b", LLAMA3_8B_SHAPE, "llama3-8b", ((16, 1024), (64, 1024), (16, 4096), (48, 4096))),
-            StepShape("smollm2-135m", SMOLLM2_135M_SHAPE, "default", ((64, 1024),))]
+            StepShape("smollm2-135m", SMOLLM2_135M_SHAPE, "diffkv", ((64, 1024),))]
 
 
 # --------------------------------------------------------------------------------------- timing

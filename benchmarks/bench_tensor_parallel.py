@@ -83,7 +83,7 @@ def rank_run(group, shape: dict, preset: str, batch: int, prompt_tokens: int, ma
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run (default: 1,2)")
-    p.add_argument("--preset", default="llama3-8b", help="DiffKV preset (default: llama3-8b; the smoke: default)")
+    p.add_argument("--preset", default="llama3-8b", help="DiffKV preset (default: llama3-8b; the smoke: diffkv)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     shape, device, bytes_, fraction = LLAMA3_8B_SHAPE, "cuda", None, args.kv_memory_fraction
     if args.smoke:
         shape, device, bytes_, fraction = TINY_SHAPE, "cpu", 16 << 20, None
-        args.preset, args.batch, args.prompt_tokens, args.max_tokens = "default", 4, 32, 16
+        args.preset, args.batch, args.prompt_tokens, args.max_tokens = "diffkv", 4, 32, 16
     rows = []
     for tp in (int(t) for t in args.tp.split(",")):
         ranks = run_ranks(rank_run, tp, shape, args.preset, args.batch, args.prompt_tokens, args.max_tokens,

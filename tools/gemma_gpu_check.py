@@ -21,7 +21,7 @@ fp16 in the pages) and the first 32 generated tokens equal. The DiffKV presets a
 Usage (repository root; the package on PYTHONPATH, e.g. after ``bash tools/gpu_carry.sh split --gemma`` here and
 ``source tools/gpu_carry.sh assemble`` on the device)::
 
-    python3 tools/gemma_gpu_check.py --out $OUT/gemma_check.json [--presets fp16,k8v4,k8v8,default] [--new-tokens 64]
+    python3 tools/gemma_gpu_check.py --out $OUT/gemma_check.json [--presets fp16,k8v4,k8v8,diffkv] [--new-tokens 64]
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def run_preset(preset: str, prompt: list[int], new_tokens: int, device: str, kv_
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--presets", default="fp16,k8v4,k8v8,default")
+    parser.add_argument("--presets", default="fp16,k8v4,k8v8,diffkv")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda", help="cuda (the check); cpu only tries the plumbing (slow)")

@@ -23,8 +23,8 @@
 # limit keeps every point it finished; the merge pairs points only on the cases both ran.
 # Example (n = 160 per task, 8 points, one call per model):
 #   source tools/gpu_carry.sh assemble && DIFFKV_COMMIT=abc1234 bash tools/quality_gpu.sh $OUT gemma3-270m \
-#     fp16,k8v8,k8v4,default,default-k8v2,default-unrotated --num-cases 160 --point 'default,alpha_high=0.5' \
-#     --point 'default,score_pool_tokens=5'
+#     fp16,k8v8,k8v4,diffkv,default-k8v2,default-unrotated --num-cases 160 --point 'diffkv,alpha_high=0.5' \
+#     --point 'diffkv,score_pool_tokens=5'
 set -u -o pipefail
 [ $# -ge 3 ] || { sed -n '2,20p' "$0" >&2; exit 2; }
 out=$1 model=$2 points=$3

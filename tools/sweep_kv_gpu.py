@@ -43,7 +43,7 @@ DECIDE_VARIANTS = ((1, 128, 4), (1, 256, 4), (1, 256, 8), (1, 512, 8), (2, 256, 
 SMOLLM2_SHAPE = ("smollm2-135m", 64, 9, 3, 64, 1024)
 WRITE_WARPS = (4, 1, 2, 8)
 """Warps a program of the write sweep (the first is the bit-equality baseline)."""
-WRITE_POINTS = (("llama3-8b", 384, 128), ("fp16", 384, 128), ("default", 192, 64))
+WRITE_POINTS = (("llama3-8b", 384, 128), ("fp16", 384, 128), ("diffkv", 192, 64))
 """(preset, rows a launch, head_dim): Llama-3-8B 48 sequences x 8 KV heads, SmolLM2's 64 x 3."""
 
 

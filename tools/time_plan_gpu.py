@@ -2,7 +2,7 @@
 
 Model: the default model's shape (SmolLM2-135M: hidden 576, 9/3 heads, head_dim 64, intermediate
 1536, vocab 49152) with ``--layers`` layers (30) and random weights (q/k scaled so attention is
-peaked and the tiers split), fp16, preset ``--preset`` (default). For each batch in ``--batches``
+peaked and the tiers split), fp16, preset ``--preset`` (``diffkv``, the tiered point). For each batch in ``--batches``
 (16 and 64 requests) of ``--context``-token prompts (1024), prefilled in chunks, then per mode:
 
 * ``plan_torch``: ``plan()`` with the decisions in torch (``paged.decisions.decide``, the path
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per mode")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--preset", default="default")
+    p.add_argument("--preset", default="diffkv")
     p.add_argument("--prefill-chunk", type=int, default=8, help="requests per prefill step")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/time_plan.json)")
     p.add_argument("--device", default="cuda", help="cpu (with TRITON_INTERPRET=1, tiny sizes): a smoke run "

@@ -15,7 +15,7 @@ policy (paper section 4; ``shared/reference/DiffKV.md``, "Policy details"):
   prompt tokens, as the authors' implementation does;
 * low-tier key treatments beyond the paper: ``key_rotation`` (a randomized
   Hadamard transform per KV head, :mod:`trtllm_diffkv.model.rotation`; on in
-  ``default``) and ``score_pool_tokens`` (SnapKV-style max-pooling of the
+  ``diffkv``, the tiered preset) and ``score_pool_tokens`` (SnapKV-style max-pooling of the
   prompt scores);
 * ``layers``: per-layer settings (:class:`LayerSettings`), today the sliding
   window of a model's sliding-window attention layers (Gemma 3); filled from
@@ -230,7 +230,7 @@ class DiffKVConfig:
             (:mod:`trtllm_diffkv.model.rotation`; QuaRot, arXiv:2404.00456).
             ``q . k`` and the attention output are unchanged, so are the tier
             scores; key outlier channels are spread over all channels before
-            quantization. Not in the paper; on in the ``default`` preset
+            quantization. Not in the paper; on in the ``diffkv`` preset
             (docs/QUALITY.md "Choosing the default"). Needs head_dim in
             :data:`ROTATION_HEAD_DIMS` (every supported head_dim).
         rotation_seed: seed of the rotation's random signs, in [0, 2**31 - 1].
@@ -313,6 +313,11 @@ class DiffKVConfig:
     def replace(self, **changes) -> "DiffKVConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def same_configuration(self, other: "DiffKVConfig") -> bool:
+        """Whether ``other`` is this configuration under another name (every field but ``name`` equal): how the
+        ``default`` preset is told from the named point it currently is."""
+        return dataclasses.replace(self, name=other.name) == other
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` (:class:`LayerSettings`), ``None`` for full attention
@@ -436,15 +441,19 @@ PRESETS: dict[str, DiffKVConfig] = {
 # Calibrated on the default model (SmolLM2-135M-Instruct) with examples/calibrate_thresholds.py over
 # HumanEval problems 100-123 (docs/CALIBRATION.md): pruning at any alpha_low > 0 broke greedy agreement.
 PRESETS["smollm2-135m"] = _preset("smollm2-135m", alpha_low=0.0, alpha_high=1.0)
-# `default`: those thresholds with the keys rotated (key_rotation="hadamard"), the point docs/QUALITY.md's rule
-# picks from the quality-vs-memory harness ("Choosing the default"); `default-unrotated` is the previous default,
-# `default-rotated` the name the measurements used (the same configuration as `default`).
+# `diffkv`: the tiered DiffKV point (K8V4 high / K4V2 low, alpha_high 1.0, alpha_low 0.0: those thresholds) with
+# the keys rotated (key_rotation="hadamard"). Code and tests that mean "the tiered point" name `diffkv`.
+# `default-unrotated` is the previous default, `default-rotated` the name the measurements used (the same
+# configuration as `diffkv`).
 PRESETS["default-unrotated"] = PRESETS["smollm2-135m"].replace(name="default-unrotated")
-PRESETS["default"] = PRESETS["smollm2-135m"].replace(name="default", key_rotation="hadamard")
-PRESETS["default-rotated"] = PRESETS["default"].replace(name="default-rotated")
+PRESETS["diffkv"] = PRESETS["smollm2-135m"].replace(name="diffkv", key_rotation="hadamard")
+PRESETS["default-rotated"] = PRESETS["diffkv"].replace(name="default-rotated")
+# `default`: the point docs/QUALITY.md's rule ("Choosing the default") picks from the quality-vs-memory harness,
+# what every surface runs when the user names no kv-config. Today that is the tiered point `diffkv`.
+PRESETS["default"] = PRESETS["diffkv"].replace(name="default")
 # The paper's rules as its text states them (section 4.2): alpha / i in the prompt phase, no key centering,
 # the Llama3-8B thresholds (alpha_low 0.02, alpha_high 1). docs/CALIBRATION.md lists each departure of
-# `default` from it with its measured effect.
+# `diffkv` from it with its measured effect.
 PRESETS["paper"] = _preset("paper", alpha_low=0.02, alpha_high=1.0, prompt_threshold_base="position",
                            center_keys=False)
 # Low-tier variant of `default-unrotated` (issue 18 section 3; docs/CALIBRATION.md "Low-tier formats").

@@ -37,6 +37,8 @@ def test_sweep_settings_grid_and_errors():
     cfg = s["ah=2 al=1.5 low=rotated-k4v2 pool=5"]
     assert (cfg.alpha_high, cfg.alpha_low, cfg.low.name, cfg.key_rotation, cfg.score_pool_tokens) == \
         (2.0, 1.5, "K4V2", "hadamard", 5)
+    # every other field is the tiered point's (diffkv), whatever the default preset is
+    assert cfg.same_configuration(get_preset("diffkv").replace(alpha_high=2.0, alpha_low=1.5, score_pool_tokens=5))
     with pytest.raises(ValueError, match="--low-tier 'k2v2'"):
         cal.sweep_settings([1.0], [0.0], ["k2v2"], [1])
     assert cal.sweep_settings([1.0], [0.0], ["k4v2"], [1], presets=("paper",))["preset:paper"] is get_preset("paper")

@@ -38,12 +38,35 @@ def test_tier_defaults_follow_authors_groups():
 
 
 def test_presets():
-    assert {"default", "fp16", "llama3-8b", "llama3-70b", "qwen2.5-7b", "qwen2.5-32b", "qwq-32b"} <= PRESETS.keys()
+    assert {"default", "diffkv", "fp16", "llama3-8b", "llama3-70b", "qwen2.5-7b", "qwen2.5-32b", "qwq-32b"} <= \
+        PRESETS.keys()
     assert (get_preset("llama3-8b").alpha_low, get_preset("llama3-8b").alpha_high) == (0.02, 1.0)
     assert get_preset("qwen2.5-7b").alpha_low == get_preset("qwen2.5-7b").alpha_high == 0.04
     assert not get_preset("fp16").compress
     with pytest.raises(ValueError, match="known presets"):
         get_preset("llama9")
+
+
+def _unnamed(cfg: DiffKVConfig) -> DiffKVConfig:
+    return cfg.replace(name="-")
+
+
+def test_diffkv_is_the_tiered_point():
+    """``diffkv`` names the tiered DiffKV point (K8V4 high / K4V2 low, Hadamard keys, alpha_high 1, alpha_low 0)
+    whatever ``default`` is; ``default-rotated`` is its old name for the measurements."""
+    cfg = get_preset("diffkv")
+    assert (cfg.name, cfg.high, cfg.low, cfg.alpha_high, cfg.alpha_low, cfg.key_rotation) == \
+        ("diffkv", TierConfig(8, 4), TierConfig(4, 2), 1.0, 0.0, "hadamard")
+    assert cfg.tiered and cfg.compress
+    assert _unnamed(cfg) == _unnamed(get_preset("default-unrotated").replace(key_rotation="hadamard"))
+    assert _unnamed(get_preset("default-rotated")) == _unnamed(cfg)
+
+
+def test_default_is_another_named_point():
+    """``default`` is docs/QUALITY.md's pick among the named points, not a configuration of its own."""
+    default = _unnamed(get_preset("default"))
+    assert get_preset("default").name == "default"
+    assert any(_unnamed(cfg) == default for name, cfg in PRESETS.items() if name not in ("default", "default-rotated"))
 
 
 def test_validate_for_model_refuses_at_configuration_time():
@@ -83,12 +106,12 @@ def test_only_presets_that_tier_tokens_keep_token_metadata():
     """Uniform formats (alpha_high == alpha_low == 0) store what a uniform INT8/INT4 cache stores: codes and one fp16
     scale and zero per group, no fp32 score or int32 position per token."""
     d = 64
-    k8v4, k8v8, default, fp16 = (get_preset(n) for n in ("k8v4", "k8v8", "default", "fp16"))
-    assert (k8v4.tiered, k8v8.tiered, default.tiered, fp16.tiered) == (False, False, True, False)
+    k8v4, k8v8, diffkv, fp16 = (get_preset(n) for n in ("k8v4", "k8v8", "diffkv", "fp16"))
+    assert (k8v4.tiered, k8v8.tiered, diffkv.tiered, fp16.tiered) == (False, False, True, False)
     # K8: 64 code bytes + one group's scale and zero (4 bytes); V4: 32 code bytes + two groups (8 bytes)
     assert k8v4.token_bytes("high", d) == 64 + 4 + 32 + 8
     assert k8v8.token_bytes("high", d) == 64 + 4 + 64 + 4
     # tiered: the same codes plus the fp32 score and int32 position of every token
-    assert default.token_bytes("high", d) == 64 + 4 + 32 + 8 + 4 + 4
+    assert diffkv.token_bytes("high", d) == 64 + 4 + 32 + 8 + 4 + 4
     assert fp16.token_bytes("high", d) == 2 * d * 2
     assert k8v4.replace(alpha_high=0.5).tiered and k8v4.replace(alpha_high=0.5).token_bytes("high", d) == 116

@@ -79,7 +79,7 @@ def test_uniform_formats_run_beside_the_preset_by_default(smoke):
     result, _, _ = smoke
     closed = [r for r in result["rows"] if r["request_rate"] is None]
     assert [(r["workload"], r["preset"]) for r in closed] == [
-        ("a", "default"), ("a", "k8v4"), ("a", "k8v8"), ("a", "fp16"),
+        ("a", "diffkv"), ("a", "k8v4"), ("a", "k8v8"), ("a", "fp16"),
         ("b", "llama3-8b"), ("b", "k8v4"), ("b", "k8v8"), ("b", "fp16")]
     for workload in ("a", "b"):
         mine = {r["preset"]: r for r in closed if r["workload"] == workload}
@@ -88,7 +88,7 @@ def test_uniform_formats_run_beside_the_preset_by_default(smoke):
             token_bytes = get_preset(preset).token_bytes("high", 64)
             assert token_bytes / 256 < mine[preset]["kv_memory_fraction"] < (token_bytes + 128 / 40) / 256
         assert mine["k8v8"]["kv_memory_fraction"] > mine["k8v4"]["kv_memory_fraction"]
-    assert {r["preset"] for r in result["rows"] if r["workload"] == "c"} == {"default", "fp16"}
+    assert {r["preset"] for r in result["rows"] if r["workload"] == "c"} == {"diffkv", "fp16"}
     table = bench.format_table(result["rows"]).splitlines()
     k8v8 = next(line for line in table if line.startswith("| a | k8v8 |")).split(" | ")
     a = {r["preset"]: r for r in closed if r["workload"] == "a"}
@@ -99,7 +99,7 @@ def test_uniform_formats_run_beside_the_preset_by_default(smoke):
 def test_diffkv_runs_more_requests_per_step_at_equal_budget(smoke):
     result, _, _ = smoke
     by = {(r["workload"], r["preset"]): r for r in result["rows"] if r["request_rate"] is None}
-    for workload, preset in (("a", "default"), ("b", "llama3-8b")):
+    for workload, preset in (("a", "diffkv"), ("b", "llama3-8b")):
         assert by[(workload, preset)]["kv_memory_bytes"] == by[(workload, "fp16")]["kv_memory_bytes"]
         assert by[(workload, preset)]["mean_batch_size"] > by[(workload, "fp16")]["mean_batch_size"]
 
@@ -108,7 +108,7 @@ def test_png_and_table(smoke, tmp_path, capsys):
     result, _, out = smoke
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = bench.format_table(result["rows"]).splitlines()
-    assert len(table) == 2 + len(result["rows"]) and table[2].startswith("| a | default |")
+    assert len(table) == 2 + len(result["rows"]) and table[2].startswith("| a | diffkv |")
     again = tmp_path / "replot.json"
     assert _run_cli(["--plot-from", str(out), "--output", str(again)]) == 0
     assert again.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not again.exists()
@@ -135,7 +135,7 @@ def test_default_budget_holds_exactly_the_fp16_capacity(capacity, tokens):
     from trtllm_diffkv.runtime.resource_manager import DiffKVResourceManager
 
     config = _tiny_config()
-    w = Workload("a", "tiny-random", ("default", "fp16"), tokens // 2, tokens - tokens // 2, num_requests=4,
+    w = Workload("a", "tiny-random", ("diffkv", "fp16"), tokens // 2, tokens - tokens // 2, num_requests=4,
                  fp16_capacity=capacity, max_batch_size=8)
     budget = budget_bytes(w, config)
     rows, pages_per_row = config.num_layers * config.num_kv_heads, -(-tokens // 32) + 2
@@ -144,7 +144,7 @@ def test_default_budget_holds_exactly_the_fp16_capacity(capacity, tokens):
     assert pool.get_max_resource_count() == capacity * rows * pages_per_row
     smaller = DiffKVResourceManager(config, get_preset("fp16"), EngineConfig(kv_memory_bytes=budget - 1, **sizes))
     assert smaller.get_max_resource_count() == capacity * rows * pages_per_row - 1
-    fixed = Workload("a", "tiny-random", ("default", "fp16"), 8, 8, 1, 1, kv_memory_bytes=12345)
+    fixed = Workload("a", "tiny-random", ("diffkv", "fp16"), 8, 8, 1, 1, kv_memory_bytes=12345)
     assert budget_bytes(fixed, config) == 12345
 
 
@@ -190,7 +190,7 @@ def test_flags_override_the_defaults():
     b = bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "b"]))[0]
     assert (b.model, b.presets, b.output_tokens) == ("llama3-8b-random", ("llama3-8b", "k8v4", "k8v8", "fp16"), 512)
     only = bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "a", "--baselines", "none"]))[0]
-    assert only.presets == ("default", "fp16")
+    assert only.presets == ("diffkv", "fp16")
     with pytest.raises(ValueError, match="--baselines: unknown kv-config preset 'k9v9'"):
         bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "a", "--baselines", "k9v9"]))
 
@@ -199,13 +199,13 @@ def test_flags_override_the_defaults():
 def test_the_overlap_setting_reaches_the_measured_executor(disable, launched_early):
     """``--disable-overlap-scheduler`` (``disable_overlap_scheduler``) reaches the executor a run measures; the
     details record whether it overlapped. ``False`` forces the overlap on the CPU, where it is otherwise off.
-    (``default``: the smoke budget leaves its last decodes room for two worst-case steps; ``fp16``'s does not.)"""
+    (``diffkv``: the smoke budget leaves its last decodes room for two worst-case steps; ``fp16``'s does not.)"""
     from trtllm_diffkv.evaluation.throughput import load_bench_model, make_prompts, measure
 
     workload = default_workloads(smoke=True)["a"]
     model, tokenizer = load_bench_model(workload.model, torch.device("cpu"))
     prompts, _ = make_prompts(workload, tokenizer, model.config.vocab_size)
-    result = measure(model, tokenizer, workload, "default", prompts, profile=False, cuda_graphs=False,
+    result = measure(model, tokenizer, workload, "diffkv", prompts, profile=False, cuda_graphs=False,
                      disable_overlap_scheduler=disable)
     assert result.details["overlap"] is launched_early
     assert (result.details["overlapped_steps"] > 0) is launched_early

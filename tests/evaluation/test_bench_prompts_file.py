@@ -36,7 +36,7 @@ def test_bench_runs_the_file_on_the_model_into_the_default_folder(checkpoint, tm
     out = cache / "trtllm-diffkv" / "bench" / "throughput.json"
     result, details = json.loads(out.read_text()), json.loads(out.with_name("throughput_details.json").read_text())
     assert [(r["workload"], r["preset"], r["num_requests"]) for r in result["rows"]] == [
-        ("file", "default", 4), ("file", "k8v4", 4), ("file", "k8v8", 4), ("file", "fp16", 4)]  # --baselines
+        ("file", "diffkv", 4), ("file", "k8v4", 4), ("file", "k8v8", 4), ("file", "fp16", 4)]  # --baselines
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     lengths = [len(tokenizer.encode(LINES[0]["prompt"], add_special_tokens=False)),
                len(tokenizer.encode(LINES[1]["text"], add_special_tokens=False)), 5, 21]

@@ -143,12 +143,12 @@ def test_recall_cases_end_at_the_docstring_and_grade_by_the_unit_tests(tokenizer
 
 # --------------------------------------------------------------------------------------- points
 def test_point_specs():
-    assert [p.name for p in resolve_points(["default", "k8v4"])] == ["fp16", "default", "k8v4"]
-    point = parse_point("default,alpha_low=0.005,low=K8V2,key_rotation=none,center_keys=false")
+    assert [p.name for p in resolve_points(["diffkv", "k8v4"])] == ["fp16", "diffkv", "k8v4"]
+    point = parse_point("diffkv,alpha_low=0.005,low=K8V2,key_rotation=none,center_keys=false")
     cfg = point.kv_config
     assert (point.method, cfg.alpha_low, cfg.low.name, cfg.key_rotation, cfg.center_keys) == \
         ("diffkv", 0.005, "K8V2", "none", False)
-    assert parse_point("default,low=K4V2-1-4").kv_config.low.value_groups == 4
+    assert parse_point("diffkv,low=K4V2-1-4").kv_config.low.value_groups == 4
     assert parse_point("k8v8").kv_config.high.value_bits == 8 and parse_point("k8v8").method == "k8v8"
     assert parse_point("kivi-4").path == "reference"
     for bad, match in (("default,alpha_low", "not FIELD=VALUE"), ("default,nope=1", "unknown key 'nope'"),
@@ -216,8 +216,23 @@ def test_deltas_pair_by_case_and_ignore_record_order():
     assert pool["ci_low"] < pool["value"] < pool["ci_high"]
 
 
+def test_default_points_show_the_tiered_point_and_default_once(monkeypatch):
+    """A run naming no points shows fp16, the uniform formats and the tiered ``diffkv`` whatever ``default`` is;
+    ``default`` joins only when it is none of them, and a ``default`` that is a uniform format is on that curve."""
+    from trtllm_diffkv.config import PRESETS
+    from trtllm_diffkv.evaluation import generation_eval as E
+
+    assert E.DEFAULT_POINTS == ("fp16", "k8v8", "k8v4", "diffkv")
+    assert E.default_points() == list(E.DEFAULT_POINTS)  # default is the tiered point today
+    monkeypatch.setitem(PRESETS, "default", PRESETS["k8v4"].replace(name="default"))
+    assert E.default_points() == list(E.DEFAULT_POINTS) and parse_point("default").method == "k8v4"
+    monkeypatch.setitem(PRESETS, "default", PRESETS["default-k8v2"].replace(name="default"))
+    assert E.default_points() == list(E.DEFAULT_POINTS) + ["default"] and parse_point("default").method == "diffkv"
+    assert parse_point("diffkv").method == "diffkv" and parse_point("k8v4,alpha_low=0.0").method == "k8v4"
+
+
 # --------------------------------------------------------------------------------------- the executor path
-POINTS = ("fp16", "k8v8", "k8v4", "default")
+POINTS = ("fp16", "k8v8", "k8v4", "diffkv")
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +277,7 @@ def test_every_point_is_what_llm_generate_gives(run, tiny, tokenizer):
 
     token_bytes = get_preset("k8v8").token_bytes("high", 64)
     assert token_bytes / 256 < by[("k8v8", "copy", "kv_memory_fraction")]["value"] < (token_bytes + 128 / 200) / 256
-    assert ("default", "recall", "pass_at_1_delta_vs_k8v4") in by and ("k8v4", "copy", "exact_delta_vs_fp16") in by
+    assert ("diffkv", "recall", "pass_at_1_delta_vs_k8v4") in by and ("k8v4", "copy", "exact_delta_vs_fp16") in by
 
 
 def test_kivi_runs_on_the_reference_path_at_the_same_cases(run, tiny, tokenizer):

@@ -37,9 +37,9 @@ def eval_numel(dims) -> int:
 
 
 def preset(name: str):
-    """``demote``: the default preset with recent window 2 and alpha_high 1.5 (tokens move to the low tier)."""
+    """``demote``: the ``diffkv`` preset with recent window 2 and alpha_high 1.5 (tokens move to the low tier)."""
     if name == "demote":
-        return dataclasses.replace(get_preset("default"), recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3)
+        return dataclasses.replace(get_preset("diffkv"), recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3)
     return get_preset(name)
 
 

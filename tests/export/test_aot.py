@@ -17,7 +17,7 @@ from trtllm_diffkv.export import aot, launches  # noqa: E402
 from trtllm_diffkv.export.fields import EngineShape, kv_config_from_fields, kv_config_to_fields  # noqa: E402
 from trtllm_diffkv.config import PRESETS, get_preset  # noqa: E402
 
-TINY = EngineShape(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset("default"),
+TINY = EngineShape(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset("diffkv"),
                    dtype="float16", max_batch_size=2, max_seq_len=128)
 
 
@@ -149,9 +149,9 @@ def test_grid_formula_mismatch_is_caught():
 
 def test_bad_shapes_and_targets_refused(tmp_path):
     with pytest.raises(ValueError, match="head_dim=72"):
-        EngineShape(num_layers=1, num_heads=4, num_kv_heads=4, head_dim=72, kv_config=get_preset("default"))
+        EngineShape(num_layers=1, num_heads=4, num_kv_heads=4, head_dim=72, kv_config=get_preset("diffkv"))
     with pytest.raises(ValueError, match="dtype"):
-        EngineShape(num_layers=1, num_heads=4, num_kv_heads=4, head_dim=64, kv_config=get_preset("default"),
+        EngineShape(num_layers=1, num_heads=4, num_kv_heads=4, head_dim=64, kv_config=get_preset("diffkv"),
                     dtype="float8")
     with pytest.raises(ValueError, match="sm_75"):
         aot.check_targets((80, 75))
@@ -205,7 +205,7 @@ print(json.dumps(result))
 
 
 @pytest.mark.parametrize("shape", [TINY, EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128,
-                                                     kv_config=get_preset("default"), dtype="float16",
+                                                     kv_config=get_preset("diffkv"), dtype="float16",
                                                      max_batch_size=4, max_seq_len=300)],
                          ids=["tiny-1-partition", "gpu-test-2-partitions"])
 def test_decode_kernels_compile_to_the_jit_paths_ptx(shape, tmp_path):
@@ -239,10 +239,10 @@ def _jit_vs_aot(shape, ops, tmp_path) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16"])
 def test_decision_kernels_compile_to_the_jit_paths_ptx(preset, tmp_path):
     """The decode plan's kernels (``_decide_kernel``, ``_locate_kernel``) in the manifest compile to exactly the
-    PTX Triton's JIT compiles for the launches ``paged/decode.py::plan_device`` makes (``default``: decisions
+    PTX Triton's JIT compiles for the launches ``paged/decode.py::plan_device`` makes (``diffkv``: decisions
     and moves; ``fp16``: ``COMPRESS=False`` / ``MOVES=False``), specialization included (sm_90, no GPU)."""
     shape = EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, kv_config=get_preset(preset),
                         dtype="float16", max_batch_size=4, max_seq_len=300)
@@ -251,7 +251,7 @@ def test_decision_kernels_compile_to_the_jit_paths_ptx(preset, tmp_path):
     assert all(same for same, _, _ in result.values()), result
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16"])
 def test_decision_specs_follow_the_plan(preset):
     """The recorded decision launches carry the preset's choices, the page format's offsets and the engine's ints
     (as the runtime scalars the manifest states), with grids over the step's rows and the bucket's items."""
@@ -280,7 +280,7 @@ def test_decision_specs_follow_the_plan(preset):
     assert set(locate.divisible) == {n for n in locate.params if n.endswith("_ptr") or n.endswith("_out")}
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16"])
 def test_decode_plan_plugins_kernels_are_in_the_aot_set(preset):
     """Every kernel a decode-plan plugin node launches (trtllm_diffkv/export/plugin_specs.py PLAN_KERNELS: decode_decide, page_update,
     decode_locate) has a manifest entry of its op in the engine's AOT set (the moves' kernels: compressing presets)."""
@@ -446,7 +446,7 @@ def test_launch_plan_is_the_same_with_symbolic_dims():
 
     from trtllm_diffkv.export import onnx_export, trt_abi
 
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     c = model.config
     shape = EngineShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                         head_dim=c.head_dim, kv_config=kv, dtype="float32", max_batch_size=4, max_seq_len=64)
@@ -504,7 +504,7 @@ def test_trt_abi_wrappers_for_every_head_dim_and_group():
     for hd, (hq, hkv) in _EDGE7:
         try:
             shape = EngineShape(num_layers=1, num_heads=hq, num_kv_heads=hkv, head_dim=hd,
-                                kv_config=get_preset("default"), dtype="float32", max_batch_size=2, max_seq_len=64)
+                                kv_config=get_preset("diffkv"), dtype="float32", max_batch_size=2, max_seq_len=64)
             entries = [s.to_json() for s in aot.kernel_specs(shape)]
         except ValueError as exc:  # refused at configuration time, by name
             assert str(exc), (hd, hq, hkv)
@@ -526,7 +526,7 @@ def test_trt_abi_wrapper_compiles_to_the_same_code_at_head_dim_80_group_7(tmp_pa
     for sm_90 to the kernels' floating-point and memory instructions, their PTX entries in TensorRT's convention."""
     from trtllm_diffkv.export import trt_abi
 
-    shape = EngineShape(num_layers=1, num_heads=28, num_kv_heads=4, head_dim=80, kv_config=get_preset("default"),
+    shape = EngineShape(num_layers=1, num_heads=28, num_kv_heads=4, head_dim=80, kv_config=get_preset("diffkv"),
                         dtype="float16", max_batch_size=2, max_seq_len=64)
     try:
         manifest = aot.build_kernels(shape, tmp_path, targets=(90,), ops=("decode",))

@@ -33,7 +33,7 @@ SHAPE = dict(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, dtype="fl
 def built(tmp_path_factory):
     major, minor = torch.cuda.get_device_capability()
     cc = 90 if major >= 9 else 80
-    shape = EngineShape(kv_config=get_preset("default"), **SHAPE)
+    shape = EngineShape(kv_config=get_preset("diffkv"), **SHAPE)
     out = tmp_path_factory.mktemp("aot_gpu")
     manifest = aot.build_kernels(shape, out, targets=(cc,))
     return shape, out, manifest, cc

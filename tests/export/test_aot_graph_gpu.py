@@ -24,7 +24,7 @@ import aot_step  # noqa: E402
 from trtllm_diffkv.export import aot  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["demote", "default", "fp16"])
+@pytest.mark.parametrize("name", ["demote", "diffkv", "fp16"])
 def test_decode_step_through_the_wrappers_ptx_equals_the_plugins(name, tmp_path):
     major, _ = torch.cuda.get_device_capability()
     cc = 90 if major >= 9 else 80

@@ -30,7 +30,7 @@ from trtllm_diffkv.kernels.cuda_decode import SOURCE_PATH
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 
-def _shape(preset="default", head_dim=128, num_heads=16, num_kv_heads=4, dtype="float16"):
+def _shape(preset="diffkv", head_dim=128, num_heads=16, num_kv_heads=4, dtype="float16"):
     return EngineShape(num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        kv_config=get_preset(preset), dtype=dtype, max_batch_size=4, max_seq_len=2048)
 

@@ -36,7 +36,7 @@ from trtllm_diffkv.export.fields import EngineShape  # noqa: E402
 from trtllm_diffkv.config import get_preset  # noqa: E402
 
 PREBUILT_ENV = "TRTLLM_DIFFKV_CUDA_AOT_DIR"
-CASES = {"default-d128": ("default", 128), "default-d64": ("default", 64), "k8v4-d128": ("k8v4", 128),
+CASES = {"diffkv-d128": ("diffkv", 128), "diffkv-d64": ("diffkv", 64), "k8v4-d128": ("k8v4", 128),
          "k8v4-d64": ("k8v4", 64)}
 COUNTS = [(0, 0), (1, 0), (0, 1), (31, 52), (33, 53), (700, 900), (64, 1500), (1500, 47), (2, 1000), (320, 0),
           (0, 640), (17, 17)]

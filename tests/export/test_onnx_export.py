@@ -74,7 +74,7 @@ def test_graph_nodes_are_described_plugins_and_inference_matches_onnxruntime():
     (symbolic) and onnxruntime's (concrete, a prefill step on the tiny model), aliased state outputs included."""
     from trtllm_diffkv.export import plugin_specs as specs
 
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     proto = onnx_export.export_onnx(model, kv, max_positions=32)
     nodes = onnx_export.plugin_nodes(proto)
     assert len(nodes) == 1 + model.config.num_layers
@@ -186,9 +186,9 @@ def _check(results, states, decode_atol=DECODE_ATOL):
         assert (pool == ref_pool).mean() >= 0.99  # measured: 0.9999 tiny model, 0.997 default model
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16", "default-rotated"])
+@pytest.mark.parametrize("preset", ["diffkv", "llama3-8b", "fp16", "default-rotated"])
 def test_onnxruntime_matches_pytorch_tiny_model(preset):
-    """Two prompts of odd lengths, prefill + 4 decode steps: tiers and demotions (``default``), pruning
+    """Two prompts of odd lengths, prefill + 4 decode steps: tiers and demotions (``diffkv``), pruning
     (``llama3-8b``), the uncompressed paged path (``fp16``: keys/values rounded to fp16 in the pool), Hadamard
     key rotation (``default-rotated``: the graph's q/k MatMuls and folded v/o weights against the rotated
     PyTorch model)."""
@@ -201,7 +201,7 @@ def test_onnxruntime_matches_pytorch_tiny_model(preset):
 
 @pytest.mark.slow
 def test_onnxruntime_matches_pytorch_default_model(default_model):
-    """The default model (SmolLM2-135M, fp32, 30 layers, ``default`` preset): prefill + 2 decode steps.
+    """The default model (SmolLM2-135M, fp32, 30 layers, ``diffkv`` preset): prefill + 2 decode steps.
 
     Prefill within atol 1e-4. Decode logits (magnitude up to ~20) differ by up to 0.4 (measured 0.31,
     0.40): 1e-6 projection differences flip 2/4-bit codes in 30 layers (with the ``fp16`` preset the
@@ -210,14 +210,14 @@ def test_onnxruntime_matches_pytorch_default_model(default_model):
     """
     model, tokenizer, _ = default_model
     prompt = tokenizer.encode("The capital of France is")
-    results, states = _run_both(model, get_preset("default"), [prompt], 2, pages=30 * 3 * 3, max_len=16)
+    results, states = _run_both(model, get_preset("diffkv"), [prompt], 2, pages=30 * 3 * 3, max_len=16)
     _check(results, states, decode_atol=1.0)
 
 
 def test_op_errors_are_reported_not_fatal():
     """An unknown handle or a step the cache refuses raises ValueError from run_step; the process and the
     session survive (an exception inside an onnxruntime-extensions op would abort the process)."""
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     session = ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=16))
     cache = _cache(model, kv)
     with pytest.raises(ValueError, match="cache_handle 987654 is not registered"):
@@ -244,7 +244,7 @@ def test_per_op_graph_nodes_are_the_per_operation_plugins(phase):
     inference). The decode graph's host inputs are the tokens, the slots and positions, and the state."""
     from trtllm_diffkv.export import plugin_specs as specs
 
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     proto = onnx_export.export_onnx(model, kv, max_positions=32, graph="per-op", phase=phase)
     onnx.checker.check_model(proto)
     onnx.shape_inference.infer_shapes(proto, strict_mode=True)
@@ -349,7 +349,7 @@ _DEMOTE = dict(recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3)
 def _preset(name):
     import dataclasses
 
-    return dataclasses.replace(get_preset("default"), **_DEMOTE) if name == "demote" else get_preset(name)
+    return dataclasses.replace(get_preset("diffkv"), **_DEMOTE) if name == "demote" else get_preset(name)
 
 
 def _check_states(states):
@@ -359,7 +359,7 @@ def _check_states(states):
             assert torch.equal(getattr(snap, name), getattr(ref_snap, name)), name
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16", "demote", "default-rotated"])
+@pytest.mark.parametrize("preset", ["diffkv", "llama3-8b", "fp16", "demote", "default-rotated"])
 def test_per_op_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
     """Prefill + 4 decode steps through the per-operation graphs (prefill: plan tensors as graph inputs; decode: the
     graph's own decode_decide / page_update / decode_locate nodes from the slots and positions, then one
@@ -388,7 +388,7 @@ def test_per_op_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
 def test_per_op_decode_step_errors_leave_the_cache_unchanged():
     """A decode step the host checks refuse (a slot without a prompt, a wrong position) raises ValueError before the
     graph runs; the cache of record is unchanged and the next valid step runs."""
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     sessions = {ph: ort_ops.ort_session(onnx_export.export_onnx(model, kv, max_positions=32, graph="per-op",
                                                                  phase=ph)) for ph in ("prefill", "decode")}
     cache = _cache(model, kv)
@@ -404,7 +404,7 @@ def test_per_op_decode_step_errors_leave_the_cache_unchanged():
 
 
 def test_per_op_bad_arguments_named():
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     with pytest.raises(ValueError, match="graph='bogus'"):
         onnx_export.export_onnx(model, kv, graph="bogus")
     with pytest.raises(ValueError, match="phase=None"):
@@ -455,7 +455,7 @@ def _aot_graph(model, kv, manifest, phase):
 _LAYER_KERNELS = ["_write_tokens_kernel", "_decode_partial_kernel", "_decode_merge_kernel"]
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16", "default-rotated"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16", "default-rotated"])
 def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
     """``graph="aot"``: the per-op decode graph's inputs and outputs, its DiffKV nodes replaced by one
     ``diffkv::aot_<wrapper>`` node per launch, in launch order (decide; count, decode apply; locate (+ read / write of
@@ -519,7 +519,7 @@ def test_aot_decode_graph_nodes_are_the_manifest_launches(preset):
             assert want != "float64"
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16"])
 def test_aot_prefill_graph_nodes(preset):
     """``graph="aot", phase="prefill"``: the per-op prefill graph's inputs and outputs; per layer the five kernel
     launches (prompt lse, merge, score, then the high and the low write) as ``diffkv::aot_<wrapper>`` nodes of the
@@ -549,7 +549,7 @@ def test_aot_prefill_graph_nodes(preset):
                                     engine.max_pages_per_row]
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16", "demote", "default-rotated"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16", "demote", "default-rotated"])
 def test_aot_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
     """Prefill through the AOT prefill graph, then 4 decode steps (step 2 padded) through the AOT decode graph, every
     kernel node launching its TensorRT-convention wrapper through Triton's JIT (interpreter) with TensorRT's argument
@@ -571,7 +571,7 @@ def test_aot_graphs_in_onnxruntime_match_pytorch_tiny_model(preset):
 def test_aot_decode_graph_refuses_what_it_cannot_express():
     """A manifest of another engine (fp16 activations, another preset) or a missing entry is refused by name; so is
     a graph phase that does not exist and a cache whose sizes are not the engine's."""
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     with pytest.raises(ValueError, match="dtype='float32'"):
         onnx_export.export_onnx(model, kv, graph="aot", phase="decode",
                                 manifest=_manifest(_engine(model, get_preset("fp16"))))
@@ -599,7 +599,7 @@ def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):
 
     from trtllm_diffkv.export import aot
 
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     try:
         manifest = aot.build_kernels(_engine(model, kv), tmp_path, targets=(90,),
                                      ops=("write", "decode", "page_manager", "decision"))
@@ -622,9 +622,9 @@ def test_aot_decode_graph_carries_the_compiled_launch_parameters(tmp_path):
 @pytest.mark.parametrize("lens", [(1, 16, 17), (31, 32, 33)], ids=["tiny_prompts", "page_boundaries"])
 def test_aot_graphs_tiny_prompts_and_page_boundaries(lens):
     """Edge cases 8 and 4 through both AOT graphs: prompts of 1, 16 and 17 tokens, then of P-1, P and P+1 tokens
-    (P = 32, the high tier's page), 2 decode steps, the default preset: the PyTorch path's checks (greedy tokens, logits,
+    (P = 32, the high tier's page), 2 decode steps, the ``diffkv`` preset: the PyTorch path's checks (greedy tokens, logits,
     page table and tier counts exact, the whole page-manager state equal, pool bytes >= 99 %)."""
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     g = torch.Generator().manual_seed(sum(lens))
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
     results, states, mine = _run_both_per_op(model, kv, prompts, 2, manifest=_manifest(_engine(model, kv)),

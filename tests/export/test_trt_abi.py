@@ -352,7 +352,7 @@ def _fake_nvcc(tmp_path, monkeypatch, fail):
 
 
 def _cuda_shape():
-    return EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, kv_config=get_preset("default"),
+    return EngineShape(num_layers=2, num_heads=16, num_kv_heads=4, head_dim=128, kv_config=get_preset("diffkv"),
                        dtype="float16", max_batch_size=4, max_seq_len=2048)
 
 

@@ -1,4 +1,4 @@
-"""Near-lossless on the real default model: the ``default`` preset against ``fp16``.
+"""Near-lossless on the real default model: ``diffkv`` (the tiered preset) against ``fp16``.
 
 Prompts: the product's path — the chat template around "Complete the last function." and a
 HumanEval few-shot block (3 solved problems + 1 to complete, problems 0-99); the first ten of at
@@ -38,7 +38,7 @@ MAX_MEAN_KL_NATS = 0.03
 MAX_KV_MEMORY_FRACTION = 0.4
 
 
-def near_lossless_figures(default_model, preset: str = "default") -> dict:
+def near_lossless_figures(default_model, preset: str = "diffkv") -> dict:
     """Teacher-forced top-1, mean KL, greedy identity and memory of ``preset`` against ``fp16``."""
     model, tokenizer, model_config = default_model
     fp16 = ReferenceGenerator(model, tokenizer, model_config, get_preset("fp16"))
@@ -76,7 +76,7 @@ def _version(name: str) -> str:
     return version(name)
 
 
-def test_default_preset_near_lossless_on_default_model(default_model):
+def test_diffkv_preset_near_lossless_on_default_model(default_model):
     figures = near_lossless_figures(default_model)
     print("\n" + json.dumps({k: v for k, v in figures.items() if k != "per_prompt"}))
     assert figures["top1_agreement"] >= MIN_TOP1_AGREEMENT
@@ -99,5 +99,5 @@ if __name__ == "__main__":  # print the figures, e.g. under another dependency s
     from trtllm_diffkv.model import load_model
 
     loaded = load_model(None, device="cpu", dtype=torch.float32)
-    for name in sys.argv[1:] or ["default", "k8v4"]:
+    for name in sys.argv[1:] or ["diffkv", "k8v4"]:
         print(json.dumps(near_lossless_figures(loaded, name)), flush=True)

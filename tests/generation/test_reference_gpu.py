@@ -22,7 +22,7 @@ def _tokens(n, seed):
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b", "qwen2.5-32b", "k8v4", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "llama3-8b", "qwen2.5-32b", "k8v4", "fp16"])
 def test_gpu_cache_every_step_matches_the_float64_oracle(preset):
     model = spiky_tiny_llama().cuda()
     cfg = model.config

@@ -222,7 +222,7 @@ def test_staged_partial_kernel_equals_the_register_path(head_dim, heads, num_par
     assert torch.allclose(got[0][0].float(), out_triton.float(), rtol=1e-2, atol=2e-3), err
 
 
-@pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("default", 64, 3), ("llama3-8b", 128, 4)])
+@pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("diffkv", 64, 3), ("llama3-8b", 128, 4)])
 def test_the_ring_runs_a_kernel_without_local_memory(preset, head_dim, group):
     """CuPy's real function attributes drive the step-down (``_spill_free_kernel``): the kernel it returns uses at
     most ``LOCAL_BYTES_TOLERATED`` bytes of local memory (spills), or sits at the register path's cap; the default

@@ -155,13 +155,13 @@ def _ptxas_report(code: str, defines: dict, tmp_path) -> str:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("preset,head_dim,group,slots,dtype,spill_bytes", [
-    ("llama3-8b", 128, 4, 6, torch.bfloat16, 8), ("default", 64, 3, 16, torch.bfloat16, 0),
+    ("llama3-8b", 128, 4, 6, torch.bfloat16, 8), ("diffkv", 64, 3, 16, torch.bfloat16, 0),
     ("default-k8v2", 64, 8, 4, torch.float16, None), ("k8v4", 128, 8, 12, torch.float16, None)])
 def test_fused_source_compiles_to_one_kernel(preset, head_dim, group, slots, dtype, spill_bytes, tmp_path):
     """``fused_source()`` with ``fused_defines`` (``FUSED_MERGE=1``) compiles for sm_90 with CuPy's flags to the one
     entry ``diffkv_decode_attend`` (the files' separate kernels left out) within the register cap; the issue's two
     configurations spill at most what nvcc 13.0 was measured to (``llama3-8b`` 8 bytes at 4 CTAs with the prefetch's
-    first form, ``PREFETCH_RELOAD=0``; ``default`` at head_dim 64 none at 6). Group 8 spills at the preferred cap (the
+    first form, ``PREFETCH_RELOAD=0``; ``diffkv`` at head_dim 64 none at 6). Group 8 spills at the preferred cap (the
     tail's score loads on top of the partial kernel's registers): the ring's step-down finds a lower cap at run time."""
     from trtllm_diffkv.kernels.cuda_decode import fused_defines, fused_source
 
@@ -520,14 +520,14 @@ def test_ring_and_register_cap_follow_the_devices_shared_memory(limits, head_dim
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("merge_prefetch", [0, 1])
-@pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("default", 64, 1), ("k8v4", 64, 8),
+@pytest.mark.parametrize("preset,head_dim,group", [("default-k8v2", 64, 8), ("diffkv", 64, 1), ("k8v4", 64, 8),
                                                    ("default-k8v2", 128, 8), ("k8v4", 128, 8)])
 def test_the_rings_step_down_finds_a_spill_free_cap(preset, head_dim, group, merge_prefetch, tmp_path, monkeypatch):
     """Where the ring's preferred cap spills (nvcc 13.0, sm_90a: 60 / 12 / 16 B at 6 CTAs of head_dim 64, 44 / 8 B
     at 4 of head_dim 128), a cap between it and the register path's (what ``_spill_free_kernel`` steps through at
     run time) spills nothing; with the merge prefetch (``MERGE_PREFETCH``, the default), at most
     ``LOCAL_BYTES_TOLERATED`` bytes (``default-k8v2`` at head_dim 64, group 8: 4 B at 5 CTAs, as without it; the
-    prefetch sat before the warps' merge at first and made ``default`` at head_dim 64, group 3 spill 12 B at 6)."""
+    prefetch sat before the warps' merge at first and made ``diffkv`` at head_dim 64, group 3 spill 12 B at 6)."""
     from trtllm_diffkv.kernels import cuda_decode as cd
     from trtllm_diffkv.kernels.cuda_decode import register_min_blocks
 

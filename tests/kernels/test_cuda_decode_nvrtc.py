@@ -22,7 +22,7 @@ def nvrtc():
 
 @pytest.mark.parametrize("preset,head_dim,group,q_bf16,expect_blocks,expect_bytes,expect_form", [
     ("llama3-8b", 128, 4, 0, 4, 8, 1), ("llama3-8b", 128, 4, 1, 4, 8, 1),  # Llama-3-8B (the first form: 16 B at 4)
-    ("default", 64, 3, 1, 6, 0, 0),  # the default model (SmolLM2: 9 / 3 heads, bf16)
+    ("diffkv", 64, 3, 1, 6, 0, 0),  # the default model (SmolLM2: 9 / 3 heads, bf16)
     ("default-k8v2", 64, 7, 1, 6, 8, 1),  # a GQA-7 head_dim-64 model (the first form alone: 4 CTAs)
     ("k8v4", 128, 8, 1, 3, 0, 0),  # the second form alone: 64 bytes at the register path's cap
 ])

@@ -87,7 +87,7 @@ def test_autograd_registration_with_grad_inputs():
         D.rms_norm(x, w, 1e-5, False).sum().backward()
 
 
-@pytest.mark.parametrize("preset", ["default", "k8v4", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "k8v4", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_page_format_through_ints(preset, head_dim):
     fmt = PageFormat.for_config(PRESETS[preset], head_dim, high_tokens_per_page=8)

@@ -16,10 +16,10 @@ pytestmark = pytest.mark.gpu
 
 CASES = [  # (preset, head_dim, num_heads, num_kv_heads, dtype)
     ("llama3-8b", 128, 32, 8, torch.bfloat16),
-    ("default", 64, 9, 3, torch.bfloat16),
+    ("diffkv", 64, 9, 3, torch.bfloat16),
     ("k8v4", 128, 8, 1, torch.float16),
     ("default-k8v2", 64, 16, 2, torch.float16),  # group 8; 35-token low pages (odd probability stride)
-    ("default", 128, 28, 4, torch.float16),      # group 7
+    ("diffkv", 128, 28, 4, torch.float16),      # group 7
 ]
 
 
@@ -119,7 +119,7 @@ def test_a_workspace_without_counters_runs_the_two_launches(monkeypatch):
 
     monkeypatch.setattr(cuda_decode, "FUSED_MERGE", 1)
 
-    fmt, rows, row_ids, q = _rows("default", 64, 9, 3, torch.bfloat16, seed=3)
+    fmt, rows, row_ids, q = _rows("diffkv", 64, 9, 3, torch.bfloat16, seed=3)
     outs = []
     for counters in (True, False):
         ws = DecodeWorkspace.allocate(5, 9, 3, fmt, rows.page_table.shape[1], "cuda")

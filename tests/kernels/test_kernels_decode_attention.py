@@ -70,7 +70,7 @@ def run_decode(cfg_or_fmt, head_dim, num_heads, num_kv_heads, counts, *, dtype=t
     return rows, out
 
 
-@pytest.mark.parametrize("preset", ["default", "k8v4", "fp16", "llama3-8b"])
+@pytest.mark.parametrize("preset", ["diffkv", "k8v4", "fp16", "llama3-8b"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_preset_format(preset, dtype):
     counts = [(20, 41), (9, 0), (0, 30), (33, 7)]
@@ -83,7 +83,7 @@ def test_head_dims(head_dim):
     run_decode(DiffKVConfig(), head_dim, 4, 2, [(12, 20), (3, 9)], dtype=torch.float16, high_tokens_per_page=4)
 
 
-@pytest.mark.parametrize("preset", ["default", "k8v4", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "k8v4", "fp16"])
 def test_gemma3_270m_shape(preset):
     """gemma-3-270m's attention: head_dim 256, 4 query heads on one KV head (MQA, group 4), bf16 queries (the GPU
     dtype); a sliding layer's row holds only its window, in the high tier (the second sequence)."""

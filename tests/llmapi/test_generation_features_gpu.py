@@ -28,9 +28,9 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_la
                tie_word_embeddings=True)
 LLAMA_WIDE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=4, num_heads=32,
                   num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
-TOL = {"fp16": 2e-2, "default": 1e-3}
+TOL = {"fp16": 2e-2, "diffkv": 1e-3}
 """Absolute log-probability tolerance. ``fp16``: against the reference loop, whose cache rounds differently from
-the paged kernels (fp16 pages; 1.6e-2 measured on the H200 at fca190a). ``default``: against the logits the
+the paged kernels (fp16 pages; 1.6e-2 measured on the H200 at fca190a). ``diffkv``: against the logits the
 sampler saw (only the log-softmax's own rounding). The test prints the largest difference it saw."""
 CHUNK_ATOL = 5e-2
 """Logits of chunked vs one-step prefill (docs/RUNTIME.md, "Exactness"): the chunks' attention runs on other
@@ -40,7 +40,7 @@ path. With a compressing preset this holds for the first token only (the prompt'
 the tiered cache, and a last-bit difference can flip a token's tier. On this model that moves logits by several
 units: on the CPU, 1e-4 relative noise on the first layer's input of an unchunked run flipped 0.04 % of the tier
 entries (high 0.6862 -> 0.6859) and moved the decode logits by 4.2; the H200 run at fca190a measured 4.38 between
-chunked and one-step prefill. So ``default`` checks the first token's logits and the tier fractions within
+chunked and one-step prefill. So ``diffkv`` checks the first token's logits and the tier fractions within
 :data:`TIER_ATOL`."""
 TIER_ATOL = 2e-3
 """Tier fractions of chunked vs one-step prefill with a compressing preset: a few flipped (layer, head, token)
@@ -131,11 +131,11 @@ def _recording_sampler(llm) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("name", ["fp16", "default"])
+@pytest.mark.parametrize("name", ["fp16", "diffkv"])
 def test_logprobs_equal_log_softmax_of_the_reference_logits_gpu(smollm2, name):
     """Greedy and sampled (temperature 0.8, top_k 40, presence 0.6, frequency 1.1) tokens with their top-5: the
     log-probabilities the LLM returns equal log_softmax((logits - penalties) / temperature). ``fp16``: the logits
-    of the reference-cache loop (the whole pipeline); ``default``: the logits the sampler saw, since the paged and
+    of the reference-cache loop (the whole pipeline); ``diffkv``: the logits the sampler saw, since the paged and
     the reference cache may tier a token differently after a last-bit difference (see :data:`CHUNK_ATOL`) and
     the decode logits then differ by more than any logprob tolerance."""
     kv, tol = get_preset(name), TOL[name]
@@ -210,7 +210,7 @@ def _dense_logprobs(model, kv, prompt):
 def test_echo_prompt_logprobs_equal_a_dense_forward_gpu(smollm2, max_num_tokens):
     """Prompt log-probabilities (echo) of a 9-, 100- and 300-token prompt, one-step and chunked (64 = the score
     window; 100: the 300-token prompt ends in a 100-token chunk), against log_softmax of a dense forward."""
-    kv = get_preset("default")
+    kv = get_preset("diffkv")
     prompts = _prompts((9, 100, 300), SMOLLM2["vocab_size"], seed=2)
     kw = {} if max_num_tokens is None else dict(max_num_tokens=max_num_tokens)
     with _llm(smollm2, kv, **kw) as llm:
@@ -227,7 +227,7 @@ def test_echo_prompt_logprobs_equal_a_dense_forward_gpu(smollm2, max_num_tokens)
 
 
 def test_n_sequences_are_seeded_reproducible_and_best_of_ranks_gpu(smollm2):
-    kv = get_preset("default")
+    kv = get_preset("diffkv")
     prompt = _prompts((100,), SMOLLM2["vocab_size"], seed=5)[0]
     stride = 0x9E3779B97F4A7C15
     params = SamplingParams(max_tokens=10, temperature=1.0, n=4, seed=1234, logprobs=0)
@@ -262,11 +262,11 @@ def _greedy_run(model, kv, prompt, max_tokens, **kw):
 
 
 @pytest.mark.parametrize("shape,name,length,chunk", [
-    ("smollm2", "default", 70, 1), ("smollm2", "default", 300, 64), ("smollm2", "default", 300, 128),
-    ("smollm2", "fp16", 300, 100), ("llama", "default", 300, 90), ("llama", "fp16", 200, 64)])
+    ("smollm2", "diffkv", 70, 1), ("smollm2", "diffkv", 300, 64), ("smollm2", "diffkv", 300, 128),
+    ("smollm2", "fp16", 300, 100), ("llama", "diffkv", 300, 90), ("llama", "fp16", 200, 64)])
 def test_chunked_prefill_equals_the_one_step_prefill_at_real_shapes_gpu(smollm2, shape, name, length, chunk):
     """The first token's logits within :data:`CHUNK_ATOL`; ``fp16``: every token, the tokens and the bytes;
-    ``default``: the tier fractions within :data:`TIER_ATOL` (see there). Chunks of 1, of the score window (64),
+    ``diffkv``: the tier fractions within :data:`TIER_ATOL` (see there). Chunks of 1, of the score window (64),
     and 300 = 128 + 128 + 44 (a final chunk shorter than the window)."""
     model = smollm2 if shape == "smollm2" else _model(LLAMA_WIDE)
     kv = get_preset(name)

@@ -43,10 +43,10 @@ def text_llm(tmp_path_factory):
         yield llm
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16"])
 def test_generate_batch_equals_alone_and_the_reference_generators(preset):
     """In-flight batched greedy outputs = each prompt alone = ReferenceGenerator = PagedGenerator (peaked
-    attention, prompts past the 64-token recent window, so the default preset really tiers tokens)."""
+    attention, prompts past the 64-token recent window, so the tiered preset really tiers tokens)."""
     model = peaked_tiny_llama()
     kv = get_preset(preset)
     prompts = _prompts(model.config.vocab_size)
@@ -65,7 +65,7 @@ def test_generate_batch_equals_alone_and_the_reference_generators(preset):
         # the pool holds the reference cache's tokens: same accounted bytes and tier fractions
         assert out.metrics["kv_cache_bytes"] == ref.kv_cache_bytes
         assert out.metrics["high_fraction"] == ref.high_fraction
-    if preset == "default":
+    if preset == "diffkv":
         assert min(r.high_fraction for r in reference[2:]) < 1.0  # tiers really changed
 
 

@@ -18,7 +18,7 @@ TOL = 5e-3
 """Absolute log-probability tolerance: the paged cache (its kernels, its fp16 / quantized pages) and the reference
 cache round differently; measured differences reach 1.2e-3 on this model (fp32 logits, 10 tokens)."""
 COMPRESSED_TOL = 1e-2
-"""The same for sampled (low-probability) tokens under the ``default`` preset: the paged low tier's rounding
+"""The same for sampled (low-probability) tokens under the ``diffkv`` preset: the paged low tier's rounding
 differs from the reference cache's and grows along the sequence (1.7e-3 at the 12th token here)."""
 PROMPTS = [[5, 9, 33, 7, 101, 64, 2, 90, 17], list(range(40, 110))]  # the second past the 64-token recent window
 
@@ -28,7 +28,7 @@ def _free(llm) -> bool:
     return stats["free_pages"] == stats["pool_pages"] and stats["running"] == 0 and stats["waiting"] == 0
 
 
-@pytest.fixture(scope="module", params=["default", "fp16"])
+@pytest.fixture(scope="module", params=["diffkv", "fp16"])
 def setup(request):
     model = peaked_tiny_llama()
     kv = get_preset(request.param)
@@ -129,7 +129,7 @@ def test_prompt_logprobs_equal_a_dense_forward(setup):
 def test_chunked_prefill_gives_the_prompt_logprobs_of_a_dense_forward(max_num_tokens):
     """Prompts split over steps (chunks of 4 and 9 tokens, and the 70-token prompt in a 64-token chunk then
     a 6-token one): each chunk adds its positions' entries; all of them equal the dense forward's."""
-    model, kv = peaked_tiny_llama(), get_preset("default")
+    model, kv = peaked_tiny_llama(), get_preset("diffkv")
     with LLM.from_model(model, None, model.config, kv, kv_memory_bytes=16 << 20, max_batch_size=2,
                         max_num_tokens=max_num_tokens) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))

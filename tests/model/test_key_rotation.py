@@ -84,7 +84,7 @@ def test_fp16_at_head_dim_80_with_rotation_equals_without():
     got = teacher_forced_logits(ReferenceGenerator(model, None, model.config, fp16.replace(**ROT)), prompt, forced)
     assert model_for_kv_config(model, fp16.replace(**ROT)).model.layers[0].self_attn.key_rotation.shape == (2, 80, 80)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
-    assert _executor_tokens(model, get_preset("default"), prompt, 4)  # the default preset runs there
+    assert _executor_tokens(model, get_preset("diffkv"), prompt, 4)  # the tiered preset runs there
 
 
 def test_backend_sees_rotated_q_k_v_and_the_output_is_unchanged():
@@ -200,7 +200,7 @@ def test_onnx_graphs_refuse_pooling_by_name(model):
     pytest.importorskip("onnx")
     from trtllm_diffkv.export.onnx_export import export_onnx
 
-    cfg = get_preset("default").replace(score_pool_tokens=5)
+    cfg = get_preset("diffkv").replace(score_pool_tokens=5)
     for graph, phase in (("composite", None), ("per-op", "decode")):
         with pytest.raises(ValueError, match="score_pool_tokens=5"):
             export_onnx(model, cfg, max_positions=32, graph=graph, phase=phase)
@@ -223,9 +223,9 @@ def test_in_place_rotation_equals_the_copy_and_keeps_one_set_of_weights():
     torch.testing.assert_close(attn._qkv_weight[-128:], attn.v_proj.weight, rtol=0, atol=0)  # fused rows rotated too
     with torch.inference_mode():
         torch.testing.assert_close(src(ids, pos, Recorder()), want, rtol=0, atol=1e-6)
-    assert model_for_kv_config(src, get_preset("default").replace(rotation_seed=2)) is src  # rotated already
+    assert model_for_kv_config(src, get_preset("diffkv").replace(rotation_seed=2)) is src  # rotated already
     with pytest.raises(ValueError, match="rotated with rotation_seed=2; the kv_config asks for rotation_seed=0"):
-        model_for_kv_config(src, get_preset("default"))
+        model_for_kv_config(src, get_preset("diffkv"))
     with pytest.raises(ValueError, match="key_rotation='none' needs the unrotated model"):
         model_for_kv_config(src, get_preset("default-unrotated"))
 
@@ -241,12 +241,12 @@ def test_llm_loading_its_model_keeps_one_copy_of_the_weights(tmp_path):
     folder = write_checkpoint(tmp_path / "m", peaked_tiny_llama())
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, LlamaForCausalLM)}  # other tests' models
-    with LLM(str(folder), "default", num_threads=1, kv_memory_bytes=1 << 22, max_batch_size=2) as llm:
+    with LLM(str(folder), "diffkv", num_threads=1, kv_memory_bytes=1 << 22, max_batch_size=2) as llm:
         gc.collect()
         alive = [o for o in gc.get_objects() if isinstance(o, LlamaForCausalLM) and id(o) not in before]
         attn = llm.executor.model.model.layers[0].self_attn
         assert alive == [llm.executor.model] and attn.key_rotation is not None
         assert attn._qkv_weight is not None  # rotated in place (a copy drops the shared fused q/k/v buffer)
         got = llm.generate(_prompt(12, 10), SamplingParams.greedy_params(5)).outputs[0].token_ids
-    ref = ReferenceGenerator(peaked_tiny_llama(), None, peaked_tiny_llama().config, get_preset("default"))
+    ref = ReferenceGenerator(peaked_tiny_llama(), None, peaked_tiny_llama().config, get_preset("diffkv"))
     assert got == ref.generate_ids(_prompt(12, 10), 5).token_ids

@@ -141,7 +141,7 @@ def test_unsupported_gemma_configs_are_refused_by_name(change, message):
 
 
 def test_key_rotation_leaves_gemma_logits_unchanged(tmp_path):
-    """The ``default`` preset rotates keys (model/rotation.py): folded into v_proj / o_proj, q and k rotated after
+    """The ``diffkv`` preset rotates keys (model/rotation.py): folded into v_proj / o_proj, q and k rotated after
     q_norm / k_norm and RoPE; the logits are the unrotated model's up to rounding."""
     from trtllm_diffkv.model.rotation import rotate_model
 

@@ -14,7 +14,7 @@ from trtllm_diffkv.engine_config import EngineConfig
 from trtllm_diffkv.paged.cache import OutOfPagesError, PagedDiffKVCache
 
 
-@pytest.mark.parametrize("name", ["fp16", "k8v4", "default", "llama3-8b", "k8v8"])
+@pytest.mark.parametrize("name", ["fp16", "k8v4", "diffkv", "llama3-8b", "k8v8"])
 @pytest.mark.parametrize("chunk", [1, 63, 64, 90])  # 90: a final chunk of 10 < S; its scoring queries span 2 chunks
 def test_chunked_cache_equals_unchunked_bit_for_bit(name, chunk):
     check_chunked_equals_unchunked(name, 100, chunk, device="cpu", dtype=torch.float32, use_triton=False)
@@ -27,7 +27,7 @@ def test_chunked_cache_on_the_triton_interpreter():
 
 
 def test_staging_is_counted_refused_beyond_its_limit_and_freed():
-    config = kv_config("default")
+    config = kv_config("diffkv")
     cache = make_cache(config, device="cpu", dtype=torch.float32, use_triton=False, prompt_tokens=100)
     need = cache.staging_bytes_for(100)
     L, H, Hq, D = cache.num_layers, cache.num_kv_heads, cache.num_heads, cache.head_dim
@@ -58,7 +58,7 @@ def test_a_second_staging_that_exactly_fills_the_limit_is_planned(spare_bytes, f
     with one prompt staged, a second whose staging fills the limit to the byte is planned; one byte less of limit
     and the plan is refused, changing nothing. The limit is built from the prompt shape independently of the cache:
     fp32 K and V of 100 tokens plus the 64 scoring queries, per layer."""
-    config = kv_config("default")
+    config = kv_config("diffkv")
     cache = make_cache(config, device="cpu", dtype=torch.float32, use_triton=False, prompt_tokens=100)
     L, H, Hq, D = cache.num_layers, cache.num_kv_heads, cache.num_heads, cache.head_dim
     one = 4 * (2 * L * 100 * H * D + L * 64 * Hq * D)
@@ -94,7 +94,7 @@ def test_unwritten_staging_rows_are_never_read(monkeypatch):
         assert not bool(cache.error_flags.any())
 
 
-@pytest.mark.parametrize("name", ["default", "fp16"])
+@pytest.mark.parametrize("name", ["diffkv", "fp16"])
 def test_whole_prompts_beside_a_chunk_equal_an_unchunked_step(name):
     """A step with a chunk runs its whole prompts as one prefill call (``paged/prefill.py``): two whole prompts
     beside the first chunk of a third give the outputs, tier counts and decode reads of an unchunked step."""
@@ -133,7 +133,7 @@ def test_whole_prompts_beside_a_chunk_equal_an_unchunked_step(name):
         assert torch.equal(a, b) and bool(torch.isfinite(a).all())
 
 
-@pytest.mark.parametrize("name", ["default", "pooled", "fp16"])
+@pytest.mark.parametrize("name", ["diffkv", "pooled", "fp16"])
 def test_prompt_writes_in_layer_groups_equal_the_per_layer_writes(name, monkeypatch):
     """A planned prompt step runs its tiers and writes for groups of layers (``prefill.WRITE_GROUP_BYTES``):
     groups of 1 (the TensorRT plugin op's per-layer call), of 2 over 5 layers (the last group partial) and of
@@ -143,7 +143,7 @@ def test_prompt_writes_in_layer_groups_equal_the_per_layer_writes(name, monkeypa
 
     from trtllm_diffkv.paged import prefill as paged_prefill
 
-    config = replace(kv_config("default"), score_pool_tokens=3) if name == "pooled" else kv_config(name)
+    config = replace(kv_config("diffkv"), score_pool_tokens=3) if name == "pooled" else kv_config(name)
     shape = dict(num_layers=5, num_heads=4, num_kv_heads=2, head_dim=64)
     g = torch.Generator().manual_seed(21)
     lens = (70, 90)

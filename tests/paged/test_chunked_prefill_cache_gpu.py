@@ -12,7 +12,7 @@ from chunked_prefill_cases import check_chunked_equals_unchunked
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name,chunk", [("default", 1), ("default", 64), ("default", 250), ("k8v4", 63),
+@pytest.mark.parametrize("name,chunk", [("diffkv", 1), ("diffkv", 64), ("diffkv", 250), ("k8v4", 63),
                                         ("k8v8", 250), ("fp16", 250)])
 def test_chunked_cache_equals_unchunked_on_gpu(name, chunk):
     cache = check_chunked_equals_unchunked(name, 300, chunk, device="cuda", dtype=torch.bfloat16, use_triton=True)

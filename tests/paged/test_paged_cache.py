@@ -70,7 +70,7 @@ def test_page_boundaries_edge_case_4(peaked_model):
 def test_tiny_prompts_edge_case_8():
     """0/1/16/17-token prompts in one batch: the empty one fails alone and allocates nothing."""
     model = tiny_llama()
-    cfg = get_preset("default").replace(recent_window_tokens=32)
+    cfg = get_preset("diffkv").replace(recent_window_tokens=32)
     from trtllm_diffkv.generation.reference import ReferenceGenerator
     from trtllm_diffkv.generation.static_batch import PagedGenerator
 

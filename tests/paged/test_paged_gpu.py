@@ -175,7 +175,7 @@ def test_decode_step_does_not_synchronize():
 
 
 def test_default_model_paged_vs_reference():
-    """SmolLM2-135M, default preset: teacher-forced agreement, tier totals, greedy generation, pool bytes.
+    """SmolLM2-135M, ``diffkv`` preset: teacher-forced agreement, tier totals, greedy generation, pool bytes.
 
     A deep model amplifies float-rounding differences (paged attention reads
     centered keys; the reference adds the offset back) into one-step code
@@ -191,7 +191,7 @@ def test_default_model_paged_vs_reference():
         model, tokenizer, model_config = load_model(None, device="cuda", dtype=torch.float32)
     except FileNotFoundError as exc:
         pytest.skip(f"default model not available on this machine: {exc}")
-    cfg = get_preset("default")
+    cfg = get_preset("diffkv")
     reference = ReferenceGenerator(model, tokenizer, model_config, cfg)
     prompts = [reference.encode(p) for p in ("Write a Python function that reverses a string.",
                                                "What is the capital of France?",
@@ -223,7 +223,7 @@ def test_decode_step_timing_at_default_model_shape():
     import time
 
     L, Hq, H, D, n, prompt = 30, 9, 3, 64, 16, 1024
-    cfg = get_preset("default")
+    cfg = get_preset("diffkv")
     cache = PagedDiffKVCache(cfg, L, Hq, H, D, EngineConfig(max_batch_size=n, max_seq_len=prompt + 64,
                                                             max_num_tokens=n * prompt, device="cuda"),
                              num_pages=n * L * H * 40, dtype=torch.float16)

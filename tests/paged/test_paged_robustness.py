@@ -80,7 +80,7 @@ def test_reference_names_the_real_key_when_centering_overflows():
 
 
 def test_reference_decode_error_names_the_position():
-    cache = DiffKVReferenceCache(get_preset("default"), 1, 4, 2, 64, 32)
+    cache = DiffKVReferenceCache(get_preset("diffkv"), 1, 4, 2, 64, 32)
     g = torch.Generator().manual_seed(1)
     cache.forward(0, torch.randn(10, 4, 64, generator=g), torch.randn(10, 2, 64, generator=g),
                   torch.randn(10, 2, 64, generator=g))
@@ -110,7 +110,7 @@ def test_overflow_after_centering_fails_only_its_request_in_a_batch():
 
 def test_static_batch_the_pool_cannot_take_at_once_runs_in_waves():
     model = tiny_llama()
-    gen = PagedGenerator(model, None, model.config, get_preset("default"), num_pages=60)
+    gen = PagedGenerator(model, None, model.config, get_preset("diffkv"), num_pages=60)
     short, huge = [5, 6, 7], list(range(1, 300))
     alone = [gen.generate_ids(p, 4).token_ids for p in (short, [8, 9])]
     results = gen.generate_batch([short, huge, [8, 9]], 4)
@@ -123,7 +123,7 @@ def test_a_wave_that_raises_fails_only_its_own_requests():
     """Breaker finding: a model error in one wave of a static batch failed every pending request, the deferred
     ones that never ran too. They now run in the next wave (30 pages: one of these prompts a wave)."""
     model = tiny_llama()
-    gen = PagedGenerator(model, None, model.config, get_preset("default"), num_pages=30)
+    gen = PagedGenerator(model, None, model.config, get_preset("diffkv"), num_pages=30)
     alone = gen.generate_ids([8, 9], 4).token_ids
     model = gen.model  # the rotated copy the generator runs
     real, calls = model.forward, []
@@ -171,7 +171,7 @@ def test_group_size_beyond_the_kernel_is_refused_at_configuration():
 @pytest.mark.parametrize("engine", [ReferenceGenerator, PagedGenerator])
 def test_token_ids_of_any_integer_type_and_clear_errors(engine):
     model = tiny_llama()
-    gen = engine(model, None, model.config, get_preset("default"))
+    gen = engine(model, None, model.config, get_preset("diffkv"))
     plain = gen.generate_ids([5, 6, 7], 2)
     assert plain.error is None
     assert gen.generate_ids([np.int64(5), np.int32(6), 7], 2).token_ids == plain.token_ids
@@ -183,4 +183,4 @@ def test_token_ids_of_any_integer_type_and_clear_errors(engine):
 def test_paged_generator_refuses_an_empty_pool():
     model = tiny_llama()
     with pytest.raises(ValueError, match="num_pages=0"):
-        PagedGenerator(model, None, model.config, get_preset("default"), num_pages=0)
+        PagedGenerator(model, None, model.config, get_preset("diffkv"), num_pages=0)

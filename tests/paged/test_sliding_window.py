@@ -139,7 +139,7 @@ def _release_all(cache):
     assert cache.manager.free_pages() == cache.manager.num_pages
 
 
-@pytest.mark.parametrize("preset", ["k8v4", "default"])
+@pytest.mark.parametrize("preset", ["k8v4", "diffkv"])
 def test_diffkv_presets_keep_exactly_the_window_on_sliding_layers(gemma, preset):
     """k8v4 and default: every step, each sliding layer keeps exactly its last W positions (high tier), whatever the
     scores; k8v4's full layers keep every token. The greedy tokens stay transformers' at this size for k8v4."""

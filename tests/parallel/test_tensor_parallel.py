@@ -41,7 +41,7 @@ def _scenario(kv_config, num_pages=400, lengths=(20, 33, 9), max_tokens=8, **ext
 SCENARIOS = {
     "fp16": _scenario(get_preset("fp16")),
     "k8v4": _scenario(get_preset("k8v4")),
-    "default": _scenario(get_preset("default")),
+    "diffkv": _scenario(get_preset("diffkv")),
     "default-unrotated": _scenario(get_preset("default-unrotated")),
     # (not small-windows' prompts: with rotated keys its request 2 meets a top-2 logit gap of 4e-4 at step 2,
     # below the low tier's rounding differences, and the greedy tokens part legitimately)
@@ -51,7 +51,7 @@ SCENARIOS = {
     "abort": _scenario(SMALL_WINDOWS, lengths=(24, 40, 12), max_tokens=12, abort_after={1: 2}),
     "preempt-fp16": _scenario(get_preset("fp16"), num_pages=60),
     "preempt-small-windows": _scenario(SMALL_WINDOWS, num_pages=60, lengths=(24, 40, 12, 30), max_tokens=14),
-    "sampled": _scenario(get_preset("default"), params=[SamplingParams(max_tokens=8, temperature=1.0)] * 3),
+    "sampled": _scenario(get_preset("diffkv"), params=[SamplingParams(max_tokens=8, temperature=1.0)] * 3),
 }
 NAMES = list(SCENARIOS)
 
@@ -73,11 +73,11 @@ def runs(checkpoint):
 KV_PER_RANK = 1  # peaked_tiny_llama: 2 KV heads
 
 
-LOW_TIER_RUNS = ("small-windows", "small-windows-rotated", "abort", "preempt-small-windows", "default")
+LOW_TIER_RUNS = ("small-windows", "small-windows-rotated", "abort", "preempt-small-windows", "diffkv")
 """Runs whose tokens reach the low tier (K4V2): there the row-parallel sums, equal to the single run's to
 fp32 rounding, can move a key or value across a rounding boundary of the quantizer, one code of a 2-bit
 value, so their logits are compared at 3e-2 of a logit scale of ~1.2 (the tiers and pages stay exact).
-``default`` (rotated keys, alpha_low 0: every token below alpha_high / N in K4V2) does: differences of
+``diffkv`` (rotated keys, alpha_low 0: every token below alpha_high / N in K4V2) does: differences of
 ~1e-6 at most steps, 2e-4..1.6e-3 at the few where a code moved (the unrotated default happened to move none)."""
 
 
@@ -101,7 +101,7 @@ def test_tokens_logits_and_pages_equal_the_single_process_run(runs, name):
         assert run["final_free"] == run["pool_pages"] == SCENARIOS[name]["num_pages"]
 
 
-@pytest.mark.parametrize("name", ["default", "small-windows-rotated"])
+@pytest.mark.parametrize("name", ["diffkv", "small-windows-rotated"])
 def test_each_rank_rotates_with_its_global_kv_heads_matrices(runs, name):
     """Rank r's rotations are the single-process model's matrices of KV heads [r, r + 1) (not head 0's again)."""
     from trtllm_diffkv.model.rotation import key_rotation_matrices
@@ -162,9 +162,9 @@ def test_llm_tensor_parallel_size_2_equals_one_process(checkpoint):
 
     prompts = _prompts((20, 33, 9))
     greedy = SamplingParams(max_tokens=8, temperature=0)
-    with LLM(checkpoint, "default", num_threads=1, kv_memory_bytes=1 << 23) as llm:
+    with LLM(checkpoint, "diffkv", num_threads=1, kv_memory_bytes=1 << 23) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    with LLM(checkpoint, "default", tensor_parallel_size=TP, num_threads=1, kv_memory_bytes=1 << 22) as llm:
+    with LLM(checkpoint, "diffkv", tensor_parallel_size=TP, num_threads=1, kv_memory_bytes=1 << 22) as llm:
         outs = llm.generate(prompts + [[1, 2, 512]], [greedy] * 3 + [greedy])
         assert [o.outputs[0].token_ids for o in outs[:3]] == want
         assert outs[3].outputs[0].finish_reason == "error" and "vocabulary" in outs[3].error
@@ -213,14 +213,14 @@ def test_other_refusals_name_the_field():
     check_tensor_parallel(config, 2)
     with pytest.raises(ValueError, match=r"num_kv_heads=2 is not divisible by tensor_parallel_size=4"):
         check_tensor_parallel(config, 4)
-    check_tensor_parallel(config, 2, get_preset("default"))  # key rotation splits over the ranks (KV heads whole)
+    check_tensor_parallel(config, 2, get_preset("diffkv"))  # key rotation splits over the ranks (KV heads whole)
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be a positive integer"):
         check_tensor_parallel(config, 0)
     from trtllm_diffkv import LLM
 
     with pytest.raises(ValueError, match="tensor_parallel_size='2' must be a positive integer"):
         LLM(None, tensor_parallel_size="2")
-    calibrated = get_preset("default").replace(calibrated_for=(8, 2, 64))
+    calibrated = get_preset("diffkv").replace(calibrated_for=(8, 2, 64))
     assert local_kv_config(calibrated, 2).calibrated_for == (4, 1, 64)
 
 

@@ -24,7 +24,7 @@ def test_two_gpu_ranks_equal_one_gpu(tmp_path):
     sizes = dict(max_batch_size=4, max_seq_len=96, use_triton=None)
     scenarios = [dict(kv_config=get_preset(name), num_pages=400, prompts=prompts,
                       params=[SamplingParams.greedy_params(16)] * len(prompts), executor_kwargs=sizes)
-                 for name in ("fp16", "k8v4", "default")]
+                 for name in ("fp16", "k8v4", "diffkv")]
     ranks = run_ranks(tensor_parallel_runs, 2, folder, scenarios, device="cuda", timeout_s=600)
     single = single_process_runs(folder, scenarios, 2, device="cuda:0")
     for i, scenario in enumerate(scenarios):

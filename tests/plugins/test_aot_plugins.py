@@ -24,7 +24,7 @@ def _cache(kv, L=2, H=4, Hkv=2, D=64):
                                                            page_manager="cpu"), num_pages=64)
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b"])
+@pytest.mark.parametrize("preset", ["diffkv", "llama3-8b"])
 def test_plugin_ops_compute_what_the_paged_cache_computes(preset, monkeypatch):
     """ops.run_prefill / run_decode on the step's tensors (the plugin inputs) == PagedDiffKVCache.forward,
     bit for bit (pool, key offsets, tier counts, outputs); inferred output shapes/dtypes == the real ones.
@@ -86,7 +86,7 @@ def test_page_update_op_is_append_decode():
     from trtllm_diffkv.memory.triton_page_manager import TritonPageManager
 
     patch_interpreter_for_numpy_2_4()
-    kv = get_preset("default")
+    kv = get_preset("diffkv")
     fmt = PageFormat.for_config(kv, 64)
     L, Hkv = 2, 2
     mgr = TritonPageManager(fmt, 40, 3, L, Hkv, 80, device="cpu")
@@ -124,7 +124,7 @@ def test_bad_inputs_named():
         specs.infer(specs.DECODE, [(4, 8, 64)] * 12, ["float16"] * 12)
 
 
-@pytest.mark.parametrize("preset", ["default", "llama3-8b", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "llama3-8b", "fp16"])
 def test_plugin_fields_round_trip_exactly(preset):
     fields = {"layer_idx": 3, "num_heads": 32, "sm_scale": 128 ** -0.5, **kv_config_to_fields(get_preset(preset))}
     items = specs.to_plugin_fields(fields)
@@ -134,7 +134,7 @@ def test_plugin_fields_round_trip_exactly(preset):
 
 
 def test_select_kernel_picks_the_prefill_variant_for_the_longest_prompt():
-    shape = EngineShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset("default"),
+    shape = EngineShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=64, kv_config=get_preset("diffkv"),
                         max_batch_size=2, max_seq_len=600)
     manifest = {"kernels": [s.to_json() for s in aot.kernel_specs(shape, ("prefill", "write"))]}
     assert specs.select_kernel(manifest, "_prompt_lse_kernel", {"max_len": 20})["constexprs"]["LSE_STRIDE"] == 32
@@ -205,11 +205,11 @@ def test_trt_plugins_registers_every_spec_with_its_inputs_and_fields(monkeypatch
 
 def prompted_cache(preset: str):
     """(kv config, a cache after one prompted step of two sequences (lens 37 and 5; 2 layers, 4 / 2 heads, head_dim
-    64), the lens). ``demote``: the default preset with recent window 2, alpha_high 1.5, alpha_low 0.3 (moves tokens
+    64), the lens). ``demote``: the ``diffkv`` preset with recent window 2, alpha_high 1.5, alpha_low 0.3 (moves tokens
     to the low tier on the next decode step)."""
     import dataclasses
 
-    kv = dataclasses.replace(get_preset("default"), recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3) \
+    kv = dataclasses.replace(get_preset("diffkv"), recent_window_tokens=2, alpha_high=1.5, alpha_low=0.3) \
         if preset == "demote" else get_preset(preset)
     cache = _cache(kv)
     L, H, Hkv, D = 2, 4, 2, 64
@@ -287,7 +287,7 @@ def test_register_aot_plugins_returns_the_wrappers_launch(monkeypatch, tmp_path)
     from trtllm_diffkv.export.aot_graph import decode_graph_abi
     from trtllm_diffkv.export.aot_prefill import prefill_graph_abi
 
-    model, kv = tiny_llama(), get_preset("default")
+    model, kv = tiny_llama(), get_preset("diffkv")
     c = model.config
     shape = EngineShape(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                         head_dim=c.head_dim, kv_config=kv, dtype="float32", max_batch_size=4, max_seq_len=64)

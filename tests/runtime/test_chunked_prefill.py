@@ -17,7 +17,7 @@ from trtllm_diffkv.config import DiffKVConfig, TierConfig, get_preset
 from trtllm_diffkv.runtime.sampling import SamplingParams
 
 K8V8 = DiffKVConfig(name="k8v8", high=TierConfig(8, 8), low=TierConfig(8, 8), alpha_low=0.0, alpha_high=0.0)
-LOGIT_ATOL = {"fp16": 1e-3, "k8v4": 5e-2, "default": 5e-2, "k8v8": 5e-2}
+LOGIT_ATOL = {"fp16": 1e-3, "k8v4": 5e-2, "diffkv": 5e-2, "k8v8": 5e-2}
 PROMPT = _prompts((100,), seed=3)[0]  # > S = 64: the score window is a part of the prompt
 
 
@@ -60,7 +60,7 @@ def unchunked(model, name):
     return _unchunked[name]
 
 
-@pytest.mark.parametrize("name,chunk", [("default", 1), ("default", 63), ("default", 64), ("default", 90),
+@pytest.mark.parametrize("name,chunk", [("diffkv", 1), ("diffkv", 63), ("diffkv", 64), ("diffkv", 90),
                                         ("fp16", 1), ("fp16", 64), ("fp16", 90), ("k8v4", 63), ("k8v4", 90),
                                         ("k8v8", 64)])
 def test_chunked_prefill_equals_the_one_step_prefill(model, name, chunk):
@@ -101,7 +101,7 @@ def test_seeded_sampling_does_not_depend_on_the_chunking(model):
 
 def test_decodes_run_in_every_step_while_a_long_prompt_is_chunked(model):
     """Decodes first, then prompt chunks in what is left of ``max_num_tokens``; nobody's tokens change."""
-    kv, short = get_preset("default"), _prompts((10,), seed=4)[0]
+    kv, short = get_preset("diffkv"), _prompts((10,), seed=4)[0]
     ex = make(model, kv, max_batch_size=2, max_num_tokens=16)
     tokens_per_step, prepare = [], ex.rm.prepare_resources
 
@@ -112,7 +112,7 @@ def test_decodes_run_in_every_step_while_a_long_prompt_is_chunked(model):
     ex.rm.prepare_resources = recording
     got = drive(ex, {0: [("short", short, _greedy(12))], 2: [("long", PROMPT, _greedy(4))]})
     assert got["short"][0] == run(model, kv, short, 12)[0].output_token_ids
-    assert got["long"][0] == unchunked(model, "default")[0].output_token_ids[:4]
+    assert got["long"][0] == unchunked(model, "diffkv")[0].output_token_ids[:4]
     assert all(n <= 16 for n, _, _ in tokens_per_step)
     # steps 2..8: the short request decodes while the long prompt comes in chunks of 15 (100 = 6 x 15 + 10)
     assert tokens_per_step[2:9] == [(16, 1, 1)] * 6 + [(11, 1, 1)]
@@ -328,7 +328,7 @@ def _mixed_traffic(model, kv, split):
     return got, {key: torch.stack(rows[update.request_id]) for key, (_, update) in got.items()}, sum(mixed)
 
 
-@pytest.mark.parametrize("name", ["default", "fp16"])
+@pytest.mark.parametrize("name", ["diffkv", "fp16"])
 def test_split_mixed_steps_equal_the_one_call_steps(model, name):
     """``split_mixed_steps`` (the default with CUDA graphs) runs a step's decodes, then its prompts, as two model
     calls: every request's tokens, logits, pages and tiers are those of the one-call step."""
@@ -345,7 +345,7 @@ def test_split_mixed_steps_equal_the_one_call_steps(model, name):
 def test_a_failing_prompt_call_of_a_split_step_fails_only_its_prompts(model):
     """The prompts' model call of a split step raises: those requests fail with the reason, the decodes of the
     same step go on to their tokens, and every page comes back."""
-    ex = make(model, get_preset("default"), max_batch_size=4, max_num_tokens=64, split_mixed_steps=True)
+    ex = make(model, get_preset("diffkv"), max_batch_size=4, max_num_tokens=64, split_mixed_steps=True)
     forward = ex._forward
 
     def failing(batch, graphs=None, input_ids=None):
@@ -368,11 +368,11 @@ def test_a_failing_prompt_call_of_a_split_step_fails_only_its_prompts(model):
         if step > 2 and not ex.has_unfinished():
             break
     assert final[good].finish_reason == "length"
-    assert tokens[good] == run(model, get_preset("default"), short, 8)[0].output_token_ids
+    assert tokens[good] == run(model, get_preset("diffkv"), short, 8)[0].output_token_ids
     assert final[bad].finish_reason == "error" and "planted" in final[bad].error and tokens.get(bad, []) == []
     assert ex.cache.manager.free_pages() == ex.cache.manager.num_pages and ex.cache.staging == {}
 
 
 def test_split_mixed_steps_is_checked(model):
     with pytest.raises(ValueError, match="split_mixed_steps"):
-        make(model, get_preset("default"), split_mixed_steps="yes")
+        make(model, get_preset("diffkv"), split_mixed_steps="yes")

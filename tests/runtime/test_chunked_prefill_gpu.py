@@ -27,7 +27,7 @@ def _make(model, kv, **kw):
     return ex
 
 
-@pytest.mark.parametrize("name,chunk", [("default", 1), ("default", 64), ("default", 90), ("k8v4", 63), ("fp16", 90),
+@pytest.mark.parametrize("name,chunk", [("diffkv", 1), ("diffkv", 64), ("diffkv", 90), ("k8v4", 63), ("fp16", 90),
                                         ("k8v8", 90)])
 def test_chunked_prefill_equals_the_one_step_prefill_on_gpu(model, name, chunk):
     kv = preset(name)
@@ -59,7 +59,7 @@ def test_chunked_prefill_with_an_8_bit_cache_gives_no_nan_in_bf16(name):
 
 
 def test_decodes_run_beside_a_chunked_prompt_on_gpu(model):
-    kv, short = preset("default"), _prompts((10,), seed=4)[0]
+    kv, short = preset("diffkv"), _prompts((10,), seed=4)[0]
     got = drive(_make(model, kv, max_batch_size=2, max_num_tokens=16),
                 {0: [("short", short, _greedy(12))], 2: [("long", PROMPT, _greedy(4))]})
     solo = {key: run(model, kv, prompt, n, ex=_make(model, kv, max_batch_size=1, max_num_tokens=128,

@@ -113,7 +113,7 @@ def test_kv_memory_fraction_sizes_the_pool_from_free_memory(model):
 
 
 def test_default_model_executor_vs_reference_and_static_batch():
-    """SmolLM2-135M, default preset, greedy: the executor equals the static-batch paged generator (same
+    """SmolLM2-135M, ``diffkv`` preset, greedy: the executor equals the static-batch paged generator (same
     kernels, same batch), and agrees with the reference generator as tests/paged/test_paged_gpu.py measures it
     (first token identical; identical sequences counted and printed: a deep model turns one-step rounding
     differences into code flips, see test_default_model_paged_vs_reference)."""
@@ -127,7 +127,7 @@ def test_default_model_executor_vs_reference_and_static_batch():
         pytest.skip(f"default model not available on this machine: {exc}")
     from trtllm_diffkv.model.loader import stop_token_ids
 
-    cfg = get_preset("default")
+    cfg = get_preset("diffkv")
     stops = stop_token_ids(None)
     reference = ReferenceGenerator(model, tokenizer, model_config, cfg, stops)
     prompts = [reference.encode(p) for p in ("Write a Python function that reverses a string.",
@@ -162,7 +162,7 @@ def test_default_model_throughput_smoke(use_cuda_graphs):
         model, tokenizer, model_config = load_model(None, device="cuda", dtype=torch.float16)
     except FileNotFoundError as exc:
         pytest.skip(f"default model not available on this machine: {exc}")
-    ex = Executor(model, model_config, get_preset("default"),
+    ex = Executor(model, model_config, get_preset("diffkv"),
                   EngineConfig(max_batch_size=16, max_seq_len=512, kv_memory_bytes=256 << 20, profile=True,
                                use_cuda_graphs=use_cuda_graphs), tokenizer=tokenizer)
     g = torch.Generator().manual_seed(0)

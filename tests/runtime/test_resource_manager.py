@@ -36,7 +36,7 @@ def _allocated(rm) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("preset", ["default", "fp16"])
+@pytest.mark.parametrize("preset", ["diffkv", "fp16"])
 @pytest.mark.parametrize("budget", [200_000, 1_000_003, 5 << 20])
 def test_budget_covers_pool_and_bookkeeping(model, preset, budget):
     rm = _rm(model, get_preset(preset), budget)
@@ -158,9 +158,9 @@ def test_update_resources_names_the_request_with_non_finite_keys(model):
     assert rm.update_resources(ScheduledBatch()) == {}  # flags were cleared
 
 
-@pytest.mark.parametrize("preset", ["fp16", "default"])
+@pytest.mark.parametrize("preset", ["fp16", "tiered"])
 def test_needed_to_completion_bounds_the_pages_held_at_the_end(model, preset):
-    kv = CFG if preset == "default" else get_preset("fp16")
+    kv = CFG if preset == "tiered" else get_preset("fp16")
     ex = Executor(model, model.config, kv, EngineConfig(max_batch_size=2, max_seq_len=64, kv_memory_bytes=1 << 20,
                                                         high_tokens_per_page=4, use_triton=False))
     prompt = list(range(3, 22))

@@ -106,7 +106,7 @@ def test_llm_api_equals_transformers(gemma):
         assert out.outputs[0].token_ids == refs[i][0], i
 
 
-@pytest.mark.parametrize("preset", ["default", "k8v4"])
+@pytest.mark.parametrize("preset", ["diffkv", "k8v4"])
 def test_pages_conserved_after_finish_and_abort(gemma, preset):
     """DiffKV presets on the sliding-window model: a request aborted mid-prefill (between its chunks), one aborted
     mid-decode, the others finish; every page comes back. The first token of each finished request comes from a

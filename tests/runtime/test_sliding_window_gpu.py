@@ -85,7 +85,7 @@ def test_executor_with_cuda_graphs_equals_transformers(gemma_cuda):
                 assert abs(lp.logprob - float(logp[step, token])) < LOGPROB_TOL, (i, step, token)
 
 
-@pytest.mark.parametrize("preset", ["k8v4", "default"])
+@pytest.mark.parametrize("preset", ["k8v4", "diffkv"])
 def test_diffkv_presets_hold_the_window_and_return_every_page(gemma_cuda, preset):
     from trtllm_diffkv.config import get_preset
     from trtllm_diffkv.engine_config import EngineConfig
@@ -113,7 +113,7 @@ def test_diffkv_presets_hold_the_window_and_return_every_page(gemma_cuda, preset
     _drive(ex, prompts, SamplingParams(max_tokens=STEPS, temperature=0.0), aborts=(0, 3))
 
 
-@pytest.mark.parametrize("preset", ["k8v4", "default", "fp16"])
+@pytest.mark.parametrize("preset", ["k8v4", "diffkv", "fp16"])
 def test_decode_kernel_at_gemma3_270m_shape_long_rows(preset):
     """A sliding layer's row (512 high tokens) and a full layer's (700 high, 1300 low), bf16 queries, 4 partitions."""
     from trtllm_diffkv.config import PRESETS

@@ -699,11 +699,11 @@ def test_default_model_through_the_standin(trt, default_model):
     from trtllm_diffkv.model.loader import default_model_path
 
     hf = json.loads((default_model_path() / "config.json").read_text())  # what TensorRT-LLM's factory is given
-    # Bit-equal tokens need the same arithmetic: the unrotated tiers. With the rotated default the adapter's backend
+    # Bit-equal tokens need the same arithmetic: the unrotated tiers. With the rotated diffkv the adapter's backend
     # rotates q, k, v and the output at run time while our LLM folds the rotation into v_proj / o_proj, so the
     # fp32 roundings differ and a 4-bit code can round the other way later on (the rotation's exactness is
     # tested on the tiny model above); the first token, from the full-precision prompt, must still agree.
-    for preset, steps in (("default-unrotated", 8), ("default", 1)):
+    for preset, steps in (("default-unrotated", 8), ("diffkv", 1)):
         config = trt.DiffKVCompressionConfig(preset=preset, kv_memory_bytes=64 << 20)
         ex = sti.create_executor(net, serving_args(config), hf, max_seq_len=64, max_num_tokens=128)
         ids = [ex.add_request(p, 8) for p in prompts]

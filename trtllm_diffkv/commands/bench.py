@@ -7,8 +7,9 @@ then writes the results JSON (``{"gpu", "date", "commit", "command", "rows"}``),
 JSON beside it (``<stem>_details.json``: steps, preemptions, wall time, tier split, prompt
 source per run) and a PNG (``<stem>.png``): throughput and achieved batch size per workload,
 every preset side by side (paper figure 17), and mean latency against request rate (figure 16). Workloads a, b
-and file run ``--preset`` (a, file) or ``--b-preset`` (b), then ``--baselines`` (default k8v4, k8v8), then
-``fp16``, each after its own warm-up pass, at the same KV budget; c runs the preset and ``fp16``.
+and file run ``--preset`` (a, file; default ``diffkv``, the tiered DiffKV point) or ``--b-preset`` (b), then
+``--baselines`` (default k8v4, k8v8), then ``fp16``, each after its own warm-up pass, at the same KV budget; c runs
+the preset and ``fp16``.
 
 ``--prompts-file FILE`` runs the user's own requests (JSONL: prompts, or prompt/output token lengths;
 :mod:`trtllm_diffkv.evaluation.prompt_files`) on ``--model`` (workload ``file``), or sends them in client mode.
@@ -58,7 +59,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--plot-from", metavar="JSON", help="run nothing: read a results JSON (e.g. fetched from the GPU "
                                                        "machine), print its table and write the PNG at --output's "
                                                        "stem + .png")
-    p.add_argument("--preset", help="DiffKV preset or kv-config JSON file of workloads a and c (default: default)")
+    p.add_argument("--preset", help="DiffKV preset or kv-config JSON file of workloads a and c (default: diffkv, the "
+                                    "tiered DiffKV point)")
     p.add_argument("--b-preset", help="DiffKV preset of workload b (default: llama3-8b)")
     p.add_argument("--baselines", default=",".join(UNIFORM_BASELINES),
                    help="comma-separated presets run beside the DiffKV preset and fp16 in workloads a, b and file, "

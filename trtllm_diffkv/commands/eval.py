@@ -49,12 +49,12 @@ def add_parser(subparsers) -> None:
                         f"(default: {DEFAULT_TASKS})")
     p.add_argument("--points", help="copy/recall: comma-separated points, each a preset, a kv-config file or a "
                                     "reference baseline (kivi-4, kivi-2); fp16 always runs (default: "
-                                    "fp16,k8v8,k8v4,default)")
+                                    "fp16,k8v8,k8v4,diffkv, and the default preset where it is none of those)")
     p.add_argument("--methods", help="teacher-forced tasks: comma-separated methods (curves): diffkv, k8v4, k8v8, k4v4, "
                                      "kivi, snapkv, h2o, streamingllm; fp16 always runs (default: all)")
     p.add_argument("--point", action="append", metavar="SPEC",
                    help="add one point; repeat for several. copy/recall: PRESET|FILE[,FIELD=VALUE...], a preset with "
-                        "DiffKVConfig fields replaced, e.g. 'default,alpha_low=0.005' or 'default,low=K8V2' (tiers "
+                        "DiffKVConfig fields replaced, e.g. 'diffkv,alpha_low=0.005' or 'diffkv,low=K8V2' (tiers "
                         "K4V2 or K4V2-1-4 with groups). Teacher-forced tasks: METHOD=CONFIG, a point of the sweep by "
                         "its exact config label (as in the results JSON, e.g. 'snapkv=budget=0.35')")
     p.add_argument("--kv-config", action="append", metavar="PRESET|FILE",
@@ -396,7 +396,7 @@ def _generation_setup(args, tasks: list[str]):
     import torch
 
     from .common import check_output_path, resolve_device
-    from ..evaluation.generation_eval import DEFAULT_POINTS, resolve_points
+    from ..evaluation.generation_eval import default_points, resolve_points
     from ..evaluation.generation_tasks import GENERATION_SOURCES, build_generation_cases
     from ..evaluation.throughput import environment
     from ..model.loader import default_dtype, load_model, resolve_model_path
@@ -408,7 +408,7 @@ def _generation_setup(args, tasks: list[str]):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 1")
-    specs = [p.strip() for p in args.points.split(",") if p.strip()] if args.points else list(DEFAULT_POINTS)
+    specs = [p.strip() for p in args.points.split(",") if p.strip()] if args.points else default_points()
     specs += list(args.point or ()) + list(args.kv_config or ())
     points = resolve_points(specs)
     check_output_path(args.output, "--output")

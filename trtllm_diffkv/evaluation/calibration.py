@@ -43,7 +43,7 @@ STDLIB_MODULES = ("argparse", "textwrap", "difflib", "tarfile", "zipfile", "conf
 """Standard-library modules whose source makes the ``stdlib-recall`` prompts, in order."""
 
 LOW_TIERS = {
-    "k4v2": dict(low=TierConfig(4, 2), key_rotation="none"),  # explicit: the base (`default`) rotates keys
+    "k4v2": dict(low=TierConfig(4, 2), key_rotation="none"),  # explicit: the base (`diffkv`) rotates keys
     "k8v2": dict(low=TierConfig(8, 2), key_rotation="none"),
     "k4v4": dict(low=TierConfig(4, 4), key_rotation="none"),
     "rotated-k4v2": dict(low=TierConfig(4, 2), key_rotation="hadamard"),
@@ -108,14 +108,14 @@ def sweep_settings(alpha_high: list[float], alpha_low: list[float], low_tiers: l
                    presets: tuple[str, ...] = ()) -> dict[str, DiffKVConfig]:
     """The grid: ``k8v4`` (quantization only, the yardstick), the named ``presets`` (rows
     ``preset:<name>``, e.g. ``paper``), then every (alpha_high, alpha_low <= alpha_high, low tier, pool) on
-    ``base`` (default: the ``default`` preset's other fields).
+    ``base`` (default: the other fields of ``diffkv``, the tiered preset).
 
     Raises:
         ValueError: an unknown low-tier name (listing :data:`LOW_TIERS`), an unknown preset, a value the
             config refuses (NaN included), or no (alpha_high, alpha_low) pair at all: a grid holding the k8v4
             yardstick alone would be "calibrated" to it without a word.
     """
-    base = base or get_preset("default")
+    base = base or get_preset("diffkv")
     unknown = [t for t in low_tiers if t not in LOW_TIERS]
     if unknown:
         raise ValueError(f"--low-tier {unknown[0]!r}: expected one of {sorted(LOW_TIERS)}")

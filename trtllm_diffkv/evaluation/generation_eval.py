@@ -5,7 +5,7 @@ format run through the product's own serving path: the public :class:`~trtllm_di
 in-flight executor (:func:`run_executor_point`: one ``LLM`` per point over the one loaded model, every case
 of the point submitted at once, greedy, the executor's KV budget sized for the whole batch), or, for the
 baselines that exist only there, the reference path one request at a time (:func:`run_reference_point`:
-KIVI). Points (:func:`parse_point`): presets (``fp16``, ``k8v8``, ``k8v4``, ``default``, ...), kv-config
+KIVI). Points (:func:`parse_point`): presets (``fp16``, ``k8v8``, ``k8v4``, ``diffkv``, ...), kv-config
 files, and custom DiffKV points ``PRESET,FIELD=VALUE,...`` (thresholds, low tier, rotation, ...).
 
 Per case and point a record holds the generated text, the grade (``copy``: exact match; ``recall``: unit
@@ -46,10 +46,20 @@ PAIRED_BASELINES = ("fp16", "k8v4")
 MEMORY_METRICS = ("kv_memory_fraction", "pool_fraction", "high_fraction", "low_fraction", "pruned_fraction")
 """Per-record memory figures aggregated beside the score (``None`` values, e.g. fp16's tiers, skipped)."""
 
-DEFAULT_POINTS = ("fp16", "k8v8", "k8v4", "default")
-"""The points of a run that names none: fp16 (the reference), the uniform formats, the default preset."""
+DEFAULT_POINTS = ("fp16", "k8v8", "k8v4", "diffkv")
+"""The points of a run that names none: fp16 (the reference), the uniform formats and ``diffkv``, the tiered DiffKV
+preset, whatever ``default`` is; :func:`default_points` adds ``default`` where it is none of them."""
 
-UNIFORM_POINTS = {"fp16", "k8v8", "k8v4"}
+UNIFORM_POINTS = ("fp16", "k8v8", "k8v4")
+"""The uniform formats: a point with one of their configurations is drawn on their curve, whatever its name."""
+
+
+def default_points() -> list[str]:
+    """:data:`DEFAULT_POINTS`, then ``default`` where its configuration is none of theirs (it is the point
+    docs/QUALITY.md's rule picks, so a run always shows it; named twice, the table would show one point twice)."""
+    default = PRESETS["default"]
+    same = any(default.same_configuration(PRESETS[name]) for name in DEFAULT_POINTS)
+    return list(DEFAULT_POINTS) + ([] if same else ["default"])
 
 DEFAULT_MAX_BATCH_SIZE = 256
 """Request slots of a point's executor at most (fewer when the run has fewer cases)."""
@@ -63,7 +73,7 @@ class GenerationPoint:
     """One KV format of a run.
 
     Attributes:
-        name: its label in records and tables: the spec as given (``"k8v4"``, ``"default,alpha_high=0.5"``).
+        name: its label in records and tables: the spec as given (``"k8v4"``, ``"diffkv,alpha_high=0.5"``).
         method: its curve: ``fp16``, ``k8v8``, ``k8v4``, ``diffkv`` (a DiffKV preset or custom point) or a
             reference-path baseline (``kivi``).
         kv_config: the executor's configuration; ``None`` for a reference-path point.
@@ -119,7 +129,7 @@ def _value(text: str, current, field: str, where: str):
 def parse_point(spec: str) -> GenerationPoint:
     """A point from its spec: ``PRESET``, a kv-config ``FILE``, a reference baseline (:data:`REFERENCE_POINTS`),
     or ``PRESET|FILE,FIELD=VALUE[,FIELD=VALUE...]``: the preset with :class:`~trtllm_diffkv.config.DiffKVConfig`
-    fields replaced (e.g. ``default,alpha_low=0.005``, ``default,low=K8V2,key_rotation=none``; tiers as
+    fields replaced (e.g. ``diffkv,alpha_low=0.005``, ``diffkv,low=K8V2,key_rotation=none``; tiers as
     ``K4V2`` or ``K4V2-1-4`` with key and value groups; booleans ``true``/``false``).
 
     Raises:
@@ -152,7 +162,7 @@ def parse_point(spec: str) -> GenerationPoint:
             data[field] = _value(text.strip(), data.get(field), field, where)
         data["name"] = name
         config = kv_config_from_dict(data, where=where).replace(calibrated_for=config.calibrated_for)
-    method = base if base in UNIFORM_POINTS and not changes else "diffkv"
+    method = next((name for name in UNIFORM_POINTS if config.same_configuration(PRESETS[name])), "diffkv")
     return GenerationPoint(name, method, kv_config=config)
 
 

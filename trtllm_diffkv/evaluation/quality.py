@@ -83,7 +83,8 @@ EVICTION_BUDGETS = (0.2, 0.35)
 def method_points() -> list[MethodPoint]:
     """The default sweep: fp16 first (the reference), DiffKV points, then the baselines."""
     # The `diffkv` curve is the unrotated tiers (`default-unrotated`, the default until the rotated point won;
-    # quality.json rows measured before that name it "default (ah=1, al=0)"); `diffkv-rotated` is `default`.
+    # quality.json rows measured before that name it "default (ah=1, al=0)"); `diffkv-rotated` is the `diffkv`
+    # preset (the tiered point; `default` today).
     default = get_preset("default-unrotated")
     points = [_diffkv_point("fp16", "fp16", get_preset("fp16")),
               _diffkv_point("diffkv", "default-unrotated (ah=1, al=0)", default),
@@ -95,7 +96,7 @@ def method_points() -> list[MethodPoint]:
               _baseline_point("kivi", "KIVI-4 (G=32, R=128)", baselines.KIVICache, 4),
               _baseline_point("kivi", "KIVI-2 (G=32, R=128)", baselines.KIVICache, 2)]
     # The low-tier options of issue 18 section 3 (config.py: key_rotation, score_pool_tokens, K8V2) and the paper's rules.
-    k8v2, rotated = get_preset("default-k8v2"), get_preset("default")
+    k8v2, rotated = get_preset("default-k8v2"), get_preset("diffkv")
     pooled = default.replace(score_pool_tokens=5, name="pool5")
     points += [_diffkv_point("paper", "paper preset (alpha/i, no centring, ah=1, al=0.02)", get_preset("paper")),
                _diffkv_point("diffkv-k8v2", "low K8V2, ah=1, al=0", k8v2),

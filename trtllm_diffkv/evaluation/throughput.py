@@ -116,17 +116,17 @@ def default_workloads(smoke: bool = False) -> dict[str, Workload]:
     """The H200 sizes (about 4-5 minutes for all three with two presets each, see docs/PERFORMANCE.md; a and b now
     run four presets), or tiny CPU smoke sizes."""
     if smoke:
-        tiny = dict(model="tiny-random", presets=presets_with_baselines("default"), prompt_tokens=40,
+        tiny = dict(model="tiny-random", presets=presets_with_baselines("diffkv"), prompt_tokens=40,
                     output_tokens=24, num_requests=6, fp16_capacity=2, max_batch_size=8)
         return {"a": Workload("a", **tiny),
                 "b": Workload("b", **{**tiny, "presets": presets_with_baselines("llama3-8b")}),
-                "c": Workload("c", **{**tiny, "presets": ("default", "fp16"), "num_requests": 4,
+                "c": Workload("c", **{**tiny, "presets": ("diffkv", "fp16"), "num_requests": 4,
                                       "request_rates": (50.0, 200.0)})}
     return {
-        "a": Workload("a", "default", presets_with_baselines("default"), 512, 2048, num_requests=48, fp16_capacity=16),
+        "a": Workload("a", "default", presets_with_baselines("diffkv"), 512, 2048, num_requests=48, fp16_capacity=16),
         "b": Workload("b", "llama3-8b-random", presets_with_baselines("llama3-8b"), 512, 512, num_requests=48,
                       fp16_capacity=16),
-        "c": Workload("c", "default", ("default", "fp16"), 512, 256, num_requests=16, fp16_capacity=8,
+        "c": Workload("c", "default", ("diffkv", "fp16"), 512, 256, num_requests=16, fp16_capacity=8,
                       request_rates=(2.0, 4.0, 8.0, 16.0)),
     }
 
