@@ -102,6 +102,50 @@ def check_greedy(got: list[int], tokens: list[int], logits: torch.Tensor, prompt
     return first
 
 
+def check_window_rows(cache) -> list[tuple[int, int, int, bool]]:
+    """Assert that each sliding layer's page-table rows of each active slot of a
+    :class:`~trtllm_diffkv.paged.cache.PagedDiffKVCache` hold what they should now (after a step; on CUDA after a
+    synchronize); returns the ``(slot, layer, seq_len, staged)`` rows checked.
+
+    * A compacted request (``cache.prompt_len[slot] > 0``) of ``seq_len`` tokens: exactly ``(min(seq_len, W), 0)``
+      (high, low) tokens in each of the layer's ``num_kv_heads`` rows (the window, at the high tier).
+    * A prompt half-prefilled in chunks (``slot in cache.staging``): ``(0, 0)``. Its K/V so far live in the
+      full-precision staging outside the pool; its rows stay ``RESERVED`` with no tokens counted until the final
+      chunk commits the prompt (``seq_len`` counts the staged tokens, not the pool's).
+
+    Rows of slot ``s``, layer ``l``: ``s * cache.rows_per_slot + l * num_kv_heads + arange(num_kv_heads)``.
+
+    Raises:
+        AssertionError: naming the slot, layer, seq_len, whether staged, and the counts.
+    """
+    H, checked = cache.num_kv_heads, []
+    for slot in cache.active_slots:
+        seq, staged = cache.seq_len[slot], slot in cache.staging
+        for layer, window in enumerate(cache.sliding_windows):
+            if window is None:
+                continue
+            rows = torch.arange(H, device=cache.device) + slot * cache.rows_per_slot + layer * H
+            counts = [tuple(c) for c in cache.manager.tokens[rows].tolist()]
+            want = (0, 0) if staged else (min(seq, window), 0)
+            assert counts == [want] * H, (slot, layer, seq, "staged" if staged else "compacted", counts)
+            checked.append((slot, layer, seq, staged))
+    return checked
+
+
+def check_window_coverage(checked: list[tuple[int, int, int, bool]], cache, min_compacted_rows: int) -> None:
+    """Assert that :func:`check_window_rows` calls over a run were not vacuous: ``checked`` (their rows, joined)
+    holds at least ``min_compacted_rows`` rows of compacted requests, such rows both below and past their window
+    (a request decoding across it), and a row of a prompt half-prefilled in chunks.
+
+    Raises:
+        AssertionError: naming what was not seen.
+    """
+    compacted = [(seq, cache.sliding_windows[layer]) for _, layer, seq, staged in checked if not staged]
+    assert len(compacted) >= min_compacted_rows, f"{len(compacted)} compacted sliding rows checked"
+    assert {seq < window for seq, window in compacted} == {True, False}, "no row below or none past its window"
+    assert any(staged for *_, staged in checked), "no prompt seen half-prefilled in chunks"
+
+
 def setup(folder, prompt_lens=(29, 5), decode_steps: int = 12, seed: int = 0):
     """Save the tiny model to ``folder``, load it with our loader (fp32, CPU), draw prompts of ``prompt_lens`` tokens
     and transformers' greedy references.

@@ -13,7 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_gemma import check_greedy, hf_greedy, save_tiny_gemma3, setup  # noqa: E402
+from tiny_gemma import (check_greedy, check_window_coverage, check_window_rows, hf_greedy,  # noqa: E402
+                        save_tiny_gemma3, setup)
 from trtllm_diffkv.config import get_preset  # noqa: E402
 from trtllm_diffkv.engine_config import EngineConfig  # noqa: E402
 from trtllm_diffkv.generation.reference import ReferenceGenerator  # noqa: E402
@@ -51,9 +52,11 @@ def _executor(model, config, preset, **kw):
                                  use_triton=False, **kw))
 
 
-def _run(ex, arrivals, aborts=None, max_steps=200):
+def _run(ex, arrivals, aborts=None, max_steps=200, window_rows=None):
     """Drive ``ex`` until idle: ``arrivals`` {step: [(key, prompt, params)]}, ``aborts`` {step: [key]}; after every
-    step the pool's pages are conserved. Returns {key: (tokens, final update, streamed logprobs)}."""
+    step the pool's pages are conserved and the sliding layers' rows hold their window
+    (:func:`tiny_gemma.check_window_rows`; the rows checked are appended to ``window_rows`` when given). Returns
+    {key: (tokens, final update, streamed logprobs)}."""
     aborts, ids, tokens, final, logprobs = aborts or {}, {}, {}, {}, {}
     manager = ex.cache.manager
     for step in range(max_steps):
@@ -70,6 +73,9 @@ def _run(ex, arrivals, aborts=None, max_steps=200):
                 final[keys[update.request_id]] = update
         manager.check_invariants()
         assert int(manager.pages.sum()) + manager.free_pages() == manager.num_pages
+        checked = check_window_rows(ex.cache)
+        if window_rows is not None:
+            window_rows += checked
         if step >= max(list(arrivals) + list(aborts)) and not ex.has_unfinished():
             break
     assert manager.free_pages() == manager.num_pages, "pages leaked"
@@ -115,8 +121,10 @@ def test_pages_conserved_after_finish_and_abort(gemma, preset):
     ex = _executor(model, config, preset)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0)
     long_prompt = prompts[0] + prompts[2]  # 46 tokens: three chunks
+    window_rows = []
     got = _run(ex, {0: [(0, prompts[0], params), (1, prompts[1], params), (3, long_prompt, params)],
-                    1: [(2, prompts[2], params)]}, aborts={2: [3], 6: [2]})
+                    1: [(2, prompts[2], params)]}, aborts={2: [3], 6: [2]}, window_rows=window_rows)
+    check_window_coverage(window_rows, ex.cache, 2 * (STEPS - 1) * 2)  # 2 finished requests, 2 sliding layers
     assert got[3][1].finish_reason == got[2][1].finish_reason == "abort"
     assert got[0][1].finish_reason == got[1][1].finish_reason == "length"
     assert got[0][0][0] == refs[0][0][0] and got[1][0][0] == refs[1][0][0]
@@ -153,9 +161,12 @@ def test_executor_at_the_gpu_tests_shape_equals_transformers(tmp_path):
     for logprobs in (None, 2):  # None: decode-only steps overlap; 2: every step read before the next
         ex = Executor(model, config, get_preset("fp16"), engine)
         params = SamplingParams(max_tokens=GPU_SHAPE_STEPS, temperature=0.0, logprobs=logprobs)
-        got = _run(ex, {0: [(i, p, params) for i, p in enumerate(prompts)]})
+        window_rows = []
+        got = _run(ex, {0: [(i, p, params) for i, p in enumerate(prompts)]}, window_rows=window_rows)
         if logprobs is None:
             assert ex.stats()["overlapped_steps"] > 0
+        # as the GPU test: the 130-token prompt half-prefilled (slot 3, 35 tokens staged after step 1: no rows)
+        check_window_coverage(window_rows, ex.cache, len(prompts) * (GPU_SHAPE_STEPS - 1) * 2)
         for i, (tokens, update, entries) in got.items():
             want_tokens, want_logits = refs[i]
             agree = check_greedy(tokens, want_tokens, want_logits, len(prompts[i]), LOGPROB_TOL, f"prompt {i}")
