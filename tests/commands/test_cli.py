@@ -31,8 +31,8 @@ def test_unknown_preset_and_bad_alpha_are_usage_errors():
     run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--kv-config", "nope"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "nope" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--alpha-low", "5", "--alpha-high", "1",
-                          "--model", "/nonexistent"], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "trtllm_diffkv", "generate", "--kv-config", "diffkv", "--alpha-low", "5",
+                          "--alpha-high", "1", "--model", "/nonexistent"], capture_output=True, text=True)
     assert run.returncode == 2 and "alpha_low" in run.stderr
 
 
@@ -94,6 +94,9 @@ def test_read_prompts_refuses_empty_and_non_utf8(tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["--device", "meta"], "only cpu and cuda"),
     (["--kv-config", "fp16", "--alpha-high", "5"], "no effect"),
+    # `default` is uniform K8V4 since issue 41: thresholds there would tier K8V4 into K8V4 (or be out of range)
+    (["--alpha-low", "0.02"], "--kv-config default is uniform (K8V4, no tiers); name a tiered preset"),
+    (["--kv-config", "k8v8", "--alpha-high", "1"], "--kv-config k8v8 is uniform (K8V8, no tiers)"),
     (["--prompts-file", "/"], "trtllm-diffkv: error"),
 ])
 def test_bad_setup_is_a_clean_usage_error(args, words):

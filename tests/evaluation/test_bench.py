@@ -195,6 +195,31 @@ def test_flags_override_the_defaults():
         bench.workloads_from_args(parser.parse_args(["bench", "--workloads", "a", "--baselines", "k9v9"]))
 
 
+def test_a_configuration_is_measured_once_whatever_its_names(tmp_path):
+    """``--preset default`` (uniform K8V4 since issue 41) beside the default baselines k8v4, k8v8 measures K8V4
+    once, under the name the user gave; so does a kv-config file holding K8V4, and a baseline list naming one
+    configuration twice. Workload c and ``--baselines none`` are unchanged."""
+    from trtllm_diffkv.config import get_preset, save_kv_config_file
+    from trtllm_diffkv.evaluation.throughput import presets_with_baselines
+
+    assert get_preset("default").same_configuration(get_preset("k8v4"))  # the premise (docs/QUALITY.md)
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+
+    def presets(*argv):
+        return {w.name: w.presets for w in bench.workloads_from_args(parser.parse_args(["bench", *argv]))}
+
+    assert presets("--workloads", "a,c", "--preset", "default") == {"a": ("default", "k8v8", "fp16"),
+                                                                    "c": ("default", "fp16")}
+    assert presets("--workloads", "a", "--preset", "default", "--baselines", "none") == {"a": ("default", "fp16")}
+    assert presets("--workloads", "a", "--baselines", "k8v4,default,k8v8") == {"a": ("diffkv", "k8v4", "k8v8", "fp16")}
+    assert presets("--smoke", "--workloads", "a", "--preset", "default") == {"a": ("default", "k8v8", "fp16")}
+    file = tmp_path / "k8v4.json"
+    save_kv_config_file(file, get_preset("k8v4"))
+    assert presets_with_baselines(str(file)) == (str(file), "k8v8", "fp16")
+    assert presets_with_baselines("diffkv") == ("diffkv", "k8v4", "k8v8", "fp16")
+
+
 @pytest.mark.parametrize("disable, launched_early", [(False, True), (True, False)])
 def test_the_overlap_setting_reaches_the_measured_executor(disable, launched_early):
     """``--disable-overlap-scheduler`` (``disable_overlap_scheduler``) reaches the executor a run measures; the
@@ -255,3 +280,36 @@ def test_the_warm_up_pass_runs_every_request_of_the_measured_run(monkeypatch):
     assert warm_prompts == run_prompts == prompts
     assert [p.max_tokens for p in warm_params] == [p.max_tokens for p in run_params] == output_tokens
     assert result.details["output_tokens"] == sum(output_tokens)
+
+
+@pytest.mark.parametrize("rate", [None, 200.0])
+def test_the_warm_up_executor_is_gone_before_the_measured_one_is_built(monkeypatch, rate):
+    """The warm-up executor (and with it its page pool) is freed by reference counting alone before the measured
+    run's executor is built, with Poisson arrivals (workload c) too: a reference cycle through it, or a reference kept
+    anywhere, would hold a second pool of the whole KV budget on the GPU through the measured run. Checked with the
+    cyclic garbage collector off, on the executor and on its cache."""
+    import gc
+    import weakref
+
+    from trtllm_diffkv.evaluation import throughput
+
+    workload = default_workloads(smoke=True)["c" if rate else "a"]
+    model, tokenizer = throughput.load_bench_model(workload.model, torch.device("cpu"))
+    prompts, _ = throughput.make_prompts(workload, tokenizer, model.config.vocab_size)
+    built, alive_at_build, real_executor = [], [], throughput._executor
+
+    def recording_executor(*args, **kwargs):
+        alive_at_build.append([ref() is not None for ref in built])
+        executor = real_executor(*args, **kwargs)
+        built.extend([weakref.ref(executor), weakref.ref(executor.cache)])
+        return executor
+
+    monkeypatch.setattr(throughput, "_executor", recording_executor)
+    gc.collect()
+    gc.disable()
+    try:
+        result = throughput.measure(model, tokenizer, workload, "diffkv", prompts, rate=rate, cuda_graphs=False)
+    finally:
+        gc.enable()
+    assert alive_at_build == [[], [False, False]]  # warm-up executor and its cache dead when the second is built
+    assert result.details["output_tokens"] == len(prompts) * workload.output_tokens

@@ -223,12 +223,72 @@ def test_default_points_show_the_tiered_point_and_default_once(monkeypatch):
     from trtllm_diffkv.evaluation import generation_eval as E
 
     assert E.DEFAULT_POINTS == ("fp16", "k8v8", "k8v4", "diffkv")
-    assert E.default_points() == list(E.DEFAULT_POINTS)  # default is the tiered point today
+    assert E.default_points() == list(E.DEFAULT_POINTS)  # default is k8v4 today
     monkeypatch.setitem(PRESETS, "default", PRESETS["k8v4"].replace(name="default"))
     assert E.default_points() == list(E.DEFAULT_POINTS) and parse_point("default").method == "k8v4"
     monkeypatch.setitem(PRESETS, "default", PRESETS["default-k8v2"].replace(name="default"))
     assert E.default_points() == list(E.DEFAULT_POINTS) + ["default"] and parse_point("default").method == "diffkv"
     assert parse_point("diffkv").method == "diffkv" and parse_point("k8v4,alpha_low=0.0").method == "k8v4"
+
+
+def test_a_kv_config_file_is_placed_on_its_configurations_curve(tmp_path):
+    """A kv-config file is drawn on the curve of the configuration it holds: one holding K8V4 written for a model
+    shape (``calibrated_for``, which only restricts the model it may run on) is on the k8v4 curve, as the same file
+    written for any model is; a tiered file is on the diffkv curve."""
+    from trtllm_diffkv.config import PRESETS, save_kv_config_file
+
+    for name, shape, method in (("k8v4", (9, 3, 64), "k8v4"), ("k8v4", None, "k8v4"), ("k8v8", (9, 3, 64), "k8v8"),
+                                ("diffkv", (9, 3, 64), "diffkv")):
+        path = tmp_path / f"{name}-{shape is not None}.json"
+        save_kv_config_file(path, PRESETS[name], model_shape=shape)
+        point = parse_point(str(path))
+        assert point.method == method, (name, shape)
+        assert point.kv_config.calibrated_for == shape  # the file's model check is kept
+
+
+def _write_run(stem: Path, points: dict[str, tuple[str, object]], scores: dict[str, list[float]],
+               cases: range, with_runs: bool = True) -> str:
+    """A generation details JSON (and its results JSON) of model ``m``: ``points`` maps a point name to its
+    (method, DiffKVConfig), as ``eval`` records them; the records are :func:`_records`' at ``cases``."""
+    from trtllm_diffkv.config import kv_config_to_dict
+
+    records = [dict(r, method=points[r["point"]][0]) for r in _records(scores) if r["index"] in cases]
+    run = {"model": "m", "points": [{"name": name, "method": method, "path": "executor",
+                                     "kv_config": kv_config_to_dict(cfg.replace(name=name))}
+                                    for name, (method, cfg) in points.items()]}
+    details = {"runs": [run], "records": records} if with_runs else {"records": records}
+    Path(f"{stem}_details.json").write_text(json.dumps(details))
+    Path(f"{stem}.json").write_text(json.dumps({"models": ["m"], "date": "d", "commit": "c", "command": "x",
+                                                "rows": aggregate_generation(records)}))
+    return f"{stem}_details.json"
+
+
+@pytest.mark.parametrize("with_runs", [True, False])
+def test_merging_runs_where_one_point_name_is_two_configurations_is_refused(tmp_path, capsys, with_runs):
+    """Runs from before issue 41 name the tiered point ``default``; merged with a run in which ``default`` is uniform
+    K8V4, the ``default`` rows would pool two configurations' cases under one name (the first run's records win
+    each case): refused, naming the point, the model and both files. Told by the runs' recorded configurations,
+    or, in files without them, by the records' methods. Shards of one configuration still merge."""
+    from trtllm_diffkv.cli import main
+    from trtllm_diffkv.config import PRESETS
+
+    scores = {"fp16": [1, 1, 0, 1], "default": [1, 0, 0, 1]}
+    fp16 = ("fp16", PRESETS["fp16"])
+    old = _write_run(tmp_path / "old", {"fp16": fp16, "default": ("diffkv", PRESETS["diffkv"])}, scores, range(0, 2),
+                     with_runs)
+    new = _write_run(tmp_path / "new", {"fp16": fp16, "default": ("k8v4", PRESETS["k8v4"])}, scores, range(2, 4),
+                     with_runs)
+    merged = tmp_path / "merged.json"
+    assert main(["eval", "--merge-details", old, new, "--output", str(merged), "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "point 'default' of model 'm'" in err and "old_details.json" in err and "new_details.json" in err
+    assert not merged.exists()
+    shard = _write_run(tmp_path / "shard", {"fp16": fp16, "default": ("k8v4", PRESETS["k8v4"])}, scores, range(0, 2),
+                       with_runs)
+    assert main(["eval", "--merge-details", shard, new, "--output", str(merged), "--no-plot"]) == 0
+    rows = json.loads(merged.read_text())["rows"]
+    assert {r["method"] for r in rows if r["point"] == "default"} == {"k8v4"}
+    assert next(r for r in rows if r["point"] == "default" and r["metric"] == "exact")["n"] == 4
 
 
 # --------------------------------------------------------------------------------------- the executor path

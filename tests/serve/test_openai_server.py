@@ -336,8 +336,8 @@ def test_shutdown_leaves_no_process(checkpoint, tmp_path):
     assert "aborting 1 request(s) still in flight after 5.0 s" in log and "graceful shutdown exceeded" not in log
 
 
-@pytest.mark.parametrize("flags, expected", [([], None), (["--disable-overlap-scheduler"], True)])
-def test_serve_passes_the_overlap_flag_to_the_llm(monkeypatch, capsys, flags, expected):
+def _llm_kwargs_of_serve(monkeypatch, capsys, flags) -> dict:
+    """The keyword arguments ``serve`` gives ``LLM`` (a stand-in that records them and stops the command)."""
     from trtllm_diffkv.commands.serve import main
     from trtllm_diffkv.llmapi import llm
     from trtllm_diffkv.serve.process import free_port
@@ -351,4 +351,17 @@ def test_serve_passes_the_overlap_flag_to_the_llm(monkeypatch, capsys, flags, ex
     monkeypatch.setattr(llm, "LLM", recording_llm)
     assert main(["--device", "cpu", "--port", str(free_port()), *flags]) == 2
     assert "stand-in LLM" in capsys.readouterr().err
-    assert seen["disable_overlap_scheduler"] is expected
+    return seen
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--disable-overlap-scheduler"], True)])
+def test_serve_passes_the_overlap_flag_to_the_llm(monkeypatch, capsys, flags, expected):
+    assert _llm_kwargs_of_serve(monkeypatch, capsys, flags)["disable_overlap_scheduler"] is expected
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--kv-config", "diffkv"], "diffkv")])
+def test_serve_without_kv_config_leaves_the_choice_to_the_llm(monkeypatch, capsys, flags, expected):
+    """``serve`` with no ``--kv-config`` passes ``None``: ``LLM`` then takes an engine dir's recorded configuration
+    (``trtllm-diffkv build --kv-config``), else ``default``. Passing ``"default"`` replaced an engine built with
+    ``--kv-config diffkv`` (or before issue 41 made ``default`` uniform K8V4) by K8V4."""
+    assert _llm_kwargs_of_serve(monkeypatch, capsys, flags)["kv_config"] == expected

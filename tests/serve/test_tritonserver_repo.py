@@ -65,6 +65,21 @@ def test_config_uses_tensorrt_llm_names_and_types():
         model_config_text("x", max_batch_size=0)
 
 
+def test_a_repository_without_kv_config_leaves_the_choice_to_the_llm(tmp_path):
+    """``triton-repo`` / ``write_repository`` with no kv-config writes an empty ``kv_config`` parameter, which the model
+    reads as ``None``: ``LLM`` then takes an engine dir's recorded configuration, else ``default`` (writing
+    ``"default"`` replaced an engine built with another configuration by uniform K8V4)."""
+    from trtllm_diffkv.cli import build_parser
+    from trtllm_diffkv.serve.tritonserver_requests import llm_kwargs_from_parameters
+
+    assert build_parser().parse_args(["triton-repo", "--out", str(tmp_path)]).kv_config is None
+    for kv_config, expected in ((None, None), ("diffkv", "diffkv")):
+        text = (write_repository(tmp_path / str(kv_config), model=tmp_path, name="m", kv_config=kv_config)
+                / "config.pbtxt").read_text()
+        value = re.search(r'key: "kv_config"\n  value: \{ string_value: "([^"]*)" \}', text).group(1)
+        assert llm_kwargs_from_parameters({"kv_config": value})["kv_config"] == expected
+
+
 def test_write_repository_layout_and_errors(tmp_path):
     model_dir = write_repository(tmp_path, model=tmp_path, name="m", kv_config="fp16", device="cpu")
     assert (model_dir / "1" / "model.py").read_text().startswith('"""Triton Inference Server Python backend')

@@ -714,3 +714,20 @@ def test_default_model_through_the_standin(trt, default_model):
         assert [done[i].output_token_ids[:steps] for i in ids] == [w[:steps] for w in want], preset
         assert all(len(done[i].output_token_ids) == 8 for i in ids)
         assert_all_pages_back(ex)
+
+
+def test_no_preset_serves_the_uniform_default_through_the_standin(trt, model):
+    """``DiffKVCompressionConfig`` with no preset serves ``default`` (uniform K8V4 since issue 41, no tiers): the
+    same greedy tokens as our ``LLM`` under ``k8v4``, every token kept in the high tier, all pages back."""
+    from trtllm_diffkv.config import get_preset
+
+    config = trt.DiffKVCompressionConfig(kv_memory_bytes=KV_BYTES)
+    assert config.to_kv_config().same_configuration(get_preset("k8v4")) and not config.to_kv_config().tiered
+    prompts = prompts_of([1, 17, 70, 100])
+    ex = sti.create_executor(model, serving_args(config), hf_dict(model.config), max_batch_size=3, max_seq_len=512,
+                             max_num_tokens=512)
+    ids = [ex.add_request(p, 10) for p in prompts]
+    done = ex.run_until_done()
+    assert ex.errors == {}
+    assert [done[i].output_token_ids for i in ids] == llm_tokens(model, prompts, 10, "k8v4")
+    assert_all_pages_back(ex)

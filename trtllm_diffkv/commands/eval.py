@@ -508,11 +508,15 @@ def _bar(total: int, desc: str):
 
 def _merge_generation(files: list[str], output: Path, plot: bool) -> int:
     """copy/recall details JSONs (shards, other models, other points) into one results file: the union of the
-    records (:func:`~trtllm_diffkv.evaluation.generation_eval.merge_records`), re-aggregated; ``models`` the union,
+    records (:func:`~trtllm_diffkv.evaluation.generation_eval.merge_records`; a point name that is two
+    configurations across the files is refused: :func:`~trtllm_diffkv.evaluation.generation_eval.check_point_names`),
+    re-aggregated; ``models`` the union,
     ``date`` / ``commit`` / ``command`` of each run joined with `` + `` where they differ."""
-    from ..evaluation.generation_eval import aggregate_generation, format_tables, merge_records, plot_generation
+    from ..evaluation.generation_eval import (aggregate_generation, check_point_names, format_tables, merge_records,
+                                              plot_generation)
 
     details = [json.loads(Path(f).read_text()) for f in files]
+    check_point_names(details, [str(f) for f in files])
     results = [json.loads(Path(f).with_name(Path(f).name.replace("_details.json", ".json")).read_text())
                for f in files]
     records = merge_records([d["records"] for d in details])

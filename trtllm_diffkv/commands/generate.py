@@ -98,8 +98,10 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
                      help=f"DiffKV preset ({', '.join(sorted(PRESETS))}) or a kv-config JSON file written by "
                           "`trtllm-diffkv calibrate` (default: default)")
-    gen.add_argument("--alpha-high", type=finite_float, help="override the preset's alpha_high (default: the preset's)")
-    gen.add_argument("--alpha-low", type=finite_float, help="override the preset's alpha_low (default: the preset's)")
+    gen.add_argument("--alpha-high", type=finite_float, help="override a tiered preset's alpha_high (default: the "
+                                                             "preset's; refused on a uniform one such as default)")
+    gen.add_argument("--alpha-low", type=finite_float, help="override a tiered preset's alpha_low (default: the "
+                                                            "preset's; refused on a uniform one such as default)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per request (default: text)")
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed prompts raw, without the chat template (default: use the model's template)")
@@ -190,6 +192,10 @@ def generate_command(args: argparse.Namespace) -> int:
         if overrides and not kv_config.compress:
             raise ValueError(f"--alpha-high/--alpha-low have no effect with --kv-config {args.kv_config} "
                              "(no compression)")
+        if overrides and not kv_config.tiered:  # thresholds would tier the uniform format into itself
+            raise ValueError(f"--alpha-high/--alpha-low set the tier thresholds; --kv-config {args.kv_config} is "
+                             f"uniform ({kv_config.high.name}, no tiers); name a tiered preset, e.g. --kv-config "
+                             "diffkv (docs/USAGE.md, the presets)")
         if overrides:
             kv_config = kv_config.replace(**overrides)
         if args.max_new_tokens < 1:

@@ -32,9 +32,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                                                "file's name, or 'trtllm-diffkv-default' without --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    p.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
-                   help="DiffKV preset (default: default; fp16 = no compression) or a kv-config JSON file "
-                        "written by `trtllm-diffkv calibrate`")
+    p.add_argument("--kv-config", metavar="PRESET|FILE",
+                   help="DiffKV preset (default: an engine dir's own, else default; fp16 = no compression) or a "
+                        "kv-config JSON file written by `trtllm-diffkv calibrate`")
     p.add_argument("--max-batch-size", type=int, default=64, help="requests per executor step at most (default: 64)")
     p.add_argument("--max-num-tokens", type=int, help="tokens per executor step at most: running decodes first, then "
                    "prompt chunks (TensorRT-LLM's name; default: 8192 with chunked prefill)")
@@ -220,7 +220,7 @@ def run(args) -> int:
         config = uvicorn_config(app, args.host, args.port, log_level=args.log_level,
                                 shutdown_timeout_s=args.shutdown_timeout_s, receive_timeout_s=args.receive_timeout_s,
                                 timeout_keep_alive_s=args.timeout_keep_alive_s, max_connections=args.max_connections)
-        print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (kv_config {args.kv_config})", file=sys.stderr,
+        print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (kv_config {llm.kv_config.name})", file=sys.stderr,
               flush=True)  # the port is bound already: uvicorn listens on this socket
         _draining_server(config, app.state.drain, args.shutdown_timeout_s).run(sockets=[sock])
     finally:

@@ -30,8 +30,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder, .gguf or engine dir (default: the default model)")
     p.add_argument("--out", help="the repository directory (required unless --setup-stub-env)")
     p.add_argument("--name", default="trtllm_diffkv", help="Triton model name (default: trtllm_diffkv)")
-    p.add_argument("--kv-config", default="default", metavar="PRESET|FILE",
-                   help="DiffKV preset (default: default) or a kv-config JSON file written by `trtllm-diffkv calibrate`")
+    p.add_argument("--kv-config", metavar="PRESET|FILE",
+                   help="DiffKV preset (default: an engine dir's own, else default) or a kv-config JSON file written "
+                        "by `trtllm-diffkv calibrate`")
     p.add_argument("--max-batch-size", type=int, default=64, help="executor batch and Triton max_batch_size "
                                                                   "(default: 64)")
     p.add_argument("--kv-memory-bytes", type=int, help="KV pool bytes (default: the LLM's)")

@@ -51,7 +51,8 @@ DEFAULT_POINTS = ("fp16", "k8v8", "k8v4", "diffkv")
 preset, whatever ``default`` is; :func:`default_points` adds ``default`` where it is none of them."""
 
 UNIFORM_POINTS = ("fp16", "k8v8", "k8v4")
-"""The uniform formats: a point with one of their configurations is drawn on their curve, whatever its name."""
+"""The uniform formats: a point with one of their configurations is drawn on their curve, whatever its name (and
+whatever model a kv-config file is restricted to: :func:`curve_of`)."""
 
 
 def default_points() -> list[str]:
@@ -162,8 +163,15 @@ def parse_point(spec: str) -> GenerationPoint:
             data[field] = _value(text.strip(), data.get(field), field, where)
         data["name"] = name
         config = kv_config_from_dict(data, where=where).replace(calibrated_for=config.calibrated_for)
-    method = next((name for name in UNIFORM_POINTS if config.same_configuration(PRESETS[name])), "diffkv")
-    return GenerationPoint(name, method, kv_config=config)
+    return GenerationPoint(name, curve_of(config), kv_config=config)
+
+
+def curve_of(config: DiffKVConfig) -> str:
+    """The curve ``config`` is drawn on: the uniform format of :data:`UNIFORM_POINTS` whose configuration it is, else
+    ``"diffkv"``. ``calibrated_for`` and ``layers`` are left out of the comparison: they say which model the
+    configuration may run on (a kv-config file's ``model``, a model's sliding windows), not its KV format."""
+    mine = config.replace(calibrated_for=None, layers=())
+    return next((name for name in UNIFORM_POINTS if mine.same_configuration(PRESETS[name])), "diffkv")
 
 
 def resolve_points(specs: list[str]) -> list[GenerationPoint]:
@@ -399,6 +407,56 @@ def aggregate_generation(records: list[dict], baselines=PAIRED_BASELINES) -> lis
                 if pairs:
                     rows.append(row(f"{metric}_delta_vs_{base}", [a - b for a, b in pairs]))
     return rows
+
+
+def _point_identities(details: dict) -> dict[tuple[str, str], tuple[str, DiffKVConfig | None]]:
+    """``(model, point) -> (method, configuration or None)`` of every point with records in a details JSON: the
+    configuration as its runs recorded it (name and ``calibrated_for`` left out; ``None`` where the file has no
+    runs, a reference-path point, or a record this version cannot read), the method as its records name it."""
+    configs = {}
+    for run in details.get("runs", []):
+        for point in run.get("points", []):
+            if point.get("kv_config") is None:
+                continue
+            try:
+                config = kv_config_from_dict(point["kv_config"]).replace(name="", calibrated_for=None)
+            except (ValueError, TypeError):
+                continue
+            configs[(run.get("model"), point["name"])] = config
+    out = {}
+    for r in details["records"]:
+        key = (r["model"], r["point"])
+        if key not in out:
+            out[key] = (r["method"], configs.get(key))
+    return out
+
+
+def check_point_names(details: list[dict], sources: list[str]) -> None:
+    """Refuse to merge runs in which one (model, point) name is two configurations: their records would pool under
+    one name (the first run's record of a case wins), e.g. files written before ``default`` became uniform K8V4
+    (issue 41), whose ``default`` is the tiered point that is ``diffkv`` now, beside a newer run's ``default``.
+
+    Args:
+        details: the details JSONs (``{"runs": [...], "records": [...]}``; ``runs`` optional).
+        sources: their file names, for the message.
+
+    Raises:
+        ValueError: a point whose records name another method, or whose runs recorded another configuration, in
+            one file than in an earlier one, naming the point, the model and both files.
+    """
+    seen: dict = {}
+    for run, source in zip(details, sources):
+        for key, (method, config) in _point_identities(run).items():
+            if key not in seen:
+                seen[key] = (method, config, source)
+                continue
+            first_method, first_config, first_source = seen[key]
+            if method != first_method or (config is not None and first_config is not None and config != first_config):
+                what = (f"method {first_method} in {first_source}, {method} in {source}" if method != first_method
+                        else f"two configurations of method {method} in {first_source} and {source}")
+                raise ValueError(f"point {key[1]!r} of model {key[0]!r} is {what}: merged, one name would pool two "
+                                 "configurations' cases; rename the point in one file's records and runs (the tiered "
+                                 "point is 'diffkv' since issue 41 made 'default' uniform K8V4)")
 
 
 def merge_records(runs: list[list[dict]]) -> list[dict]:

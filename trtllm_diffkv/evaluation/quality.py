@@ -84,7 +84,7 @@ def method_points() -> list[MethodPoint]:
     """The default sweep: fp16 first (the reference), DiffKV points, then the baselines."""
     # The `diffkv` curve is the unrotated tiers (`default-unrotated`, the default until the rotated point won;
     # quality.json rows measured before that name it "default (ah=1, al=0)"); `diffkv-rotated` is the `diffkv`
-    # preset (the tiered point; `default` today).
+    # preset (the tiered point; `default` until issue 41 made `default` uniform K8V4).
     default = get_preset("default-unrotated")
     points = [_diffkv_point("fp16", "fp16", get_preset("fp16")),
               _diffkv_point("diffkv", "default-unrotated (ah=1, al=0)", default),

@@ -108,8 +108,19 @@ UNIFORM_BASELINES = ("k8v4", "k8v8")
 
 
 def presets_with_baselines(preset: str, baselines=UNIFORM_BASELINES) -> tuple[str, ...]:
-    """``(preset, *baselines, "fp16")``, each once (a preset that is itself a baseline is not run twice)."""
-    return tuple(dict.fromkeys((preset, *baselines, "fp16")))
+    """``(preset, *baselines, "fp16")``, each configuration once, under its first name: a name whose configuration
+    an earlier one already has is left out (``--preset default``, uniform K8V4 since issue 41, beside the ``k8v4``
+    baseline; a kv-config file holding a baseline's configuration), so no configuration is measured twice.
+
+    Raises:
+        ValueError, FileNotFoundError: an unknown preset or a bad kv-config file (:func:`resolve_kv_config`).
+    """
+    kept: list[tuple[str, object]] = []
+    for name in dict.fromkeys((preset, *baselines, "fp16")):
+        config = resolve_kv_config(name)
+        if not any(config.same_configuration(other) for _, other in kept):
+            kept.append((name, config))
+    return tuple(name for name, _ in kept)
 
 
 def default_workloads(smoke: bool = False) -> dict[str, Workload]:

@@ -73,7 +73,7 @@ def model_config_text(name: str, *, max_batch_size: int = 64, decoupled: bool = 
 
 
 def write_repository(out: str | Path, *, model: str | Path | None = None, name: str = "trtllm_diffkv",
-                     kv_config: str = "default", max_batch_size: int = 64, kv_memory_bytes: int | None = None,
+                     kv_config: str | None = None, max_batch_size: int = 64, kv_memory_bytes: int | None = None,
                      max_seq_len: int | None = None, device: str | None = None, dtype: str | None = None,
                      decoupled: bool = True, overwrite: bool = False, num_threads: int | None = None,
                      shutdown_timeout_s: float | None = None) -> Path:
@@ -84,7 +84,9 @@ def write_repository(out: str | Path, *, model: str | Path | None = None, name: 
         model: a checkpoint folder, ``.gguf`` or engine dir (made absolute); ``None`` = the default model.
         name: the Triton model name.
         kv_config: a DiffKV preset name (``trtllm_diffkv.config.PRESETS``) or a kv-config JSON file
-            (``config.load_kv_config_file``; the model reads it from its absolute path).
+            (``config.load_kv_config_file``; the model reads it from its absolute path); ``None``: an empty
+            parameter, which the model passes to ``LLM`` as ``None`` (an engine dir's own configuration, else
+            ``default``).
         max_batch_size: the executor's running batch limit, also Triton's rows per request limit.
         kv_memory_bytes: the KV pool's size in bytes (``None``: the LLM's default).
         max_seq_len: prompt + new tokens limit per request (``None``: the model's).
@@ -105,14 +107,15 @@ def write_repository(out: str | Path, *, model: str | Path | None = None, name: 
     """
     from ..config import PRESETS, resolve_kv_config
 
-    resolve_kv_config(kv_config)  # an unknown preset or a bad file fails here, not in the server
-    if kv_config not in PRESETS:  # a file: the server reads it by absolute path
-        kv_config = str(Path(kv_config).resolve())
+    if kv_config is not None:
+        resolve_kv_config(kv_config)  # an unknown preset or a bad file fails here, not in the server
+        if kv_config not in PRESETS:  # a file: the server reads it by absolute path
+            kv_config = str(Path(kv_config).resolve())
     if dtype not in (None, "float32", "float16", "bfloat16"):
         raise ValueError(f"dtype {dtype!r}: expected float32, float16 or bfloat16")
     if model is not None and not Path(model).exists():
         raise FileNotFoundError(f"model {model} does not exist")
-    parameters = {"model": "" if model is None else str(Path(model).resolve()), "kv_config": kv_config,
+    parameters = {"model": "" if model is None else str(Path(model).resolve()), "kv_config": kv_config or "",
                   "max_batch_size": str(max_batch_size), "kv_memory_bytes": str(kv_memory_bytes or ""),
                   "max_seq_len": str(max_seq_len or ""), "device": device or "", "dtype": dtype or "",
                   "num_threads": str(num_threads or ""),
