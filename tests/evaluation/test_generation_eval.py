@@ -291,6 +291,24 @@ def test_merging_runs_where_one_point_name_is_two_configurations_is_refused(tmp_
     assert next(r for r in rows if r["point"] == "default" and r["metric"] == "exact")["n"] == 4
 
 
+def test_merging_one_method_under_two_recorded_configurations_is_refused(tmp_path, capsys):
+    """Two DiffKV configurations (same method, ``diffkv``) under one point name are told apart by the runs'
+    recorded configurations; the same configuration from another preset name still merges."""
+    from trtllm_diffkv.cli import main
+    from trtllm_diffkv.config import PRESETS
+
+    scores = {"fp16": [1, 1, 0, 1], "tiers": [1, 0, 0, 1]}
+    fp16 = ("fp16", PRESETS["fp16"])
+    a = _write_run(tmp_path / "a", {"fp16": fp16, "tiers": ("diffkv", PRESETS["diffkv"])}, scores, range(0, 2))
+    b = _write_run(tmp_path / "b", {"fp16": fp16, "tiers": ("diffkv", PRESETS["default-k8v2"])}, scores, range(2, 4))
+    merged = tmp_path / "merged.json"
+    assert main(["eval", "--merge-details", a, b, "--output", str(merged), "--no-plot"]) == 2
+    assert "two configurations of method diffkv" in capsys.readouterr().err and not merged.exists()
+    c = _write_run(tmp_path / "c", {"fp16": fp16, "tiers": ("diffkv", PRESETS["default-rotated"])}, scores,
+                   range(2, 4))
+    assert main(["eval", "--merge-details", a, c, "--output", str(merged), "--no-plot"]) == 0
+
+
 # --------------------------------------------------------------------------------------- the executor path
 POINTS = ("fp16", "k8v8", "k8v4", "diffkv")
 

@@ -411,15 +411,16 @@ def aggregate_generation(records: list[dict], baselines=PAIRED_BASELINES) -> lis
 
 def _point_identities(details: dict) -> dict[tuple[str, str], tuple[str, DiffKVConfig | None]]:
     """``(model, point) -> (method, configuration or None)`` of every point with records in a details JSON: the
-    configuration as its runs recorded it (name and ``calibrated_for`` left out; ``None`` where the file has no
-    runs, a reference-path point, or a record this version cannot read), the method as its records name it."""
+    configuration as its runs recorded it (compared by :meth:`~trtllm_diffkv.config.DiffKVConfig.same_configuration`,
+    which leaves out the name; the records hold no ``calibrated_for``; ``None`` where the file has no runs, a
+    reference-path point, or a record this version cannot read), the method as its records name it."""
     configs = {}
     for run in details.get("runs", []):
         for point in run.get("points", []):
             if point.get("kv_config") is None:
                 continue
             try:
-                config = kv_config_from_dict(point["kv_config"]).replace(name="", calibrated_for=None)
+                config = kv_config_from_dict(point["kv_config"])
             except (ValueError, TypeError):
                 continue
             configs[(run.get("model"), point["name"])] = config
@@ -451,7 +452,8 @@ def check_point_names(details: list[dict], sources: list[str]) -> None:
                 seen[key] = (method, config, source)
                 continue
             first_method, first_config, first_source = seen[key]
-            if method != first_method or (config is not None and first_config is not None and config != first_config):
+            if method != first_method or (config is not None and first_config is not None
+                                           and not config.same_configuration(first_config)):
                 what = (f"method {first_method} in {first_source}, {method} in {source}" if method != first_method
                         else f"two configurations of method {method} in {first_source} and {source}")
                 raise ValueError(f"point {key[1]!r} of model {key[0]!r} is {what}: merged, one name would pool two "
