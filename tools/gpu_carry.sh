@@ -287,6 +287,7 @@ case "${1:-}" in
     split) shift; _gc_split "$@" ;;
     status) _gc_status ;;
     assemble) _gc_assemble ;;
-    *) echo "usage: bash $0 split [--servers] [--gemma] | bash $0 status | source $0 assemble" >&2
+    gemma-wheels) echo $_GC_GEMMA_WHEELS ;;  # the one list; tools/gpu_campaign.sh reads it here
+    *) echo "usage: bash $0 split [--servers] [--gemma] | bash $0 status | source $0 assemble | bash $0 gemma-wheels" >&2
        return 2 2>/dev/null || exit 2 ;;
 esac
