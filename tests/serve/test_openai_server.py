@@ -291,7 +291,7 @@ def test_metrics_and_disconnect_frees_pages(server):
     with httpx.Client(timeout=120) as http:  # a long stream, dropped after its first chunk
         with http.stream("POST", server.base_url + "/v1/completions",
                          json={"model": NAME, "prompt": PROMPTS[5], "max_tokens": 1500, "temperature": 0,
-                               "stream": True}) as response:
+                               "stream": True, "ignore_eos": True}) as response:
             lines = response.iter_lines()  # kept: a collected line iterator closes the connection
             assert next(lines).startswith('data: {"id"')
             during = _metrics(server)
@@ -314,7 +314,8 @@ def test_shutdown_leaves_no_process(checkpoint, tmp_path):
     pgid = server.pid
     assert group_pids(pgid) == [pgid]
     stream = httpx.Client(timeout=120).stream("POST", server.base_url + "/v1/completions",
-                                              json={"prompt": PROMPTS[6], "max_tokens": 1500, "stream": True})
+                                              json={"prompt": PROMPTS[6], "max_tokens": 1500, "stream": True,
+                                                    "ignore_eos": True})  # sampled: EOS could end it first
     response = stream.__enter__()  # a request in flight while the server stops
     lines = response.iter_lines()
     next(lines)
