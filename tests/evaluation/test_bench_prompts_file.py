@@ -28,6 +28,7 @@ def test_bench_runs_the_file_on_the_model_into_the_default_folder(checkpoint, tm
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
+    monkeypatch.delenv("TRTLLM_DIFFKV_CACHE_DIR", raising=False)  # it would move the results (user_cache)
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     code = main(["bench", "--model", str(checkpoint), "--prompts-file", str(prompts), "--device", "cpu",
                  "--max-tokens", "4", "--no-plot", "--no-profile"])

@@ -185,6 +185,7 @@ def test_without_output_the_results_go_to_the_cache_not_the_current_folder(tmp_p
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     (cwd / "benchmarks" / "results").mkdir(parents=True)
     monkeypatch.chdir(cwd)
+    monkeypatch.delenv("TRTLLM_DIFFKV_CACHE_DIR", raising=False)  # it would move the results (user_cache)
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     assert main(["eval", "--merge-details", str(details), "--no-plot"]) == 0
     assert list((cwd / "benchmarks" / "results").iterdir()) == []

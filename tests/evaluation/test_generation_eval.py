@@ -415,6 +415,7 @@ def test_a_run_without_output_makes_its_default_folder(tiny, tmp_path, monkeypat
     folder did not exist yet: the default folder is made; a later usage error (the shard) is what is reported."""
     from trtllm_diffkv.cli import main
 
+    monkeypatch.delenv("TRTLLM_DIFFKV_CACHE_DIR", raising=False)  # it would move the results (user_cache)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert main(["eval", "--model", str(tiny), "--shard", "3/2"]) == 2
     err = capsys.readouterr().err

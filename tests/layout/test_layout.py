@@ -21,8 +21,8 @@ PACKAGES = {"trtllm_diffkv": ROOT / "trtllm_diffkv", "trtllm_diffkv_plugins": RO
 """Import name -> folder: the product (``trtllm_diffkv``) and the TensorRT plugin layer, installed from the top-level
 folder ``plugins/`` as ``trtllm_diffkv_plugins`` (pyproject.toml)."""
 
-CORE = ("validators", "config", "engine_config", "quant", "policy", "cache", "model", "memory", "kernels", "paged",
-        "runtime", "parallel")
+CORE = ("validators", "user_cache", "config", "engine_config", "quant", "policy", "cache", "model", "memory",
+        "kernels", "paged", "runtime", "parallel")
 """The core: the settings' checks, rules, the engine's settings, formats, the caches, kernels and the executor."""
 ADAPTERS = ("export", "trtllm_backend", "serve")
 """The adapters around the core: engine export (ONNX, AOT, TensorRT ABI), the TensorRT-LLM backend, the servers."""

@@ -276,7 +276,34 @@ def test_default_model_missing_package_names_pip_command(tmp_path, monkeypatch):
 
 def test_cache_root_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert loader.cache_root() == tmp_path
+
+
+@pytest.mark.parametrize("xdg, expected", [("xdg", "xdg/trtllm-diffkv"), ("", "home/.cache/trtllm-diffkv"),
+                                           (None, "home/.cache/trtllm-diffkv")])
+def test_one_cache_root_for_models_results_and_the_triton_stub(tmp_path, monkeypatch, xdg, expected):
+    """Converted models, the Triton stub's environment and ``bench``/``eval`` results share one root: before, models
+    followed $TRTLLM_DIFFKV_CACHE_DIR and results $XDG_CACHE_HOME, so moving "the cache" moved half of it."""
+    from trtllm_diffkv.commands.common import default_results_path
+    from trtllm_diffkv.serve.tritonserver_binary import stub_env_dir
+
+    monkeypatch.delenv(loader.CACHE_ENV, raising=False)
+    monkeypatch.delenv("TRTLLM_DIFFKV_TRITON_STUB_ENV", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if xdg is None:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    else:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / xdg) if xdg else "")  # empty: unset (the XDG rule)
+    root = tmp_path / expected
+    assert loader.cache_root() == root
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # the key hashes its size and mtime
+    assert loader.gguf_cache_path(tmp_path / "m.gguf").parent == root / "models" / "gguf"
+    assert stub_env_dir().parent == root / "triton-stub-env"
+    assert default_results_path("bench", "throughput.json") == root / "bench" / "throughput.json"
+    monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path / "mine"))  # the project's variable moves all of them
+    assert stub_env_dir().parent == tmp_path / "mine" / "triton-stub-env"
+    assert default_results_path("eval", "quality.json") == tmp_path / "mine" / "eval" / "quality.json"
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):

@@ -107,7 +107,7 @@ def add_parser(subparsers) -> None:
 
 
 def default_output(client: bool) -> Path:
-    """Where results go without ``--output``: ``$XDG_CACHE_HOME/trtllm-diffkv/bench/`` (``~/.cache/...``),
+    """Where results go without ``--output``: ``<cache_root()>/bench/`` (:mod:`trtllm_diffkv.user_cache`),
     ``throughput.json`` or (client mode) ``client.json``: outside the current folder and the repository."""
     from .common import default_results_path
 

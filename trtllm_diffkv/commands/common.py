@@ -170,8 +170,8 @@ def sampling_flag(field: str, kind=float):
 
 
 def default_results_path(command: str, file_name: str):
-    """Where a command writes its results without ``--output``: ``$XDG_CACHE_HOME/trtllm-diffkv/<command>/<file_name>``
-    (``~/.cache/trtllm-diffkv/...`` without it), outside the current folder and the repository, so that a plain run
+    """Where a command writes its results without ``--output``: ``<cache_root()>/<command>/<file_name>``
+    (:func:`trtllm_diffkv.user_cache.cache_root`: ``~/.cache/trtllm-diffkv`` unless an environment variable moves it), outside the current folder and the repository, so that a plain run
     never replaces committed results (``benchmarks/results/``). Used by ``bench`` and ``eval``.
 
     Returns:
@@ -181,10 +181,8 @@ def default_results_path(command: str, file_name: str):
     Raises:
         OSError: the folder cannot be made.
     """
-    import os
-    from pathlib import Path
+    from ..user_cache import cache_root
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    folder = cache / "trtllm-diffkv" / command
+    folder = cache_root() / command
     folder.mkdir(parents=True, exist_ok=True)
     return folder / file_name

@@ -95,7 +95,7 @@ def add_parser(subparsers) -> None:
     add_threads_argument(p)
     p.add_argument("--output", default=None,
                    help="results JSON; details JSON and PNG beside it (default: ~/.cache/trtllm-diffkv/eval/quality.json, "
-                        "$XDG_CACHE_HOME respected; pass benchmarks/results/quality.json to replace the committed run)")
+                        "$TRTLLM_DIFFKV_CACHE_DIR or $XDG_CACHE_HOME moves it; pass benchmarks/results/quality.json to replace the committed run)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--plot-from", metavar="JSON", help="run nothing: plot a results JSON at --output's stem + .png "
                    "(default: beside JSON)")

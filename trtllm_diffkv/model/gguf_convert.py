@@ -6,7 +6,7 @@ model); the config is rebuilt from the header facts transformers' import drops
 renamed into place at the end, so an interrupted one never leaves a partial
 model and concurrent ones keep the first finished.
 
-Cache root: ``$TRTLLM_DIFFKV_CACHE_DIR`` if set, else ``~/.cache/trtllm-diffkv``.
+Cache root: :func:`trtllm_diffkv.user_cache.cache_root`.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from . import gguf_checkpoint
 from .gguf_meta import read_gguf_metadata
 from .llama import ModelConfig
 from ..progress import heartbeat
+from ..user_cache import cache_root
 
-CACHE_ENV = "TRTLLM_DIFFKV_CACHE_DIR"
 GGUF_CONVERSION_VERSION = 3
 """Bumped when conversion output changes (2: RoPE scaling and stop ids from the GGUF header; 3: the tokenizer
 checked against the file's vocabulary, :func:`check_gguf_tokenizer`)."""
@@ -43,11 +43,6 @@ IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # stored by some old Llama c
 def log(msg: str) -> None:
     """One progress line on stderr."""
     print(f"[trtllm-diffkv] {msg}", file=sys.stderr, flush=True)
-
-
-def cache_root() -> Path:
-    """``$TRTLLM_DIFFKV_CACHE_DIR`` or ``~/.cache/trtllm-diffkv``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "trtllm-diffkv").expanduser()
 
 
 def converted_gguf_path(gguf: str | os.PathLike) -> Path:

@@ -35,7 +35,8 @@ place, so an interrupted conversion never leaves a partial model:
 
 A name that is also an existing path is taken as the path.
 
-Cache root: ``$TRTLLM_DIFFKV_CACHE_DIR`` if set, else ``~/.cache/trtllm-diffkv``;
+Cache root: :func:`trtllm_diffkv.user_cache.cache_root` (``$TRTLLM_DIFFKV_CACHE_DIR``, else
+``$XDG_CACHE_HOME/trtllm-diffkv``, else ``~/.cache/trtllm-diffkv``);
 the default model lives under ``<root>/models/<name>``, other GGUF files under
 ``<root>/models/gguf/<stem>-<key>`` (``key`` hashes the file's absolute path,
 size, modification time and :data:`GGUF_CONVERSION_VERSION`: a changed file is
@@ -60,9 +61,10 @@ import torch
 
 from . import gguf_checkpoint
 from .gguf_convert import (  # noqa: F401 - re-exported: loader is the public entry point
-    CACHE_ENV, GGUF_CONVERSION_VERSION, IGNORED_TENSOR_SUFFIXES, SOURCE_FILE, cache_root, convert_gguf,
-    converted_gguf_path, gguf_cache_path, log,
+    GGUF_CONVERSION_VERSION, IGNORED_TENSOR_SUFFIXES, SOURCE_FILE, convert_gguf, converted_gguf_path,
+    gguf_cache_path, log,
 )
+from ..user_cache import CACHE_ENV, cache_root  # noqa: F401 - re-exported with the loader
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .gguf_meta import read_gguf_metadata
 from .llama import CausalLM, LlamaForCausalLM, ModelConfig, check_weight_names_and_shapes

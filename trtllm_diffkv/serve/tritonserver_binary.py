@@ -104,10 +104,12 @@ def _libpython_dir() -> Path:
 
 def stub_env_dir() -> Path:
     """Where :func:`stub_env` keeps the stub's environment: ``$TRTLLM_DIFFKV_TRITON_STUB_ENV``, else
-    ``$TRTLLM_DIFFKV_CACHE_DIR`` (default ``~/.cache/trtllm-diffkv``) ``/triton-stub-env/<python tag>``."""
+    :func:`~trtllm_diffkv.user_cache.cache_root` ``/triton-stub-env/<python tag>``."""
     if os.environ.get("TRTLLM_DIFFKV_TRITON_STUB_ENV"):
         return Path(os.environ["TRTLLM_DIFFKV_TRITON_STUB_ENV"])
-    cache = Path(os.environ.get("TRTLLM_DIFFKV_CACHE_DIR", Path.home() / ".cache" / "trtllm-diffkv"))
+    from ..user_cache import cache_root
+
+    cache = cache_root()
     tag = f"{sys.implementation.cache_tag}-{hashlib.sha1(sys.executable.encode()).hexdigest()[:8]}"
     return cache / "triton-stub-env" / tag
 
