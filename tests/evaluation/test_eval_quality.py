@@ -214,6 +214,9 @@ def test_points_a_model_cannot_take_are_dropped_or_refused():
     other = dataclasses.replace(other, kv_config=other.kv_config.replace(calibrated_for=(8, 2, 64)))
     with pytest.raises(ValueError, match="--kv-config default.*calibrated for head_dim=64"):
         _points_for_model([other], mc)
+    windowed = type("Windowed", (ModelConfig,), {"sliding_windows": property(lambda self: (16, None))})(
+        **{f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)})  # a Gemma-like layer pattern
+    assert _points_for_model(points, windowed) == [p for p in points if p.kv_config is not None]  # no baselines
 
 
 def test_fast_path_equals_the_per_point_path(tmp_path):
@@ -273,3 +276,39 @@ def test_points_and_case_counts_are_selected_as_named():
                                                                                       ("hadamard", 5, 0.02)]
     assert [case_count(t, 16, 4, None) for t in ("passkey", "kv_lookup", "fewshot_reasoning", "humaneval")] == [16, 16, 4, 4]
     assert case_count("humaneval", 16, 4, 2) == 2 and case_count("fewshot_reasoning", 16, None, 2) == 16
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_teacher_forced_points_apply_a_models_sliding_windows(tmp_path, fast):
+    """On a model with sliding-window layers (tiny Gemma 3, window 8) the teacher-forced harness used to stop
+    with "attention backend _FanOut applies None": its caches were built without the model's windows. Now the
+    fp16 point's forced logits equal transformers' over prompt + span (windows applied at prefill and at every
+    decode step past them), on the shared-prefill and the per-point path, and a baseline that knows no windows
+    is refused instead of attending past them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_gemma import SLIDING_WINDOW, save_tiny_gemma3
+    from trtllm_diffkv.config import get_preset
+    from trtllm_diffkv.evaluation.accuracy import teacher_forced_logits
+    from trtllm_diffkv.evaluation.quality import PointGenerator, forced_logits_of_points, method_points
+    from trtllm_diffkv.generation.reference import ReferenceGenerator
+    from trtllm_diffkv.model.loader import load_model
+
+    hf = save_tiny_gemma3(tmp_path, seed=1)
+    model, _, config = load_model(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt, span = ids[:18], ids[18:]
+    assert len(prompt) > 2 * SLIDING_WINDOW
+    points = [next(p for p in method_points() if p.method == m) for m in ("fp16", "k8v4")]
+    gens = [PointGenerator(model, None, config, p) for p in points]
+    caches = [g.new_cache(len(ids)) for g in gens]
+    fp16, k8v4 = forced_logits_of_points(gens, caches, prompt, span, fast=fast)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, len(prompt) - 1:-1]
+    assert (fp16 - ref).abs().max() <= 1e-4 * ref.abs().max()
+    own = teacher_forced_logits(ReferenceGenerator(model, None, config, get_preset("k8v4")), prompt, span)
+    assert torch.allclose(k8v4, own, atol=1e-5) and (k8v4 - fp16).abs().max() > 1e-3  # its own windowed run
+    kivi = next(p for p in method_points() if p.method == "kivi")
+    baseline = PointGenerator(model, None, config, kivi)
+    with pytest.raises(ValueError, match="sliding-window"):
+        forced_logits_of_points([gens[0], baseline], [gens[0].new_cache(len(ids)), baseline.new_cache(len(ids))],
+                                prompt, span, fast=fast)

@@ -286,13 +286,19 @@ def case_count(task: str, num_cases: int, short_cases: int | None, humaneval_cas
 
 def _points_for_model(points, model_config) -> list:
     """The points this model can run: a built-in DiffKV point the model cannot take (a head_dim the formats do not
-    support) is dropped with a notice; a ``--kv-config`` point (curve ``custom``) is refused.
+    support) is dropped with a notice, and so is a baseline cache (KIVI, SnapKV, ...) on a model with sliding-window
+    layers (they know no windows); a ``--kv-config`` point (curve ``custom``) is refused.
 
     Raises:
         ValueError: a ``--kv-config`` the model refuses (another model's shape, an unsupported head_dim).
     """
     kept = []
+    windowed = any(w is not None for w in getattr(model_config, "sliding_windows", ()))
     for point in points:
+        if windowed and point.kv_config is None:
+            print(f"[eval] skipping {point.method} {point.config}: the model has sliding-window layers and this "
+                  "baseline cache applies no window", file=sys.stderr, flush=True)
+            continue
         try:
             if point.kv_config is not None:
                 point.kv_config.validate_for_model(model_config.head_dim, model_config.num_heads,

@@ -41,12 +41,21 @@ def teacher_forced_logits(generator, prompt_ids: list[int], forced_ids: list[int
     return teacher_forced_logits_shared_prefill(generator.model, [cache], prompt_ids, forced_ids)[0]
 
 
+def _shared_windows(caches) -> tuple | None:
+    """The sliding windows every cache applies (``sliding_windows``, read by the model's window check), or ``None``
+    when one cache applies none or they differ: the model then refuses the step rather than let a cache attend
+    past a window (a baseline cache knows no windows)."""
+    windows = {tuple(w) if (w := getattr(c, "sliding_windows", None)) is not None else None for c in caches}
+    return next(iter(windows)) if len(windows) == 1 else None
+
+
 class _FanOut:
     """Prefill backend: the first cache attends and its output is returned; every other cache stores the same
     q/k/v (``store_prompt``: the prefill without its attention output, where the cache has one)."""
 
     def __init__(self, caches):
         self.caches = caches
+        self.sliding_windows = _shared_windows(caches)
 
     def forward(self, layer_idx, q, k, v):
         out = self.caches[0].forward(layer_idx, q, k, v)
@@ -64,6 +73,7 @@ class _Rows:
 
     def __init__(self, caches):
         self.caches = caches
+        self.sliding_windows = _shared_windows(caches)
 
     def forward(self, layer_idx, q, k, v):
         return torch.cat([c.forward(layer_idx, q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i, c in enumerate(self.caches)])

@@ -65,8 +65,9 @@ class MethodPoint:
 
 
 def _diffkv_point(method: str, label: str, cfg: DiffKVConfig) -> MethodPoint:
-    def build(mc, n, device):
-        return DiffKVReferenceCache(cfg, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, n, device)
+    def build(mc, n, device):  # the model's sliding-window layers enter the policy here (DiffKVConfig.for_model)
+        return DiffKVReferenceCache(cfg.for_model(mc), mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, n,
+                                    device)
     return MethodPoint(method, label, build, cfg)
 
 
