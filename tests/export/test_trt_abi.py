@@ -249,15 +249,18 @@ def test_load_wrappers_tolerates_a_concurrent_writer(make_kernel, tmp_path, monk
 
 
 def test_compile_abi_leaves_only_trt_abi_py_in_the_engine_dir(make_kernel, tmp_path, monkeypatch):
-    """The wrappers are imported from load_wrappers' default folder (``~/.cache/trtllm-diffkv/trt_abi``), not from a
-    copy inside the engine directory."""
+    """The wrappers are imported from load_wrappers' default folder (``<cache_root()>/trt_abi``, here
+    ``$XDG_CACHE_HOME/trtllm-diffkv/trt_abi``: the one cache root, not a ``~/.cache`` of its own), not from a copy
+    inside the engine directory."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TRTLLM_DIFFKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     k = make_kernel()
     out = tmp_path / "engine"
     trt_abi.compile_abi([k], out, ())
     assert [p.name for p in out.iterdir()] == ["trt_abi.py"]
     assert (out / "trt_abi.py").read_text() == trt_abi.wrapper_source([k])
-    cached = list((tmp_path / "home" / ".cache" / "trtllm-diffkv" / "trt_abi").glob("trt_abi_*.py"))
+    cached = list((tmp_path / "xdg" / "trtllm-diffkv" / "trt_abi").glob("trt_abi_*.py"))
     assert len(cached) == 1 and cached[0].read_text() == trt_abi.wrapper_source([k])
 
 

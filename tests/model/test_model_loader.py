@@ -306,6 +306,23 @@ def test_one_cache_root_for_models_results_and_the_triton_stub(tmp_path, monkeyp
     assert default_results_path("eval", "quality.json") == tmp_path / "mine" / "eval" / "quality.json"
 
 
+
+def test_a_cache_root_that_cannot_be_made_stops_a_conversion_naming_the_variable(tmp_path, monkeypatch):
+    """A conversion's folder below a root that is a file: an OSError naming the variable that chose the root, not a
+    bare ``Not a directory`` (the packaged model's header is read first; no weight is converted)."""
+    pytest.importorskip("transformers")
+    from test_checkpoint_fidelity import write_tiny_gguf
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path / "a_file"))
+    with pytest.raises(OSError, match=f"cannot make the folder .*a_file/models.*comes from {loader.CACHE_ENV}"):
+        loader.packaged_model_path("smollm2-135m")
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.delenv(loader.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))
+    with pytest.raises(OSError, match="cannot make the folder .*a_file/trtllm-diffkv/models/gguf.*XDG_CACHE_HOME"):
+        loader.converted_gguf_path(tmp_path / "tiny.gguf")
+
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from test_checkpoint_fidelity import write_tiny_gguf

@@ -54,7 +54,8 @@ def add_parser(subparsers) -> None:
                                                         "(a CPU check of the whole pipeline; not a measurement)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--output", help="results JSON; the details JSON and the PNG go beside it (default: "
-                                    "~/.cache/trtllm-diffkv/bench/throughput.json, client mode: client.json there)")
+                                    "~/.cache/trtllm-diffkv/bench/throughput.json, client mode: client.json there; "
+                                    "$TRTLLM_DIFFKV_CACHE_DIR or $XDG_CACHE_HOME moves it)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--plot-from", metavar="JSON", help="run nothing: read a results JSON (e.g. fetched from the GPU "
                                                        "machine), print its table and write the PNG at --output's "

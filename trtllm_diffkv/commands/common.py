@@ -171,18 +171,18 @@ def sampling_flag(field: str, kind=float):
 
 def default_results_path(command: str, file_name: str):
     """Where a command writes its results without ``--output``: ``<cache_root()>/<command>/<file_name>``
-    (:func:`trtllm_diffkv.user_cache.cache_root`: ``~/.cache/trtllm-diffkv`` unless an environment variable moves it), outside the current folder and the repository, so that a plain run
-    never replaces committed results (``benchmarks/results/``). Used by ``bench`` and ``eval``.
+    (:func:`trtllm_diffkv.user_cache.cache_root`: ``~/.cache/trtllm-diffkv`` unless an environment variable moves
+    it), outside the current folder and the repository, so that a plain run never replaces committed results
+    (``benchmarks/results/``). Used by ``bench`` and ``eval``.
 
     Returns:
-        a ``pathlib.Path`` whose folder exists (made here: it is ours, unlike an ``--output``'s, which
-        :func:`check_output_path` requires to exist).
+        a ``pathlib.Path`` whose folder exists and is writable (made here: it is ours, unlike an ``--output``'s,
+        which :func:`check_output_path` requires to exist), checked before any work.
 
     Raises:
-        OSError: the folder cannot be made.
+        ValueError: ``$TRTLLM_DIFFKV_CACHE_DIR`` is a relative path. OSError: the folder cannot be made or written;
+        both name the variable to change (:func:`trtllm_diffkv.user_cache.cache_folder`).
     """
-    from ..user_cache import cache_root
+    from ..user_cache import cache_folder
 
-    folder = cache_root() / command
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / file_name
+    return cache_folder(command) / file_name

@@ -170,7 +170,11 @@ def run(args) -> int:
     if args.output is None:  # --plot-from: the PNG beside the plotted JSON; a run: outside the repository
         from .common import default_results_path
 
-        args.output = args.plot_from or str(default_results_path("eval", "quality.json"))
+        try:
+            args.output = args.plot_from or str(default_results_path("eval", "quality.json"))
+        except (ValueError, OSError) as exc:  # the cache root: the message names the variable to change
+            print(f"trtllm-diffkv eval: error: {exc} (or pass --output)", file=sys.stderr)
+            return 2
     output = Path(args.output)
     if args.plot_from:
         try:

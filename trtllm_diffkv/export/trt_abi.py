@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .launches import TORCH_TO_TRITON, decode_constexpr, eval_expr, expr_names, kernel_parameters
+from ..user_cache import cache_folder
 from ..validators import is_int
 
 _TL = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8", "i16": "int16",
@@ -242,9 +243,10 @@ _MODULES: dict[str, object] = {}
 
 def load_wrappers(kernels: list[AbiKernel], directory: str | Path | None = None):
     """Import the wrappers of ``kernels`` (the module :func:`wrapper_source` writes; Triton reads a kernel's source
-    from its file). ``directory``: where the file goes (default: ``~/.cache/trtllm-diffkv/trt_abi``); the file is
-    named by the source's hash (``trt_abi_<digest>.py``), and a module imported once in this process is reused
-    whatever ``directory`` a later call names (the cache is keyed by the digest).
+    from its file). ``directory``: where the file goes (default: ``<cache_root()>/trt_abi``,
+    :mod:`trtllm_diffkv.user_cache`); the file is named by the source's hash (``trt_abi_<digest>.py``), and a module
+    imported once in this process is reused whatever ``directory`` a later call names (the cache is keyed by the
+    digest).
 
     The file is written to a unique temporary file in ``directory`` (``tempfile.mkstemp``: processes forked from one
     another, or several builds sharing the folder, never write the same temporary file) and renamed over the target;
@@ -252,15 +254,18 @@ def load_wrappers(kernels: list[AbiKernel], directory: str | Path | None = None)
     content.
 
     Raises:
-        ValueError: as :func:`wrapper_source`.
+        ValueError: as :func:`wrapper_source`, or as :func:`~trtllm_diffkv.user_cache.cache_root`.
         OSError: the file cannot be written (other than a concurrent writer having written it).
     """
     src = wrapper_source(kernels)
     digest = hashlib.sha256(src.encode()).hexdigest()[:16]
     if digest in _MODULES:
         return _MODULES[digest]
-    folder = Path(directory) if directory else Path.home() / ".cache" / "trtllm-diffkv" / "trt_abi"
-    folder.mkdir(parents=True, exist_ok=True)
+    if directory:
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+    else:
+        folder = cache_folder("trt_abi")
     path = folder / f"trt_abi_{digest}.py"
     if not _holds(path, src):
         _write_replace(path, src)

@@ -26,7 +26,7 @@ from . import gguf_checkpoint
 from .gguf_meta import read_gguf_metadata
 from .llama import ModelConfig
 from ..progress import heartbeat
-from ..user_cache import cache_root
+from ..user_cache import cache_folder, cache_root
 
 GGUF_CONVERSION_VERSION = 3
 """Bumped when conversion output changes (2: RoPE scaling and stop ids from the GGUF header; 3: the tokenizer
@@ -54,12 +54,14 @@ def converted_gguf_path(gguf: str | os.PathLike) -> Path:
 
     Raises:
         ValueError: the header is unreadable or describes a model this
-            package cannot run (naming what).
+            package cannot run (naming what), or ``$TRTLLM_DIFFKV_CACHE_DIR`` is a relative path.
+        OSError: the cache's ``models/gguf`` folder cannot be made or written (naming the variable to change).
     """
     gguf = Path(gguf)
     gguf_checkpoint.hf_config(read_gguf_metadata(gguf))
     target = gguf_cache_path(gguf)
     if not (target / "config.json").is_file():
+        cache_folder("models", "gguf")  # a clear error naming the variable where it cannot be made or written
         log(f"converting {gguf.name} to safetensors in {target} (once)")
         convert_gguf(gguf, target)
     return target

@@ -64,7 +64,7 @@ from .gguf_convert import (  # noqa: F401 - re-exported: loader is the public en
     GGUF_CONVERSION_VERSION, IGNORED_TENSOR_SUFFIXES, SOURCE_FILE, convert_gguf, converted_gguf_path,
     gguf_cache_path, log,
 )
-from ..user_cache import CACHE_ENV, cache_root  # noqa: F401 - re-exported with the loader
+from ..user_cache import CACHE_ENV, cache_folder, cache_root  # noqa: F401 - re-exported with the loader
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .gguf_meta import read_gguf_metadata
 from .llama import CausalLM, LlamaForCausalLM, ModelConfig, check_weight_names_and_shapes
@@ -296,8 +296,9 @@ def packaged_model_path(name: str) -> Path:
     temporary folder of the cache first and removed after the conversion.
 
     Raises:
-        ValueError: ``name`` is not a packaged model.
+        ValueError: ``name`` is not a packaged model, or ``$TRTLLM_DIFFKV_CACHE_DIR`` is a relative path.
         FileNotFoundError: its package is not installed (the message gives the pip command) or lacks the GGUF.
+        OSError: the cache's ``models`` folder cannot be made or written (the message names the variable to change).
     """
     if name not in PACKAGED_MODELS:
         raise ValueError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED_MODELS)}")
@@ -328,13 +329,13 @@ def packaged_model_path(name: str) -> Path:
             raise
         finally:
             shutil.rmtree(stale, ignore_errors=True)
+    cache_folder("models")  # a clear error naming the variable where it cannot be made or written
     if not spec.assembled:
         gguf = packaged_gguf_path(spec)
         log(f"converting {gguf.name} to safetensors in {target} (once; 20 s to 2 minutes)")
         convert_gguf(gguf, target, name=spec.folder_name)
         return target
     module = _packaged_module(spec)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name}.gguf-", dir=target.parent))
     try:
         log(f"assembling {spec.gguf_file} from {spec.package} (once)")
