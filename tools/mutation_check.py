@@ -666,6 +666,14 @@ MUTATIONS = [
     m("eval-calibration-kl-tolerance-strict", CALIBRATION, "calibration: a setting exactly at the KL tolerance is "
       "excluded (> became >=)", [('if row["mean_kl_nats"] > max_kl_nats:', 'if row["mean_kl_nats"] >= max_kl_nats:')],
       CALIBRATION_TESTS),
+    m("eval-teacher-forced-windows-dropped", "trtllm_diffkv/evaluation/quality.py", "teacher-forced points: the "
+      "reference cache built without the model's sliding windows (DiffKVConfig.for_model skipped)",
+      [("DiffKVReferenceCache(cfg.for_model(mc), ", "DiffKVReferenceCache(cfg, ")],
+      ["test_eval_quality.py::test_teacher_forced_points_apply_a_models_sliding_windows"]),
+    m("eval-windowed-baselines-kept", "trtllm_diffkv/commands/eval.py", "eval keeps a baseline cache that applies "
+      "no window on a model with sliding-window layers", [("        if windowed and point.kv_config is None:",
+                                                           "        if False:")],
+      ["test_eval_quality.py::test_points_a_model_cannot_take_are_dropped_or_refused"]),
     m("eval-calibration-grid-drops-equal", CALIBRATION, "calibration grid: alpha_low == alpha_high silently dropped",
       [("        if al <= ah:\n", "        if al < ah:\n")], CALIBRATION_TESTS),
     m("eval-calibration-greedy-prefix-off-by-one", CALIBRATION, "calibration: the greedy common prefix counts the "
