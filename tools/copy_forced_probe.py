@@ -42,7 +42,7 @@ def split_points(spec: str) -> list[str]:
     """``a;b,c=1`` -> ``["a", "b,c=1"]``; without ``;``, a comma starts a new point unless the part is FIELD=VALUE.
 
     Raises:
-        ValueError: an empty list.
+        ValueError: an empty list; a point that starts with FIELD=VALUE (no preset before it), naming the part.
     """
     if ";" in spec:
         parts = [p.strip() for p in spec.split(";")]
@@ -51,29 +51,49 @@ def split_points(spec: str) -> list[str]:
         for piece in (p.strip() for p in spec.split(",")):
             if "=" in piece and parts:
                 parts[-1] += "," + piece
-            else:
+            elif piece:
                 parts.append(piece)
     parts = [p for p in parts if p]
     if not parts:
         raise ValueError(f"--points {spec!r}: no point")
+    for part in parts:
+        if "=" in part.split(",", 1)[0] and not os.path.exists(part.split(",", 1)[0]):
+            raise ValueError(f"--points {spec!r}: {part.split(',', 1)[0]!r} is FIELD=VALUE before any preset "
+                             "(write PRESET,FIELD=VALUE)")
     return parts
 
 
 def forced_cases(tokenizer, num_cases: int, context_tokens: int, seed: int):
     """The copy task's cases (:func:`~trtllm_diffkv.evaluation.generation_tasks.copy_cases`) as teacher-forced
     :class:`~trtllm_diffkv.evaluation.tasks.Case`: the prompt ids as generated, the span the passage's remaining
-    lines in the tokenizer's split of prompt + passage (so the boundary token is the one a copy would produce)."""
+    lines in the tokenizer's split of prompt + passage (so the boundary token is the one a copy would produce); where
+    that split merges the prompt's last token with the passage's first, the passage's own split that decodes, after
+    the prompt's tokens, to prompt + passage.
+
+    Raises:
+        ValueError: a case whose passage no split reproduces after the prompt (naming the case).
+    """
     from trtllm_diffkv.evaluation.generation_tasks import copy_cases
     from trtllm_diffkv.evaluation.tasks import Case
+
+    def text(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
 
     out = []
     for case in copy_cases(tokenizer, num_cases, context_tokens, seed):
         prompt_ids = list(case.prompt_ids)
         whole = tokenizer(case.prompt + case.expected, add_special_tokens=True)["input_ids"]
-        if whole[:len(prompt_ids)] == prompt_ids:
-            span = whole[len(prompt_ids):]
-        else:  # the boundary merged: the passage in its own split
-            span = tokenizer(case.expected, add_special_tokens=False)["input_ids"]
+        candidates = [whole[len(prompt_ids):]] if whole[:len(prompt_ids)] == prompt_ids else []
+        # the boundary merged: the passage in its own split, or after an anchor character where the tokenizer
+        # prefixes a lone text with a space (SentencePiece's dummy prefix: the split alone starts with "▁")
+        alone = tokenizer(case.expected, add_special_tokens=False)["input_ids"]
+        anchor = tokenizer("a", add_special_tokens=False)["input_ids"]
+        anchored = tokenizer("a" + case.expected, add_special_tokens=False)["input_ids"]
+        candidates += [alone] + ([anchored[len(anchor):]] if anchored[:len(anchor)] == anchor else [])
+        span = next((s for s in candidates if s and text(prompt_ids + s) == text(prompt_ids) + case.expected), None)
+        if span is None:
+            raise ValueError(f"copy case {case.case_id}: no split of the passage follows the prompt's tokens and "
+                             "decodes to the passage (the tokenizer does not round-trip it)")
         out.append(Case("copy_forced", case.case_id, prompt_ids, span))
     return out
 
@@ -87,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--output", required=True, help="results JSON (its folder must exist)")
+    parser.add_argument("--output", required=True, help="results JSON (its folder is created)")
     args = parser.parse_args(argv)
+    for name in ("num_cases", "context_tokens"):  # refused before the model loads
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
 
     import torch
 
@@ -99,13 +122,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    specs = split_points(args.points)
+    try:
+        specs = split_points(args.points)
+        points_given = [(spec, parse_point(spec)) for spec in specs]
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc) if str(exc).startswith("--points") else f"--points: {exc}")
     configs = []
-    for spec in specs:
-        point = parse_point(spec)
+    for spec, point in points_given:
         if point.kv_config is None:
-            raise SystemExit(f"--points: {spec} is a reference baseline; give DiffKV presets or specs")
+            parser.error(f"--points: {spec} is a reference baseline; give DiffKV presets or specs")
         configs.append((spec, point.kv_config))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # before the first case writes it
     device = torch.device(args.device)
     model, tokenizer, model_config = load_model(args.model, device=device, dtype=torch.float32)
     reference = next(p for p in method_points() if p.method == "fp16")
