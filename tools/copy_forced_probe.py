@@ -14,7 +14,7 @@ tier decisions, as in generation). Per case and point it records:
 * ``span_top1``, ``top1_agreement``, ``mean_kl_nats`` (:func:`~trtllm_diffkv.evaluation.quality.case_metrics`).
 
     python3 tools/copy_forced_probe.py --model gemma3-270m --num-cases 16 \\
-        --points k8v4,k8v8,diffkv,diffkv,low=K8V2 --output /tmp/probe.json
+        --points 'k8v4;k8v8;diffkv;diffkv,low=K4V4,score_pool_tokens=5' --output /tmp/probe.json
 
 Points are ``trtllm-diffkv eval --point`` specs (``PRESET[,FIELD=VALUE...]``; ``diffkv,low=K8V2`` is one point:
 separate points with ``;`` when a spec has commas, e.g. ``k8v4;diffkv,low=K8V2``); fp16 always runs first.
@@ -101,12 +101,15 @@ def forced_cases(tokenizer, num_cases: int, context_tokens: int, seed: int):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="copy_forced_probe.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint path or packaged name (default: the default model)")
-    parser.add_argument("--points", default="k8v4;diffkv", help="point specs (module docstring; default: k8v4;diffkv)")
-    parser.add_argument("--num-cases", type=int, default=16)
-    parser.add_argument("--context-tokens", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--points", default="k8v4;diffkv",
+                        help="`trtllm-diffkv eval --point` specs, PRESET[,FIELD=VALUE...], separated by ';' (or by ',' "
+                             "where a part is not FIELD=VALUE); fp16 always runs first (default: k8v4;diffkv)")
+    parser.add_argument("--num-cases", type=int, default=16, help="copy cases (default: 16; about 1-2 CPU minutes a "
+                        "case at 4k tokens for 8 points on 2 cores)")
+    parser.add_argument("--context-tokens", type=int, default=4096, help="context per case (default: 4096)")
+    parser.add_argument("--seed", type=int, default=0, help="case selection (default: 0, the eval's cases)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--output", required=True, help="results JSON (its folder is created)")
     args = parser.parse_args(argv)
     for name in ("num_cases", "context_tokens"):  # refused before the model loads
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from trtllm_diffkv.evaluation.quality import aggregate, custom_point, evaluate, method_points
     from trtllm_diffkv.evaluation.throughput import environment
     from trtllm_diffkv.model.loader import load_model
+    from trtllm_diffkv.progress import heartbeat
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({**meta, "seconds": round(time.perf_counter() - start, 1), "rows": aggregate(records),
                        "records": records}, f, indent=1)
 
-    records = evaluate(model, tokenizer, model_config, cases, points, progress=False, on_case=write)
+    with heartbeat("screening copy cases", prefix="[probe]"):  # a line every 10 s; one per finished case
+        records = evaluate(model, tokenizer, model_config, cases, points, progress=False, on_case=write)
     write(records)
     print(table(aggregate(records)))
     return 0

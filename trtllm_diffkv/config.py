@@ -451,7 +451,7 @@ PRESETS["default-rotated"] = PRESETS["diffkv"].replace(name="default-rotated")
 # `default`: what every surface runs when the user names no kv-config: the lowest-memory point within noise of fp16
 # on every long-context task of both models of docs/QUALITY.md's generation-level harness (issue 41). No tiered
 # point qualifies (Gemma 3 270M, n = 100: `diffkv` copies 18/100 exactly against fp16's 33, k8v4 29), so it is
-# the best lossless point: uniform K8V4.
+# the best point within noise of FP16: uniform K8V4.
 PRESETS["default"] = PRESETS["k8v4"].replace(name="default")
 # The paper's rules as its text states them (section 4.2): alpha / i in the prompt phase, no key centering,
 # the Llama3-8B thresholds (alpha_low 0.02, alpha_high 1). docs/CALIBRATION.md lists each departure of
