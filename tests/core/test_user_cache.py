@@ -93,3 +93,15 @@ def test_bench_and_eval_report_an_unusable_cache_root_in_one_line(home, monkeypa
     assert f"trtllm-diffkv {argv[0]}: error:" in err and XDG_ENV in err and CACHE_ENV in err
     assert "Traceback" not in err and "[Errno" not in err
 
+
+
+def test_the_triton_stub_env_reports_an_unusable_cache_root(home, monkeypatch, tmp_path):
+    """The stub's environment lives below the cache root too: one that cannot be made names the variable, as for the
+    models and results (it made the folder itself and raised the bare ``Not a directory``)."""
+    from trtllm_diffkv.serve.tritonserver_binary import stub_env
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.delenv("TRTLLM_DIFFKV_TRITON_STUB_ENV", raising=False)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "a_file"))
+    with pytest.raises(OSError, match=f"cannot make the folder .*triton-stub-env.*{CACHE_ENV}"):
+        stub_env()

@@ -132,11 +132,18 @@ def stub_env(install: bool = False) -> Path:
 
     Raises:
         TritonUnavailable: NumPy 1 is needed, missing, and ``install`` is False or pip failed.
+        ValueError, OSError: the cache root is relative, or cannot be made or written
+            (:func:`~trtllm_diffkv.user_cache.cache_folder`, naming the variable to change).
     """
     root = stub_env_dir()
     site = root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     if not (root / "pyvenv.cfg").is_file():
-        root.parent.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("TRTLLM_DIFFKV_TRITON_STUB_ENV"):
+            root.parent.mkdir(parents=True, exist_ok=True)
+        else:  # below the cache root: one that cannot be made or written names the variable to change
+            from ..user_cache import cache_folder
+
+            cache_folder("triton-stub-env")
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(root)],
                        check=True, capture_output=True)
     paths = [p for p in sys.path if p and Path(p).is_dir() and not str(p).startswith(str(root))]
